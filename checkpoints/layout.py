@@ -1,0 +1,110 @@
+"""Assembling the params pytree (see serving.models.llama) one tensor at a time.
+
+Loaders name each tensor by its place in the pytree (`ParamKey`) and hand it over in the
+[in, out] orientation; the builder checks its shape against the config, writes it into a
+preallocated stacked buffer and, at the end, checks that nothing is missing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from serving.models.config import ModelConfig
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+class ParamKey(NamedTuple):
+    """Where a tensor goes: a top-level entry, or a per-layer entry with its layer index."""
+
+    name: str
+    layer: int | None = None
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each entry, per layer for LAYER_KEYS (without the leading layers axis)."""
+    e, d = cfg.embed_dim, cfg.head_dim
+    shapes = {
+        "embed": (cfg.vocab_size, e),
+        "final_norm": (e,),
+        "attn_norm": (e,),
+        "mlp_norm": (e,),
+        "wq": (e, cfg.num_heads * d),
+        "wk": (e, cfg.num_kv_heads * d),
+        "wv": (e, cfg.num_kv_heads * d),
+        "wo": (cfg.num_heads * d, e),
+        "w_gate": (e, cfg.mlp_dim),
+        "w_up": (e, cfg.mlp_dim),
+        "w_down": (cfg.mlp_dim, e),
+    }
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (e, cfg.vocab_size)
+    return shapes
+
+
+class ParamsBuilder:
+    """Collects tensors into stacked numpy buffers, then hands out a params pytree of jax arrays."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str = "float32"):
+        self.cfg = cfg
+        self.dtype = NUMPY_DTYPES[dtype]
+        self.shapes = param_shapes(cfg)
+        self._buffers: dict[str, np.ndarray] = {}
+        self._filled: set[ParamKey] = set()
+
+    def add(self, key: ParamKey, tensor: np.ndarray, source_name: str) -> None:
+        """Place one tensor; `source_name` is the checkpoint's own name, used in errors."""
+        if key.name not in self.shapes:
+            raise CheckpointError(f"tensor {source_name!r}: no place for {key.name!r} in this model config")
+        expected = self.shapes[key.name]
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(
+                f"tensor {source_name!r}: shape {tuple(tensor.shape)} does not match the model config "
+                f"{self.cfg.name!r}, which expects {expected}"
+            )
+        if (key.name in LAYER_KEYS) != (key.layer is not None):
+            raise CheckpointError(f"tensor {source_name!r}: layer index does not fit {key.name!r}")
+        if key.layer is not None and not 0 <= key.layer < self.cfg.num_layers:
+            raise CheckpointError(
+                f"tensor {source_name!r}: layer {key.layer} is beyond the config's {self.cfg.num_layers} layers"
+            )
+        if key in self._filled:
+            raise CheckpointError(f"tensor {source_name!r}: given twice")
+        if key.layer is None:
+            self._buffers[key.name] = np.asarray(tensor, dtype=self.dtype)
+        else:
+            buf = self._buffers.get(key.name)
+            if buf is None:
+                buf = self._buffers[key.name] = np.empty((self.cfg.num_layers, *expected), self.dtype)
+            buf[key.layer] = tensor
+        self._filled.add(key)
+
+    def missing(self) -> list[str]:
+        """Entries not yet given, as readable names."""
+        out = []
+        for name in self.shapes:
+            if name in LAYER_KEYS:
+                out += [f"layers/{name}[{i}]" for i in range(self.cfg.num_layers) if (name, i) not in self._filled]
+            elif ParamKey(name) not in self._filled:
+                out.append(name)
+        return out
+
+    def build(self) -> dict:
+        """The params pytree; fails naming what is missing."""
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"checkpoint is missing tensors for {self.cfg.name!r}: {shown}")
+        params: dict = {"layers": {}}
+        for name, buf in self._buffers.items():
+            target = params["layers"] if name in LAYER_KEYS else params
+            target[name] = jnp.asarray(buf)
+        self._buffers.clear()
+        return params

@@ -1,0 +1,136 @@
+"""The serving configuration: one typed object, loaded from YAML and `key=value` overrides.
+
+Keys use MaxText's flag names where MaxText has one, so that its users feel at home. Everything is
+validated once, here, before any work starts; errors name the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serving.models.config import ModelConfig
+
+CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the offending key."""
+
+
+class ServingConfig(BaseModel):
+    """Model choice and serving settings (MaxText flag names)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    model_name: str = "smollm2-135m"
+    load_parameters_path: str = ""
+    max_prefill_predict_length: int = Field(default=1024, gt=0)
+    max_target_length: int = Field(default=2048, gt=0)
+    per_device_batch_size: float = Field(default=1.0, gt=0)
+    ici_fsdp_parallelism: int = Field(default=1, ge=1)
+    ici_autoregressive_parallelism: int = Field(default=1, ge=1)
+    ici_tensor_parallelism: int = Field(default=1, ge=1)
+    scan_layers: bool = True
+    weight_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    quantization: Literal["", "int8"] = ""
+    quantize_kvcache: bool = False
+    checkpoint_is_quantized: bool = False
+    enable_model_warmup: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServingConfig:
+        if self.max_prefill_predict_length > self.max_target_length:
+            raise ValueError(
+                f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
+                f"max_target_length ({self.max_target_length})"
+            )
+        if self.checkpoint_is_quantized and self.quantization != "int8":
+            raise ValueError("checkpoint_is_quantized=true requires quantization=int8")
+        return self
+
+
+def config_dir() -> Path:
+    """Where `models/*.yml` presets live: $PATHSERVE_CONFIG_DIR or the repository's configs/."""
+    env = os.environ.get(CONFIG_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+
+
+def model_presets() -> list[str]:
+    """Names of the model presets in configs/models/."""
+    return sorted(p.stem for p in (config_dir() / "models").glob("*.yml"))
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """The preset configs/models/NAME.yml."""
+    path = config_dir() / "models" / f"{name}.yml"
+    if not path.is_file():
+        raise ConfigError(f"model_name: unknown model {name!r}; known models: {', '.join(model_presets())}")
+    return build(ModelConfig, _read_yaml(path), source=str(path))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> ServingConfig:
+    """Read a YAML file of serving keys (optional), apply `key=value` overrides, validate."""
+    values: dict[str, Any] = dict(_read_yaml(Path(path))) if path else {}
+    values.update(parse_overrides(overrides))
+    return build(ServingConfig, values, source=str(path) if path else "overrides")
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """Turn ["key=value", ...] into a dict, values parsed as YAML scalars (true, 16, 1e-5, int8)."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        out[key.strip()] = raw if value is None else value
+    return out
+
+
+def build(cls: type[BaseModel], values: Mapping[str, Any], source: str) -> Any:
+    """Validate `values` as `cls`, turning pydantic's errors into one `ConfigError` per key."""
+    known = set(cls.model_fields)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: unknown config key {key!r}{hint}; known keys: {', '.join(sorted(known))}")
+    try:
+        return cls.model_validate(dict(values))
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: " + "; ".join(_describe(err) for err in exc.errors())) from None
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    key = ".".join(str(part) for part in err["loc"]) or "config"
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return f"{key}: required key is missing"
+    if "input" in err and err["loc"]:
+        return f"{key}: {message} (got {err['input']!r})"
+    return f"{key}: {message}"
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data

@@ -1,0 +1,225 @@
+"""Llama-family forward pass: `prefill` over a padded prompt and a one-token `decode_step`.
+
+Params pytree (layers stacked on a leading axis so they can run under `lax.scan`):
+
+    embed        [vocab, embed]
+    layers/      attn_norm [layers, embed]
+                 wq [layers, embed, heads * head_dim]    wk, wv [layers, embed, kv_heads * head_dim]
+                 wo [layers, heads * head_dim, embed]
+                 mlp_norm [layers, embed]
+                 w_gate, w_up [layers, embed, mlp]       w_down [layers, mlp, embed]
+    final_norm   [embed]
+    lm_head      [embed, vocab]   (absent when the embedding is tied)
+
+Any matmul weight may be a `QuantizedWeight` instead of a float array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from serving.models.config import ModelConfig
+from serving.models.layers import apply_rope, attention, matmul, rms_norm, rope_frequencies, rope_tables
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys and values [layers, batch, cache, kv_heads, head_dim].
+
+    With an int8 cache, `k`/`v` hold int8 values and `k_scale`/`v_scale` [layers, batch, cache,
+    kv_heads, 1] one float scale per token and head; for a float cache the scales are None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype = jnp.float32, quantized: bool = False
+) -> KVCache:
+    """Zeroed cache for `batch` sequences of up to `length` tokens."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    if not quantized:
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    scale_shape = (*shape[:-1], 1)
+    return KVCache(
+        jnp.zeros(shape, jnp.int8),
+        jnp.zeros(shape, jnp.int8),
+        jnp.zeros(scale_shape, jnp.float32),
+        jnp.zeros(scale_shape, jnp.float32),
+    )
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per token and head over head_dim: x ~= values * scale."""
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    values = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
+    return values, scale
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
+    """Random params with the shapes of `cfg` (for tests and benchmarks)."""
+    n, e, d = cfg.num_layers, cfg.embed_dim, cfg.head_dim
+    shapes = {
+        "wq": (n, e, cfg.num_heads * d),
+        "wk": (n, e, cfg.num_kv_heads * d),
+        "wv": (n, e, cfg.num_kv_heads * d),
+        "wo": (n, cfg.num_heads * d, e),
+        "w_gate": (n, e, cfg.mlp_dim),
+        "w_up": (n, e, cfg.mlp_dim),
+        "w_down": (n, cfg.mlp_dim, e),
+    }
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {
+        name: (jax.random.normal(k, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
+        for k, (name, shape) in zip(keys, shapes.items(), strict=False)
+    }
+    layers["attn_norm"] = jnp.ones((n, e), dtype)
+    layers["mlp_norm"] = jnp.ones((n, e), dtype)
+    params = {
+        "embed": jax.random.normal(keys[-2], (cfg.vocab_size, e), jnp.float32).astype(dtype),
+        "layers": layers,
+        "final_norm": jnp.ones((e,), dtype),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = (jax.random.normal(keys[-1], (e, cfg.vocab_size)) * e**-0.5).astype(dtype)
+    return params
+
+
+def _project_qkv(
+    cfg: ModelConfig, layer: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [batch, seq, kv_heads, groups, head_dim]; k, v [batch, seq, kv_heads, head_dim]."""
+    batch, seq, _ = x.shape
+    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    q = matmul(h, layer["wq"]).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
+    k = matmul(h, layer["wk"]).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+    v = matmul(h, layer["wv"]).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q.reshape(batch, seq, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim), k, v
+
+
+def _attention_out_and_mlp(cfg: ModelConfig, layer: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Residual output projection, then the residual SwiGLU MLP. x [batch, seq, embed]."""
+    batch, seq, _ = x.shape
+    x = x + matmul(attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim), layer["wo"])
+    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+    return x + matmul(jax.nn.silu(matmul(h, layer["w_gate"])) * matmul(h, layer["w_up"]), layer["w_down"])
+
+
+def _run_layers(body: Callable, carry, layers: dict, num_layers: int, scan_layers: bool):
+    """Apply body(carry, (layer, index)) -> (carry, out) over the stacked layers."""
+    xs = (layers, jnp.arange(num_layers))
+    if scan_layers:
+        return jax.lax.scan(body, carry, xs)
+    outs = []
+    for i in range(num_layers):
+        carry, out = body(carry, jax.tree.map(lambda a, i=i: a[i], xs))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] is not None else None
+
+
+def _logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm and LM head; float32 logits [..., vocab]."""
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        return jnp.matmul(x, params["embed"].astype(x.dtype).T, preferred_element_type=jnp.float32)
+    return matmul(x, params["lm_head"]).astype(jnp.float32)
+
+
+def prefill(
+    params: dict,
+    tokens: jax.Array,
+    true_lengths: jax.Array,
+    cfg: ModelConfig,
+    scan_layers: bool = True,
+    dtype: jnp.dtype = jnp.float32,
+) -> tuple[jax.Array, KVCache]:
+    """Run a padded prompt from position 0.
+
+    tokens [batch, seq] (padded), true_lengths [batch]. Returns logits [batch, seq, vocab]
+    (rows past a sequence's true length are meaningless) and the prompt's float KV
+    [layers, batch, seq, kv_heads, head_dim].
+    """
+    batch, seq = tokens.shape
+    x = params["embed"][tokens].astype(dtype)
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    cos, sin = rope_tables(positions, rope_frequencies(cfg))
+    causal = positions[:, :, None] >= positions[:, None, :]
+    mask = causal & (positions[:, None, :] < true_lengths[:, None, None])  # [batch, seq, cache]
+
+    def body(x, layer_and_index):
+        layer, _ = layer_and_index
+        q, k, v = _project_qkv(cfg, layer, x, cos, sin)
+        return _attention_out_and_mlp(cfg, layer, x, attention(q, k, v, mask)), (k, v)
+
+    x, (ks, vs) = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers)
+    return _logits(params, cfg, x), KVCache(ks, vs)
+
+
+def _write_kv(cache: KVCache, index: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Store one token's k, v [batch, kv_heads, head_dim] for layer `index` at per-row positions."""
+    rows = jnp.arange(k.shape[0])
+    if not cache.quantized:
+        return KVCache(
+            cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype)),
+            cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype)),
+        )
+    kq, ks = quantize_kv(k)
+    vq, vs = quantize_kv(v)
+    return KVCache(
+        cache.k.at[index, rows, positions].set(kq),
+        cache.v.at[index, rows, positions].set(vq),
+        cache.k_scale.at[index, rows, positions].set(ks),
+        cache.v_scale.at[index, rows, positions].set(vs),
+    )
+
+
+def _read_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Layer `index` keys and values [batch, cache, kv_heads, head_dim] in the compute dtype."""
+    if not cache.quantized:
+        return cache.k[index].astype(dtype), cache.v[index].astype(dtype)
+    k = cache.k[index].astype(dtype) * cache.k_scale[index].astype(dtype)
+    v = cache.v[index].astype(dtype) * cache.v_scale[index].astype(dtype)
+    return k, v
+
+
+def decode_step(
+    params: dict,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    cfg: ModelConfig,
+    scan_layers: bool = True,
+    dtype: jnp.dtype = jnp.float32,
+) -> tuple[jax.Array, KVCache]:
+    """Advance every row by one token.
+
+    tokens [batch] are written at positions [batch] of the cache, attending to cache entries at
+    or before that position. Returns logits [batch, vocab] and the updated cache.
+    """
+    x = params["embed"][tokens][:, None, :].astype(dtype)  # [batch, 1, embed]
+    cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
+    cache_len = cache.k.shape[2]
+    mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]  # [batch, 1, cache]
+
+    def body(carry, layer_and_index):
+        x, cache = carry
+        layer, index = layer_and_index
+        q, k, v = _project_qkv(cfg, layer, x, cos, sin)
+        cache = _write_kv(cache, index, positions, k[:, 0], v[:, 0])
+        keys, values = _read_kv(cache, index, dtype)
+        return (_attention_out_and_mlp(cfg, layer, x, attention(q, keys, values, mask)), cache), None
+
+    (x, cache), _ = _run_layers(body, (x, cache), params["layers"], cfg.num_layers, scan_layers)
+    return _logits(params, cfg, x[:, 0]), cache
