@@ -4,7 +4,7 @@ This package knows nothing of serving: no engine, orchestrator or HTTP imports.
 """
 
 from serving.models.config import ModelConfig, RopeScaling
-from serving.models.llama import KVCache, decode_step, init_cache, init_params, prefill
+from serving.models.llama import KVCache, decode_step, init_cache, init_params, prefill, store_prefix
 from serving.models.quantization import QuantizedWeight, quantize_params
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "init_params",
     "prefill",
     "quantize_params",
+    "store_prefix",
 ]

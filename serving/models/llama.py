@@ -185,6 +185,18 @@ def _write_kv(cache: KVCache, index: jax.Array, positions: jax.Array, k: jax.Arr
     )
 
 
+def store_prefix(cache: KVCache, prefix: KVCache, row: int | jax.Array) -> KVCache:
+    """Write a prompt's float KV [layers, 1, seq, kv_heads, head_dim] into `row` at positions 0..seq-1."""
+    start = (0, row, 0, 0, 0)
+    if not cache.quantized:
+        return KVCache(
+            jax.lax.dynamic_update_slice(cache.k, prefix.k.astype(cache.k.dtype), start),
+            jax.lax.dynamic_update_slice(cache.v, prefix.v.astype(cache.v.dtype), start),
+        )
+    (kq, ks), (vq, vs) = quantize_kv(prefix.k), quantize_kv(prefix.v)
+    return KVCache(*(jax.lax.dynamic_update_slice(c, x, start) for c, x in zip(cache, (kq, vq, ks, vs), strict=True)))
+
+
 def _read_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Layer `index` keys and values [batch, cache, kv_heads, head_dim] in the compute dtype."""
     if not cache.quantized:

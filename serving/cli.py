@@ -1,0 +1,212 @@
+"""The `pathserve` command line.
+
+Errors the user can fix (a bad path, key, value or prompt) print one line naming what is wrong and
+exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from checkpoints.errors import CheckpointError
+from serving.chat_templates import ChatTemplateError
+from serving.config import ConfigError, ServingConfig, load_config
+from serving.generate import GenerationError, Generator
+from serving.model_source import LoadedModel, load_model
+from serving.sampling import SamplingParams
+from serving.tokenizer import TokenizerError
+
+USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GenerationError, ChatTemplateError)
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="[SOURCE] [key=value ...]",
+        help="a Hugging Face directory or GGUF file (default: SmolLM2-135M-Instruct), then config overrides",
+    )
+    parser.add_argument("--config", help="a serving config YAML (keys as in configs/)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pathserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for one prompt")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=_positive_int, default=64)
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=_int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=_int, default=0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason"}')
+    gen.set_defaults(handler=cmd_generate)
+
+    ppl = commands.add_parser("perplexity", help="perplexity of the model on a text file")
+    _add_model_args(ppl)
+    ppl.add_argument("--text-file", required=True, type=Path)
+    ppl.add_argument("--window", type=_positive_int, default=1024, help="tokens per scored window")
+    ppl.add_argument("--json", action="store_true")
+    ppl.set_defaults(handler=cmd_perplexity)
+
+    chat = commands.add_parser("chat", help="chat with the model on the terminal (empty line or EOF ends)")
+    _add_model_args(chat)
+    chat.add_argument("--max-tokens", type=_positive_int, default=256)
+    chat.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    chat.add_argument("--seed", type=_int, default=0)
+    chat.set_defaults(handler=cmd_chat)
+    return parser
+
+
+def split_model_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """SOURCE is the one argument that is not key=value (a path may contain '=' if it exists)."""
+    source, overrides = None, []
+    for arg in args:
+        if "=" in arg and not Path(arg).exists():
+            overrides.append(arg)
+        elif source is None:
+            source = arg
+        else:
+            raise ConfigError(f"more than one SOURCE given: {source!r} and {arg!r}")
+    return source, overrides
+
+
+def _load(ns: argparse.Namespace, **extra_overrides: int) -> tuple[ServingConfig, LoadedModel]:
+    source, overrides = split_model_args(ns.args)
+    overrides += [f"{k}={v}" for k, v in extra_overrides.items()]
+    cfg = load_config(ns.config, overrides)
+    return cfg, load_model(source, cfg)
+
+
+def _sampling(ns: argparse.Namespace, model: LoadedModel) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_k=getattr(ns, "top_k", 0),
+            top_p=getattr(ns, "top_p", 1.0),
+            seed=ns.seed,
+            stop_ids=model.tokenizer.eos_ids,
+        )
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from None
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    if not ns.prompt.strip():
+        raise GenerationError("--prompt is empty")
+    cfg, model = _load(ns)
+    tokenizer = model.tokenizer
+    sampling = _sampling(ns, model)
+    prompt_ids = (
+        tokenizer.encode_chat([{"role": "user", "content": ns.prompt}]) if ns.chat else tokenizer.encode_prompt(ns.prompt)
+    )
+    generator = Generator(model, cfg)
+    generator.check_prompt(prompt_ids, sampling.max_tokens)
+    if ns.json:
+        result = generator.generate(prompt_ids, sampling)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}))
+        return 0
+    decoder = tokenizer.incremental_decoder()
+    for token_id in generator.stream(prompt_ids, sampling):
+        print(decoder.push(token_id), end="", flush=True)
+    print(decoder.flush())
+    return 0
+
+
+def cmd_perplexity(ns: argparse.Namespace) -> int:
+    try:
+        text = ns.text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GenerationError(f"cannot read --text-file {ns.text_file}: {exc}") from None
+    cfg, model = _load(ns)
+    ids = model.tokenizer.encode_prompt(text)
+    window = min(ns.window, cfg.max_prefill_predict_length)
+    generator = Generator(model, cfg)
+    total, count = generator.negative_log_likelihood(ids, window)
+    if count == 0:
+        raise GenerationError(f"{ns.text_file}: fewer than 2 tokens; perplexity is undefined")
+    ppl = math.exp(total / count)
+    print(json.dumps({"perplexity": ppl, "tokens": count}) if ns.json else f"perplexity {ppl:.4f} over {count} tokens")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    cfg, model = _load(ns)
+    generator = Generator(model, cfg)
+    sampling = _sampling(ns, model)
+    messages: list[dict[str, str]] = []
+    print(f"pathserve chat with {model.config.name} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        prompt_ids = model.tokenizer.encode_chat(messages)
+        try:
+            generator.check_prompt(prompt_ids, sampling.max_tokens)
+        except GenerationError:
+            messages = messages[-1:]  # forget older turns rather than stop the conversation
+            prompt_ids = model.tokenizer.encode_chat(messages)
+        decoder = model.tokenizer.incremental_decoder()
+        reply = []
+        print("model> ", end="", flush=True)
+        for token_id in generator.stream(prompt_ids, sampling):
+            piece = decoder.push(token_id)
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        reply.append(decoder.flush())
+        print(reply[-1])
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.handler(ns)
+    except USER_ERRORS as exc:
+        print(f"pathserve {ns.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

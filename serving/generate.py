@@ -1,0 +1,129 @@
+"""Single-request generation and scoring straight over the model functions (no engine).
+
+Used by `pathserve generate`, `pathserve chat` and `pathserve perplexity`, and as the plain
+reference loop that the engine is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.config import ServingConfig
+from serving.model_source import LoadedModel
+from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.sampling import SamplingParams, sample
+
+MIN_BUCKET = 16
+_store_prefix = jax.jit(store_prefix, donate_argnums=(0,))
+
+
+class GenerationError(ValueError):
+    """A request this generator cannot serve (empty prompt, too long, ...)."""
+
+
+def bucket_length(n: int, limit: int) -> int:
+    """Smallest power of two >= n (at least MIN_BUCKET), capped at `limit`."""
+    return min(max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()), limit)
+
+
+@dataclass(frozen=True)
+class Generated:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" or "length"
+
+
+class Generator:
+    """Greedy or sampled decoding for one sequence at a time."""
+
+    def __init__(self, model: LoadedModel, cfg: ServingConfig):
+        self.model = model
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype)
+        self._prefill = jax.jit(partial(prefill, **static))
+        self._decode = jax.jit(partial(decode_step, **static), donate_argnums=(3,))
+        self._sample = jax.jit(sample)
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty")
+        if len(prompt_ids) > self.cfg.max_prefill_predict_length:
+            raise GenerationError(
+                f"the prompt has {len(prompt_ids)} tokens, more than max_prefill_predict_length="
+                f"{self.cfg.max_prefill_predict_length}"
+            )
+        if len(prompt_ids) + max_tokens > self.cfg.max_target_length:
+            raise GenerationError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_target_length={self.cfg.max_target_length}"
+            )
+
+    def stream(self, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids; stops after a stop id (yielded) or max_tokens."""
+        self.check_prompt(prompt_ids, sampling.max_tokens)
+        n = len(prompt_ids)
+        padded_len = bucket_length(n, self.cfg.max_prefill_predict_length)
+        tokens = np.zeros((1, padded_len), np.int32)
+        tokens[0, :n] = prompt_ids
+        logits, kv = self._prefill(self.model.params, jnp.asarray(tokens), jnp.array([n], jnp.int32))
+        cache = self._cache_with_prompt(kv, bucket_length(n + sampling.max_tokens, self.cfg.max_target_length))
+        key = jax.random.PRNGKey(sampling.seed)
+        knobs = (
+            jnp.array([sampling.temperature], jnp.float32),
+            jnp.array([sampling.top_k], jnp.int32),
+            jnp.array([sampling.top_p], jnp.float32),
+        )
+        next_logits = logits[:, n - 1]
+        stop = set(sampling.stop_ids)
+        for step in range(sampling.max_tokens):
+            token = self._sample(next_logits, jax.random.fold_in(key, step)[None], *knobs)
+            token_id = int(token[0])
+            yield token_id
+            if token_id in stop or step == sampling.max_tokens - 1:
+                return
+            next_logits, cache = self._decode(self.model.params, token, jnp.array([n + step], jnp.int32), cache)
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generated:
+        ids = list(self.stream(prompt_ids, sampling))
+        finished = bool(ids) and ids[-1] in sampling.stop_ids
+        return Generated(ids, self.model.tokenizer.decode(ids), "stop" if finished else "length")
+
+    def _cache_with_prompt(self, kv: KVCache, length: int) -> KVCache:
+        cfg = self.model.config
+        cache = init_cache(cfg, 1, length, jnp.dtype(self.cfg.dtype), quantized=self.cfg.quantize_kvcache)
+        return _store_prefix(cache, kv, 0)
+
+    def negative_log_likelihood(self, token_ids: list[int], window: int) -> tuple[float, int]:
+        """Sum of -log p(token | earlier tokens) over non-overlapping windows, and the count."""
+        total, count = 0.0, 0
+        for start in range(0, len(token_ids), window):
+            chunk = token_ids[start : start + window]
+            if len(chunk) < 2:
+                continue
+            padded = np.zeros((1, bucket_length(len(chunk), window)), np.int32)
+            padded[0, : len(chunk)] = chunk
+            nll = _chunk_nll(self._prefill, self.model.params, jnp.asarray(padded), len(chunk))
+            total += float(nll)
+            count += len(chunk) - 1
+        return total, count
+
+    def perplexity(self, token_ids: list[int], window: int) -> float:
+        total, count = self.negative_log_likelihood(token_ids, window)
+        if count == 0:
+            raise GenerationError("the text has fewer than 2 tokens; perplexity is undefined")
+        return math.exp(total / count)
+
+
+def _chunk_nll(prefill_fn, params: dict, tokens: jax.Array, length: int) -> jax.Array:
+    logits, _ = prefill_fn(params, tokens, jnp.array([length], jnp.int32))
+    logprobs = jax.nn.log_softmax(logits[0, : length - 1], axis=-1)
+    targets = tokens[0, 1:length]
+    return -jnp.sum(jnp.take_along_axis(logprobs, targets[:, None], axis=-1))

