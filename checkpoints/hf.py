@@ -41,7 +41,9 @@ def is_hf_dir(path: Path) -> bool:
 def model_config_from_hf(config: dict[str, Any], name: str) -> ModelConfig:
     """Map a transformers LlamaConfig dict onto a ModelConfig."""
     if config.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"config.json: model_type {config.get('model_type')!r} is not supported (llama)")
+        raise CheckpointError(
+            f"config.json: model_type {config.get('model_type')!r} is not supported (llama)"
+        )
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise CheckpointError(f"config.json: {flag}=true is not supported")

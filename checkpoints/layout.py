@@ -91,7 +91,9 @@ class ParamsBuilder:
         out = []
         for name in self.shapes:
             if name in LAYER_KEYS:
-                out += [f"layers/{name}[{i}]" for i in range(self.cfg.num_layers) if (name, i) not in self._filled]
+                out += [
+                    f"layers/{name}[{i}]" for i in range(self.cfg.num_layers) if (name, i) not in self._filled
+                ]
             elif ParamKey(name) not in self._filled:
                 out.append(name)
         return out

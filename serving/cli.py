@@ -132,13 +132,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     tokenizer = model.tokenizer
     sampling = _sampling(ns, model)
     prompt_ids = (
-        tokenizer.encode_chat([{"role": "user", "content": ns.prompt}]) if ns.chat else tokenizer.encode_prompt(ns.prompt)
+        tokenizer.encode_chat([{"role": "user", "content": ns.prompt}])
+        if ns.chat
+        else tokenizer.encode_prompt(ns.prompt)
     )
     generator = Generator(model, cfg)
     generator.check_prompt(prompt_ids, sampling.max_tokens)
     if ns.json:
         result = generator.generate(prompt_ids, sampling)
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}))
+        print(
+            json.dumps(
+                {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
+            )
+        )
         return 0
     decoder = tokenizer.incremental_decoder()
     for token_id in generator.stream(prompt_ids, sampling):
@@ -160,7 +166,11 @@ def cmd_perplexity(ns: argparse.Namespace) -> int:
     if count == 0:
         raise GenerationError(f"{ns.text_file}: fewer than 2 tokens; perplexity is undefined")
     ppl = math.exp(total / count)
-    print(json.dumps({"perplexity": ppl, "tokens": count}) if ns.json else f"perplexity {ppl:.4f} over {count} tokens")
+    print(
+        json.dumps({"perplexity": ppl, "tokens": count})
+        if ns.json
+        else f"perplexity {ppl:.4f} over {count} tokens"
+    )
     return 0
 
 

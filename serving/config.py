@@ -105,7 +105,9 @@ def build(cls: type[BaseModel], values: Mapping[str, Any], source: str) -> Any:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{source}: unknown config key {key!r}{hint}; known keys: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"{source}: unknown config key {key!r}{hint}; known keys: {', '.join(sorted(known))}"
+            )
     try:
         return cls.model_validate(dict(values))
     except ValidationError as exc:

@@ -74,7 +74,9 @@ class Generator:
         tokens = np.zeros((1, padded_len), np.int32)
         tokens[0, :n] = prompt_ids
         logits, kv = self._prefill(self.model.params, jnp.asarray(tokens), jnp.array([n], jnp.int32))
-        cache = self._cache_with_prompt(kv, bucket_length(n + sampling.max_tokens, self.cfg.max_target_length))
+        cache = self._cache_with_prompt(
+            kv, bucket_length(n + sampling.max_tokens, self.cfg.max_target_length)
+        )
         key = jax.random.PRNGKey(sampling.seed)
         knobs = (
             jnp.array([sampling.temperature], jnp.float32),
@@ -89,7 +91,9 @@ class Generator:
             yield token_id
             if token_id in stop or step == sampling.max_tokens - 1:
                 return
-            next_logits, cache = self._decode(self.model.params, token, jnp.array([n + step], jnp.int32), cache)
+            next_logits, cache = self._decode(
+                self.model.params, token, jnp.array([n + step], jnp.int32), cache
+            )
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generated:
         ids = list(self.stream(prompt_ids, sampling))

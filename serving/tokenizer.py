@@ -91,15 +91,15 @@ class Tokenizer(ABC):
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        raw = b"".join(
-            self.token_bytes(i) for i in ids if not (skip_special and self.is_special(int(i)))
-        )
+        raw = b"".join(self.token_bytes(i) for i in ids if not (skip_special and self.is_special(int(i))))
         return raw.decode("utf-8", errors="replace")
 
     def incremental_decoder(self, skip_special: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """Render chat messages ({"role", "content"}) to the prompt text the model was tuned on."""
         return chat_templates.render(
             self.chat_template,
@@ -143,7 +143,11 @@ class IncrementalDecoder:
 @cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2 byte-level BPE: the printable character that stands for each byte, inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -263,7 +267,9 @@ class TiktokenTokenizer(Tokenizer):
         try:
             return self._encoding.decode_single_token_bytes(token_id)
         except KeyError:
-            raise TokenizerError(f"token id {token_id} is outside the vocabulary ({self.vocab_size})") from None
+            raise TokenizerError(
+                f"token id {token_id} is outside the vocabulary ({self.vocab_size})"
+            ) from None
 
 
 def tokenizer_from_gguf(data) -> HFTokenizer:
@@ -275,7 +281,9 @@ def tokenizer_from_gguf(data) -> HFTokenizer:
     model = HFTokenizerModel(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if data.pre in _DIGIT_SPLIT_PRES:
-        model.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        model.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     elif data.pre in _GPT2_PRES:
         model.pre_tokenizer = byte_level
     elif data.pre in ("llama-bpe", "llama3"):
@@ -290,10 +298,18 @@ def tokenizer_from_gguf(data) -> HFTokenizer:
     model.decoder = decoders.ByteLevel()
     control, user_defined = 3, 4  # llama.cpp token types
     model.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(data.tokens, data.token_types, strict=False) if k == control]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(data.tokens, data.token_types, strict=False)
+            if k == control
+        ]
     )
     model.add_tokens(
-        [AddedToken(t, normalized=False) for t, k in zip(data.tokens, data.token_types, strict=False) if k == user_defined]
+        [
+            AddedToken(t, normalized=False)
+            for t, k in zip(data.tokens, data.token_types, strict=False)
+            if k == user_defined
+        ]
     )
     token = data.tokens
     return HFTokenizer(
@@ -311,7 +327,9 @@ def load_tokenizer(path: Path) -> Tokenizer:
         if (path / "tokenizer.json").is_file():
             return HFTokenizer.from_dir(path)
         if (path / "tokenizer.model").is_file():
-            return TiktokenTokenizer(path / "tokenizer.model", _read_json(path / "tokenizer_config.json").get("chat_template"))
+            return TiktokenTokenizer(
+                path / "tokenizer.model", _read_json(path / "tokenizer_config.json").get("chat_template")
+            )
         raise TokenizerError(f"{path}: no tokenizer.json or tokenizer.model")
     if path.name.endswith(".json"):
         return HFTokenizer(HFTokenizerModel.from_file(str(path)))

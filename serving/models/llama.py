@@ -194,7 +194,9 @@ def store_prefix(cache: KVCache, prefix: KVCache, row: int | jax.Array) -> KVCac
             jax.lax.dynamic_update_slice(cache.v, prefix.v.astype(cache.v.dtype), start),
         )
     (kq, ks), (vq, vs) = quantize_kv(prefix.k), quantize_kv(prefix.v)
-    return KVCache(*(jax.lax.dynamic_update_slice(c, x, start) for c, x in zip(cache, (kq, vq, ks, vs), strict=True)))
+    return KVCache(
+        *(jax.lax.dynamic_update_slice(c, x, start) for c, x in zip(cache, (kq, vq, ks, vs), strict=True))
+    )
 
 
 def _read_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
