@@ -51,6 +51,8 @@ class Generator:
         self._prefill = jax.jit(partial(prefill, **static))
         self._decode = jax.jit(partial(decode_step, **static), donate_argnums=(3,))
         self._sample = jax.jit(sample)
+        # A model's vocabulary may be padded past the tokenizer's; never sample an id it can't decode.
+        self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int) -> None:
         if not prompt_ids:
@@ -86,7 +88,9 @@ class Generator:
         next_logits = logits[:, n - 1]
         stop = set(sampling.stop_ids)
         for step in range(sampling.max_tokens):
-            token = self._sample(next_logits, jax.random.fold_in(key, step)[None], *knobs)
+            token = self._sample(
+                next_logits[:, : self._num_decodable], jax.random.fold_in(key, step)[None], *knobs
+            )
             token_id = int(token[0])
             yield token_id
             if token_id in stop or step == sampling.max_tokens - 1:

@@ -43,6 +43,13 @@ def default_model_path() -> Path:
     return path
 
 
+def _is_default_model(path: Path) -> bool:
+    try:
+        return path.resolve() == default_model_path().resolve()
+    except CheckpointError:
+        return False
+
+
 def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
     """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks."""
     source = source or cfg.load_parameters_path or None
@@ -55,7 +62,7 @@ def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
         tokenizer = load_tokenizer(path)
     elif is_gguf_file(path):
         gguf = GGUFFile(path)
-        config = gguf.model_config(DEFAULT_MODEL_NAME if source is None else None)
+        config = gguf.model_config(DEFAULT_MODEL_NAME if _is_default_model(path) else None)
         params = load_gguf_params(gguf, config, cfg.weight_dtype)
         tokenizer = tokenizer_from_gguf(gguf.tokenizer_data())
     else:

@@ -1,0 +1,120 @@
+"""Shared fixtures: tiny random Hugging Face Llama models and the real SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Tests run on CPU, single-threaded BLAS keeps torch and XLA from fighting over 2 cores.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from serving.model_source import default_model_path
+
+DATA = Path(__file__).parent / "data"
+
+
+def make_hf_llama(
+    directory: Path,
+    *,
+    num_kv_heads: int = 2,
+    num_heads: int = 4,
+    rope_scaling: bool = False,
+    tie: bool = False,
+    layers: int = 2,
+    vocab: int = 320,
+    seed: int = 0,
+) -> Path:
+    """Save a random transformers LlamaForCausalLM (float32) with save_pretrained; returns the dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random norms, so that a wrong norm weight cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' LlamaForCausalLM on the same GGUF weights (dequantized to float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """Our loaded SmolLM2 model (float32)."""
+    from serving.config import ServingConfig
+    from serving.model_source import load_model
+
+    return load_model(str(smollm2_path), ServingConfig())
+
+
+def make_hf_tokenizer(directory: Path, vocab: int = 300) -> Path:
+    """Train a small byte-level BPE on the test text and save it as tokenizer.json in `directory`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([(DATA / "english.txt").read_text()], trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A complete tiny random Hugging Face model directory: config, safetensors, tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-hf")
+    make_hf_llama(directory, vocab=320, rope_scaling=True)
+    return make_hf_tokenizer(directory, vocab=300)

@@ -1,0 +1,159 @@
+"""`pathserve generate|perplexity|chat` as a user runs them: real subprocesses, exit codes, stderr."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from serving.config import ServingConfig
+from serving.generate import Generator
+from serving.sampling import SamplingParams
+from tests.conftest import DATA
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "serving.cli", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=300,
+    )
+
+
+def assert_usage_error(result: subprocess.CompletedProcess, *must_mention: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    for text in must_mention:
+        assert text in result.stderr
+
+
+def test_generate_json_on_a_tiny_hf_model(tiny_model_dir):
+    result = run_cli(
+        "generate", str(tiny_model_dir), "--prompt", "The lighthouse", "--max-tokens", "7", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["token_ids"]) == 7 and out["finish_reason"] == "length"
+    assert all(0 <= t < 320 for t in out["token_ids"])
+
+
+def test_generate_default_model_matches_the_library(smollm2):
+    prompt = "What is the capital of France?"
+    result = run_cli("generate", "--chat", "--json", "--prompt", prompt, "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    expected = Generator(smollm2, ServingConfig()).generate(
+        ids, SamplingParams(max_tokens=12, stop_ids=smollm2.tokenizer.eos_ids)
+    )
+    assert out["token_ids"] == expected.token_ids
+    assert out["text"] == expected.text
+    assert "Paris" in out["text"]
+
+
+def test_generate_streams_plain_text(tiny_model_dir):
+    result = run_cli(
+        "generate", str(tiny_model_dir), "--prompt", "keepers", "--max-tokens", "5", "--seed", "3"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n")
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dir):
+    args = ("generate", str(tiny_model_dir), "--prompt", "ships", "--max-tokens", "12", "--json")
+    first = run_cli(*args, "--temperature", "1.0", "--seed", "7")
+    second = run_cli(*args, "--temperature", "1.0", "--seed", "7")
+    other = run_cli(*args, "--temperature", "1.0", "--seed", "8")
+    assert first.returncode == second.returncode == other.returncode == 0
+    assert json.loads(first.stdout) == json.loads(second.stdout)
+    assert json.loads(first.stdout)["token_ids"] != json.loads(other.stdout)["token_ids"]
+
+
+def test_perplexity_json_on_the_default_model(smollm2):
+    result = run_cli("perplexity", "--text-file", str(DATA / "english.txt"), "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    ids = smollm2.tokenizer.encode_prompt((DATA / "english.txt").read_text())
+    expected = Generator(smollm2, ServingConfig()).perplexity(ids, window=1024)
+    assert out["tokens"] == len(ids) - 1
+    assert out["perplexity"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_chat_answers_then_ends_on_eof(tiny_model_dir):
+    result = run_cli("chat", str(tiny_model_dir), "--max-tokens", "4", stdin="hello\n")
+    assert result.returncode == 0, result.stderr
+    assert "model> " in result.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_bad_max_tokens(value):
+    assert_usage_error(run_cli("generate", "--prompt", "hi", "--max-tokens", value), "--max-tokens")
+
+
+def test_missing_source_file(tmp_path):
+    missing = tmp_path / "nothing-here.gguf"
+    assert_usage_error(run_cli("generate", str(missing), "--prompt", "hi"), str(missing))
+
+
+def test_source_that_is_not_a_model(tmp_path):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a model")
+    assert_usage_error(run_cli("generate", str(junk), "--prompt", "hi"), "not a model source")
+
+
+def test_config_file_with_a_wrong_type(tmp_path):
+    config = tmp_path / "serve.yml"
+    config.write_text("max_target_length: lots\n")
+    assert_usage_error(run_cli("generate", "--config", str(config), "--prompt", "hi"), "max_target_length")
+
+
+def test_unknown_override_key():
+    assert_usage_error(run_cli("generate", "--prompt", "hi", "max_target_lenght=64"), "max_target_lenght")
+
+
+def test_empty_prompt():
+    assert_usage_error(run_cli("generate", "--prompt", "   "), "prompt is empty")
+
+
+def test_prompt_longer_than_the_prefill_limit(tiny_model_dir):
+    long_prompt = "the lighthouse " * 40
+    result = run_cli(
+        "generate",
+        str(tiny_model_dir),
+        "--prompt",
+        long_prompt,
+        "max_prefill_predict_length=16",
+        "max_target_length=64",
+    )
+    assert_usage_error(result, "max_prefill_predict_length=16")
+
+
+def test_missing_text_file(tmp_path):
+    assert_usage_error(run_cli("perplexity", "--text-file", str(tmp_path / "none.txt")), "none.txt")
+
+
+def test_corrupt_checkpoint_names_the_tensor(tmp_path, tiny_model_dir):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] = 100  # the stored MLP tensors no longer fit the config
+    (broken / "config.json").write_text(json.dumps(config))
+    assert_usage_error(
+        run_cli("generate", str(broken), "--prompt", "hi"), "model.layers.0.mlp.", "does not match"
+    )
+
+
+def test_truncated_safetensors(tmp_path, tiny_model_dir):
+    import shutil
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert_usage_error(run_cli("generate", str(broken), "--prompt", "hi"), "truncated")

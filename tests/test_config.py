@@ -1,0 +1,107 @@
+"""The serving config: presets, YAML files, key=value overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.config import ConfigError, load_config, load_model_config, model_presets, parse_overrides
+
+PRESETS = ["llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "smollm2-135m", "tiny-random"]
+
+
+def test_presets_exist_and_parse():
+    assert set(PRESETS) <= set(model_presets())
+    for name in PRESETS:
+        assert load_model_config(name).name == name
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    [("llama3.1-8b", 8.03), ("llama3.1-70b", 70.55), ("llama3.1-405b", 405.85), ("llama3.2-1b", 1.24)],
+)
+def test_preset_parameter_counts_match_the_published_sizes(name, billions):
+    assert load_model_config(name).num_params / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_smollm2_preset_size():
+    cfg = load_model_config("smollm2-135m")
+    assert cfg.num_params == pytest.approx(134.5e6, rel=1e-3)
+    assert cfg.tie_embeddings and cfg.num_groups == 3
+
+
+def test_llama31_presets_have_llama3_rope_scaling():
+    cfg = load_model_config("llama3.1-405b")
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+    assert cfg.num_kv_heads == 8 and cfg.rope_theta == 500000.0
+
+
+def test_overrides_parse_as_yaml_scalars():
+    assert parse_overrides(
+        ["scan_layers=false", "max_target_length=64", "quantization=int8", "quantization="]
+    ) == {
+        "scan_layers": False,
+        "max_target_length": 64,
+        "quantization": "",
+    }
+    cfg = load_config(
+        overrides=["scan_layers=false", "max_target_length=64", "max_prefill_predict_length=32"]
+    )
+    assert cfg.scan_layers is False and cfg.max_target_length == 64
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "serve.yml"
+    path.write_text("model_name: llama3.1-8b\nquantization: int8\nper_device_batch_size: 4\n")
+    cfg = load_config(path, ["per_device_batch_size=8"])
+    assert (cfg.model_name, cfg.quantization, cfg.per_device_batch_size) == ("llama3.1-8b", "int8", 8.0)
+
+
+@pytest.mark.parametrize(
+    ("override", "must_mention"),
+    [
+        ("weight_dtype=float64", ["weight_dtype", "float32", "bfloat16"]),
+        ("quantization=int4", ["quantization", "int8"]),
+        ("max_target_length=abc", ["max_target_length", "integer"]),
+        ("max_target_length=0", ["max_target_length", "greater than 0"]),
+        ("scan_layers=maybe", ["scan_layers", "boolean"]),
+        ("ici_tensor_parallelism=0", ["ici_tensor_parallelism"]),
+        ("max_target_lenght=8", ["max_target_lenght", "did you mean 'max_target_length'"]),
+        ("no_such_key=1", ["unknown config key 'no_such_key'"]),
+        ("checkpoint_is_quantized=true", ["checkpoint_is_quantized", "quantization=int8"]),
+        ("max_prefill_predict_length=4096", ["max_prefill_predict_length", "max_target_length"]),
+        ("justtext", ["key=value"]),
+    ],
+)
+def test_bad_values_name_the_key(override, must_mention):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    for text in must_mention:
+        assert text in str(info.value)
+
+
+def test_bad_yaml_types_in_a_file(tmp_path):
+    path = tmp_path / "bad.yml"
+    path.write_text("max_target_length: '128'\n")
+    with pytest.raises(ConfigError, match="max_target_length"):
+        load_config(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yml")
+
+
+def test_unknown_model_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match=r"llama3\.1-8b"):
+        load_model_config("llama9")
+
+
+def test_bad_model_preset_names_the_field(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "odd.yml").write_text(
+        "name: odd\nnum_layers: 2\nembed_dim: 64\nnum_heads: 3\nnum_kv_heads: 2\nhead_dim: 16\nmlp_dim: 8\n"
+        "vocab_size: 10\nrope_theta: 10000.0\nnorm_eps: 1.0e-5\nmax_position: 64\n"
+    )
+    monkeypatch.setenv("PATHSERVE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        load_model_config("odd")
