@@ -118,3 +118,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-hf")
     make_hf_llama(directory, vocab=320, rope_scaling=True)
     return make_hf_tokenizer(directory, vocab=300)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from serving.config import load_model_config
+
+    return load_model_config("tiny-random")

@@ -1,0 +1,70 @@
+"""int8 weights and the int8 KV cache against the float model, within stated tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.models import (
+    QuantizedWeight,
+    decode_step,
+    init_cache,
+    init_params,
+    prefill,
+    quantize_params,
+    store_prefix,
+)
+from serving.models.quantization import quantize_int8
+from tests.conftest import DATA
+
+
+def test_int8_roundtrip_error_is_within_half_a_step():
+    w = np.random.default_rng(0).normal(size=(3, 64, 32)).astype(np.float32)
+    q = quantize_int8(w)
+    assert q.values.dtype == jnp.int8 and q.scales.shape == (3, 1, 32)
+    restored = np.asarray(q.values, np.float32) * np.asarray(q.scales)
+    assert np.all(np.abs(restored - w) <= np.asarray(q.scales) / 2 + 1e-7)
+
+
+def test_quantize_params_replaces_only_matmul_weights(tiny_cfg):
+    params = quantize_params(init_params(tiny_cfg, jax.random.PRNGKey(0)))
+    layers = params["layers"]
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert isinstance(layers[name], QuantizedWeight)
+    assert isinstance(params["lm_head"], QuantizedWeight)
+    assert params["embed"].dtype == jnp.float32 and layers["attn_norm"].dtype == jnp.float32
+
+
+def test_int8_weights_on_smollm2_agree_with_float(smollm2):
+    """Top-1 agreement over an English text and a small perplexity change."""
+    ids = smollm2.tokenizer.encode_prompt((DATA / "english.txt").read_text())[:256]
+    tokens, lengths = jnp.asarray([ids]), jnp.array([len(ids)])
+    float_logits, _ = prefill(smollm2.params, tokens, lengths, smollm2.config)
+    int8_logits, _ = prefill(quantize_params(smollm2.params), tokens, lengths, smollm2.config)
+    agreement = np.mean(np.argmax(float_logits[0], -1) == np.argmax(int8_logits[0], -1))
+    assert agreement >= 0.9
+
+    def nll(logits):
+        logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+        return -float(jnp.mean(jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)))
+
+    assert np.exp(nll(int8_logits)) <= np.exp(nll(float_logits)) * 1.02
+
+
+def test_int8_kv_cache_decode_close_to_float_cache(tiny_cfg):
+    params = init_params(tiny_cfg, jax.random.PRNGKey(1))
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, tiny_cfg.vocab_size, (1, 16)), jnp.int32)
+    _, kv = prefill(params, prompt, jnp.array([16]), tiny_cfg)
+    results = {}
+    for quantized in (False, True):
+        cache = store_prefix(init_cache(tiny_cfg, 1, 32, quantized=quantized), kv, 0)
+        assert cache.quantized == quantized
+        logits = []
+        for step in range(8):
+            out, cache = decode_step(params, jnp.array([step + 3]), jnp.array([16 + step]), cache, tiny_cfg)
+            logits.append(out)
+        results[quantized] = np.stack(logits)
+    scale = np.abs(results[False]).max()
+    assert np.abs(results[True] - results[False]).max() <= 0.02 * scale
+    assert cache.k.dtype == jnp.int8
