@@ -1,21 +1,31 @@
 """Llama-family model as pure functions over a params pytree.
 
-This package knows nothing of serving: no engine, orchestrator or HTTP imports.
+This package knows nothing of serving: no engine, orchestrator or HTTP imports. Its names load
+lazily so that `serving.models.config` can be read (by `serving.deploy`, on a laptop) without JAX.
 """
 
-from serving.models.config import ModelConfig, RopeScaling
-from serving.models.llama import KVCache, decode_step, init_cache, init_params, prefill, store_prefix
-from serving.models.quantization import QuantizedWeight, quantize_params
+from __future__ import annotations
 
-__all__ = [
-    "KVCache",
-    "ModelConfig",
-    "QuantizedWeight",
-    "RopeScaling",
-    "decode_step",
-    "init_cache",
-    "init_params",
-    "prefill",
-    "quantize_params",
-    "store_prefix",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "serving.models.config",
+    "RopeScaling": "serving.models.config",
+    "KVCache": "serving.models.llama",
+    "decode_step": "serving.models.llama",
+    "init_cache": "serving.models.llama",
+    "init_params": "serving.models.llama",
+    "prefill": "serving.models.llama",
+    "store_prefix": "serving.models.llama",
+    "QuantizedWeight": "serving.models.quantization",
+    "quantize_params": "serving.models.quantization",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'serving.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
