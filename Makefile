@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint chat clean
+.PHONY: install serve test lint clean manifests
 
 install: $(STAMP)
 
@@ -33,3 +33,7 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Regenerate manifests/ from configs/deployments/ (a test fails when they are out of date).
+manifests: install
+	for f in configs/deployments/*.yml; do $(BIN)/pathserve deploy render $$f -o manifests || exit 1; done

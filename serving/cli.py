@@ -12,16 +12,21 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from checkpoints.errors import CheckpointError
 from serving.chat_templates import ChatTemplateError
 from serving.config import ConfigError, ServingConfig, load_config
-from serving.generate import GenerationError, Generator
-from serving.model_source import LoadedModel, load_model
-from serving.sampling import SamplingParams
+from serving.deploy import cli as deploy_cli
+from serving.deploy.errors import DeployError
+from serving.errors import GenerationError
 from serving.tokenizer import TokenizerError
 
-USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GenerationError, ChatTemplateError)
+if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
+    from serving.model_source import LoadedModel
+    from serving.sampling import SamplingParams
+
+USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GenerationError, ChatTemplateError, DeployError)
 EXIT_USAGE = 2
 
 
@@ -88,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=_non_negative_float, default=0.0)
     chat.add_argument("--seed", type=_int, default=0)
     chat.set_defaults(handler=cmd_chat)
+
+    deploy_cli.add_parser(commands)
     return parser
 
 
@@ -104,14 +111,17 @@ def split_model_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return source, overrides
 
 
-def _load(ns: argparse.Namespace, **extra_overrides: int) -> tuple[ServingConfig, LoadedModel]:
+def _load(ns: argparse.Namespace) -> tuple[ServingConfig, LoadedModel]:
+    from serving.model_source import load_model
+
     source, overrides = split_model_args(ns.args)
-    overrides += [f"{k}={v}" for k, v in extra_overrides.items()]
     cfg = load_config(ns.config, overrides)
     return cfg, load_model(source, cfg)
 
 
 def _sampling(ns: argparse.Namespace, model: LoadedModel) -> SamplingParams:
+    from serving.sampling import SamplingParams
+
     try:
         return SamplingParams(
             max_tokens=ns.max_tokens,
@@ -126,6 +136,8 @@ def _sampling(ns: argparse.Namespace, model: LoadedModel) -> SamplingParams:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    from serving.generate import Generator
+
     if not ns.prompt.strip():
         raise GenerationError("--prompt is empty")
     cfg, model = _load(ns)
@@ -154,6 +166,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_perplexity(ns: argparse.Namespace) -> int:
+    from serving.generate import Generator
+
     try:
         text = ns.text_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -175,6 +189,8 @@ def cmd_perplexity(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    from serving.generate import Generator
+
     cfg, model = _load(ns)
     generator = Generator(model, cfg)
     sampling = _sampling(ns, model)

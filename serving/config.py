@@ -73,12 +73,12 @@ def load_model_config(name: str) -> ModelConfig:
     path = config_dir() / "models" / f"{name}.yml"
     if not path.is_file():
         raise ConfigError(f"model_name: unknown model {name!r}; known models: {', '.join(model_presets())}")
-    return build(ModelConfig, _read_yaml(path), source=str(path))
+    return build(ModelConfig, read_yaml(path), source=str(path))
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> ServingConfig:
     """Read a YAML file of serving keys (optional), apply `key=value` overrides, validate."""
-    values: dict[str, Any] = dict(_read_yaml(Path(path))) if path else {}
+    values: dict[str, Any] = dict(read_yaml(Path(path))) if path else {}
     values.update(parse_overrides(overrides))
     return build(ServingConfig, values, source=str(path) if path else "overrides")
 
@@ -124,7 +124,7 @@ def _describe(err: Mapping[str, Any]) -> str:
     return f"{key}: {message}"
 
 
-def _read_yaml(path: Path) -> Mapping[str, Any]:
+def read_yaml(path: Path) -> Mapping[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -16,16 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.config import ServingConfig
+from serving.errors import GenerationError
 from serving.model_source import LoadedModel
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
 from serving.sampling import SamplingParams, sample
 
 MIN_BUCKET = 16
 _store_prefix = jax.jit(store_prefix, donate_argnums=(0,))
-
-
-class GenerationError(ValueError):
-    """A request this generator cannot serve (empty prompt, too long, ...)."""
 
 
 def bucket_length(n: int, limit: int) -> int:

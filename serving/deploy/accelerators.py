@@ -1,0 +1,89 @@
+"""TPU slices: what each accelerator type offers and how a topology maps to chips and hosts.
+
+Figures per chip from the Cloud TPU documentation: HBM capacity, HBM bandwidth, bf16 peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from serving.deploy.errors import DeployError
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One TPU generation as GKE and Pathways name it."""
+
+    gke_name: str  # cloud.google.com/gke-tpu-accelerator
+    pathways_name: str  # prefix of the resource manager's --instance_type
+    machine_type: str  # GKE machine type of a 4-chip host (PathwaysJob workers[].type)
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    bf16_flops: float
+    topology_dims: int  # 2 for v5e/v6e (AxB), 3 for v4/v5p (AxBxC)
+    chips_per_host: int = 4
+
+
+GB = 1e9
+ACCELERATORS = {
+    a.gke_name: a
+    for a in (
+        Accelerator("tpu-v6e-slice", "tpuv6e", "ct6e-standard-4t", 32 * GB, 1640 * GB, 918e12, 2),
+        Accelerator("tpu-v5-lite-podslice", "tpuv5e", "ct5lp-hightpu-4t", 16 * GB, 819 * GB, 197e12, 2),
+        Accelerator("tpu-v5p-slice", "tpuv5", "ct5p-hightpu-4t", 95 * GB, 2765 * GB, 459e12, 3),
+        Accelerator("tpu-v4-podslice", "tpuv4", "ct4p-hightpu-4t", 32 * GB, 1228 * GB, 275e12, 3),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A slice of `accelerator` with `topology`: its chips and hosts."""
+
+    accelerator: Accelerator
+    topology: str
+    chips: int
+    hosts: int
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.chips // self.hosts
+
+    @property
+    def machine_type(self) -> str:
+        """GKE machine type of one host of this slice (ct6e-standard-4t, ...)."""
+        return self.accelerator.machine_type.removesuffix("4t") + f"{self.chips_per_host}t"
+
+    @property
+    def instance_type(self) -> str:
+        """Pathways resource manager --instance_type, e.g. tpuv6e:4x4."""
+        return f"{self.accelerator.pathways_name}:{self.topology}"
+
+
+def accelerator(name: str) -> Accelerator:
+    if name not in ACCELERATORS:
+        raise DeployError(f"tpu.accelerator: unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
+    return ACCELERATORS[name]
+
+
+def tpu_slice(accelerator_name: str, topology: str) -> Slice:
+    """Parse and check a topology for an accelerator (v6e 4x4 -> 16 chips on 4 hosts)."""
+    acc = accelerator(accelerator_name)
+    parts = topology.split("x")
+    if len(parts) != acc.topology_dims or not all(p.isdigit() and int(p) > 0 for p in parts):
+        example = "4x4" if acc.topology_dims == 2 else "2x2x4"
+        raise DeployError(
+            f"tpu.topology: {topology!r} does not fit {accelerator_name}, which takes "
+            f"{acc.topology_dims} dimensions like {example}"
+        )
+    chips = math.prod(int(p) for p in parts)
+    if acc.topology_dims == 2 and chips == 8:
+        hosts = 1  # v5e/v6e 2x4 is one 8-chip host
+    elif chips <= acc.chips_per_host:
+        hosts = 1
+    elif chips % acc.chips_per_host:
+        raise DeployError(f"tpu.topology: {topology!r} has {chips} chips, not a whole number of hosts")
+    else:
+        hosts = chips // acc.chips_per_host
+    return Slice(acc, topology, chips, hosts)

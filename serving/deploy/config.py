@@ -1,0 +1,148 @@
+"""DeploymentConfig: everything a deployment needs, in one YAML file (configs/deployments/)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serving.config import ConfigError, ServingConfig, build, read_yaml
+from serving.deploy.errors import DeployError
+
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_JAX_TAG = re.compile(r"jax-(\d+\.\d+\.\d+\S*)")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class TPU(_Strict):
+    accelerator: str  # GKE name: tpu-v6e-slice, tpu-v5-lite-podslice, tpu-v5p-slice, tpu-v4-podslice
+    topology: str  # 4x4 (v5e/v6e) or 2x2x4 (v4/v5p)
+    num_slices: int = Field(default=1, ge=1)
+
+
+class Images(_Strict):
+    """Container images; every tag must be `jax-<version>` and the versions must agree."""
+
+    engine: str
+    pathways_server: str
+    pathways_proxy: str
+
+    def jax_versions(self) -> dict[str, str]:
+        """Image field -> jax version from its tag; names the field whose tag is not jax-<version>."""
+        out = {}
+        for field, image in self.model_dump().items():
+            tag = image.rsplit("/", 1)[-1].partition(":")[2]
+            match = _JAX_TAG.fullmatch(tag)
+            if not match:
+                raise DeployError(
+                    f"images.{field}: tag {tag or '(none)'!r} of {image!r} is not jax-<version>"
+                )
+            out[field] = match.group(1)
+        return out
+
+
+class Ports(_Strict):
+    http: int = Field(default=8000, ge=1, le=65535)
+    grpc: int = Field(default=9000, ge=1, le=65535)
+
+
+class Probes(_Strict):
+    """Probe timing on the engine's /startupz, /readyz and /livez."""
+
+    period_s: int = Field(default=10, ge=1)
+    startup_timeout_s: int = Field(default=3600, ge=10)  # loading a 405B checkpoint and compiling
+    readiness_failure_threshold: int = Field(default=3, ge=1)
+    liveness_failure_threshold: int = Field(default=6, ge=1)
+
+
+class Resources(_Strict):
+    """CPU and memory of the leader's containers (workers take whole TPU hosts)."""
+
+    engine_cpu: str = "8"
+    engine_memory: str = "32Gi"
+    pathways_cpu: str = "4"
+    pathways_memory: str = "16Gi"
+
+
+class Batch(_Strict):
+    """Inputs of a batch PathwaysJob (`kind: batch`)."""
+
+    input: str
+    output: str
+    max_restarts: int = Field(default=3, ge=0)
+
+
+class DeploymentConfig(_Strict):
+    """One serving deployment (LeaderWorkerSet + Service) or one batch job (PathwaysJob)."""
+
+    name: str
+    namespace: str = "default"
+    kind: Literal["serve", "batch"] = "serve"
+    model_name: str
+    checkpoint: str
+    serving: dict[str, Any] = Field(default_factory=dict)
+    tpu: TPU
+    images: Images
+    scratch: str
+    replicas: int = Field(default=1, ge=0)
+    ports: Ports = Ports()
+    probes: Probes = Probes()
+    resources: Resources = Resources()
+    batch: Batch | None = None
+
+    @field_validator("name", "namespace")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if len(value) > 40 or not _DNS_LABEL.fullmatch(value):
+            raise ValueError("must be a DNS label: lower-case letters, digits and '-', at most 40 characters")
+        return value
+
+    @field_validator("scratch")
+    @classmethod
+    def _gcs(cls, value: str) -> str:
+        if not value.startswith("gs://") or len(value) <= 5:
+            raise ValueError("must be a gs:// location (Pathways keeps its scratch files there)")
+        return value
+
+    @model_validator(mode="after")
+    def _batch_needs_io(self) -> DeploymentConfig:
+        if self.kind == "batch" and self.batch is None:
+            raise ValueError("kind: batch needs a batch section with input and output")
+        return self
+
+    def serving_config(self) -> ServingConfig:
+        """The engine's ServingConfig: `serving` overrides plus model_name and the checkpoint."""
+        for key in ("model_name", "load_parameters_path"):
+            if key in self.serving:
+                raise DeployError(
+                    f"serving.{key}: set it at the top level ({'checkpoint' if 'path' in key else key})"
+                )
+        values = {**self.serving, "model_name": self.model_name, "load_parameters_path": self.checkpoint}
+        try:
+            return build(ServingConfig, values, source="serving")
+        except ConfigError as exc:
+            raise DeployError(str(exc)) from None
+
+    def serving_args(self) -> list[str]:
+        """The engine's MaxText-style key=value arguments."""
+        values = {"model_name": self.model_name, "load_parameters_path": self.checkpoint, **self.serving}
+        return [f"{key}={_yaml_scalar(value)}" for key, value in values.items()]
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def load_deployment(path: str | Path) -> DeploymentConfig:
+    """Read and validate a deployment YAML; errors name the field."""
+    try:
+        return build(DeploymentConfig, read_yaml(Path(path)), source=str(path))
+    except ConfigError as exc:
+        raise DeployError(str(exc)) from None

@@ -1,0 +1,213 @@
+"""Apply, watch and delete rendered objects with the official `kubernetes` client.
+
+Apply is server-side apply with field manager `pathserve`: it creates what is missing, patches what
+changed, and leaves an unchanged object untouched (its resourceVersion stays the same).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.deploy.errors import DeployError
+from serving.deploy.manifests import LWS_API, Manifest
+
+FIELD_MANAGER = "pathserve"
+INSTALL_HINT = {
+    "LeaderWorkerSet": "install LeaderWorkerSet (LWS) in the cluster first: "
+    "kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/latest/download/manifests.yaml",
+    "PathwaysJob": "install the PathwaysJob controller and CRD in the cluster first "
+    "(https://github.com/google/pathways-job)",
+}
+
+
+@dataclass(frozen=True)
+class Applied:
+    kind: str
+    name: str
+    action: str  # created, configured or unchanged
+
+
+@dataclass
+class DeploymentStatus:
+    """What `pathserve deploy status` reports."""
+
+    name: str
+    exists: bool
+    replicas: int = 0
+    ready_replicas: int = 0
+    conditions: list[dict[str, Any]] = field(default_factory=list)
+    leader: str = "not found"  # ready, not ready (reason) or not found
+
+    @property
+    def available(self) -> bool:
+        return any(c.get("type") == "Available" and c.get("status") == "True" for c in self.conditions)
+
+    def format(self) -> str:
+        if not self.exists:
+            return f"LeaderWorkerSet {self.name}: not found"
+        lines = [
+            f"LeaderWorkerSet {self.name}: {self.ready_replicas}/{self.replicas} replicas ready, "
+            f"{'Available' if self.available else 'not available'}",
+            f"leader pod {self.name}-0: {self.leader}",
+        ]
+        for c in self.conditions:
+            lines.append(
+                f"  {c.get('type')}={c.get('status')} {c.get('reason', '')}: {c.get('message', '')}".rstrip(
+                    ": "
+                )
+            )
+        return "\n".join(lines)
+
+
+def connect(kubeconfig: str | None = None, context: str | None = None):
+    """A DynamicClient for the cluster of `kubeconfig` (default: $KUBECONFIG or ~/.kube/config)."""
+    from kubernetes import config as kube_config
+    from kubernetes.client import ApiClient
+    from kubernetes.config.config_exception import ConfigException
+    from kubernetes.dynamic import DynamicClient
+
+    try:
+        api = kube_config.new_client_from_config(config_file=kubeconfig, context=context)
+    except (ConfigException, OSError) as exc:
+        raise DeployError(f"cannot load kubeconfig {kubeconfig or '(default)'}: {exc}") from None
+    try:
+        return DynamicClient(api if isinstance(api, ApiClient) else ApiClient(api))
+    except Exception as exc:  # discovery failed: the API server is unreachable
+        raise DeployError(f"cannot reach the Kubernetes API server: {_reason(exc)}") from None
+
+
+def _resource(client, obj: Manifest):
+    from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+    try:
+        return client.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+    except ResourceNotFoundError:
+        hint = INSTALL_HINT.get(obj["kind"], "install its CRD first")
+        raise DeployError(f"the cluster does not know {obj['kind']} ({obj['apiVersion']}): {hint}") from None
+
+
+def _reason(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            return json.loads(body).get("message", str(body))
+        except (ValueError, AttributeError):
+            return str(body)
+    return str(exc)
+
+
+def apply(client, objects: list[Manifest]) -> list[Applied]:
+    """Server-side apply every object; report created / configured / unchanged."""
+    from kubernetes.dynamic.exceptions import ApiException, NotFoundError
+
+    results = []
+    for obj in objects:
+        resource = _resource(client, obj)
+        name, namespace = obj["metadata"]["name"], obj["metadata"].get("namespace")
+        try:
+            before = client.get(resource, name=name, namespace=namespace).metadata.resourceVersion
+        except NotFoundError:
+            before = None
+        try:
+            after = client.server_side_apply(
+                resource,
+                body=obj,
+                name=name,
+                namespace=namespace,
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+            )
+        except ApiException as exc:
+            status = getattr(exc, "status", "?")
+            raise DeployError(
+                f"the API server rejected {obj['kind']} {name!r} ({status}): {_reason(exc)}"
+            ) from None
+        action = (
+            "created"
+            if before is None
+            else ("unchanged" if after.metadata.resourceVersion == before else "configured")
+        )
+        results.append(Applied(obj["kind"], name, action))
+    return results
+
+
+def delete(client, objects: list[Manifest]) -> list[Applied]:
+    """Delete every object (foreground); missing ones are reported, not an error."""
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    results = []
+    for obj in reversed(objects):
+        resource = _resource(client, obj)
+        name, namespace = obj["metadata"]["name"], obj["metadata"].get("namespace")
+        try:
+            client.delete(resource, name=name, namespace=namespace, body={"propagationPolicy": "Foreground"})
+            results.append(Applied(obj["kind"], name, "deleted"))
+        except NotFoundError:
+            results.append(Applied(obj["kind"], name, "not found"))
+    return results
+
+
+def status(client, name: str, namespace: str) -> DeploymentStatus:
+    """The LWS's replicas and conditions, and its first leader pod's readiness."""
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    resource = _resource(client, {"apiVersion": LWS_API, "kind": "LeaderWorkerSet"})
+    try:
+        lws = client.get(resource, name=name, namespace=namespace).to_dict()
+    except NotFoundError:
+        return DeploymentStatus(name=name, exists=False)
+    st = lws.get("status") or {}
+    result = DeploymentStatus(
+        name=name,
+        exists=True,
+        replicas=int(lws["spec"].get("replicas", 1)),
+        ready_replicas=int(st.get("readyReplicas") or 0),
+        conditions=list(st.get("conditions") or []),
+    )
+    pods = client.resources.get(api_version="v1", kind="Pod")
+    try:
+        pod = client.get(pods, name=f"{name}-0", namespace=namespace).to_dict()
+    except NotFoundError:
+        return result
+    ready = next(
+        (c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None
+    )
+    if ready and ready.get("status") == "True":
+        result.leader = "ready"
+    else:
+        phase = (pod.get("status") or {}).get("phase", "Pending")
+        result.leader = (
+            f"not ready ({phase}{': ' + ready['reason'] if ready and ready.get('reason') else ''})"
+        )
+    return result
+
+
+def wait_available(
+    client,
+    name: str,
+    namespace: str,
+    timeout_s: float,
+    poll_s: float = 2.0,
+    on_progress: Callable[[DeploymentStatus], None] | None = None,
+) -> DeploymentStatus:
+    """Poll until the LWS reports Available=True, or raise a DeployError at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        current = status(client, name, namespace)
+        if on_progress and (last is None or current.format() != last.format()):
+            on_progress(current)
+        last = current
+        if current.available:
+            return current
+        if time.monotonic() >= deadline:
+            raise DeployError(
+                f"LeaderWorkerSet {name} did not become Available within {timeout_s:g} s "
+                f"({current.ready_replicas}/{current.replicas} replicas ready; leader {current.leader}); "
+                f"see `pathserve deploy status` and the leader pod's logs"
+            )
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))

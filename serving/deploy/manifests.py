@@ -1,0 +1,242 @@
+"""Typed builders: DeploymentConfig -> LeaderWorkerSet, Service and PathwaysJob (plain dicts).
+
+The leader pod of each LeaderWorkerSet group holds the Pathways resource manager, the Pathways
+proxy and the engine (which also serves HTTP); the workers run the Pathways server on TPU hosts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.deploy.accelerators import Slice, tpu_slice
+from serving.deploy.config import DeploymentConfig
+from serving.deploy.errors import DeployError
+
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+PATHWAYS_JOB_API = "pathways-job.pathways.domain/v1"
+RM_PORT = 38677  # Pathways resource manager
+PROXY_PORT = 38681  # Pathways proxy (the engine's JAX backend)
+WORKER_PORT = 38679  # Pathways server on each TPU host
+LEADER = "$(LWS_LEADER_ADDRESS)"  # injected by the LWS controller into every pod of a group
+EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+Manifest = dict[str, Any]
+
+
+def render(cfg: DeploymentConfig) -> list[Manifest]:
+    """Every object of the deployment, in apply order."""
+    if cfg.kind == "batch":
+        return [pathways_job(cfg)]
+    return [leader_worker_set(cfg), service(cfg)]
+
+
+def _labels(cfg: DeploymentConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": cfg.name, "app.kubernetes.io/managed-by": "pathserve"}
+
+
+def _metadata(cfg: DeploymentConfig, **extra: Any) -> dict[str, Any]:
+    return {"name": cfg.name, "namespace": cfg.namespace, "labels": _labels(cfg), **extra}
+
+
+def _jax_tag(cfg: DeploymentConfig) -> str:
+    return "jax-" + next(iter(cfg.images.jax_versions().values()))
+
+
+def _tpu_node_selector(tpu: Slice) -> dict[str, str]:
+    return {
+        "cloud.google.com/gke-tpu-accelerator": tpu.accelerator.gke_name,
+        "cloud.google.com/gke-tpu-topology": tpu.topology,
+    }
+
+
+def _http_probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
+
+
+def engine_container(cfg: DeploymentConfig) -> dict[str, Any]:
+    """`pathserve serve` with the config's overrides as key=value arguments, on the Pathways proxy."""
+    p = cfg.probes
+    return {
+        "name": "engine",
+        "image": cfg.images.engine,
+        "command": ["pathserve"],
+        "args": ["serve", *cfg.serving_args(), "--host=0.0.0.0", f"--port={cfg.ports.http}"],
+        "env": [
+            {"name": "JAX_PLATFORMS", "value": "proxy"},
+            {"name": "JAX_BACKEND_TARGET", "value": f"grpc://localhost:{PROXY_PORT}"},
+            {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"},
+        ],
+        "ports": [
+            {"name": "http", "containerPort": cfg.ports.http},
+            {"name": "grpc", "containerPort": cfg.ports.grpc},
+        ],
+        "startupProbe": _http_probe(
+            "/startupz", cfg.ports.http, p.period_s, -(-p.startup_timeout_s // p.period_s)
+        ),
+        "readinessProbe": _http_probe("/readyz", cfg.ports.http, p.period_s, p.readiness_failure_threshold),
+        "livenessProbe": _http_probe("/livez", cfg.ports.http, p.period_s, p.liveness_failure_threshold),
+        "resources": {
+            "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
+            "limits": {"memory": cfg.resources.engine_memory},
+        },
+    }
+
+
+def _pathways_resources(cfg: DeploymentConfig) -> dict[str, Any]:
+    r = cfg.resources
+    return {
+        "requests": {"cpu": r.pathways_cpu, "memory": r.pathways_memory},
+        "limits": {"memory": r.pathways_memory},
+    }
+
+
+def resource_manager_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
+    return {
+        "name": "pathways-rm",
+        "image": cfg.images.pathways_server,
+        "args": [
+            f"--server_port={RM_PORT}",
+            "--node_type=resource_manager",
+            f"--instance_count={cfg.tpu.num_slices}",
+            f"--instance_type={tpu.instance_type}",
+            f"--gcs_scratch_location={cfg.scratch}",
+        ],
+        "env": [
+            {"name": "HOST_ADDRESS", "value": LEADER},
+            {"name": "TPU_SKIP_MDS_QUERY", "value": "true"},
+        ],
+        "ports": [{"containerPort": RM_PORT}],
+        "resources": _pathways_resources(cfg),
+    }
+
+
+def proxy_container(cfg: DeploymentConfig) -> dict[str, Any]:
+    return {
+        "name": "pathways-proxy",
+        "image": cfg.images.pathways_proxy,
+        "args": [
+            f"--server_port={PROXY_PORT}",
+            f"--resource_manager_address={LEADER}:{RM_PORT}",
+            f"--gcs_scratch_location={cfg.scratch}",
+        ],
+        "ports": [{"containerPort": PROXY_PORT}],
+        "resources": _pathways_resources(cfg),
+    }
+
+
+def worker_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
+    return {
+        "name": "pathways-worker",
+        "image": cfg.images.pathways_server,
+        "args": [
+            f"--server_port={WORKER_PORT}",
+            f"--resource_manager_address={LEADER}:{RM_PORT}",
+            f"--gcs_scratch_location={cfg.scratch}",
+        ],
+        "ports": [{"containerPort": WORKER_PORT}],
+        "resources": {"limits": {"google.com/tpu": tpu.chips_per_host}},
+    }
+
+
+def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
+    """One group per replica: a leader (RM, proxy, engine) plus one worker pod per TPU host."""
+    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    workers = tpu.hosts * cfg.tpu.num_slices
+    return {
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
+        "metadata": _metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
+        "spec": {
+            "replicas": cfg.replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": workers + 1,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {"labels": {**_labels(cfg), "role": "leader"}},
+                    "spec": {
+                        "containers": [
+                            resource_manager_container(cfg, tpu),
+                            proxy_container(cfg),
+                            engine_container(cfg),
+                        ],
+                    },
+                },
+                "workerTemplate": {
+                    "metadata": {"labels": {**_labels(cfg), "role": "worker"}},
+                    "spec": {
+                        "nodeSelector": _tpu_node_selector(tpu),
+                        "tolerations": [
+                            {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
+                        ],
+                        "containers": [worker_container(cfg, tpu)],
+                    },
+                },
+            },
+        },
+    }
+
+
+def service(cfg: DeploymentConfig) -> Manifest:
+    """ClusterIP Service in front of the leaders' engine (HTTP and gRPC)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(cfg),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {LWS_NAME_LABEL: cfg.name, LWS_WORKER_INDEX_LABEL: "0"},
+            "ports": [
+                {"name": "http", "port": cfg.ports.http, "targetPort": cfg.ports.http, "protocol": "TCP"},
+                {"name": "grpc", "port": cfg.ports.grpc, "targetPort": cfg.ports.grpc, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def pathways_job(cfg: DeploymentConfig) -> Manifest:
+    """A batch run: `pathserve batch` as the main container, colocated with the Pathways head."""
+    if cfg.batch is None:
+        raise DeployError("batch: a PathwaysJob needs the batch section (input, output)")
+    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    main = {
+        "name": "batch",
+        "image": cfg.images.engine,
+        "command": ["pathserve"],
+        "args": ["batch", f"--input={cfg.batch.input}", f"--output={cfg.batch.output}", *cfg.serving_args()],
+        "env": [{"name": "JAX_PLATFORMS", "value": "proxy"}],
+        "resources": {
+            "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
+            "limits": {"memory": cfg.resources.engine_memory},
+        },
+    }
+    return {
+        "apiVersion": PATHWAYS_JOB_API,
+        "kind": "PathwaysJob",
+        "metadata": _metadata(cfg),
+        "spec": {
+            "maxRestarts": cfg.batch.max_restarts,
+            "pathwaysVersion": _jax_tag(cfg),
+            "pathwaysDir": cfg.scratch,
+            "workers": [
+                {
+                    "type": tpu.machine_type,
+                    "topology": cfg.tpu.topology,
+                    "numSlices": cfg.tpu.num_slices,
+                    "maxSliceRestarts": cfg.batch.max_restarts,
+                }
+            ],
+            "customComponents": [
+                {"componentType": "pathways_server", "image": cfg.images.pathways_server},
+                {"componentType": "worker", "image": cfg.images.pathways_server},
+                {"componentType": "proxy_server", "image": cfg.images.pathways_proxy},
+            ],
+            "controller": {
+                "deploymentMode": "colocate_head_with_workers",
+                "mainContainerName": "batch",
+                "template": {"spec": {"containers": [main], "restartPolicy": "Never"}},
+            },
+        },
+    }

@@ -1,0 +1,202 @@
+"""Rendering and planning without a cluster: CRD schemas, manifests/ in sync, plan arithmetic, refusals."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serving.deploy.cli import to_yaml
+from serving.deploy.config import load_deployment
+from serving.deploy.crds import validate_object
+from serving.deploy.errors import DeployError
+from serving.deploy.manifests import render
+from serving.deploy.plan import make_plan
+from tests.deploy.conftest import CONFIGS, REPO
+
+DEPLOYMENTS = sorted(CONFIGS.glob("*.yml"))
+V6E_405B = CONFIGS / "llama3.1-405b-int8-v6e-16.yml"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.stem)
+def test_rendered_custom_objects_validate_against_the_crds(path):
+    for obj in render(load_deployment(path)):
+        if obj["apiVersion"] != "v1":
+            validate_object(obj)
+
+
+def test_schema_validation_catches_unknown_fields_and_wrong_types():
+    lws = render(load_deployment(V6E_405B))[0]
+    unknown = copy.deepcopy(lws)
+    unknown["spec"]["leaderWorkerTemplate"]["sise"] = 5
+    with pytest.raises(DeployError, match="sise"):
+        validate_object(unknown)
+    wrong_type = copy.deepcopy(lws)
+    wrong_type["spec"]["replicas"] = "one"
+    with pytest.raises(DeployError, match="spec.replicas"):
+        validate_object(wrong_type)
+    bad_container = copy.deepcopy(lws)
+    bad_container["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagee"] = "x"
+    with pytest.raises(DeployError, match="imagee"):
+        validate_object(bad_container)
+    job = render(load_deployment(CONFIGS / "llama3.1-8b-batch-v6e-4.yml"))[0]
+    job["spec"]["controller"]["deploymentMode"] = "sideways"
+    with pytest.raises(DeployError, match="deploymentMode"):
+        validate_object(job)
+
+
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.stem)
+def test_manifests_directory_is_up_to_date(path):
+    committed = REPO / "manifests" / f"{path.stem}.yaml"
+    assert committed.is_file(), f"run: make manifests (missing {committed})"
+    documents = [d for d in yaml.safe_load_all(committed.read_text()) if d]
+    assert documents == render(load_deployment(path)), f"{committed} is stale: run `make manifests`"
+    assert committed.read_text().endswith(to_yaml(render(load_deployment(path))))
+
+
+def test_leader_worker_set_for_405b_on_v6e_16():
+    lws, svc = render(load_deployment(V6E_405B))
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 4 + 1  # 16 chips on 4 hosts, plus the leader
+    assert (
+        lws["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/exclusive-topology"]
+        == "cloud.google.com/gke-nodepool"
+    )
+    worker = template["workerTemplate"]["spec"]
+    assert worker["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+        "cloud.google.com/gke-tpu-topology": "4x4",
+    }
+    assert worker["containers"][0]["resources"]["limits"]["google.com/tpu"] == 4
+    assert worker["tolerations"][0]["key"] == "google.com/tpu"
+    assert "--resource_manager_address=$(LWS_LEADER_ADDRESS):38677" in worker["containers"][0]["args"]
+    leader = {c["name"]: c for c in template["leaderTemplate"]["spec"]["containers"]}
+    assert set(leader) == {"pathways-rm", "pathways-proxy", "engine"}
+    assert "--instance_type=tpuv6e:4x4" in leader["pathways-rm"]["args"]
+    assert {"name": "HOST_ADDRESS", "value": "$(LWS_LEADER_ADDRESS)"} in leader["pathways-rm"]["env"]
+    assert "--gcs_scratch_location=gs://my-bucket/pathways-scratch" in leader["pathways-proxy"]["args"]
+    engine = leader["engine"]
+    assert engine["command"] == ["pathserve"] and engine["args"][0] == "serve"
+    assert "quantization=int8" in engine["args"] and "ici_tensor_parallelism=16" in engine["args"]
+    assert "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8" in engine["args"]
+    assert {"name": "JAX_PLATFORMS", "value": "proxy"} in engine["env"]
+    assert {p["containerPort"] for p in engine["ports"]} == {8000, 9000}
+    assert engine["startupProbe"]["httpGet"]["path"] == "/startupz"
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert svc["kind"] == "Service" and svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/name"] == "llama-405b"
+
+
+def test_batch_config_renders_a_colocated_pathways_job():
+    (job,) = render(load_deployment(CONFIGS / "llama3.1-8b-batch-v6e-4.yml"))
+    assert job["kind"] == "PathwaysJob"
+    assert job["spec"]["controller"]["deploymentMode"] == "colocate_head_with_workers"
+    assert job["spec"]["workers"] == [
+        {"type": "ct6e-standard-4t", "topology": "2x2", "numSlices": 1, "maxSliceRestarts": 3}
+    ]
+    assert job["spec"]["pathwaysVersion"] == "jax-0.10.2"
+    main = job["spec"]["controller"]["template"]["spec"]["containers"][0]
+    assert main["args"][:3] == [
+        "batch",
+        "--input=gs://my-bucket/batch/in/",
+        "--output=gs://my-bucket/batch/out/",
+    ]
+
+
+def test_plan_for_405b_int8_on_v6e_16_matches_a_hand_calculation():
+    plan = make_plan(load_deployment(V6E_405B))
+    # Llama 3.1 405B: 126 layers, embed 16384, 128 heads / 8 kv heads of 128, mlp 53248, vocab 128256.
+    per_layer = 2 * 16384 * 16384 + 2 * 16384 * 1024 + 3 * 16384 * 53248  # q, o; k, v; gate, up, down
+    matmul_int8 = 126 * per_layer + 16384 * 128256  # + untied LM head, one byte each
+    scales = 4 * (126 * (16384 + 1024 + 1024 + 16384 + 53248 + 53248 + 16384) + 128256)
+    embed_norms_bf16 = 2 * (128256 * 16384 + (2 * 126 + 1) * 16384)
+    weights = matmul_int8 + scales + embed_norms_bf16
+    assert plan.weight_bytes == weights == 408_038_872_064
+    assert (
+        plan.chips == 16 and plan.hosts == 4 and plan.mesh == {"fsdp": 1, "autoregressive": 1, "tensor": 16}
+    )
+    assert plan.weight_bytes_per_chip == weights / 16
+    # 8 kv heads over 16 chips: each chip keeps one (replicated), int8 + a float32 scale per head and token.
+    kv_per_token_chip = 126 * 2 * 1 * (128 + 4)
+    assert plan.kv_heads_per_chip == 1
+    assert plan.slots == 16 and plan.kv_capacity_tokens == 16 * 2048
+    assert plan.kv_bytes_per_chip == 16 * 2048 * kv_per_token_chip
+    step = (weights / 16 + 16 * 2048 * kv_per_token_chip) / 1.64e12
+    assert plan.step_time_s == pytest.approx(step, rel=1e-12) and plan.bound == "memory"
+    assert plan.tokens_per_s == pytest.approx(16 / step, rel=1e-12)
+    assert 980 < plan.tokens_per_s < 995
+
+
+def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
+    data = yaml.safe_load(base.read_text())
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    out = tmp_path / "variant.yml"
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("changes", "must_mention"),
+    [
+        ({"serving__ici_tensor_parallelism": 8}, ["ici_tensor_parallelism", "= 8", "16 chips"]),
+        (
+            {"serving__quantization": "", "serving__checkpoint_is_quantized": False},
+            ["does not fit", "serving.quantization=int8"],
+        ),
+        ({"tpu__accelerator": "tpu-v9-slice"}, ["tpu.accelerator", "tpu-v9-slice"]),
+        ({"tpu__topology": "4x4x4"}, ["tpu.topology", "4x4x4"]),
+        (
+            {"images__pathways_proxy": "us-docker.pkg.dev/x/proxy_server:jax-0.9.0"},
+            ["images", "jax tags differ", "pathways_proxy=jax-0.9.0"],
+        ),
+        ({"images__engine": "us-docker.pkg.dev/x/pathserve:latest"}, ["images.engine", "jax-<version>"]),
+        ({"serving__weight_dtype": "float64"}, ["weight_dtype", "bfloat16"]),
+        ({"scratch": "/tmp/scratch"}, ["scratch", "gs://"]),
+        ({"replicaz": 2}, ["replicaz", "did you mean 'replicas'"]),
+    ],
+)
+def test_bad_configs_exit_2_naming_the_field(tmp_path, changes, must_mention):
+    path = _write_variant(tmp_path, V6E_405B, **changes)
+    for action in ("plan", "render"):
+        result = run_cli("deploy", action, str(path))
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+        for text in must_mention:
+            assert text in result.stderr
+
+
+def test_plan_and_render_cli(tmp_path):
+    result = run_cli("deploy", "plan", str(V6E_405B))
+    assert result.returncode == 0, result.stderr
+    assert "16 / 4" in result.stdout and "memory-bound" in result.stdout
+    result = run_cli("deploy", "render", str(V6E_405B), "-o", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / f"{V6E_405B.stem}.yaml").read_text() == (
+        REPO / "manifests" / f"{V6E_405B.stem}.yaml"
+    ).read_text()
+
+
+def test_deploy_commands_do_not_import_jax():
+    code = (
+        "import sys; from serving.cli import main; "
+        f"main(['deploy', 'plan', {str(V6E_405B)!r}]); main(['deploy', 'render', {str(V6E_405B)!r}]); "
+        "import serving.deploy.kube; assert 'jax' not in sys.modules, 'jax was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
