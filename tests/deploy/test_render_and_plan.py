@@ -43,7 +43,7 @@ def test_schema_validation_catches_unknown_fields_and_wrong_types():
         validate_object(unknown)
     wrong_type = copy.deepcopy(lws)
     wrong_type["spec"]["replicas"] = "one"
-    with pytest.raises(DeployError, match="spec.replicas"):
+    with pytest.raises(DeployError, match=r"spec\.replicas"):
         validate_object(wrong_type)
     bad_container = copy.deepcopy(lws)
     bad_container["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagee"] = "x"
