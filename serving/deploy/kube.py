@@ -101,42 +101,61 @@ def _reason(exc: Exception) -> str:
 
 
 def apply(client, objects: list[Manifest]) -> list[Applied]:
-    """Server-side apply every object; report created / configured / unchanged."""
+    """Server-side apply every object; report created / configured / unchanged.
+
+    A dry-run apply first tells whether anything would change: an unchanged object is not written
+    at all (older API servers bump managedFields timestamps on a no-op apply).
+    """
     from kubernetes.dynamic.exceptions import ApiException, NotFoundError
 
     results = []
     for obj in objects:
         resource = _resource(client, obj)
         name, namespace = obj["metadata"]["name"], obj["metadata"].get("namespace")
-        try:
-            before = client.get(resource, name=name, namespace=namespace).metadata.resourceVersion
-        except NotFoundError:
-            before = None
-        try:
-            after = client.server_side_apply(
+
+        def server_side_apply(**dry_run: str):
+            return client.server_side_apply(
                 resource,
                 body=obj,
                 name=name,
                 namespace=namespace,
                 field_manager=FIELD_MANAGER,
                 force_conflicts=True,
+                **dry_run,
             )
+
+        try:
+            try:
+                live = client.get(resource, name=name, namespace=namespace).to_dict()
+            except NotFoundError:
+                server_side_apply()
+                results.append(Applied(obj["kind"], name, "created"))
+                continue
+            if _comparable(server_side_apply(dry_run="All").to_dict()) == _comparable(live):
+                results.append(Applied(obj["kind"], name, "unchanged"))
+                continue
+            server_side_apply()
         except ApiException as exc:
             status = getattr(exc, "status", "?")
             raise DeployError(
                 f"the API server rejected {obj['kind']} {name!r} ({status}): {_reason(exc)}"
             ) from None
-        action = (
-            "created"
-            if before is None
-            else ("unchanged" if after.metadata.resourceVersion == before else "configured")
-        )
-        results.append(Applied(obj["kind"], name, action))
+        results.append(Applied(obj["kind"], name, "configured"))
     return results
 
 
+def _comparable(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object without the bookkeeping that changes on every write."""
+    metadata = {
+        k: v
+        for k, v in obj.get("metadata", {}).items()
+        if k not in ("managedFields", "resourceVersion", "generation")
+    }
+    return {**obj, "metadata": metadata}
+
+
 def delete(client, objects: list[Manifest]) -> list[Applied]:
-    """Delete every object (foreground); missing ones are reported, not an error."""
+    """Delete every object (dependents are garbage-collected in the background); missing ones are reported, not an error."""
     from kubernetes.dynamic.exceptions import NotFoundError
 
     results = []
@@ -144,7 +163,7 @@ def delete(client, objects: list[Manifest]) -> list[Applied]:
         resource = _resource(client, obj)
         name, namespace = obj["metadata"]["name"], obj["metadata"].get("namespace")
         try:
-            client.delete(resource, name=name, namespace=namespace, body={"propagationPolicy": "Foreground"})
+            client.delete(resource, name=name, namespace=namespace, body={"propagationPolicy": "Background"})
             results.append(Applied(obj["kind"], name, "deleted"))
         except NotFoundError:
             results.append(Applied(obj["kind"], name, "not found"))

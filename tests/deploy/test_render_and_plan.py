@@ -200,3 +200,13 @@ def test_deploy_commands_do_not_import_jax():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_jax_version_matches_the_deployment_image_tags():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    (version,) = [
+        line.split("=", 1)[1] for line in dockerfile.splitlines() if line.startswith("ARG JAX_VERSION=")
+    ]
+    for path in DEPLOYMENTS:
+        assert set(load_deployment(path).images.jax_versions().values()) == {version}, path.name
+    assert 'ENTRYPOINT ["pathserve"]' in dockerfile and "pathwaysutils" in dockerfile

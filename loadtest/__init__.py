@@ -1,0 +1,1 @@
+"""Load tests and benchmarks (locust users and the benchmark report); speaks HTTP only."""
