@@ -101,47 +101,51 @@ def _reason(exc: Exception) -> str:
 
 
 def apply(client, objects: list[Manifest]) -> list[Applied]:
-    """Server-side apply every object; report created / configured / unchanged.
-
-    A dry-run apply first tells whether anything would change: an unchanged object is not written
-    at all (older API servers bump managedFields timestamps on a no-op apply).
-    """
-    from kubernetes.dynamic.exceptions import ApiException, NotFoundError
+    """Server-side apply every object; report created / configured / unchanged."""
+    from kubernetes.dynamic.exceptions import ApiException
 
     results = []
     for obj in objects:
         resource = _resource(client, obj)
-        name, namespace = obj["metadata"]["name"], obj["metadata"].get("namespace")
-
-        def server_side_apply(**dry_run: str):
-            return client.server_side_apply(
-                resource,
-                body=obj,
-                name=name,
-                namespace=namespace,
-                field_manager=FIELD_MANAGER,
-                force_conflicts=True,
-                **dry_run,
-            )
-
         try:
-            try:
-                live = client.get(resource, name=name, namespace=namespace).to_dict()
-            except NotFoundError:
-                server_side_apply()
-                results.append(Applied(obj["kind"], name, "created"))
-                continue
-            if _comparable(server_side_apply(dry_run="All").to_dict()) == _comparable(live):
-                results.append(Applied(obj["kind"], name, "unchanged"))
-                continue
-            server_side_apply()
+            action = _apply_one(client, resource, obj)
         except ApiException as exc:
             status = getattr(exc, "status", "?")
+            name = obj["metadata"]["name"]
             raise DeployError(
                 f"the API server rejected {obj['kind']} {name!r} ({status}): {_reason(exc)}"
             ) from None
-        results.append(Applied(obj["kind"], name, "configured"))
+        results.append(Applied(obj["kind"], obj["metadata"]["name"], action))
     return results
+
+
+def _apply_one(client, resource, obj: Manifest) -> str:
+    """Apply one object. A dry-run apply first tells whether anything would change: an unchanged
+    object is not written at all (older API servers bump managedFields times on a no-op apply)."""
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    name, namespace = obj["metadata"]["name"], obj["metadata"].get("namespace")
+
+    def server_side_apply(**dry_run: str):
+        return client.server_side_apply(
+            resource,
+            body=obj,
+            name=name,
+            namespace=namespace,
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+            **dry_run,
+        )
+
+    try:
+        live = client.get(resource, name=name, namespace=namespace).to_dict()
+    except NotFoundError:
+        server_side_apply()
+        return "created"
+    if _comparable(server_side_apply(dry_run="All").to_dict()) == _comparable(live):
+        return "unchanged"
+    server_side_apply()
+    return "configured"
 
 
 def _comparable(obj: dict[str, Any]) -> dict[str, Any]:
