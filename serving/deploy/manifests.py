@@ -92,52 +92,46 @@ def _pathways_resources(cfg: DeploymentConfig) -> dict[str, Any]:
     }
 
 
-def resource_manager_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
+def _pathways_container(
+    cfg: DeploymentConfig, name: str, image: str, port: int, args: list[str], resources: dict[str, Any]
+) -> dict[str, Any]:
+    """A Pathways component: its own port, its flags, and the shared scratch location."""
     return {
-        "name": "pathways-rm",
-        "image": cfg.images.pathways_server,
-        "args": [
-            f"--server_port={RM_PORT}",
-            "--node_type=resource_manager",
-            f"--instance_count={cfg.tpu.num_slices}",
-            f"--instance_type={tpu.instance_type}",
-            f"--gcs_scratch_location={cfg.scratch}",
-        ],
-        "env": [
-            {"name": "HOST_ADDRESS", "value": LEADER},
-            {"name": "TPU_SKIP_MDS_QUERY", "value": "true"},
-        ],
-        "ports": [{"containerPort": RM_PORT}],
-        "resources": _pathways_resources(cfg),
+        "name": name,
+        "image": image,
+        "args": [f"--server_port={port}", *args, f"--gcs_scratch_location={cfg.scratch}"],
+        "ports": [{"containerPort": port}],
+        "resources": resources,
     }
+
+
+def resource_manager_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
+    args = [
+        "--node_type=resource_manager",
+        f"--instance_count={cfg.tpu.num_slices}",
+        f"--instance_type={tpu.instance_type}",
+    ]
+    container = _pathways_container(
+        cfg, "pathways-rm", cfg.images.pathways_server, RM_PORT, args, _pathways_resources(cfg)
+    )
+    container["env"] = [
+        {"name": "HOST_ADDRESS", "value": LEADER},
+        {"name": "TPU_SKIP_MDS_QUERY", "value": "true"},
+    ]
+    return container
 
 
 def proxy_container(cfg: DeploymentConfig) -> dict[str, Any]:
-    return {
-        "name": "pathways-proxy",
-        "image": cfg.images.pathways_proxy,
-        "args": [
-            f"--server_port={PROXY_PORT}",
-            f"--resource_manager_address={LEADER}:{RM_PORT}",
-            f"--gcs_scratch_location={cfg.scratch}",
-        ],
-        "ports": [{"containerPort": PROXY_PORT}],
-        "resources": _pathways_resources(cfg),
-    }
+    args = [f"--resource_manager_address={LEADER}:{RM_PORT}"]
+    return _pathways_container(
+        cfg, "pathways-proxy", cfg.images.pathways_proxy, PROXY_PORT, args, _pathways_resources(cfg)
+    )
 
 
 def worker_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
-    return {
-        "name": "pathways-worker",
-        "image": cfg.images.pathways_server,
-        "args": [
-            f"--server_port={WORKER_PORT}",
-            f"--resource_manager_address={LEADER}:{RM_PORT}",
-            f"--gcs_scratch_location={cfg.scratch}",
-        ],
-        "ports": [{"containerPort": WORKER_PORT}],
-        "resources": {"limits": {"google.com/tpu": tpu.chips_per_host}},
-    }
+    args = [f"--resource_manager_address={LEADER}:{RM_PORT}"]
+    tpus = {"limits": {"google.com/tpu": tpu.chips_per_host}}
+    return _pathways_container(cfg, "pathways-worker", cfg.images.pathways_server, WORKER_PORT, args, tpus)
 
 
 def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
