@@ -68,3 +68,18 @@ def test_int8_kv_cache_decode_close_to_float_cache(tiny_cfg):
     scale = np.abs(results[False]).max()
     assert np.abs(results[True] - results[False]).max() <= 0.02 * scale
     assert cache.k.dtype == jnp.int8
+
+
+def test_bfloat16_weights_stay_close_to_float32(tiny_model_dir):
+    """weight_dtype=bfloat16 stores weights in bf16; compute stays float32 (dtype=float32)."""
+    from checkpoints.hf import load_hf_params, read_hf_config
+
+    cfg = read_hf_config(tiny_model_dir)
+    f32 = load_hf_params(tiny_model_dir, cfg, "float32")
+    bf16 = load_hf_params(tiny_model_dir, cfg, "bfloat16")
+    assert bf16["layers"]["wq"].dtype == jnp.bfloat16 and bf16["embed"].dtype == jnp.bfloat16
+    tokens = jnp.asarray([[5, 17, 250, 3, 99, 42, 7, 1]])
+    ref, _ = prefill(f32, tokens, jnp.array([8]), cfg)
+    out, _ = prefill(bf16, tokens, jnp.array([8]), cfg)
+    assert out.dtype == jnp.float32
+    assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 0.02 * np.abs(np.asarray(ref)).max()
