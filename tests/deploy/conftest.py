@@ -104,3 +104,41 @@ def install_crd(client, group: str, kind: str) -> None:
 def lws_installed(kube):
     install_crd(kube, "leaderworkerset.x-k8s.io", "LeaderWorkerSet")
     return kube
+
+
+def _strict_swagger(node):
+    """Swagger 2 definitions -> JSON Schema: int-or-string types, and no unknown fields."""
+    if isinstance(node, list):
+        return [_strict_swagger(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("format") == "int-or-string":
+        return {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+    out = {k: _strict_swagger(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+    if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+@pytest.fixture(scope="session")
+def kubernetes_schema(kube):
+    """validate(obj, definition) against the API server's own OpenAPI v2 document."""
+    import json
+
+    import jsonschema
+
+    api = kube.client
+    headers: dict = {}
+    api.update_params_for_auth(headers, [], ["BearerToken"], "GET", "/openapi/v2", None)
+    response = api.call_api("GET", api.configuration.host + "/openapi/v2", header_params=headers)
+    response.read()
+    definitions = _strict_swagger(json.loads(response.data)["definitions"])
+    quantity = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+    definitions[quantity] = {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+
+    def validate(obj: dict, definition: str) -> list[str]:
+        schema = {"$ref": f"#/definitions/{definition}", "definitions": definitions}
+        errors = jsonschema.Draft4Validator(schema).iter_errors(obj)
+        return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+
+    return validate

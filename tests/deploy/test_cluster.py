@@ -235,3 +235,21 @@ def test_batch_job_needs_its_crd_then_applies(kube, apiserver):
     assert "PathwaysJob/llama-8b-batch created" in second.stdout
     third = run_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
     assert "PathwaysJob/llama-8b-batch unchanged" in third.stdout
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yml")), ids=lambda p: p.stem)
+def test_services_and_pod_templates_match_the_kubernetes_schema(kubernetes_schema, path):
+    """Validated with jsonschema against the API server's OpenAPI document (unknown fields refused)."""
+    for obj in render(load_deployment(path)):
+        if obj["kind"] == "Service":
+            assert kubernetes_schema(obj, "io.k8s.api.core.v1.Service") == []
+        elif obj["kind"] == "LeaderWorkerSet":
+            template = obj["spec"]["leaderWorkerTemplate"]
+            for key in ("leaderTemplate", "workerTemplate"):
+                assert kubernetes_schema(template[key], "io.k8s.api.core.v1.PodTemplateSpec") == []
+        else:
+            template = obj["spec"]["controller"]["template"]
+            assert kubernetes_schema(template, "io.k8s.api.core.v1.PodTemplateSpec") == []
+    svc = render(load_deployment(BASE))[1]
+    svc["spec"]["ports"][0]["prot"] = 1
+    assert any("prot" in e for e in kubernetes_schema(svc, "io.k8s.api.core.v1.Service"))
