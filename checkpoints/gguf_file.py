@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from checkpoints.errors import CheckpointError
-from checkpoints.layout import ParamKey, ParamsBuilder
+from checkpoints.layout import ParamKey, build_params
 from serving.models.config import ModelConfig
 
 _LAYER_NAMES = {
@@ -126,9 +126,8 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, pairs, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf_params(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """Read every weight of a GGUF file into the params pytree."""
-    builder = ParamsBuilder(cfg, dtype)
+def iter_gguf_params(gguf: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[ParamKey, np.ndarray, str]]:
+    """(place, [in, out] float32 tensor, name) for every weight of a GGUF file, one at a time."""
     for name, tensor in gguf.iter_tensors():
         match = _NAME_RE.fullmatch(name)
         layer = int(match.group(1)) if match and match.group(1) is not None else None
@@ -144,5 +143,9 @@ def load_gguf_params(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "float32") -
             tensor = unpermute_rotary_rows(tensor, cfg.num_kv_heads)
         if key_name not in ("embed", "attn_norm", "mlp_norm", "final_norm"):
             tensor = tensor.T  # [out, in] -> [in, out]
-        builder.add(ParamKey(key_name, layer), tensor, name)
-    return builder.build()
+        yield ParamKey(key_name, layer), tensor, name
+
+
+def load_gguf_params(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """Read every weight of a GGUF file into the params pytree."""
+    return build_params(cfg, iter_gguf_params(gguf, cfg), dtype)

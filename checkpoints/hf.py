@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from checkpoints.errors import CheckpointError
-from checkpoints.layout import ParamKey, ParamsBuilder
+from checkpoints.layout import ParamKey, build_params
 from checkpoints.safetensors_io import iter_tensors
 from serving.models.config import ModelConfig, RopeScaling
 
@@ -111,13 +111,16 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield from iter_tensors(file)
 
 
-def load_hf_params(path: Path, cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """Read a safetensors directory into the params pytree."""
-    builder = ParamsBuilder(cfg, dtype)
+def iter_hf_params(path: Path, cfg: ModelConfig) -> Iterator[tuple[ParamKey, np.ndarray, str]]:
+    """(place, [in, out] tensor, name) for every weight of a safetensors directory, one at a time."""
     for name, tensor in iter_safetensors(path):
         place = param_key(name)
         if place is None or (place[0].name == "lm_head" and cfg.tie_embeddings):
             continue
         key, transpose = place
-        builder.add(key, tensor.T if transpose else tensor, name)
-    return builder.build()
+        yield key, (tensor.T if transpose else tensor), name
+
+
+def load_hf_params(path: Path, cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """Read a safetensors directory into the params pytree."""
+    return build_params(cfg, iter_hf_params(path, cfg), dtype)

@@ -7,6 +7,7 @@ preallocated stacked buffer and, at the end, checks that nothing is missing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -49,18 +50,16 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class ParamsBuilder:
-    """Collects tensors into stacked numpy buffers, then hands out a params pytree of jax arrays."""
+class ParamTracker:
+    """Checks each incoming tensor against the config and remembers which places are filled."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str = "float32"):
+    def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
-        self.dtype = NUMPY_DTYPES[dtype]
         self.shapes = param_shapes(cfg)
-        self._buffers: dict[str, np.ndarray] = {}
         self._filled: set[ParamKey] = set()
 
-    def add(self, key: ParamKey, tensor: np.ndarray, source_name: str) -> None:
-        """Place one tensor; `source_name` is the checkpoint's own name, used in errors."""
+    def check(self, key: ParamKey, tensor: np.ndarray, source_name: str) -> None:
+        """Raise a CheckpointError naming `source_name` unless the tensor fits a free place."""
         if key.name not in self.shapes:
             raise CheckpointError(f"tensor {source_name!r}: no place for {key.name!r} in this model config")
         expected = self.shapes[key.name]
@@ -77,13 +76,6 @@ class ParamsBuilder:
             )
         if key in self._filled:
             raise CheckpointError(f"tensor {source_name!r}: given twice")
-        if key.layer is None:
-            self._buffers[key.name] = np.asarray(tensor, dtype=self.dtype)
-        else:
-            buf = self._buffers.get(key.name)
-            if buf is None:
-                buf = self._buffers[key.name] = np.empty((self.cfg.num_layers, *expected), self.dtype)
-            buf[key.layer] = tensor
         self._filled.add(key)
 
     def missing(self) -> list[str]:
@@ -98,15 +90,48 @@ class ParamsBuilder:
                 out.append(name)
         return out
 
-    def build(self) -> dict:
-        """The params pytree; fails naming what is missing."""
+    def check_complete(self) -> None:
         missing = self.missing()
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise CheckpointError(f"checkpoint is missing tensors for {self.cfg.name!r}: {shown}")
+
+
+class ParamsBuilder:
+    """Collects tensors into stacked numpy buffers, then hands out a params pytree of jax arrays."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str = "float32"):
+        self.cfg = cfg
+        self.dtype = NUMPY_DTYPES[dtype]
+        self.tracker = ParamTracker(cfg)
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def add(self, key: ParamKey, tensor: np.ndarray, source_name: str) -> None:
+        """Place one tensor; `source_name` is the checkpoint's own name, used in errors."""
+        self.tracker.check(key, tensor, source_name)
+        if key.layer is None:
+            self._buffers[key.name] = np.asarray(tensor, dtype=self.dtype)
+            return
+        buf = self._buffers.get(key.name)
+        if buf is None:
+            shape = (self.cfg.num_layers, *self.tracker.shapes[key.name])
+            buf = self._buffers[key.name] = np.empty(shape, self.dtype)
+        buf[key.layer] = tensor
+
+    def build(self) -> dict:
+        """The params pytree; fails naming what is missing."""
+        self.tracker.check_complete()
         params: dict = {"layers": {}}
         for name, buf in self._buffers.items():
             target = params["layers"] if name in LAYER_KEYS else params
             target[name] = jnp.asarray(buf)
         self._buffers.clear()
         return params
+
+
+def build_params(cfg: ModelConfig, tensors: Iterable[tuple[ParamKey, np.ndarray, str]], dtype: str) -> dict:
+    """The params pytree from a stream of (place, [in, out] tensor, source name)."""
+    builder = ParamsBuilder(cfg, dtype)
+    for key, tensor, name in tensors:
+        builder.add(key, tensor, name)
+    return builder.build()

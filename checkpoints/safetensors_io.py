@@ -1,4 +1,4 @@
-"""A small safetensors reader that memory-maps tensors one at a time.
+"""A small safetensors reader that reads tensors one at a time.
 
 Our own rather than `safetensors.safe_open(framework="numpy")`: numpy has no bfloat16, and Llama
 checkpoints are mostly bfloat16. The format is an 8-byte little-endian header length, a JSON header
@@ -60,10 +60,12 @@ def read_header(file: Path) -> tuple[dict[str, dict], int]:
 
 
 def iter_tensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (name, read-only memory-mapped array) in file order."""
+    """Yield (name, array) in file order. Each tensor is read into its own buffer (no mapping of
+    the whole file), so memory stays at one tensor at a time."""
     header, data_start = read_header(file)
-    mm = np.memmap(file, dtype=np.uint8, mode="r")
-    for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = entry["data_offsets"]
-        raw = mm[data_start + begin : data_start + end]
-        yield name, raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    with file.open("rb") as f:
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            f.seek(data_start + begin)
+            raw = np.fromfile(f, dtype=np.uint8, count=end - begin)
+            yield name, raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from checkpoints import cli as checkpoint_cli
 from checkpoints.errors import CheckpointError
 from serving.chat_templates import ChatTemplateError
 from serving.config import ConfigError, ServingConfig, load_config
@@ -59,7 +60,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "args",
         nargs="*",
         metavar="[SOURCE] [key=value ...]",
-        help="a Hugging Face directory or GGUF file (default: SmolLM2-135M-Instruct), then config overrides",
+        help="a converted checkpoint, a Hugging Face directory or a GGUF file "
+        "(default: SmolLM2-135M-Instruct), then config overrides",
     )
     parser.add_argument("--config", help="a serving config YAML (keys as in configs/)")
 
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=_int, default=0)
     chat.set_defaults(handler=cmd_chat)
 
+    checkpoint_cli.add_parsers(commands)
     deploy_cli.add_parser(commands)
     return parser
 
@@ -224,7 +227,13 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the options (argparse stops collecting positionals there).
+    if extra and (not hasattr(ns, "args") or any(a.startswith("-") or "=" not in a for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        ns.args = [*ns.args, *extra]
     try:
         return ns.handler(ns)
     except USER_ERRORS as exc:

@@ -1,16 +1,20 @@
-"""Resolve a model SOURCE (a Hugging Face directory, a GGUF file, or the default model) to
-config, params and tokenizer, applying the serving config's dtype and quantization."""
+"""Resolve a model SOURCE (a converted checkpoint, a Hugging Face directory, a GGUF file, or the
+default model) to config, params and tokenizer, applying the serving config's dtype and
+quantization. The default model is converted once into $PATHSERVE_HOME and loaded from there."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoints.checkpoint import is_checkpoint, read_metadata
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf_file import GGUFFile, is_gguf_file, load_gguf_params
 from checkpoints.hf import is_hf_dir, load_hf_params, read_hf_config
-from serving.config import ServingConfig
+from serving.config import ConfigError, ServingConfig
 from serving.models import ModelConfig, quantize_params
 from serving.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
 
@@ -50,10 +54,55 @@ def _is_default_model(path: Path) -> bool:
         return False
 
 
+def pathserve_home() -> Path:
+    return Path(os.environ.get("PATHSERVE_HOME") or Path.home() / ".cache" / "pathserve")
+
+
+def default_checkpoint() -> str:
+    """The default model as a converted checkpoint in $PATHSERVE_HOME, converted on first use."""
+    from checkpoints.convert import convert
+
+    target = pathserve_home() / "checkpoints" / "smollm2-135m-instruct"
+    if not is_checkpoint(str(target)):
+        gguf = default_model_path()
+        print(f"pathserve: converting the default model {gguf.name} into {target} (once)", file=sys.stderr)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            convert(gguf, str(target), fmt="gguf", model_config=_default_config(gguf), dtype="float32")
+        except CheckpointError:
+            if not is_checkpoint(str(target)):  # not a concurrent conversion that finished first
+                raise
+    return str(target)
+
+
+def _default_config(gguf: Path) -> ModelConfig:
+    return GGUFFile(gguf).model_config(DEFAULT_MODEL_NAME)
+
+
+def load_converted(path: str, cfg: ServingConfig) -> LoadedModel:
+    """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for."""
+    from checkpoints.restore import load_checkpoint_tokenizer, restore_params
+
+    metadata = read_metadata(path)
+    if metadata.quantization == "int8" and cfg.quantization != "int8":
+        raise ConfigError(
+            f"{path} holds int8 weights: serve it with quantization=int8 checkpoint_is_quantized=true"
+        )
+    if cfg.checkpoint_is_quantized and metadata.quantization != "int8":
+        raise ConfigError(f"checkpoint_is_quantized=true, but {path} holds {metadata.dtype} weights")
+    params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype)
+    if cfg.quantization == "int8" and metadata.quantization != "int8":
+        params = quantize_params(params)
+    tokenizer = load_checkpoint_tokenizer(path, metadata)
+    return LoadedModel(config=metadata.config, params=params, tokenizer=tokenizer, source=path)
+
+
 def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
     """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks."""
-    source = source or cfg.load_parameters_path or None
-    path = Path(source) if source else default_model_path()
+    source = source or cfg.load_parameters_path or default_checkpoint()
+    if is_checkpoint(source):
+        return load_converted(source, cfg)
+    path = Path(source)
     if not path.exists():
         raise CheckpointError(f"model source not found: {path}")
     if is_hf_dir(path):

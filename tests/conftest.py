@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # Tests run on CPU, single-threaded BLAS keeps torch and XLA from fighting over 2 cores.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The default model is converted into $PATHSERVE_HOME on first use: a fresh one per test session.
+os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
 
 import pytest
 

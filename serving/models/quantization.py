@@ -30,12 +30,18 @@ class QuantizedWeight:
         return tuple(self.values.shape)
 
 
-def quantize_int8(weight: Any) -> QuantizedWeight:
-    """Quantize a [..., in, out] weight symmetrically per output channel."""
+def quantize_int8_numpy(weight: Any) -> tuple[np.ndarray, np.ndarray]:
+    """int8 values [..., in, out] and float32 scales [..., 1, out] of a weight, on the host."""
     w = np.asarray(weight, dtype=np.float32)
     absmax = np.max(np.abs(w), axis=-2, keepdims=True)
     scales = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
     values = np.clip(np.rint(w / scales), -127, 127).astype(np.int8)
+    return values, scales
+
+
+def quantize_int8(weight: Any) -> QuantizedWeight:
+    """Quantize a [..., in, out] weight symmetrically per output channel."""
+    values, scales = quantize_int8_numpy(weight)
     return QuantizedWeight(values=jnp.asarray(values), scales=jnp.asarray(scales))
 
 

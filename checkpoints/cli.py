@@ -1,0 +1,96 @@
+"""`pathserve convert | inspect | verify`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from checkpoints.errors import CheckpointError
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "convert", help="convert a HF / Meta / GGUF checkpoint into a pathserve checkpoint"
+    )
+    p.add_argument("src", type=Path, help="Hugging Face directory, Meta directory or GGUF file")
+    p.add_argument("dst", help="destination directory: a local path or gs://bucket/path")
+    p.add_argument("--format", choices=["hf", "meta", "gguf"], help="default: detected")
+    p.add_argument(
+        "--model-config",
+        metavar="NAME",
+        help="a preset in configs/models/ instead of the source's own config",
+    )
+    p.add_argument(
+        "--quantize", choices=["int8"], default="", help="int8 matmul weights with per-channel scales"
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the float tensors"
+    )
+    p.add_argument(
+        "--scan-layers", type=_bool, default=True, metavar="true|false", help="stack layers (default true)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_convert)
+
+    p = commands.add_parser("inspect", help="print a checkpoint's metadata")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_inspect)
+
+    p = commands.add_parser("verify", help="re-read every tensor and check its checksum")
+    p.add_argument("checkpoint")
+    p.set_defaults(handler=cmd_verify)
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    from checkpoints.convert import convert
+    from serving.config import load_model_config
+
+    model_config = load_model_config(ns.model_config) if ns.model_config else None
+    metadata = convert(
+        ns.src,
+        ns.dst,
+        fmt=ns.format,
+        model_config=model_config,
+        quantize=ns.quantize,
+        dtype=ns.dtype,
+        scan_layers=ns.scan_layers,
+        overwrite=ns.overwrite,
+        progress=not ns.quiet,
+    )
+    print(
+        f"wrote {ns.dst}: {metadata.config.name}, {len(metadata.tensors)} tensors, quantization {metadata.quantization or 'none'}"
+    )
+    return 0
+
+
+def cmd_inspect(ns: argparse.Namespace) -> int:
+    from checkpoints.checkpoint import read_metadata
+    from checkpoints.verify import describe
+
+    metadata = read_metadata(ns.checkpoint)
+    print(metadata.to_json() if ns.json else describe(metadata))
+    return 0
+
+
+def cmd_verify(ns: argparse.Namespace) -> int:
+    from checkpoints.verify import verify
+
+    result = verify(ns.checkpoint)
+    if result.bad:
+        for line in result.bad:
+            print(f"BAD {line}")
+        raise CheckpointError(
+            f"{ns.checkpoint}: {len(result.bad)} of {result.checked} tensors failed verification"
+        )
+    print(f"{ns.checkpoint}: all {result.checked} tensors verified")
+    return 0

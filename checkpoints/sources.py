@@ -1,0 +1,88 @@
+"""One view over the checkpoint formats we read: Hugging Face, Meta and GGUF.
+
+A `Source` knows its format, the model config, how to stream its weights into the params layout,
+and which tokenizer files travel with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from checkpoints.errors import CheckpointError
+from checkpoints.gguf_file import GGUFFile, is_gguf_file, iter_gguf_params
+from checkpoints.hf import is_hf_dir, iter_hf_params, read_hf_config
+from checkpoints.layout import ParamKey
+from checkpoints.meta import is_meta_dir, iter_meta_params, read_meta_config
+from serving.models.config import ModelConfig
+
+FORMATS = ("hf", "meta", "gguf")
+Tensors = Iterator[tuple[ParamKey, np.ndarray, str]]
+
+
+@dataclass(frozen=True)
+class Source:
+    format: str
+    path: Path
+    config: ModelConfig
+    iter_params: Callable[[], Tensors]
+    tokenizer_files: dict[str, bytes]  # file name -> contents, copied beside a converted checkpoint
+
+
+def detect_format(path: Path) -> str:
+    if is_hf_dir(path):
+        return "hf"
+    if is_meta_dir(path):
+        return "meta"
+    if is_gguf_file(path):
+        return "gguf"
+    if not path.exists():
+        raise CheckpointError(f"source not found: {path}")
+    raise CheckpointError(
+        f"{path}: not a Hugging Face directory (config.json), a Meta directory (params.json + "
+        "consolidated.*.pth) or a GGUF file; name the format with --format"
+    )
+
+
+def open_source(path: Path, fmt: str | None = None, config: ModelConfig | None = None) -> Source:
+    """Open `path` as `fmt` (detected when None); `config` overrides the one the source carries."""
+    fmt = fmt or detect_format(path)
+    if fmt not in FORMATS:
+        raise CheckpointError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if not path.exists():
+        raise CheckpointError(f"source not found: {path}")
+    if fmt == "hf":
+        cfg = config or read_hf_config(path)
+        files = {
+            n: (path / n).read_bytes()
+            for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json")
+            if (path / n).is_file()
+        }
+        return Source(fmt, path, cfg, lambda: iter_hf_params(path, cfg), files)
+    if fmt == "meta":
+        cfg = config or read_meta_config(path)
+        files = (
+            {"tokenizer.model": (path / "tokenizer.model").read_bytes()}
+            if (path / "tokenizer.model").is_file()
+            else {}
+        )
+        return Source(fmt, path, cfg, lambda: iter_meta_params(path, cfg), files)
+    gguf = GGUFFile(path)
+    cfg = config or gguf.model_config()
+    return Source(
+        fmt,
+        path,
+        cfg,
+        lambda: iter_gguf_params(gguf, cfg),
+        {"gguf_tokenizer.json": _gguf_tokenizer_json(gguf)},
+    )
+
+
+def _gguf_tokenizer_json(gguf: GGUFFile) -> bytes:
+    """The GGUF tokenizer's metadata, kept as JSON so a converted checkpoint needs no GGUF file."""
+    data = gguf.tokenizer_data()
+    return json.dumps(data.__dict__).encode()

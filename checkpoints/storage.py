@@ -1,0 +1,93 @@
+"""Where checkpoints live: a local path or a gs:// URL, through fsspec (files) and tensorstore
+(arrays). gs:// needs gcsfs; both honour STORAGE_EMULATOR_HOST / TENSORSTORE_GCS_HTTP_URL for an
+emulator."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from checkpoints.errors import CheckpointError
+
+
+def is_gcs(path: str) -> bool:
+    return str(path).startswith("gs://")
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([str(base).rstrip("/"), *parts])
+
+
+def _fs(path: str):
+    import fsspec
+
+    if is_gcs(path):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        try:
+            import gcsfs  # noqa: F401
+        except ImportError:
+            raise CheckpointError("gs:// paths need gcsfs: pip install gcsfs") from None
+    fs, stripped = fsspec.core.url_to_fs(str(path))
+    return fs, stripped
+
+
+def exists(path: str) -> bool:
+    fs, p = _fs(path)
+    try:
+        return fs.exists(p)
+    except Exception as exc:
+        raise CheckpointError(f"cannot reach {path}: {exc}") from None
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    fs, p = _fs(path)
+    try:
+        if not is_gcs(path):
+            os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        with fs.open(p, "wb") as f:
+            f.write(data)
+    except Exception as exc:
+        raise CheckpointError(f"cannot write {path}: {exc}") from None
+
+
+def read_bytes(path: str) -> bytes:
+    fs, p = _fs(path)
+    try:
+        with fs.open(p, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"not found: {path}") from None
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def list_names(path: str) -> list[str]:
+    fs, p = _fs(path)
+    try:
+        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(p, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(path: str) -> None:
+    fs, p = _fs(path)
+    if fs.exists(p):
+        fs.rm(p, recursive=True)
+
+
+def rename(src: str, dst: str) -> None:
+    """Move a finished checkpoint into place (atomic for local paths)."""
+    if not is_gcs(src):
+        os.rename(src, dst)
+        return
+    fs, s = _fs(src)
+    _, d = _fs(dst)
+    fs.mv(s, d, recursive=True)
+
+
+def kvstore(path: str) -> dict[str, Any]:
+    """tensorstore kvstore spec for a directory."""
+    if is_gcs(path):
+        bucket, _, prefix = str(path)[len("gs://") :].partition("/")
+        return {"driver": "gcs", "bucket": bucket, "path": prefix.rstrip("/") + "/"}
+    return {"driver": "file", "path": os.path.abspath(path) + "/"}
