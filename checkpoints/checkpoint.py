@@ -7,7 +7,8 @@
 
 Layout of params/: with scan_layers, per-layer weights are stacked on a leading layers axis under
 `layers/NAME` (the runtime's layout); without, each layer has its own `layers_I/NAME`. An int8
-weight is a pair `NAME/values` (int8 [in, out]) and `NAME/scales` (float32 [1, out]).
+weight is a pair `NAME/values` (int8 [in, out]) and `NAME/scales` (float32 [1, out]); the int8
+embedding's scales are per row ([vocab, 1]).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES, ParamKey, param_shapes
 from checkpoints.orbax_io import LeafPath, leaf_name
 from checkpoints.storage import exists, join, read_bytes
 from serving.models.config import ModelConfig
-from serving.models.quantization import MATMUL_WEIGHTS
+from serving.models.quantization import QUANTIZED, scale_axis
 
 FORMAT_VERSION = 1
 METADATA_FILE = "pathserve.json"
@@ -77,7 +78,7 @@ def sha256(array: np.ndarray) -> str:
 
 
 def _quantized(name: str, quantization: str) -> bool:
-    return quantization == "int8" and name in MATMUL_WEIGHTS
+    return quantization == "int8" and name in QUANTIZED
 
 
 def leaf_paths(name: str, layer: int | None, quantization: str, scan_layers: bool) -> list[LeafPath]:
@@ -101,7 +102,8 @@ def leaves(cfg: ModelConfig, quantization: str, dtype: str, scan_layers: bool) -
             paths = leaf_paths(name, layer, quantization, scan_layers)
             if len(paths) == 2:
                 out[paths[0]] = ((*lead, *shape), np.dtype(np.int8), stacked)
-                out[paths[1]] = ((*lead, 1, shape[-1]), np.dtype(np.float32), stacked)
+                scale_shape = (shape[0], 1) if scale_axis(name) == -1 else (1, shape[-1])
+                out[paths[1]] = ((*lead, *scale_shape), np.dtype(np.float32), stacked)
             else:
                 out[paths[0]] = ((*lead, *shape), float_dtype, stacked)
     return out
@@ -116,7 +118,7 @@ def stored_slices(
     layer = key.layer if (scan_layers and key.layer is not None) else None
     paths = leaf_paths(key.name, key.layer, quantization, scan_layers)
     if len(paths) == 2:
-        values, scales = quantize_int8_numpy(tensor)
+        values, scales = quantize_int8_numpy(tensor, scale_axis(key.name))
         yield paths[0], layer, values
         yield paths[1], layer, scales
     else:

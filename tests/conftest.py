@@ -29,6 +29,7 @@ def make_hf_llama(
     layers: int = 2,
     vocab: int = 320,
     seed: int = 0,
+    original_max_position: int = 16,
 ) -> Path:
     """Save a random transformers LlamaForCausalLM (float32) with save_pretrained; returns the dir."""
     import torch
@@ -42,7 +43,7 @@ def make_hf_llama(
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
+            "original_max_position_embeddings": original_max_position,
         }
     config = LlamaConfig(
         vocab_size=vocab,

@@ -27,13 +27,17 @@ def test_int8_roundtrip_error_is_within_half_a_step():
     assert np.all(np.abs(restored - w) <= np.asarray(q.scales) / 2 + 1e-7)
 
 
-def test_quantize_params_replaces_only_matmul_weights(tiny_cfg):
+def test_quantize_params_replaces_matmul_weights_and_the_embedding(tiny_cfg):
     params = quantize_params(init_params(tiny_cfg, jax.random.PRNGKey(0)))
     layers = params["layers"]
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         assert isinstance(layers[name], QuantizedWeight)
     assert isinstance(params["lm_head"], QuantizedWeight)
-    assert params["embed"].dtype == jnp.float32 and layers["attn_norm"].dtype == jnp.float32
+    assert isinstance(params["embed"], QuantizedWeight) and params["embed"].scales.shape == (
+        tiny_cfg.vocab_size,
+        1,
+    )
+    assert layers["attn_norm"].dtype == jnp.float32 and params["final_norm"].dtype == jnp.float32
 
 
 def test_int8_weights_on_smollm2_agree_with_float(smollm2):

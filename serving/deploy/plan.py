@@ -51,7 +51,8 @@ class Plan:
 
 
 def weight_bytes(model: ModelConfig, serving: ServingConfig) -> float:
-    """Bytes of all weights: int8 matmuls with float32 per-channel scales, the rest in weight_dtype."""
+    """Bytes of all weights: int8 matmuls and embedding with float32 per-channel (per-row) scales,
+    norms in weight_dtype; without quantization everything in weight_dtype."""
     e, d, n = model.embed_dim, model.head_dim, model.num_layers
     dtype = DTYPE_BYTES[serving.weight_dtype]
     per_layer_in_out = [
@@ -66,12 +67,14 @@ def weight_bytes(model: ModelConfig, serving: ServingConfig) -> float:
     matmuls = [(i, o) for i, o in per_layer_in_out for _ in range(n)]
     if not model.tie_embeddings:
         matmuls.append((e, model.vocab_size))
+    norms = (2 * n + 1) * e * dtype
     if serving.quantization == "int8":
         matmul_bytes = sum(i * o + o * SCALE_BYTES for i, o in matmuls)
+        embed = model.vocab_size * (e + SCALE_BYTES)
     else:
         matmul_bytes = sum(i * o * dtype for i, o in matmuls)
-    embed_and_norms = (model.vocab_size * e + (2 * n + 1) * e) * dtype
-    return float(matmul_bytes + embed_and_norms)
+        embed = model.vocab_size * e * dtype
+    return float(matmul_bytes + embed + norms)
 
 
 def kv_bytes_per_token(model: ModelConfig, serving: ServingConfig, kv_heads: int) -> float:

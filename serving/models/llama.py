@@ -11,7 +11,7 @@ Params pytree (layers stacked on a leading axis so they can run under `lax.scan`
     final_norm   [embed]
     lm_head      [embed, vocab]   (absent when the embedding is tied)
 
-Any matmul weight may be a `QuantizedWeight` instead of a float array.
+Any matmul weight, and the embedding, may be a `QuantizedWeight` instead of a float array.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from serving.models.config import ModelConfig
 from serving.models.layers import apply_rope, attention, matmul, rms_norm, rope_frequencies, rope_tables
+from serving.models.quantization import QuantizedWeight
 
 
 class KVCache(NamedTuple):
@@ -129,12 +130,24 @@ def _run_layers(body: Callable, carry, layers: dict, num_layers: int, scan_layer
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] is not None else None
 
 
+def _embed(params: dict, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Token embeddings [..., embed] in the compute dtype."""
+    table = params["embed"]
+    if isinstance(table, QuantizedWeight):
+        return table.values[tokens].astype(dtype) * table.scales[tokens].astype(dtype)
+    return table[tokens].astype(dtype)
+
+
 def _logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm and LM head; float32 logits [..., vocab]."""
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    if cfg.tie_embeddings:
-        return jnp.matmul(x, params["embed"].astype(x.dtype).T, preferred_element_type=jnp.float32)
-    return matmul(x, params["lm_head"]).astype(jnp.float32)
+    if not cfg.tie_embeddings:
+        return matmul(x, params["lm_head"]).astype(jnp.float32)
+    table = params["embed"]
+    if isinstance(table, QuantizedWeight):  # per-row scales of the table are per-vocab output scales
+        out = jnp.matmul(x, table.values.astype(x.dtype).T, preferred_element_type=jnp.float32)
+        return out * table.scales[:, 0]
+    return jnp.matmul(x, table.astype(x.dtype).T, preferred_element_type=jnp.float32)
 
 
 def prefill(
@@ -152,7 +165,7 @@ def prefill(
     [layers, batch, seq, kv_heads, head_dim].
     """
     batch, seq = tokens.shape
-    x = params["embed"][tokens].astype(dtype)
+    x = _embed(params, tokens, dtype)
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     cos, sin = rope_tables(positions, rope_frequencies(cfg))
     causal = positions[:, :, None] >= positions[:, None, :]
@@ -222,7 +235,7 @@ def decode_step(
     tokens [batch] are written at positions [batch] of the cache, attending to cache entries at
     or before that position. Returns logits [batch, vocab] and the updated cache.
     """
-    x = params["embed"][tokens][:, None, :].astype(dtype)  # [batch, 1, embed]
+    x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
     cache_len = cache.k.shape[2]
     mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]  # [batch, 1, cache]

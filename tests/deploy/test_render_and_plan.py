@@ -120,9 +120,10 @@ def test_plan_for_405b_int8_on_v6e_16_matches_a_hand_calculation():
     per_layer = 2 * 16384 * 16384 + 2 * 16384 * 1024 + 3 * 16384 * 53248  # q, o; k, v; gate, up, down
     matmul_int8 = 126 * per_layer + 16384 * 128256  # + untied LM head, one byte each
     scales = 4 * (126 * (16384 + 1024 + 1024 + 16384 + 53248 + 53248 + 16384) + 128256)
-    embed_norms_bf16 = 2 * (128256 * 16384 + (2 * 126 + 1) * 16384)
-    weights = matmul_int8 + scales + embed_norms_bf16
-    assert plan.weight_bytes == weights == 408_038_872_064
+    embed_int8 = 128256 * 16384 + 4 * 128256  # int8 rows with a float32 scale each
+    norms_bf16 = 2 * (2 * 126 + 1) * 16384
+    weights = matmul_int8 + scales + embed_int8 + norms_bf16
+    assert plan.weight_bytes == weights == 405_938_038_784
     assert (
         plan.chips == 16 and plan.hosts == 4 and plan.mesh == {"fsdp": 1, "autoregressive": 1, "tensor": 16}
     )
