@@ -74,7 +74,8 @@ def read_metadata(path: str) -> CheckpointMetadata:
 
 
 def sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    """Hash of the array's C-order bytes (without copying a contiguous array)."""
+    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
 
 
 def _quantized(name: str, quantization: str) -> bool:
