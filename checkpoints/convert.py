@@ -1,8 +1,8 @@
 """`pathserve convert`: any source format -> a pathserve checkpoint, streamed tensor by tensor.
 
 Peak memory is about one source tensor, its converted copy and its quantized copy, never the model.
-The checkpoint is written under a temporary name beside DST and moved into place when complete, so
-DST never holds half a checkpoint.
+A local checkpoint is written under a temporary name beside DST and moved into place when complete;
+on gs:// the metadata file is written last. Either way a failed conversion leaves nothing at DST.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ from checkpoints.errors import CheckpointError
 from checkpoints.layout import LAYER_KEYS, ParamTracker
 from checkpoints.orbax_io import ArrayWriter, leaf_name
 from checkpoints.sources import open_source
-from checkpoints.storage import exists, join, remove_tree, rename, write_bytes
+from checkpoints.storage import (
+    check_writable_location,
+    exists,
+    is_gcs,
+    join,
+    remove_tree,
+    rename,
+    write_bytes,
+)
 from serving.models.config import ModelConfig
 
 QUANTIZATIONS = ("", "int8")
@@ -49,18 +57,22 @@ def convert(
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     dst = str(dst).rstrip("/")
+    check_writable_location(dst)
     if exists(dst) and not overwrite:
         raise CheckpointError(f"{dst} already exists; pass --overwrite to replace it")
     source = open_source(Path(src), fmt, model_config)
-    tmp = f"{dst}.partial-{os.getpid()}"
-    remove_tree(tmp)
+    # Local: write beside DST and rename into place. GCS has no atomic rename: write at DST with the
+    # metadata file last (readers look for it), and remove the prefix if anything fails.
+    target = dst if is_gcs(dst) else f"{dst}.partial-{os.getpid()}"
+    if overwrite or target != dst:
+        remove_tree(target)
     try:
-        metadata = _write(source, tmp, quantize, dtype, scan_layers, progress)
-        if exists(dst):
+        metadata = _write(source, target, quantize, dtype, scan_layers, progress)
+        if target != dst:
             remove_tree(dst)
-        rename(tmp, dst)
+            rename(target, dst)
     except BaseException:
-        remove_tree(tmp)
+        remove_tree(target)
         raise
     return metadata
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import cache
 from typing import Any
 
 import ml_dtypes
@@ -26,6 +27,15 @@ ZARR_DTYPES = {
 }
 
 LeafPath = tuple[str, ...]
+
+
+@cache
+def ts_context():
+    """One tensorstore context for the process: shared HTTP connections and caches (opening every
+    array with its own context exhausts connections against GCS)."""
+    import tensorstore as ts
+
+    return ts.Context()
 
 
 def quiet_orbax_logs() -> None:

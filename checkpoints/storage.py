@@ -39,6 +39,20 @@ def exists(path: str) -> bool:
         raise CheckpointError(f"cannot reach {path}: {exc}") from None
 
 
+def check_writable_location(path: str) -> None:
+    """Fail early, with the bucket's name, when a gs:// destination's bucket cannot be reached."""
+    if not is_gcs(path):
+        return
+    bucket = str(path)[len("gs://") :].split("/", 1)[0]
+    fs, _ = _fs(path)
+    try:
+        found = fs.exists(bucket)
+    except Exception as exc:
+        raise CheckpointError(f"cannot reach bucket gs://{bucket}: {exc}") from None
+    if not found:
+        raise CheckpointError(f"bucket gs://{bucket} does not exist or is not accessible (writing {path})")
+
+
 def write_bytes(path: str, data: bytes) -> None:
     fs, p = _fs(path)
     try:
@@ -76,13 +90,8 @@ def remove_tree(path: str) -> None:
 
 
 def rename(src: str, dst: str) -> None:
-    """Move a finished checkpoint into place (atomic for local paths)."""
-    if not is_gcs(src):
-        os.rename(src, dst)
-        return
-    fs, s = _fs(src)
-    _, d = _fs(dst)
-    fs.mv(s, d, recursive=True)
+    """Move a finished local checkpoint into place, atomically."""
+    os.rename(src, dst)
 
 
 def kvstore(path: str) -> dict[str, Any]:
