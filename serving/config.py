@@ -44,6 +44,10 @@ class ServingConfig(BaseModel):
     quantize_kvcache: bool = False
     checkpoint_is_quantized: bool = False
     enable_model_warmup: bool = False
+    # Engine and runtime (not MaxText flags).
+    runtime: Literal["auto", "local", "pathways", "multicontroller"] = "auto"
+    decode_steps_per_call: int = Field(default=4, ge=1, le=64)
+    jax_compilation_cache_dir: str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:

@@ -1,0 +1,291 @@
+"""Engine: JetStream's contract over a fixed pool of decode slots.
+
+- `prefill(params, padded_tokens, true_length, sampling)` runs one prompt (padded to a power-of-two
+  bucket) and samples its first token; it returns a `Prefix` holding the prompt's KV.
+- `insert(prefix, decode_state, slot)` writes that KV into slot `slot` of the preallocated cache.
+- `generate(params, decode_state)` advances every active slot by `decode_steps_per_call` tokens in
+  one compiled call; a slot stops at a stop id, at its max_tokens, or at max_target_length.
+- `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
+
+All shapes are static; the decode state is donated to the compiled steps and comes back updated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from serving.config import ServingConfig
+from serving.engine.sharding import cache_spec, param_shardings
+from serving.errors import GenerationError
+from serving.model_source import LoadedModel
+from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+MAX_STOP_IDS = 8
+
+
+def prefill_buckets(max_prefill_length: int) -> list[int]:
+    """Power-of-two prompt lengths from MIN_BUCKET up to (and including) the limit."""
+    buckets, n = [], MIN_BUCKET
+    while n < max_prefill_length:
+        buckets.append(n)
+        n *= 2
+    return [*buckets, max_prefill_length]
+
+
+class SlotSampling(NamedTuple):
+    """Per-request sampling state; scalars in a Prefix, [slots, ...] in the decode state."""
+
+    key: jax.Array  # uint32 [2] PRNG key of the request's seed
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32
+    top_p: jax.Array  # float32
+    max_tokens: jax.Array  # int32
+    stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded
+
+
+class Prefix(NamedTuple):
+    kv: KVCache  # float [layers, 1, bucket, kv_heads, head_dim]
+    length: jax.Array  # int32: true prompt length
+    first_token: jax.Array  # int32
+    sampling: SlotSampling
+
+
+class DecodeState(NamedTuple):
+    cache: KVCache  # [layers, slots, max_target_length, kv_heads, head_dim]
+    tokens: jax.Array  # int32 [slots]: last token, fed at the next step
+    positions: jax.Array  # int32 [slots]: where `tokens` is written at the next step
+    generated: jax.Array  # int32 [slots]: tokens produced so far (the first one included)
+    active: jax.Array  # bool [slots]
+    sampling: SlotSampling  # [slots, ...]
+
+
+class ResultTokens(NamedTuple):
+    """What one generate call produced, step by step."""
+
+    tokens: jax.Array  # int32 [steps, slots]
+    valid: jax.Array  # bool [steps, slots]: the slot was active and produced this token
+    done: jax.Array  # bool [steps, slots]: this token finished the slot
+
+
+def _is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    return jnp.any(token[..., None] == stop_ids, axis=-1)
+
+
+class Engine:
+    """Prefill / insert / generate for one model on one mesh."""
+
+    def __init__(self, model: LoadedModel, cfg: ServingConfig, mesh: Mesh | None = None):
+        from serving.runtime import make_mesh
+
+        self.model = model
+        self.cfg = cfg
+        self.mesh = mesh if mesh is not None else make_mesh(cfg)
+        self.max_concurrent_decodes = max(1, int(cfg.per_device_batch_size * self.mesh.size))
+        self.max_prefill_length = cfg.max_prefill_predict_length
+        self.buckets = prefill_buckets(self.max_prefill_length)
+        self._dtype = jnp.dtype(cfg.dtype)
+        self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
+        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype)
+        self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
+        state_shardings = self._state_shardings()
+        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
+        self._generate_fn = jax.jit(
+            partial(self._generate_impl, static=static),
+            donate_argnums=(1,),
+            out_shardings=(state_shardings, None),
+        )
+        self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
+
+    # -- the contract --------------------------------------------------------------------------
+
+    def load_params(self) -> dict:
+        """The model's params placed on the mesh (weights over `tensor` and `fsdp`)."""
+        return jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
+
+    def init_decode_state(self) -> DecodeState:
+        cfg, slots = self.model.config, self.max_concurrent_decodes
+        cache = init_cache(
+            cfg, slots, self.cfg.max_target_length, self._dtype, quantized=self.cfg.quantize_kvcache
+        )
+
+        def zeros():  # a buffer of its own for each field: they are donated one by one
+            return jnp.zeros((slots,), jnp.int32)
+
+        state = DecodeState(
+            cache=cache,
+            tokens=zeros(),
+            positions=zeros(),
+            generated=zeros(),
+            active=jnp.zeros((slots,), bool),
+            sampling=SlotSampling(
+                key=jnp.zeros((slots, 2), jnp.uint32),
+                temperature=jnp.zeros((slots,), jnp.float32),
+                top_k=zeros(),
+                top_p=jnp.ones((slots,), jnp.float32),
+                max_tokens=zeros(),
+                stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+            ),
+        )
+        return jax.device_put(state, self._state_shardings())
+
+    def bucket_for(self, length: int) -> int:
+        if length <= 0:
+            raise GenerationError("the prompt is empty")
+        if length > self.max_prefill_length:
+            raise GenerationError(
+                f"the prompt has {length} tokens, more than max_prefill_predict_length={self.max_prefill_length}"
+            )
+        return next(b for b in self.buckets if b >= length)
+
+    def check_request(self, prompt_length: int, sampling: SamplingParams) -> None:
+        self.bucket_for(prompt_length)
+        if prompt_length + sampling.max_tokens > self.cfg.max_target_length:
+            raise GenerationError(
+                f"prompt ({prompt_length} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"max_target_length={self.cfg.max_target_length}"
+            )
+        if len(sampling.stop_ids) > MAX_STOP_IDS:
+            raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
+
+    def pad_prompt(self, prompt_ids: list[int]) -> np.ndarray:
+        padded = np.zeros((self.bucket_for(len(prompt_ids)),), np.int32)
+        padded[: len(prompt_ids)] = prompt_ids
+        return padded
+
+    def prefill(
+        self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams
+    ) -> tuple[Prefix, int]:
+        """KV for one padded prompt and its first sampled token."""
+        self.check_request(true_length, sampling)
+        prefix = self._prefill_fn(
+            params,
+            jnp.asarray(padded_tokens, jnp.int32)[None],
+            jnp.int32(true_length),
+            _slot_sampling(sampling),
+        )
+        return prefix, int(prefix.first_token)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        return self._insert_fn(prefix, decode_state, jnp.int32(slot))
+
+    def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        return self._generate_fn(params, decode_state)
+
+    def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        return self._free_fn(decode_state, jnp.int32(slot))
+
+    def warmup(self, params: dict) -> float:
+        """Compile every prefill bucket, insert and generate; returns the seconds spent."""
+        start = time.perf_counter()
+        state = self.init_decode_state()
+        probe = SamplingParams(max_tokens=1)
+        for bucket in self.buckets:
+            prefix, _ = self.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
+            state = self.insert(prefix, state, 0)
+        state = self.free_resource(state, 0)
+        state, _ = self.generate(params, state)
+        jax.block_until_ready(state)
+        seconds = time.perf_counter() - start
+        log.info(
+            "warmup: compiled %d prefill buckets, insert and generate in %.1f s", len(self.buckets), seconds
+        )
+        return seconds
+
+    # -- compiled bodies -----------------------------------------------------------------------
+
+    def _state_shardings(self) -> DecodeState:
+        mesh, cfg = self.mesh, self.model.config
+        slots = NamedSharding(mesh, P("autoregressive"))
+        rows = NamedSharding(mesh, P("autoregressive", None))
+        cache = NamedSharding(mesh, cache_spec(cfg, mesh))
+        quantized = self.cfg.quantize_kvcache
+        return DecodeState(
+            cache=KVCache(cache, cache, cache if quantized else None, cache if quantized else None),
+            tokens=slots,
+            positions=slots,
+            generated=slots,
+            active=slots,
+            sampling=SlotSampling(
+                key=rows, temperature=slots, top_k=slots, top_p=slots, max_tokens=slots, stop_ids=rows
+            ),
+        )
+
+    def _sample(self, logits: jax.Array, keys: jax.Array, sampling: SlotSampling) -> jax.Array:
+        return sample(
+            logits[:, : self._num_decodable], keys, sampling.temperature, sampling.top_k, sampling.top_p
+        )
+
+    def _prefill_impl(self, params, tokens, true_length, sampling: SlotSampling, static) -> Prefix:
+        logits, kv = prefill(params, tokens, true_length[None], **static)
+        last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
+        batched = jax.tree.map(lambda x: x[None], sampling)
+        first = self._sample(last, jax.random.fold_in(sampling.key, 0)[None], batched)[0]
+        return Prefix(kv=kv, length=true_length, first_token=first, sampling=sampling)
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+        finished = _is_stop(prefix.first_token, prefix.sampling.stop_ids) | (prefix.sampling.max_tokens <= 1)
+        sampling = jax.tree.map(lambda all_, one: all_.at[slot].set(one), state.sampling, prefix.sampling)
+        return DecodeState(
+            cache=store_prefix(state.cache, prefix.kv, slot),
+            tokens=state.tokens.at[slot].set(prefix.first_token),
+            positions=state.positions.at[slot].set(prefix.length),
+            generated=state.generated.at[slot].set(1),
+            active=state.active.at[slot].set(~finished),
+            sampling=sampling,
+        )
+
+    def _free_impl(self, state: DecodeState, slot) -> DecodeState:
+        return state._replace(active=state.active.at[slot].set(False))
+
+    def _generate_impl(self, params, state: DecodeState, static) -> tuple[DecodeState, ResultTokens]:
+        max_len = self.cfg.max_target_length
+
+        def step(state: DecodeState, _):
+            positions = jnp.minimum(state.positions, max_len - 1)
+            logits, cache = decode_step(params, state.tokens, positions, state.cache, **static)
+            keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
+            token = self._sample(logits, keys, state.sampling)
+            valid = state.active
+            generated = state.generated + valid
+            done = valid & (
+                _is_stop(token, state.sampling.stop_ids)
+                | (generated >= state.sampling.max_tokens)
+                | (positions + 1 >= max_len)
+            )
+            new_state = DecodeState(
+                cache=cache,
+                tokens=jnp.where(valid, token, state.tokens),
+                positions=jnp.where(valid, positions + 1, state.positions),
+                generated=generated,
+                active=valid & ~done,
+                sampling=state.sampling,
+            )
+            return new_state, ResultTokens(token, valid, done)
+
+        return jax.lax.scan(step, state, None, length=self.cfg.decode_steps_per_call)
+
+
+def _slot_sampling(sampling: SamplingParams) -> SlotSampling:
+    stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+    stop[: len(sampling.stop_ids)] = sampling.stop_ids
+    return SlotSampling(
+        key=jax.random.PRNGKey(sampling.seed),
+        temperature=jnp.float32(sampling.temperature),
+        top_k=jnp.int32(sampling.top_k),
+        top_p=jnp.float32(sampling.top_p),
+        max_tokens=jnp.int32(sampling.max_tokens),
+        stop_ids=jnp.asarray(stop),
+    )
