@@ -83,7 +83,7 @@ def test_seeded_sampling_is_reproducible_and_matches_the_plain_loop(tiny):
 
 
 def test_stop_ids_finish_with_stop(tiny):
-    model, cfg, engine, params = tiny
+    model, _cfg, engine, params = tiny
     prompt = _prompts(model.tokenizer, [5])[0]
     free_run = generate_all(engine, params, [(prompt, SamplingParams(max_tokens=20))])[0].token_ids
     stop_token = free_run[6]
@@ -95,7 +95,7 @@ def test_stop_ids_finish_with_stop(tiny):
 
 
 def test_cancelled_slot_is_freed(tiny):
-    model, cfg, engine, params = tiny
+    model, _cfg, engine, params = tiny
     prompt = _prompts(model.tokenizer, [5])[0]
     state = engine.init_decode_state()
     prefix, _ = engine.prefill(params, engine.pad_prompt(prompt), len(prompt), SamplingParams(max_tokens=50))
@@ -108,7 +108,7 @@ def test_cancelled_slot_is_freed(tiny):
 
 
 def test_limits_are_errors_the_caller_sees(tiny):
-    model, cfg, engine, params = tiny
+    _model, _cfg, engine, _params = tiny
     with pytest.raises(GenerationError, match="max_prefill_predict_length=64"):
         engine.pad_prompt(list(range(65)))
     with pytest.raises(GenerationError, match="max_target_length=128"):
