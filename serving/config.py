@@ -47,6 +47,7 @@ class ServingConfig(BaseModel):
     # Engine and runtime (not MaxText flags).
     runtime: Literal["auto", "local", "pathways", "multicontroller"] = "auto"
     decode_steps_per_call: int = Field(default=4, ge=1, le=64)
+    max_queued_requests: int = Field(default=256, ge=1)
     jax_compilation_cache_dir: str = ""
 
     @model_validator(mode="after")

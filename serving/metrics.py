@@ -1,0 +1,69 @@
+"""Counters and histograms the orchestrator keeps for the metrics endpoint (thread-safe, no deps)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+# Seconds: from a millisecond to a couple of minutes.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+
+@dataclass
+class EngineMetrics:
+    """What the device loop and the request streams record."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    queued: int = 0  # requests waiting for a slot
+    active_slots: int = 0
+    total_slots: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    requests_rejected: int = 0
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    time_per_output_token: Histogram = field(default_factory=Histogram)
+    prefill_step: Histogram = field(default_factory=Histogram)
+    generate_step: Histogram = field(default_factory=Histogram)
+
+    def observe(self, name: str, value: float) -> None:
+        with self.lock:
+            getattr(self, name).observe(value)
+
+    def finished(self, reason: str) -> None:
+        with self.lock:
+            self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
