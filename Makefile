@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean manifests
+.PHONY: install serve test lint clean manifests bench-engine
 
 install: $(STAMP)
 
@@ -37,3 +37,7 @@ clean:
 # Regenerate manifests/ from configs/deployments/ (a test fails when they are out of date).
 manifests: install
 	for f in configs/deployments/*.yml; do $(BIN)/pathserve deploy render $$f -o manifests || exit 1; done
+
+# Offline decode throughput against transformers, with a roofline (results/engine-bench.{json,png}).
+bench-engine: install
+	$(BIN)/python -m serving.engine.bench

@@ -38,8 +38,20 @@ def sample(
     logits [batch, vocab] float32; keys [batch] PRNG keys; temperature, top_p [batch] float32;
     top_k [batch] int32. Rows with temperature 0 take the argmax. Returns [batch] int32.
     """
-    vocab = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # Sorting the vocabulary costs more than a decode step on CPU: skip it when every row is greedy.
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jnp.where(temperature > 0, _draw(logits, keys, temperature, top_k, top_p), greedy),
+        lambda: greedy,
+    )
+
+
+def _draw(
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Temperature, top-k and top-p sampling for every row."""
+    vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     ranked = jnp.sort(scaled, axis=-1)[:, ::-1]  # [batch, vocab], best first
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -49,5 +61,4 @@ def sample(
     keep = in_top_k & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
     cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
     masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)

@@ -1,0 +1,215 @@
+"""`make bench-engine`: offline decode throughput of the engine against Hugging Face transformers.
+
+SmolLM2-135M-Instruct (the same dequantized GGUF weights on both sides), batch 1, 8 and 32, our
+float32 and int8 weights against transformers float32 `generate`, alternating A/B in one run. The
+machine's memory bandwidth and matmul FLOP/s are measured in the same run for a roofline:
+rate = min(bandwidth / bytes read per step, FLOP/s / FLOPs per step) x batch.
+Writes results/engine-bench.json and results/engine-bench.png. Not a test: numbers are ratios
+against peers measured here, on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.config import ServingConfig
+from serving.engine.engine import Engine
+from serving.model_source import default_model_path, load_model
+from serving.sampling import SamplingParams
+
+PROMPT = (
+    "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
+)
+
+
+def measure_bandwidth() -> float:
+    """Bytes/s of a large float32 reduction (1 GiB read)."""
+    x = jnp.ones((1 << 28,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / min(times)
+
+
+def measure_flops() -> float:
+    """FLOP/s of a float32 1024^3 matmul."""
+    a = jnp.ones((1024, 1024), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, a).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        mm(a, a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * 1024**3 / min(times)
+
+
+def engine_decode_rate(
+    engine: Engine, params: dict, prompt_ids: list[int], batch: int, new_tokens: int
+) -> float:
+    """Decode tokens/s with `batch` slots busy: prefill + insert all, then time generate calls."""
+    state = engine.init_decode_state()
+    sampling = SamplingParams(max_tokens=new_tokens + 1)
+    for slot in range(batch):
+        prefix, _ = engine.prefill(params, engine.pad_prompt(prompt_ids), len(prompt_ids), sampling)
+        state = engine.insert(prefix, state, slot)
+    jax.block_until_ready(state)
+    produced, start = 0, time.perf_counter()
+    while produced < batch * new_tokens:
+        state, result = engine.generate(params, state)
+        produced += int(np.asarray(result.valid).sum())
+        if not np.asarray(state.active).any():
+            break
+    return produced / (time.perf_counter() - start)
+
+
+def transformers_rate(model, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
+    import torch
+
+    ids = torch.tensor([prompt_ids] * batch)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def bytes_per_step(params: dict, cfg, batch: int, context: int) -> tuple[float, float]:
+    """(bytes read, FLOPs) for one decode step at `batch` over a `context`-token cache."""
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * context * batch
+    return weight_bytes + kv, 2.0 * cfg.num_params * batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per point (the best counts)")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    ns = parser.parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    batches = [int(b) for b in ns.batches.split(",")]
+    gguf = default_model_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    bandwidth, flops = measure_bandwidth(), measure_flops()
+    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
+    results = {
+        "bandwidth_bytes_per_s": bandwidth,
+        "matmul_flops": flops,
+        "new_tokens": ns.new_tokens,
+        "points": [],
+    }
+    for weights in ("float32", "int8"):
+        base = ServingConfig(
+            max_prefill_predict_length=64,
+            max_target_length=64 + ns.new_tokens + 8,
+            quantization="int8" if weights == "int8" else "",
+        )
+        model = load_model(str(gguf), base)
+        prompt_ids = model.tokenizer.encode(PROMPT)
+        for batch in batches:
+            # As many slots as sequences: every slot of an engine is computed at each step.
+            engine = Engine(model, base.model_copy(update={"per_device_batch_size": float(batch)}))
+            params = engine.load_params()
+            engine_decode_rate(engine, params, prompt_ids, batch, 8)  # compile
+            ours, theirs = [], []
+            for _ in range(ns.rounds):
+                ours.append(engine_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens))
+                if weights == "float32":
+                    theirs.append(transformers_rate(reference, prompt_ids, batch, ns.new_tokens))
+            step_bytes, step_flops = bytes_per_step(
+                params, model.config, batch, len(prompt_ids) + ns.new_tokens // 2
+            )
+            roofline = min(bandwidth / step_bytes, flops / step_flops) * batch
+            point = {
+                "weights": weights,
+                "batch": batch,
+                "tokens_per_s": max(ours),
+                "roofline_tokens_per_s": roofline,
+            }
+            point["fraction_of_roofline"] = point["tokens_per_s"] / roofline
+            if theirs:
+                point["transformers_tokens_per_s"] = max(theirs)
+            results["points"].append(point)
+            print(json.dumps(point))
+    baseline = {
+        p["batch"]: p["transformers_tokens_per_s"]
+        for p in results["points"]
+        if "transformers_tokens_per_s" in p
+    }
+    for p in results["points"]:
+        p["ratio_vs_transformers_f32"] = p["tokens_per_s"] / baseline[p["batch"]]
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "engine-bench.json").write_text(json.dumps(results, indent=2))
+    plot(results, ns.out / "engine-bench.png")
+    print(f"{'weights':8} {'batch':>5} {'tok/s':>8} {'vs HF f32':>9} {'roofline':>9} {'of roof':>7}")
+    for p in results["points"]:
+        print(
+            f"{p['weights']:8} {p['batch']:5d} {p['tokens_per_s']:8.1f} {p['ratio_vs_transformers_f32']:9.2f} "
+            f"{p['roofline_tokens_per_s']:9.1f} {p['fraction_of_roofline']:7.0%}"
+        )
+    return 0
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for weights, style in (("float32", "o-"), ("int8", "s-")):
+        pts = [p for p in results["points"] if p["weights"] == weights]
+        ax.plot(
+            [p["batch"] for p in pts], [p["tokens_per_s"] for p in pts], style, label=f"pathserve {weights}"
+        )
+        ax.plot(
+            [p["batch"] for p in pts],
+            [p["roofline_tokens_per_s"] for p in pts],
+            style[0] + ":",
+            alpha=0.5,
+            label=f"roofline {weights}",
+        )
+    hf = [p for p in results["points"] if "transformers_tokens_per_s" in p]
+    ax.plot(
+        [p["batch"] for p in hf],
+        [p["transformers_tokens_per_s"] for p in hf],
+        "^--",
+        label="transformers float32",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (concurrent sequences)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("SmolLM2-135M decode throughput (CPU)")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
