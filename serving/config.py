@@ -49,6 +49,9 @@ class ServingConfig(BaseModel):
     decode_steps_per_call: int = Field(default=4, ge=1, le=64)
     max_queued_requests: int = Field(default=256, ge=1)
     jax_compilation_cache_dir: str = ""
+    profiler_steps: int = Field(default=0, ge=0)  # trace this many generate calls at start (with profile_dir)
+    profile_dir: str = ""  # local path or gs://
+    profiler_port: int = Field(default=0, ge=0, le=65535)  # jax.profiler.start_server when set
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:

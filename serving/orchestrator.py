@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from serving.engine.engine import Engine
@@ -159,10 +160,25 @@ class Orchestrator:
         self._stopping = threading.Event()
         self.last_progress = time.monotonic()  # for liveness: the loop made progress at this time
         self._thread = threading.Thread(target=self._run, name="device-loop", daemon=True)
+        self._profile_lock = threading.Lock()
+        self._profile: tuple[int, str] | None = None  # (generate calls to trace, directory)
+        self._profiling_left = 0
 
     def start(self) -> Orchestrator:
+        cfg = self.engine.cfg
+        if cfg.profiler_port:
+            jax.profiler.start_server(cfg.profiler_port)
+            log.info("profiler server on port %d", cfg.profiler_port)
+        if cfg.profiler_steps and cfg.profile_dir:
+            self.request_profile(cfg.profiler_steps, cfg.profile_dir)
         self._thread.start()
         return self
+
+    def request_profile(self, steps: int, directory: str) -> None:
+        """Trace the next `steps` generate calls (with their admissions) into `directory`."""
+        with self._profile_lock:
+            self._profile = (steps, directory)
+        self._wake.set()
 
     def stop(self, timeout: float | None = None) -> None:
         self._stopping.set()
@@ -219,10 +235,12 @@ class Orchestrator:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
+            self._maybe_start_trace()
             started = time.perf_counter()
             state, result = engine.generate(self.params, state)
             tokens, valid, done = (np.asarray(x) for x in result)
             self.metrics.observe("generate_step", time.perf_counter() - started)
+            self._maybe_stop_trace()
             self.last_progress = time.monotonic()
             for step in range(tokens.shape[0]):
                 for slot, request in list(slots.items()):
@@ -236,6 +254,23 @@ class Orchestrator:
                         )
                         free.append(slot)
             self.metrics.kv_tokens_used = int(np.asarray(state.positions)[list(slots)].sum()) if slots else 0
+
+    def _maybe_start_trace(self) -> None:
+        with self._profile_lock:
+            pending, self._profile = self._profile, None
+        if pending is None or self._profiling_left:
+            return
+        steps, directory = pending
+        jax.profiler.start_trace(directory)
+        self._profiling_left = steps
+        log.info("profiling %d generate calls into %s", steps, directory)
+
+    def _maybe_stop_trace(self) -> None:
+        if self._profiling_left:
+            self._profiling_left -= 1
+            if not self._profiling_left:
+                jax.profiler.stop_trace()
+                log.info("profile written")
 
     def _admit(self, request: _Request, state, free: list[int], slots: dict[int, _Request]):
         engine = self.engine

@@ -135,3 +135,13 @@ def test_metrics_record_steps(setup, orchestrator):
     m = orchestrator.metrics
     assert m.prefill_step.count >= 1 and m.generate_step.count >= 1 and m.time_to_first_token.count >= 1
     assert m.requests_finished.get("length", 0) >= 1
+
+
+def test_profile_on_request_writes_a_trace(setup, orchestrator, tmp_path):
+    model, *_ = setup
+    orchestrator.request_profile(2, str(tmp_path / "trace"))
+    orchestrator.submit(_prompts(model.tokenizer, 1)[0], SamplingParams(max_tokens=12)).result()
+    deadline = time.monotonic() + 20
+    while not list((tmp_path / "trace").rglob("*.xplane.pb")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
