@@ -26,13 +26,13 @@ from jax.sharding import PartitionSpec as P
 from serving.config import ServingConfig
 from serving.engine.sharding import cache_spec, param_shardings
 from serving.errors import GenerationError
+from serving.generate import MIN_BUCKET
 from serving.model_source import LoadedModel
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
 from serving.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
-MIN_BUCKET = 16
 MAX_STOP_IDS = 8
 
 
