@@ -104,7 +104,7 @@ def _write(
                 checksums[leaf_name(path)][slice_label(path, layer)] = sha256(array)
                 written += array.nbytes
             bar.update(1)
-            bar.set_postfix_str(f"{written / 2**20:,.0f} MiB written")
+            bar.set_postfix_str(f"{written / 2**20:,.0f} MiB written", refresh=False)
         tracker.check_complete()
     for name, data in source.tokenizer_files.items():
         write_bytes(join(directory, TOKENIZER_DIR, name), data)
