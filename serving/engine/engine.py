@@ -34,6 +34,7 @@ from serving.sampling import SamplingParams, sample
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 8
+MIN_WINDOW = 128
 
 
 def prefill_buckets(max_prefill_length: int) -> list[int]:
@@ -43,6 +44,19 @@ def prefill_buckets(max_prefill_length: int) -> list[int]:
         buckets.append(n)
         n *= 2
     return [*buckets, max_prefill_length]
+
+
+def attention_windows(max_target_length: int) -> list[int]:
+    """Cache lengths a generate call may attend over: powers of two from MIN_WINDOW up to the limit.
+
+    Each is compiled once; a call uses the smallest that holds its longest live sequence, so short
+    requests do not pay for reading a cache sized for the longest one.
+    """
+    windows, n = [], MIN_WINDOW
+    while n < max_target_length:
+        windows.append(n)
+        n *= 2
+    return [*windows, max_target_length]
 
 
 class SlotSampling(NamedTuple):
@@ -102,10 +116,12 @@ class Engine:
         self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
+        self.windows = attention_windows(cfg.max_target_length)
         self._generate_fn = jax.jit(
             partial(self._generate_impl, static=static),
             donate_argnums=(1,),
             out_shardings=(state_shardings, None),
+            static_argnames=("window",),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
 
@@ -182,7 +198,14 @@ class Engine:
         return self._insert_fn(prefix, decode_state, jnp.int32(slot))
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_fn(params, decode_state)
+        return self._generate_fn(params, decode_state, window=self.window_for(decode_state))
+
+    def window_for(self, decode_state: DecodeState) -> int:
+        """The smallest attention window holding every active slot through this generate call."""
+        active = np.asarray(decode_state.active)
+        longest = int(np.asarray(decode_state.positions)[active].max()) if active.any() else 0
+        needed = longest + self.cfg.decode_steps_per_call
+        return next((w for w in self.windows if w >= needed), self.windows[-1])
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._free_fn(decode_state, jnp.int32(slot))
@@ -196,11 +219,15 @@ class Engine:
             prefix, _ = self.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
             state = self.insert(prefix, state, 0)
         state = self.free_resource(state, 0)
-        state, _ = self.generate(params, state)
+        for window in self.windows:
+            state, _ = self._generate_fn(params, state, window=window)
         jax.block_until_ready(state)
         seconds = time.perf_counter() - start
         log.info(
-            "warmup: compiled %d prefill buckets, insert and generate in %.1f s", len(self.buckets), seconds
+            "warmup: compiled %d prefill buckets, insert and %d generate windows in %.1f s",
+            len(self.buckets),
+            len(self.windows),
+            seconds,
         )
         return seconds
 
@@ -250,12 +277,14 @@ class Engine:
     def _free_impl(self, state: DecodeState, slot) -> DecodeState:
         return state._replace(active=state.active.at[slot].set(False))
 
-    def _generate_impl(self, params, state: DecodeState, static) -> tuple[DecodeState, ResultTokens]:
+    def _generate_impl(
+        self, params, state: DecodeState, static, window: int
+    ) -> tuple[DecodeState, ResultTokens]:
         max_len = self.cfg.max_target_length
 
         def step(state: DecodeState, _):
             positions = jnp.minimum(state.positions, max_len - 1)
-            logits, cache = decode_step(params, state.tokens, positions, state.cache, **static)
+            logits, cache = decode_step(params, state.tokens, positions, state.cache, **static, window=window)
             keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
             token = self._sample(logits, keys, state.sampling)
             valid = state.active

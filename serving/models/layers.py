@@ -81,3 +81,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgsc,bckd->bskgd", probs, v)
+
+
+def attention_with_new_token(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, k_new: jax.Array, v_new: jax.Array
+) -> jax.Array:
+    """One decode step's attention over the cache plus the token's own key and value.
+
+    q: [batch, 1, kv_heads, groups, head_dim]; k, v: [batch, cache, kv_heads, head_dim] (positions
+    before the token); mask: [batch, 1, cache]; k_new, v_new: [batch, kv_heads, head_dim].
+    Same result as writing the token into the cache first and calling `attention`, without
+    needing the cache written before it is read.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("bskgd,bckd->bkgsc", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+    own = jnp.einsum("bskgd,bkd->bkgs", q, k_new, preferred_element_type=jnp.float32)[..., None] * scale
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), own)
+    weights, own_weight = jnp.exp(scores - top), jnp.exp(own - top)
+    total = jnp.sum(weights, axis=-1, keepdims=True) + own_weight
+    probs, own_prob = (weights / total).astype(v.dtype), (own_weight / total).astype(v.dtype)
+    return jnp.einsum("bkgsc,bckd->bskgd", probs, v) + jnp.einsum("bkgs,bkd->bskgd", own_prob[..., 0], v_new)

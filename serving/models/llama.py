@@ -23,7 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from serving.models.config import ModelConfig
-from serving.models.layers import apply_rope, attention, matmul, rms_norm, rope_frequencies, rope_tables
+from serving.models.layers import (
+    apply_rope,
+    attention,
+    attention_with_new_token,
+    matmul,
+    rms_norm,
+    rope_frequencies,
+    rope_tables,
+)
 from serving.models.quantization import QuantizedWeight
 
 
@@ -180,21 +188,14 @@ def prefill(
     return _logits(params, cfg, x), KVCache(ks, vs)
 
 
-def _write_kv(cache: KVCache, index: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """Store one token's k, v [batch, kv_heads, head_dim] for layer `index` at per-row positions."""
-    rows = jnp.arange(k.shape[0])
-    if not cache.quantized:
-        return KVCache(
-            cache.k.at[index, rows, positions].set(k.astype(cache.k.dtype)),
-            cache.v.at[index, rows, positions].set(v.astype(cache.v.dtype)),
-        )
-    kq, ks = quantize_kv(k)
-    vq, vs = quantize_kv(v)
+def _write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache) -> KVCache:
+    """Store every layer's new token, new.k/v [layers, batch, kv_heads, head_dim], at per-row positions."""
+    rows = jnp.arange(positions.shape[0])
     return KVCache(
-        cache.k.at[index, rows, positions].set(kq),
-        cache.v.at[index, rows, positions].set(vq),
-        cache.k_scale.at[index, rows, positions].set(ks),
-        cache.v_scale.at[index, rows, positions].set(vs),
+        *(
+            None if old is None else old.at[:, rows, positions].set(value.astype(old.dtype))
+            for old, value in zip(cache, new, strict=True)
+        )
     )
 
 
@@ -212,13 +213,16 @@ def store_prefix(cache: KVCache, prefix: KVCache, row: int | jax.Array) -> KVCac
     )
 
 
-def _read_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """Layer `index` keys and values [batch, cache, kv_heads, head_dim] in the compute dtype."""
+def _read_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype, window: int) -> tuple[jax.Array, jax.Array]:
+    """Layer `index` keys and values [batch, window, kv_heads, head_dim] in the compute dtype."""
+
+    def layer(x: jax.Array) -> jax.Array:
+        start = (index,) + (0,) * (x.ndim - 1)
+        return jax.lax.dynamic_slice(x, start, (1, x.shape[1], window, *x.shape[3:]))[0].astype(dtype)
+
     if not cache.quantized:
-        return cache.k[index].astype(dtype), cache.v[index].astype(dtype)
-    k = cache.k[index].astype(dtype) * cache.k_scale[index].astype(dtype)
-    v = cache.v[index].astype(dtype) * cache.v_scale[index].astype(dtype)
-    return k, v
+        return layer(cache.k), layer(cache.v)
+    return layer(cache.k) * layer(cache.k_scale), layer(cache.v) * layer(cache.v_scale)
 
 
 def decode_step(
@@ -229,24 +233,36 @@ def decode_step(
     cfg: ModelConfig,
     scan_layers: bool = True,
     dtype: jnp.dtype = jnp.float32,
+    window: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token.
 
-    tokens [batch] are written at positions [batch] of the cache, attending to cache entries at
-    or before that position. Returns logits [batch, vocab] and the updated cache.
+    tokens [batch] attend to the cache entries before their positions [batch] and to themselves,
+    then are written at those positions. Returns logits [batch, vocab] and the updated cache.
+    Only the first `window` cache positions are read (every row's position must be below it):
+    decode cost follows the longest live sequence, not max_target_length.
+
+    The cache is read-only inside the layer loop and written once after it, so the loop never
+    carries (and copies) the whole cache from layer to layer.
     """
     x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
-    cache_len = cache.k.shape[2]
-    mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]  # [batch, 1, cache]
+    window = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
+    earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
 
-    def body(carry, layer_and_index):
-        x, cache = carry
+    def body(x, layer_and_index):
         layer, index = layer_and_index
         q, k, v = _project_qkv(cfg, layer, x, cos, sin)
-        cache = _write_kv(cache, index, positions, k[:, 0], v[:, 0])
-        keys, values = _read_kv(cache, index, dtype)
-        return (_attention_out_and_mlp(cfg, layer, x, attention(q, keys, values, mask)), cache), None
+        k, v = k[:, 0], v[:, 0]  # [batch, kv_heads, head_dim]
+        if cache.quantized:  # attend to the token as the cache will hold it
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            stored = KVCache(kq, vq, ks, vs)
+            k, v = kq.astype(dtype) * ks.astype(dtype), vq.astype(dtype) * vs.astype(dtype)
+        else:
+            stored = KVCache(k, v)
+        keys, values = _read_kv(cache, index, dtype, window)
+        out = attention_with_new_token(q, keys, values, earlier, k, v)
+        return _attention_out_and_mlp(cfg, layer, x, out), stored
 
-    (x, cache), _ = _run_layers(body, (x, cache), params["layers"], cfg.num_layers, scan_layers)
-    return _logits(params, cfg, x[:, 0]), cache
+    x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers)
+    return _logits(params, cfg, x[:, 0]), _write_new_tokens(cache, positions, new)
