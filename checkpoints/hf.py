@@ -51,16 +51,16 @@ def model_config_from_hf(config: dict[str, Any], name: str) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(f"config.json: rope_type {rope_type!r} is not supported (default, llama3)")
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position=int(rope["original_max_position_embeddings"]),
-        )
-    heads = int(config["num_attention_heads"])
     try:
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position=int(rope["original_max_position_embeddings"]),
+            )
+        heads = int(config["num_attention_heads"])
         return ModelConfig(
             name=name,
             num_layers=int(config["num_hidden_layers"]),
@@ -76,7 +76,9 @@ def model_config_from_hf(config: dict[str, Any], name: str) -> ModelConfig:
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position=int(config.get("max_position_embeddings", 2048)),
         )
-    except (KeyError, ValueError) as exc:
+    except KeyError as exc:
+        raise CheckpointError(f"config.json: cannot read a Llama config: missing key {exc}") from None
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(f"config.json: cannot read a Llama config: {exc}") from None
 
 
@@ -85,7 +87,10 @@ def read_hf_config(path: Path) -> ModelConfig:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
-    return model_config_from_hf(config, name=path.name)
+    try:
+        return model_config_from_hf(config, name=path.name)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def param_key(name: str) -> tuple[ParamKey, bool] | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from checkpoints import cli as checkpoint_cli
 from checkpoints.errors import CheckpointError
 from serving.chat_templates import ChatTemplateError
-from serving.config import ConfigError, ServingConfig, load_config
+from serving.config import ConfigError, ServingConfig, config_dir, load_config, read_yaml
 from serving.deploy import cli as deploy_cli
 from serving.deploy.errors import DeployError
 from serving.errors import GenerationError
@@ -29,6 +29,13 @@ if TYPE_CHECKING:  # the model commands import JAX when they run, not when the C
 
 USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GenerationError, ChatTemplateError, DeployError)
 EXIT_USAGE = 2
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -95,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=_non_negative_float, default=0.0)
     chat.add_argument("--seed", type=_int, default=0)
     chat.set_defaults(handler=cmd_chat)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the JetStream and OpenAI HTTP APIs (default: SmolLM2-135M-Instruct, int8)",
+        description="For the default model (no SOURCE, no --config), the keys of "
+        "configs/serving/default.yml apply under the key=value overrides.",
+    )
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.set_defaults(handler=cmd_serve)
 
     checkpoint_cli.add_parsers(commands)
     deploy_cli.add_parser(commands)
@@ -224,6 +242,19 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         reply.append(decoder.flush())
         print(reply[-1])
         messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from serving.server import serve
+
+    source, overrides = split_model_args(ns.args)
+    if source and "://" not in source and not Path(source).exists():  # before the server starts
+        raise ConfigError(f"SOURCE not found: {source}")
+    # The default model gets the CPU-friendly defaults; any other model is served as configured.
+    default_model = not (source or ns.config or any(o.startswith("load_parameters_path=") for o in overrides))
+    defaults = read_yaml(config_dir() / "serving" / "default.yml") if default_model else None
+    cfg = load_config(ns.config, overrides, defaults=defaults)
+    return serve(cfg, source, ns.host, ns.port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

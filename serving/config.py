@@ -52,6 +52,11 @@ class ServingConfig(BaseModel):
     profiler_steps: int = Field(default=0, ge=0)  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = ""  # local path or gs://
     profiler_port: int = Field(default=0, ge=0, le=65535)  # jax.profiler.start_server when set
+    # HTTP server.
+    api_key: str = ""  # bearer token required on the API routes when set (or PATHSERVE_API_KEY)
+    liveness_timeout_s: float = Field(default=60.0, gt=0)  # /livez fails when work waits this long
+    drain_timeout_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may finish
+    max_request_body_bytes: int = Field(default=1 << 20, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
@@ -84,9 +89,15 @@ def load_model_config(name: str) -> ModelConfig:
     return build(ModelConfig, read_yaml(path), source=str(path))
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> ServingConfig:
-    """Read a YAML file of serving keys (optional), apply `key=value` overrides, validate."""
-    values: dict[str, Any] = dict(read_yaml(Path(path))) if path else {}
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Iterable[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> ServingConfig:
+    """Read a YAML file of serving keys (optional) over `defaults`, apply `key=value` overrides, validate."""
+    values: dict[str, Any] = dict(defaults or {})
+    if path:
+        values.update(read_yaml(Path(path)))
     values.update(parse_overrides(overrides))
     return build(ServingConfig, values, source=str(path) if path else "overrides")
 

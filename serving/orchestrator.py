@@ -17,31 +17,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
 from serving.engine.engine import Engine
-from serving.errors import GenerationError
+from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.metrics import EngineMetrics
 from serving.sampling import SamplingParams
 from serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-
-class QueueFullError(RuntimeError):
-    """The admission queue is full; try again later."""
-
-
-class ShuttingDownError(RuntimeError):
-    """The orchestrator no longer accepts requests."""
+__all__ = ["Completion", "Delta", "Orchestrator", "QueueFullError", "RequestHandle", "ShuttingDownError"]
 
 
 @dataclass(frozen=True)
@@ -66,23 +62,89 @@ class Completion:
 _END = object()
 
 
+class _LoopQueue:
+    """Items put by the device thread, awaited on an asyncio event loop (no thread per reader)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get_async(self):
+        return await self._queue.get()
+
+
 @dataclass
 class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_strings: tuple[str, ...]
+    # ints, then (_END, reason); a SimpleQueue for thread readers, a _LoopQueue for asyncio readers
+    tokens: queue.SimpleQueue | _LoopQueue = field(default_factory=queue.SimpleQueue)
     submitted: float = field(default_factory=time.perf_counter)
-    tokens: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # ints, then (_END, reason)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+class _Assembler:
+    """Turns a request's token items into text deltas: UTF-8 safe, stop strings held back and cut."""
+
+    def __init__(self, request: _Request, tokenizer: Tokenizer):
+        self.request = request
+        self.decoder = tokenizer.incremental_decoder()
+        self.text = ""
+        self.ids: list[int] = []
+        self.times: list[float] = []
+        self.emitted = 0  # characters of `text` already handed out
+        self.emitted_ids = 0
+        self.hold = max((len(s) for s in request.stop_strings), default=1) - 1
+        self.reason = ""
+
+    def feed(self, item) -> Delta | None:
+        """The delta this item makes available (if any); sets `reason` when the request ended."""
+        request = self.request
+        if isinstance(item, tuple) and item[0] is _END:
+            self.reason = item[1]
+            self.text += self.decoder.flush()
+            return self._delta(len(self.text))
+        self.ids.append(item)
+        self.times.append(time.perf_counter() - request.submitted)
+        self.text += self.decoder.push(item)
+        stop_at = _find_stop(self.text, request.stop_strings, self.emitted)
+        if stop_at is not None:
+            self.text, self.reason = self.text[:stop_at], "stop"
+            return self._delta(len(self.text))
+        return self._delta(len(self.text) - self.hold if request.stop_strings else len(self.text))
+
+    def _delta(self, safe: int) -> Delta | None:
+        if safe <= self.emitted:
+            return None  # nothing new to show yet; its tokens travel with the next delta
+        delta = Delta(self.text[self.emitted : safe], self.ids[self.emitted_ids :])
+        self.emitted, self.emitted_ids = safe, len(self.ids)
+        return delta
+
+    def completion(self) -> Completion:
+        return Completion(
+            text=self.text,
+            token_ids=self.ids,
+            finish_reason=self.reason,
+            prompt_tokens=len(self.request.prompt_ids),
+            completion_tokens=len(self.ids),
+            time_to_first_token=self.times[0] if self.times else 0.0,
+            token_times=self.times,
+        )
+
+
 class RequestHandle:
-    """A submitted request: iterate `stream()` for text deltas; `completion` afterwards."""
+    """A submitted request: iterate `stream()` (threads) or `astream()` (asyncio, when submitted
+    with `loop=`) for text deltas; `completion` afterwards."""
 
     def __init__(self, request: _Request, tokenizer: Tokenizer, orchestrator: Orchestrator):
         self._request = request
-        self._tokenizer = tokenizer
         self._orchestrator = orchestrator
+        self._assembler = _Assembler(request, tokenizer)
         self.completion: Completion | None = None
 
     def cancel(self) -> None:
@@ -92,45 +154,29 @@ class RequestHandle:
 
     def stream(self) -> Iterator[Delta]:
         """Text deltas as tokens arrive; never splits a UTF-8 character; honours stop strings."""
-        request = self._request
-        decoder = self._tokenizer.incremental_decoder()
-        text, ids, times = "", [], []
-        emitted = 0  # characters of `text` already handed out
-        hold = max((len(s) for s in request.stop_strings), default=1) - 1
-        reason = "length"
-        while True:
-            item = request.tokens.get()
-            if isinstance(item, tuple) and item[0] is _END:
-                reason = item[1]
-                text += decoder.flush()
-                break
-            ids.append(item)
-            times.append(time.perf_counter() - request.submitted)
-            text += decoder.push(item)
-            stop_at = _find_stop(text, request.stop_strings, emitted)
-            if stop_at is not None:
-                text, reason = text[:stop_at], "stop"
-                self.cancel()
-                break
-            safe = len(text) - hold if request.stop_strings else len(text)
-            if safe > emitted:
-                yield Delta(text[emitted:safe], [])
-                emitted = safe
-        if len(text) > emitted:
-            yield Delta(text[emitted:], [])
-        self.completion = Completion(
-            text=text,
-            token_ids=ids,
-            finish_reason=reason,
-            prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(ids),
-            time_to_first_token=times[0] if times else 0.0,
-            token_times=times,
-        )
-        metrics = self._orchestrator.metrics
-        metrics.finished(reason)
-        if len(times) > 1:
-            metrics.observe("time_per_output_token", (times[-1] - times[0]) / (len(times) - 1))
+        tokens = self._request.tokens
+        if not isinstance(tokens, queue.SimpleQueue):
+            raise TypeError("this request was submitted for asyncio: read it with astream()")
+        while not self._assembler.reason:
+            delta = self._assembler.feed(tokens.get())
+            if delta is not None:
+                yield delta
+        self._finish()
+
+    async def astream(self) -> AsyncIterator[Delta]:
+        """`stream()` for asyncio readers. Leaving early (the client went away) cancels the request."""
+        tokens = self._request.tokens
+        if not isinstance(tokens, _LoopQueue):
+            raise TypeError("this request was not submitted with loop=: read it with stream()")
+        try:
+            while not self._assembler.reason:
+                delta = self._assembler.feed(await tokens.get_async())
+                if delta is not None:
+                    yield delta
+        finally:
+            if not self._assembler.reason:
+                self._assembler.reason = "cancelled"
+            self._finish()
 
     def result(self) -> Completion:
         """Drain the stream and return the final record."""
@@ -139,6 +185,18 @@ class RequestHandle:
         if self.completion is None:
             raise RuntimeError("the stream ended without a final record")
         return self.completion
+
+    def _finish(self) -> None:
+        if self.completion is not None:
+            return
+        if self._assembler.reason in ("stop", "cancelled") and not self._request.cancelled.is_set():
+            self.cancel()  # a stop string or a reader that left: free the slot
+        self.completion = self._assembler.completion()
+        metrics = self._orchestrator.metrics
+        metrics.finished(self.completion.finish_reason)
+        times = self.completion.token_times
+        if len(times) > 1:
+            metrics.observe("time_per_output_token", (times[-1] - times[0]) / (len(times) - 1))
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
@@ -186,17 +244,31 @@ class Orchestrator:
         self._thread.join(timeout)
 
     @property
+    def alive(self) -> bool:
+        """The device loop is running (false before start and after a crash or stop)."""
+        return self._thread.is_alive()
+
+    @property
     def has_work(self) -> bool:
         return not self._queue.empty() or self.metrics.active_slots > 0
 
     def submit(
-        self, prompt_ids: list[int], sampling: SamplingParams, stop_strings: tuple[str, ...] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stop_strings: tuple[str, ...] = (),
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestHandle:
-        """Queue a request; raises GenerationError (bad request), QueueFullError or ShuttingDownError."""
+        """Queue a request; raises GenerationError (bad request), QueueFullError or ShuttingDownError.
+
+        With `loop`, the tokens are delivered onto that event loop: read them with `astream()`.
+        """
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
         self.engine.check_request(len(prompt_ids), sampling)
         request = _Request(list(prompt_ids), sampling, tuple(s for s in stop_strings if s))
+        if loop is not None:
+            request.tokens = _LoopQueue(loop)
         try:
             self._queue.put_nowait(request)
         except queue.Full:

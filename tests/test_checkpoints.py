@@ -327,3 +327,19 @@ def test_gguf_source_in_raises_for_a_truncated_file(tmp_path, smollm2_path):
     _assert_nothing_written(tmp_path, tmp_path / "ckpt")
     with pytest.raises(CheckpointError):
         convert(broken, str(tmp_path / "ckpt2"), progress=False)
+
+
+@pytest.mark.parametrize("missing", ["num_attention_heads", "hidden_size", "vocab_size"])
+def test_hf_config_without_a_key_is_a_checkpoint_error_naming_it(missing):
+    from checkpoints.hf import model_config_from_hf
+
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 112,
+        "vocab_size": 320,
+    }
+    del config[missing]
+    with pytest.raises(CheckpointError, match=missing):
+        model_config_from_hf(config, "x")

@@ -1,0 +1,70 @@
+"""What the HTTP layer knows about the process: its phase, the orchestrator once it exists, counters.
+
+Phases: `starting` (weights loading, warmup compiling) -> `ready` -> `draining` (SIGTERM: finish what
+is in flight, admit nothing new). A failed start records its error and the server exits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serving.config import ServingConfig
+
+if TYPE_CHECKING:  # the API talks to the orchestrator; it never imports JAX itself
+    from serving.orchestrator import Orchestrator
+    from serving.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    cfg: ServingConfig
+    api_key: str = ""
+    phase: str = "starting"
+    model_name: str = ""
+    orchestrator: Orchestrator | None = None
+    startup_error: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    in_flight: int = 0  # API requests being answered (streams included)
+    http_requests: Counter = field(default_factory=Counter)  # (route, status) -> count
+
+    def set_ready(self, orchestrator: Orchestrator, model_name: str) -> None:
+        self.orchestrator, self.model_name = orchestrator, model_name
+        with self.lock:
+            if self.phase == "starting":
+                self.phase = "ready"
+
+    def start_draining(self) -> None:
+        with self.lock:
+            self.phase = "draining"
+
+    @property
+    def started(self) -> bool:
+        """Weights loaded and every shape compiled (stays true while draining)."""
+        return self.orchestrator is not None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self.orchestrator is not None
+        return self.orchestrator.tokenizer
+
+    def queue_full(self) -> bool:
+        orch = self.orchestrator
+        return orch is not None and orch.metrics.queued >= self.cfg.max_queued_requests
+
+    def stalled_for(self) -> float:
+        """Seconds the device loop has gone without progress while work waits (0 when idle)."""
+        orch = self.orchestrator
+        if orch is not None and not orch.alive and self.phase != "draining":
+            return float("inf")  # the device loop died
+        if orch is None or not orch.has_work:
+            return 0.0
+        return time.monotonic() - orch.last_progress
+
+    def count(self, route: str, status: int) -> None:
+        with self.lock:
+            self.http_requests[(route, status)] += 1

@@ -1,0 +1,130 @@
+"""`pathserve serve`: the HTTP server in front of one engine, from first byte to graceful exit.
+
+1. The config is validated before anything else (the CLI did that).
+2. uvicorn starts listening at once, so probes answer while weights load: /healthcheck and
+   /startupz say 503 until the engine is warmed up, then 200.
+3. A loader thread loads the model, builds the engine, compiles every shape (warmup) and starts the
+   orchestrator's device loop; a failure there is printed and the process exits non-zero.
+4. SIGTERM (or Ctrl-C): readiness turns 503 at once, new API requests get 503, requests in flight
+   finish (up to drain_timeout_s), then the server stops and the process exits 0. A second signal
+   stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+
+from serving.api.app import create_app
+from serving.api.state import ServerState
+from serving.config import ServingConfig
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "PATHSERVE_API_KEY"
+DRAIN_POLL_S = 0.05
+
+
+class _Server(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT drains instead of closing the listening socket."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._drain: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not uvicorn's handler: that one re-raises the signal after shutdown (exit status -15).
+        if self._drain is not None or not self.state.started:
+            self.should_exit = True
+            if self._drain is not None:
+                self.force_exit = True
+            return
+        _say(f"received {signal.Signals(sig).name}: draining (up to {self.state.cfg.drain_timeout_s:g} s)")
+        self.state.start_draining()
+        self._drain = threading.Thread(target=self._wait_then_exit, name="drain", daemon=True)
+        self._drain.start()
+
+    def _wait_then_exit(self) -> None:
+        state = self.state
+        deadline = time.monotonic() + state.cfg.drain_timeout_s
+        while time.monotonic() < deadline:
+            orch = state.orchestrator
+            if state.in_flight == 0 and (orch is None or not orch.has_work):
+                break
+            time.sleep(DRAIN_POLL_S)
+        else:
+            _say(f"drain timeout: {state.in_flight} requests still in flight are cut off")
+        self.should_exit = True
+
+
+def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
+    """Serve until SIGTERM; returns the process exit status (2 when the model cannot be loaded)."""
+    state = ServerState(cfg=cfg, api_key=cfg.api_key or os.environ.get(API_KEY_ENV, ""))
+    config = uvicorn.Config(
+        create_app(state),
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        # The API answers 429 from its own queue; keep uvicorn from refusing connections first.
+        backlog=4096,
+    )
+    server = _Server(config, state)
+    loader = threading.Thread(target=_load, args=(state, server, source), name="loader", daemon=True)
+    _say(f"listening on http://{host}:{port} (loading the model; /readyz says when to send requests)")
+    loader.start()
+    server.run()
+    orch = state.orchestrator
+    if orch is not None:
+        orch.stop(timeout=10)
+    if state.startup_error:
+        print(f"pathserve serve: error: {state.startup_error}", file=sys.stderr)
+        return 2 if not state.startup_error.startswith("internal:") else 1
+    _say("stopped")
+    return 0
+
+
+def _load(state: ServerState, server: _Server, source: str | None) -> None:
+    from serving.cli import USER_ERRORS
+    from serving.engine.engine import Engine
+    from serving.model_source import load_model
+    from serving.orchestrator import Orchestrator
+    from serving.runtime import init_runtime
+
+    cfg = state.cfg
+    started = time.perf_counter()
+    try:
+        init_runtime(cfg)
+        model = load_model(source, cfg)
+        engine = Engine(model, cfg)
+        params = engine.load_params()
+        warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
+        orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.max_queued_requests).start()
+    except USER_ERRORS as exc:
+        state.startup_error = str(exc)
+        server.should_exit = True
+        return
+    except Exception as exc:  # reported, then the server exits non-zero
+        log.exception("loading the model failed")
+        state.startup_error = f"internal: loading the model failed: {exc!r}"
+        server.should_exit = True
+        return
+    state.set_ready(orchestrator, model.config.name)
+    _say(
+        f"ready: {model.config.name} from {model.source}, {engine.max_concurrent_decodes} slots, "
+        f"quantization={cfg.quantization or 'none'}, kv cache "
+        f"{'int8' if cfg.quantize_kvcache else cfg.dtype}; warmup {warmup:.1f} s, "
+        f"start-up {time.perf_counter() - started:.1f} s"
+    )
+
+
+def _say(message: str) -> None:
+    print(f"pathserve serve: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,81 @@
+"""A real `pathserve serve` process on loopback for tests: start, wait until ready, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`command` must listen on self.port; `wait_ready` records every /healthcheck status it saw."""
+
+    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None, cwd: Path = REPO):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
+            "w+", prefix="pathserve-serve-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # signals go to the server (and make's children), not to pytest
+        )
+        self.healthchecks: list[int] = []
+
+    @classmethod
+    def pathserve(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        port = free_port()
+        command = [sys.executable, "-m", "serving.cli", "serve", *args, "--port", str(port)]
+        return cls(command, port, env)
+
+    def wait_ready(self, timeout: float = 300) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                status = httpx.get(f"{self.url}/healthcheck", timeout=5).status_code
+            except httpx.TransportError:
+                time.sleep(0.1)
+                continue
+            self.healthchecks.append(status)
+            if status == 200:
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"the server was not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
