@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -22,17 +21,16 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.api import prometheus
+from serving.api import convert, prometheus
 from serving.api.errors import APIError, api_error_handler, error_response, validation_error_handler
 from serving.api.gate import Gate
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from serving.api.state import ServerState
-from serving.chat_templates import ChatTemplateError
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
-from serving.request import SamplingParams
 
 if TYPE_CHECKING:
     from serving.orchestrator import Completion, RequestHandle
+    from serving.request import SamplingParams
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = "1"
@@ -95,8 +93,8 @@ def create_app(state: ServerState) -> FastAPI:
         """JetStream's generate: `{"response": text}`, or JSON lines `{"text": delta}` then a final record."""
         tokenizer = state.tokenizer
         prompt_ids = tokenizer.encode_prompt(body.prompt)
-        sampling = _sampling(
-            state,
+        sampling = convert.sampling(
+            tokenizer,
             body.ignore_eos,
             max_tokens=body.max_tokens,
             temperature=body.temperature or 0.0,
@@ -107,7 +105,7 @@ def create_app(state: ServerState) -> FastAPI:
         handle = _submit(state, prompt_ids, sampling, body.stop_strings(), "prompt")
 
         def final(c: Completion) -> dict[str, Any]:
-            return {"response": c.text, "finish_reason": c.finish_reason, "usage": _usage(c)}
+            return {"response": c.text, "finish_reason": c.finish_reason, "usage": convert.usage(c)}
 
         if not body.stream:
             completion = await _complete(handle, request)
@@ -140,101 +138,47 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", tags=["openai"])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(state, body.model)
-        prompt = body.single_prompt()
-        tokenizer = state.tokenizer
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode_prompt(prompt)
-        else:
-            prompt_ids = _check_token_ids(prompt, tokenizer.vocab_size)
-        max_tokens = body.max_tokens or max(1, state.cfg.max_target_length - len(prompt_ids))
-        handle = _submit(
-            state, prompt_ids, _openai_sampling(state, body, max_tokens), body.stop_strings(), "prompt"
-        )
-        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-
-        def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-
-        if not body.stream:
-            c = await _complete(handle, request)
-            return JSONResponse(chunk(c.text, c.finish_reason) | {"usage": _usage(c)})
-
-        def finals(c: Completion) -> Iterable[dict[str, Any]]:
-            yield chunk("", c.finish_reason)
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk("", None) | {"choices": [], "usage": _usage(c)}
-
-        return _sse(handle, lambda text: chunk(text, None), finals)
+        return await _openai(state, body, request)
 
     @app.post("/v1/chat/completions", tags=["openai"])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(state, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt_ids = state.tokenizer.encode_chat(messages)
-        except ChatTemplateError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        limit = body.limit()
-        max_tokens = limit if limit is not None else max(1, state.cfg.max_target_length - len(prompt_ids))
-        param = "messages"
-        handle = _submit(
-            state, prompt_ids, _openai_sampling(state, body, max_tokens), body.stop_strings(), param
-        )
-        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-
-        def chunk(delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-
-        if not body.stream:
-            c = await _complete(handle, request)
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": _usage(c),
-                }
-            )
-
-        def finals(c: Completion) -> Iterable[dict[str, Any]]:
-            yield chunk({}, c.finish_reason)
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk({}, None) | {"choices": [], "usage": _usage(c)}
-
-        return _sse(
-            handle,
-            lambda text: chunk({"content": text}, None),
-            finals,
-            first=chunk({"role": "assistant", "content": ""}, None),
-        )
+        return await _openai(state, body, request)
 
     return app
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Request) -> Response:
+    """Both OpenAI generation routes: submit, then one body or server-sent events."""
+    _check_model(state, body.model)
+    ids = convert.prompt_ids(body, state.tokenizer)
+    params = convert.openai_sampling(body, state.tokenizer, len(ids), state.cfg.max_target_length)
+    handle = _submit(state, ids, params, body.stop_strings(), convert.prompt_param(body))
+    chat = isinstance(body, ChatCompletionRequest)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created, model = int(time.time()), state.model_name
+    if not body.stream:
+        return JSONResponse(
+            convert.response_body(body, rid, created, model, await _complete(handle, request))
+        )
+
+    def chunk(text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            return convert.chat_chunk(rid, created, model, delta, finish_reason)
+        return convert.completion_chunk(rid, created, model, text or "", finish_reason)
+
+    def finals(c: Completion) -> Iterable[dict[str, Any]]:
+        yield chunk(None, c.finish_reason)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunk(None) | {"choices": [], "usage": convert.usage(c)}
+
+    first = (
+        convert.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None) if chat else None
+    )
+    return _sse(handle, chunk, finals, first=first)
 
 
 def _probe(ok: bool, status: str) -> JSONResponse:
@@ -254,47 +198,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:
-        raise APIError(
-            400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt"
-        )
-    return ids
-
-
-def _sampling(state: ServerState, ignore_eos: bool, **values: Any) -> SamplingParams:
-    top_k = values.pop("top_k") or 0
-    top_p = values.pop("top_p")
-    seed = values.pop("seed") % (1 << 32)  # any int64 is a valid OpenAI seed; keys take 32 bits
-    try:
-        return SamplingParams(
-            **values,
-            seed=seed,
-            top_k=max(0, top_k),
-            top_p=1.0 if top_p is None else top_p,
-            stop_ids=() if ignore_eos else state.tokenizer.eos_ids,
-        )
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=str(exc).split()[0]) from None
-
-
-def _openai_sampling(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
-) -> SamplingParams:
-    # OpenAI's defaults: temperature 1; no seed means a fresh one per request.
-    seed = body.seed if body.seed is not None else secrets.randbits(31)
-    return _sampling(
-        state,
-        body.ignore_eos,
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=seed,
-    )
 
 
 def _submit(
@@ -320,14 +223,6 @@ def _submit(
         raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from None
     except ShuttingDownError as exc:
         raise APIError(503, str(exc), code="shutting_down") from None
-
-
-def _usage(c: Completion) -> dict[str, int]:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
-    }
 
 
 @contextlib.asynccontextmanager
