@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from checkpoints import cli as checkpoint_cli
 from checkpoints.errors import CheckpointError
+from serving.batch.errors import BatchError
 from serving.chat_templates import ChatTemplateError
 from serving.config import ConfigError, ServingConfig, config_dir, load_config, read_yaml
 from serving.deploy import cli as deploy_cli
@@ -27,7 +28,15 @@ if TYPE_CHECKING:  # the model commands import JAX when they run, not when the C
     from serving.model_source import LoadedModel
     from serving.sampling import SamplingParams
 
-USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GenerationError, ChatTemplateError, DeployError)
+USER_ERRORS = (
+    ConfigError,
+    CheckpointError,
+    TokenizerError,
+    GenerationError,
+    ChatTemplateError,
+    DeployError,
+    BatchError,
+)
 EXIT_USAGE = 2
 
 
@@ -113,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     serve.add_argument("--port", type=_port, default=8000)
     serve.set_defaults(handler=cmd_serve)
+
+    batch = commands.add_parser(
+        "batch",
+        help="run a JSONL file (or a prefix of them) of prompts through the engine, resumably",
+        description='Input lines: OpenAI batch requests or {"id", "prompt", "max_tokens"}. '
+        "The output prefix gets one results-*.jsonl per shard, _manifest.json and _summary.json.",
+    )
+    _add_model_args(batch)
+    batch.add_argument("--input", required=True, help="a .jsonl file, or a directory / gs:// prefix of them")
+    batch.add_argument("--output", required=True, help="a directory or gs:// prefix for the results")
+    batch.add_argument("--shard-size", type=_positive_int, default=1000, help="input lines per shard")
+    batch.add_argument("--restart", action="store_true", help="discard earlier results under --output")
+    batch.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    batch.set_defaults(handler=cmd_batch)
 
     checkpoint_cli.add_parsers(commands)
     deploy_cli.add_parser(commands)
@@ -244,17 +267,33 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
-    from serving.server import serve
-
+def _serving_config(ns: argparse.Namespace) -> tuple[ServingConfig, str | None]:
+    """Config and SOURCE for the commands that start the engine, checked before any work."""
     source, overrides = split_model_args(ns.args)
-    if source and "://" not in source and not Path(source).exists():  # before the server starts
+    if source and "://" not in source and not Path(source).exists():
         raise ConfigError(f"SOURCE not found: {source}")
     # The default model gets the CPU-friendly defaults; any other model is served as configured.
     default_model = not (source or ns.config or any(o.startswith("load_parameters_path=") for o in overrides))
     defaults = read_yaml(config_dir() / "serving" / "default.yml") if default_model else None
-    cfg = load_config(ns.config, overrides, defaults=defaults)
+    return load_config(ns.config, overrides, defaults=defaults), source
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from serving.server import serve
+
+    cfg, source = _serving_config(ns)
     return serve(cfg, source, ns.host, ns.port)
+
+
+def cmd_batch(ns: argparse.Namespace) -> int:
+    from serving.batch.runner import run_batch
+
+    cfg, source = _serving_config(ns)
+    summary = run_batch(
+        ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart, progress=not ns.quiet
+    )
+    print(summary.to_json())
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,20 +94,10 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
 
 def _load(state: ServerState, server: _Server, source: str | None) -> None:
     from serving.cli import USER_ERRORS
-    from serving.engine.engine import Engine
-    from serving.model_source import load_model
-    from serving.orchestrator import Orchestrator
-    from serving.runtime import init_runtime
+    from serving.launch import launch
 
-    cfg = state.cfg
-    started = time.perf_counter()
     try:
-        init_runtime(cfg)
-        model = load_model(source, cfg)
-        engine = Engine(model, cfg)
-        params = engine.load_params()
-        warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
-        orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.max_queued_requests).start()
+        launched = launch(state.cfg, source)
     except USER_ERRORS as exc:
         state.startup_error = str(exc)
         server.should_exit = True
@@ -117,13 +107,8 @@ def _load(state: ServerState, server: _Server, source: str | None) -> None:
         state.startup_error = f"internal: loading the model failed: {exc!r}"
         server.should_exit = True
         return
-    state.set_ready(orchestrator, model.config.name)
-    _say(
-        f"ready: {model.config.name} from {model.source}, {engine.max_concurrent_decodes} slots, "
-        f"quantization={cfg.quantization or 'none'}, kv cache "
-        f"{'int8' if cfg.quantize_kvcache else cfg.dtype}; warmup {warmup:.1f} s, "
-        f"start-up {time.perf_counter() - started:.1f} s"
-    )
+    state.set_ready(launched.orchestrator, launched.model.config.name)
+    _say(f"ready: {launched.describe()}")
 
 
 def _say(message: str) -> None:

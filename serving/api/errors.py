@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -61,21 +62,24 @@ async def api_error_handler(_request: Request, exc: Exception) -> JSONResponse:
 async def validation_error_handler(_request: Request, exc: Exception) -> JSONResponse:
     """pydantic's complaints as one 400 naming the first bad field (OpenAI answers 400, not 422)."""
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
+    message, param = describe_validation(exc.errors())
+    return error_response(400, message, param=param)
+
+
+def describe_validation(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for pydantic errors: the first bad field by name, and how many more."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [_name(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
-        return error_response(
-            400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
-        )
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
     param = ".".join(loc) or None
     if param is None and ":" in message:  # model validators name their field first: "n: only n=1 ..."
         param = message.split(":", 1)[0].split()[0]
     text = f"{param}: {message}" if param and not message.startswith(f"{param}:") else message
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more problems)"
-    return error_response(400, text, param=param)
+    return text, param
 
 
 def _is_union_tag(part: object) -> bool:

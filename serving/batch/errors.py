@@ -1,0 +1,5 @@
+"""Errors of a batch job the user can fix (bad URL, changed arguments); the CLI prints them."""
+
+
+class BatchError(ValueError):
+    """The job cannot run as asked; the message names the input, output or argument."""

@@ -1,0 +1,157 @@
+"""Files of a batch job through fsspec: local paths and gs:// (gcsfs) alike.
+
+Writes are atomic: the bytes go to a temporary name beside the target, then move into place, so a
+reader (or a rerun after kill -9) sees a whole file or none.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+from serving.batch.errors import BatchError
+
+TMP_DIR = "_tmp"
+
+
+def is_gcs(url: str) -> bool:
+    return url.startswith("gs://")
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def _fs(url: str):
+    import fsspec
+
+    if is_gcs(url):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        try:
+            import gcsfs  # noqa: F401
+        except ImportError:
+            raise BatchError("gs:// URLs need gcsfs: pip install 'pathserve[gcs]'") from None
+    return fsspec.core.url_to_fs(url)
+
+
+def _url(url: str, path: str) -> str:
+    return f"gs://{path}" if is_gcs(url) else path
+
+
+def list_inputs(url: str) -> list[tuple[str, int]]:
+    """(url, size) of the input: one file, or every *.jsonl under a directory / prefix, sorted."""
+    fs, path = _fs(url)
+    try:
+        fs.invalidate_cache()
+        if fs.isfile(path):
+            return [(url, int(fs.size(path)))]
+        if not fs.isdir(path):
+            raise BatchError(f"--input {url}: no such file, directory or prefix")
+        found = sorted(
+            (p, int(info.get("size") or 0))
+            for p, info in fs.find(path, detail=True).items()
+            if p.endswith(".jsonl") and info.get("type", "file") == "file"
+        )
+    except BatchError:
+        raise
+    except Exception as exc:
+        raise BatchError(f"--input {url}: cannot list it: {exc}") from None
+    if not found:
+        raise BatchError(f"--input {url}: no *.jsonl files there")
+    return [(_url(url, p), size) for p, size in found]
+
+
+def iter_lines(url: str, start: int, end: int) -> Iterator[bytes]:
+    """The lines (without their newline) between byte offsets start and end of a file."""
+    fs, path = _fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            f.seek(start)
+            remaining = end - start
+            while remaining > 0:
+                line = f.readline()
+                if not line:
+                    break
+                remaining -= len(line)
+                yield line.rstrip(b"\r\n")
+    except FileNotFoundError:
+        raise BatchError(f"{url}: the input file disappeared") from None
+
+
+def line_offsets(url: str) -> list[int]:
+    """Byte offset of the start of every line, then the file size (streamed, not held in memory)."""
+    fs, path = _fs(url)
+    offsets, position = [], 0
+    with fs.open(path, "rb") as f:
+        for line in f:
+            offsets.append(position)
+            position += len(line)
+    return [*offsets, position]
+
+
+def read_bytes(url: str) -> bytes | None:
+    """The file's bytes, or None when there is none."""
+    fs, path = _fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def exists(url: str) -> bool:
+    fs, path = _fs(url)
+    return fs.exists(path)
+
+
+def write_atomic(url: str, data: bytes) -> None:
+    """Write `data` to a temporary name in the same directory / prefix, then move it into place."""
+    fs, path = _fs(url)
+    directory, name = path.rsplit("/", 1)
+    tmp = f"{directory}/{TMP_DIR}/{name}.{uuid.uuid4().hex}"
+    try:
+        if not is_gcs(url):
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        fs.mv(tmp, path)  # a server-side copy: the target object appears whole
+    except Exception as exc:
+        raise BatchError(f"cannot write {url}: {exc}") from None
+
+
+def check_output(url: str) -> None:
+    """Fail before any work when the output's bucket cannot be reached."""
+    if not is_gcs(url):
+        return
+    bucket = url[len("gs://") :].split("/", 1)[0]
+    fs, _ = _fs(url)
+    try:
+        found = fs.exists(bucket)
+    except Exception as exc:
+        raise BatchError(f"--output {url}: cannot reach bucket gs://{bucket}: {exc}") from None
+    if not found:
+        raise BatchError(f"--output {url}: bucket gs://{bucket} does not exist or is not accessible")
+
+
+def remove(url: str) -> None:
+    """Delete a file, or a directory / prefix and everything under it (missing is fine)."""
+    fs, path = _fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def list_names(url: str) -> list[str]:
+    """Names directly under a directory / prefix (none when it does not exist)."""
+    fs, path = _fs(url)
+    try:
+        fs.invalidate_cache()
+        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []

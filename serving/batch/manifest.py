@@ -1,0 +1,135 @@
+"""How a batch job is cut into shards, and the manifest that records which shards are finished.
+
+A shard is a line range of one input file (with its byte range, so it can be read without reading
+what comes before). The plan is made once and kept in the manifest with the job's fingerprint (the
+arguments that decide the outputs); a rerun with the same fingerprint continues the same plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from serving.batch import files
+from serving.batch.errors import BatchError
+from serving.config import ServingConfig
+
+MANIFEST = "_manifest.json"
+SUMMARY = "_summary.json"
+RESULTS_PREFIX = "results-"
+# The config keys that change what a row's output is; others (slots, queue, profiling) may change.
+OUTPUT_KEYS = (
+    "model_name",
+    "load_parameters_path",
+    "weight_dtype",
+    "dtype",
+    "quantization",
+    "quantize_kvcache",
+    "checkpoint_is_quantized",
+    "max_prefill_predict_length",
+    "max_target_length",
+)
+
+
+@dataclass(frozen=True)
+class Shard:
+    id: str
+    file: str  # input URL
+    file_index: int
+    first_line: int  # 1-based
+    lines: int
+    start: int  # byte range in the file
+    end: int
+
+    @property
+    def output_name(self) -> str:
+        return f"{RESULTS_PREFIX}{self.id}.jsonl"
+
+
+@dataclass
+class Manifest:
+    fingerprint: dict[str, Any]
+    shards: list[Shard]
+    finished: dict[str, dict[str, int]] = field(default_factory=dict)  # shard id -> its counts
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "shards": [asdict(s) for s in self.shards],
+                "finished": self.finished,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Manifest:
+        try:
+            data = json.loads(text)
+            return cls(data["fingerprint"], [Shard(**s) for s in data["shards"]], data["finished"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BatchError(
+                f"{where}: not a pathserve batch manifest ({exc}); use --restart to start over"
+            ) from None
+
+
+def fingerprint(
+    input_url: str, inputs: list[tuple[str, int]], source: str | None, cfg: ServingConfig, shard_size: int
+) -> dict[str, Any]:
+    return {
+        "input": input_url,
+        "files": [[url, size] for url, size in inputs],
+        "source": source or "",
+        "config": {key: getattr(cfg, key) for key in OUTPUT_KEYS},
+        "shard_size": shard_size,
+    }
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human names of what changed between two fingerprints."""
+    out = []
+    for key in new:
+        if key == "config":
+            out += [
+                f"{k}: {old.get('config', {}).get(k)!r} -> {v!r}"
+                for k, v in new["config"].items()
+                if old.get("config", {}).get(k) != v
+            ]
+        elif old.get(key) != new[key]:
+            out.append(
+                "the input files changed" if key == "files" else f"{key}: {old.get(key)!r} -> {new[key]!r}"
+            )
+    return out
+
+
+def plan(inputs: list[tuple[str, int]], shard_size: int) -> list[Shard]:
+    """Shards of up to `shard_size` lines, file by file."""
+    shards = []
+    for index, (url, _) in enumerate(inputs):
+        offsets = files.line_offsets(url)
+        count = len(offsets) - 1
+        for first in range(0, count, shard_size):
+            last = min(first + shard_size, count)
+            shards.append(
+                Shard(
+                    id=f"{index:05d}-{first + 1:09d}",
+                    file=url,
+                    file_index=index,
+                    first_line=first + 1,
+                    lines=last - first,
+                    start=offsets[first],
+                    end=offsets[last],
+                )
+            )
+    return shards
+
+
+def load(output_url: str) -> Manifest | None:
+    where = files.join(output_url, MANIFEST)
+    data = files.read_bytes(where)
+    return None if data is None else Manifest.from_json(data.decode(), where)
+
+
+def save(output_url: str, manifest: Manifest) -> None:
+    files.write_atomic(files.join(output_url, MANIFEST), manifest.to_json().encode())

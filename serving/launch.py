@@ -1,0 +1,44 @@
+"""Bring up the engine behind an orchestrator: runtime, model, params on the mesh, warmup, device loop.
+
+The one start-up path for everything that serves requests (the HTTP server, the batch runner).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from serving.config import ServingConfig
+from serving.engine.engine import Engine
+from serving.model_source import LoadedModel, load_model
+from serving.orchestrator import Orchestrator
+from serving.runtime import init_runtime
+
+
+@dataclass
+class Launched:
+    model: LoadedModel
+    engine: Engine
+    orchestrator: Orchestrator
+    warmup_s: float
+    startup_s: float
+
+    def describe(self) -> str:
+        cfg = self.engine.cfg
+        return (
+            f"{self.model.config.name} from {self.model.source}, {self.engine.max_concurrent_decodes} slots, "
+            f"quantization={cfg.quantization or 'none'}, kv cache {'int8' if cfg.quantize_kvcache else cfg.dtype}; "
+            f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s"
+        )
+
+
+def launch(cfg: ServingConfig, source: str | None) -> Launched:
+    """Everything up to a running device loop; raises the loader's errors (ConfigError, CheckpointError, ...)."""
+    started = time.perf_counter()
+    init_runtime(cfg)  # first: on Pathways it must precede every other JAX call
+    model = load_model(source, cfg)
+    engine = Engine(model, cfg)
+    params = engine.load_params()
+    warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
+    orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.max_queued_requests).start()
+    return Launched(model, engine, orchestrator, warmup, time.perf_counter() - started)
