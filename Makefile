@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean manifests bench-engine
+.PHONY: install serve test lint clean manifests bench bench-engine bench-serve loadtest
 
 install: $(STAMP)
 
@@ -40,6 +40,19 @@ clean:
 manifests: install
 	for f in configs/deployments/*.yml; do $(BIN)/pathserve deploy render $$f -o manifests || exit 1; done
 
+# Benchmarks (not tests): ratios against peers measured in the same run, JSON and PNG in results/.
+bench: bench-engine bench-serve
+
 # Offline decode throughput against transformers, with a roofline (results/engine-bench.{json,png}).
 bench-engine: install
 	$(BIN)/python -m serving.engine.bench
+
+# HTTP vs offline engine at batch 32 (results/serve-overhead.json), then a concurrency sweep of the
+# default model's server (results/serve-bench.json, -throughput.png, -latency.png).
+bench-serve: install
+	$(BIN)/pathserve bench overhead
+	$(BIN)/pathserve bench serve --concurrency 1,4,16,32
+
+# A headless locust session against the default model's server (results/locust_*.csv, locust.png).
+loadtest: install
+	$(BIN)/python -m loadtest.run_locust --users 8 --spawn-rate 4 --time 30s

@@ -137,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--quiet", action="store_true", help="no progress on stderr")
     batch.set_defaults(handler=cmd_batch)
 
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks: serve (a running server), overhead (HTTP vs offline engine), offline",
+        add_help=False,
+    )
+    bench.add_argument("what", choices=("serve", "overhead", "offline"))
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=cmd_bench)
+
     checkpoint_cli.add_parsers(commands)
     deploy_cli.add_parser(commands)
     return parser
@@ -293,6 +302,35 @@ def cmd_batch(ns: argparse.Namespace) -> int:
         ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart, progress=not ns.quiet
     )
     print(summary.to_json())
+    return 0
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    prog = f"pathserve bench {ns.what}"
+    if ns.what == "serve":
+        from loadtest.bench import main as bench_serve
+
+        return bench_serve(ns.rest, prog=prog)
+    if ns.what == "overhead":
+        from loadtest.overhead import main as overhead
+
+        return overhead(ns.rest, prog=prog)
+    parser = argparse.ArgumentParser(
+        prog=prog, description="offline engine tokens/s over a prompts file (JSON)"
+    )
+    _add_model_args(parser)
+    parser.add_argument("--prompts", required=True, type=Path, help='a JSON list of {"prompt": text}')
+    parser.add_argument("--max-tokens", type=_positive_int, required=True)
+    offline_ns = parser.parse_args(ns.rest)
+    from serving.engine.offline import measure
+
+    source, overrides = split_model_args(offline_ns.args)
+    cfg = load_config(offline_ns.config, overrides)
+    try:
+        prompts = [item["prompt"] for item in json.loads(offline_ns.prompts.read_text())]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--prompts {offline_ns.prompts}: {exc}") from None
+    print(json.dumps(measure(cfg, source, prompts, offline_ns.max_tokens)))
     return 0
 
 

@@ -55,6 +55,8 @@ class EngineMetrics:
     kv_tokens_capacity: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     requests_rejected: int = 0
+    prompt_tokens: int = 0  # over finished requests (cancelled ones included)
+    generation_tokens: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)
     time_per_output_token: Histogram = field(default_factory=Histogram)
     prefill_step: Histogram = field(default_factory=Histogram)
@@ -64,6 +66,8 @@ class EngineMetrics:
         with self.lock:
             getattr(self, name).observe(value)
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
         with self.lock:
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens

@@ -193,7 +193,8 @@ class RequestHandle:
             self.cancel()  # a stop string or a reader that left: free the slot
         self.completion = self._assembler.completion()
         metrics = self._orchestrator.metrics
-        metrics.finished(self.completion.finish_reason)
+        c = self.completion
+        metrics.finished(c.finish_reason, c.prompt_tokens, c.completion_tokens)
         times = self.completion.token_times
         if len(times) > 1:
             metrics.observe("time_per_output_token", (times[-1] - times[0]) / (len(times) - 1))

@@ -42,6 +42,17 @@ def render(metrics: EngineMetrics | None, http_requests: Mapping[tuple[str, int]
         _family(out, "pathserve_requests_finished", "counter", "requests by finish reason")
         for reason, count in sorted(finished.items()):
             out.append(f'pathserve_requests_finished_total{{reason="{reason}"}} {count}')
+        tokens = [
+            ("pathserve_prompt_tokens", "prompt tokens of finished requests", metrics.prompt_tokens),
+            (
+                "pathserve_generation_tokens",
+                "tokens generated for finished requests",
+                metrics.generation_tokens,
+            ),
+        ]
+        for name, help_text, value in tokens:
+            _family(out, name, "counter", help_text)
+            out.append(f"{name}_total {value}")
         _family(out, "pathserve_requests_rejected", "counter", "requests refused because the queue was full")
         out.append(f"pathserve_requests_rejected_total {metrics.requests_rejected}")
         histograms = [

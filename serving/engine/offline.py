@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.sampling import SamplingParams
 
@@ -64,3 +65,33 @@ def generate_all(
                     del slots[slot]
                     free.append(slot)
     return completions
+
+
+def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int) -> dict:
+    """Output tokens/s of `generate_all` over `prompts` (greedy, exactly `max_tokens` each, after
+    compiling): the offline baseline the HTTP server is compared with."""
+    import time
+
+    from serving.model_source import load_model
+    from serving.runtime import init_runtime
+
+    init_runtime(cfg)
+    model = load_model(source, cfg)
+    engine = Engine(model, cfg)
+    params = engine.load_params()
+    requests = [(model.tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    if cfg.enable_model_warmup:
+        engine.warmup(params)
+    generate_all(engine, params, requests[: engine.max_concurrent_decodes])  # compile what warmup did not
+    started = time.perf_counter()
+    done = generate_all(engine, params, requests)
+    wall = time.perf_counter() - started
+    tokens = sum(len(c.token_ids) for c in done)
+    return {
+        "requests": len(done),
+        "slots": engine.max_concurrent_decodes,
+        "prompt_tokens": sum(len(ids) for ids, _ in requests),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+    }

@@ -1,0 +1,220 @@
+"""`pathserve bench serve`: drive a running server at several concurrency levels and report
+request throughput, output tokens/s, TTFT, TPOT, ITL and end-to-end latency (mean, median, p90,
+p99) per level. Writes results/serve-bench.json, -throughput.png and -latency.png; prints a table.
+
+Speaks HTTP only (the OpenAI routes, streamed); works against a local server or a deployed Service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest import dataset
+from loadtest.client import Result, request_body, stream_one
+from loadtest.server import Server
+
+PERCENTILES = (50, 90, 99)
+
+
+async def run_level(
+    url: str,
+    api: str,
+    prompts: list[dataset.Prompt],
+    concurrency: int,
+    requests: int | None,
+    duration: float | None,
+    model: str | None,
+    ignore_eos: bool,
+    headers: dict[str, str],
+) -> tuple[list[Result], float]:
+    """`concurrency` workers send prompts back to back until `requests` are done or `duration` is up."""
+    next_index = 0
+    results: list[Result] = []
+    deadline = time.perf_counter() + duration if duration else None
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    timeout = httpx.Timeout(600.0, connect=30.0)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal next_index
+        while True:
+            if requests is not None and next_index >= requests:
+                return
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            prompt = prompts[next_index % len(prompts)]
+            next_index += 1
+            body = request_body(api, prompt.text, prompt.max_tokens, model, ignore_eos)
+            results.append(await stream_one(client, url, api, body, headers))
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return results, wall
+
+
+def summarize(results: list[Result], wall: float, concurrency: int) -> dict:
+    ok = [r for r in results if r.ok]
+    errors = [r.error for r in results if not r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted(set(errors))[:5],
+        "wall_s": wall,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens": out_tokens,
+        "request_throughput": len(ok) / wall if wall else 0.0,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": _stats([gap for r in ok for gap in r.itl]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
+    }
+
+
+def _stats(seconds: list[float]) -> dict[str, float]:
+    if not seconds:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0, "count": 0}
+    ms = sorted(s * 1000 for s in seconds)
+    out = {"mean": statistics.fmean(ms), "median": statistics.median(ms), "count": len(ms)}
+    for p in PERCENTILES[1:]:
+        out[f"p{p}"] = ms[min(len(ms) - 1, max(0, round(p / 100 * len(ms)) - 1))]
+    return out
+
+
+def plot(levels: list[dict], out: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [level["concurrency"] for level in levels]
+    paths = [out / "serve-bench-throughput.png", out / "serve-bench-latency.png"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [level["output_tokens_per_s"] for level in levels], "o-", label="output tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(
+        xs, [level["request_throughput"] for level in levels], "s--", color="tab:orange", label="requests/s"
+    )
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax2.set_ylabel("requests/s")
+    ax.set_title(f"{title}: throughput")
+    ax.grid(True, alpha=0.3)
+    fig.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for ax, metric in zip(axes.flat, ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"), strict=True):
+        for key, style in (("median", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(xs, [level[metric][key] for level in levels], style, label=key)
+        ax.set_title(metric.removesuffix("_ms").upper() + " (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("concurrent requests")
+    fig.suptitle(f"{title}: latency percentiles")
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def table(levels: list[dict]) -> str:
+    head = f"{'conc':>4} {'done':>5} {'err':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'E2E p50':>8}"
+    rows = [head]
+    for lv in levels:
+        rows.append(
+            f"{lv['concurrency']:4d} {lv['completed']:5d} {lv['errors']:4d} {lv['request_throughput']:7.2f} "
+            f"{lv['output_tokens_per_s']:9.1f} {lv['ttft_ms']['median']:9.1f} {lv['ttft_ms']['p99']:9.1f} "
+            f"{lv['tpot_ms']['median']:9.1f} {lv['itl_ms']['median']:8.1f} {lv['e2e_ms']['median']:8.1f}"
+        )
+    return "\n".join(rows)
+
+
+def build_parser(prog: str = "pathserve bench serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--url", help="the server, e.g. http://127.0.0.1:8000 (default: start the default model here)"
+    )
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="key=value for the server started without --url"
+    )
+    parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
+    parser.add_argument("--requests", type=int, help="requests per level (default: 4 x concurrency)")
+    parser.add_argument("--duration", type=float, help="seconds per level instead of a request count")
+    parser.add_argument("--api", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--dataset", help="a ShareGPT JSON file (default: a synthetic set)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-prompt-words", type=int, default=300)
+    parser.add_argument("--max-output-tokens", type=int, default=256)
+    parser.add_argument("--ignore-eos", action="store_true", help="generate every requested token")
+    parser.add_argument("--model", help="model name to send (default: the server's /v1/models)")
+    parser.add_argument("--api-key", default=os.environ.get("PATHSERVE_API_KEY", ""))
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "pathserve bench serve") -> int:
+    ns = build_parser(prog).parse_args(argv)
+    try:
+        levels_asked = [int(c) for c in ns.concurrency.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"{prog}: error: --concurrency: comma-separated integers, got {ns.concurrency!r}"
+        ) from None
+    if any(c < 1 for c in levels_asked):
+        raise SystemExit(f"{prog}: error: --concurrency: every level must be >= 1")
+    if ns.url:
+        return _bench(ns, ns.url.rstrip("/"), levels_asked, prog)
+    with Server(
+        [*ns.serve_arg, f"per_device_batch_size={max(levels_asked)}"], ns.out / "serve-bench-server.log"
+    ) as server:
+        print(f"starting the server at {server.url} (log: {server.log_path}) ...", flush=True)
+        server.wait_ready()
+        return _bench(ns, server.url, levels_asked, prog)
+
+
+def _bench(ns: argparse.Namespace, url: str, levels_asked: list[int], prog: str) -> int:
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    try:
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise SystemExit(f"{prog}: error: --url {url}: cannot list models: {exc}") from None
+    model = ns.model or models[0]["id"]
+    most = max(levels_asked) * 4 if ns.requests is None else ns.requests
+    prompts = dataset.load(ns.dataset, max(most, 64), ns.seed, ns.max_prompt_words, ns.max_output_tokens)
+    levels = []
+    for concurrency in levels_asked:
+        requests = None if ns.duration else (ns.requests or 4 * concurrency)
+        results, wall = asyncio.run(
+            run_level(url, ns.api, prompts, concurrency, requests, ns.duration, model, ns.ignore_eos, headers)
+        )
+        levels.append(summarize(results, wall, concurrency))
+        print(json.dumps({k: v for k, v in levels[-1].items() if not k.endswith("_ms")}), flush=True)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "url": url,
+        "model": model,
+        "api": ns.api,
+        "dataset": ns.dataset or "synthetic",
+        "args": {k: str(v) for k, v in vars(ns).items() if k != "api_key"},
+        "levels": levels,
+    }
+    (ns.out / "serve-bench.json").write_text(json.dumps(report, indent=2))
+    plots = plot(levels, ns.out, model)
+    print(table(levels))
+    print(f"wrote {ns.out / 'serve-bench.json'}, {', '.join(str(p) for p in plots)}")
+    return 0
