@@ -193,10 +193,21 @@ def test_kill_9_at_random_points_then_rerun_loses_and_repeats_nothing(
         "max_queued_requests=8",
     ]
     rng = random.Random(7)
+    names, text = gcs_reader(gcs, "kill-out")
+
+    def finished() -> int:
+        return len(json.loads(text("_manifest.json"))["finished"]) if "_manifest.json" in names() else 0
+
     kills = 0
-    for _ in range(5):
+    for _ in range(3):
+        # Kill at a random point after a random number of further shards finished (so each rerun
+        # both resumes finished shards and redoes an interrupted one).
+        target = finished() + rng.randint(1, 5)
         process = batch(*args, env=emulator_env(gcs))
-        time.sleep(rng.uniform(3.0, 9.0))
+        deadline = time.monotonic() + 300
+        while process.poll() is None and finished() < target and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.3))
         if process.poll() is not None:
             break
         process.send_signal(signal.SIGKILL)
