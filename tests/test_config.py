@@ -68,6 +68,7 @@ def test_yaml_file_then_overrides(tmp_path):
         ("max_target_lenght=8", ["max_target_lenght", "did you mean 'max_target_length'"]),
         ("no_such_key=1", ["unknown config key 'no_such_key'"]),
         ("checkpoint_is_quantized=true", ["checkpoint_is_quantized", "quantization=int8"]),
+        ("quantize_activations=true", ["quantize_activations", "quantization=int8"]),
         ("max_prefill_predict_length=4096", ["max_prefill_predict_length", "max_target_length"]),
         ("justtext", ["key=value"]),
     ],

@@ -25,6 +25,8 @@ from serving.engine.engine import Engine
 from serving.model_source import default_model_path, load_model
 from serving.sampling import SamplingParams
 
+# float32; int8 weights (dequantized in the matmul); int8 weights and per-token int8 activations.
+WEIGHTS = ("float32", "int8", "w8a8")
 PROMPT = (
     "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
 )
@@ -122,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": ns.new_tokens,
         "points": [],
     }
-    for weights in ("float32", "int8"):
+    for weights in WEIGHTS:
         base = ServingConfig(
             max_prefill_predict_length=64,
             max_target_length=64 + ns.new_tokens + 8,
-            quantization="int8" if weights == "int8" else "",
+            quantization="" if weights == "float32" else "int8",
+            quantize_activations=weights == "w8a8",
         )
         model = load_model(str(gguf), base)
         prompt_ids = model.tokenizer.encode(PROMPT)
@@ -181,7 +184,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for weights, style in (("float32", "o-"), ("int8", "s-")):
+    for weights, style in (("float32", "o-"), ("int8", "s-"), ("w8a8", "d-")):
         pts = [p for p in results["points"] if p["weights"] == weights]
         ax.plot(
             [p["batch"] for p in pts], [p["tokens_per_s"] for p in pts], style, label=f"pathserve {weights}"

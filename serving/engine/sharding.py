@@ -45,6 +45,7 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
                 out[name] = QuantizedWeight(
                     values=NamedSharding(mesh, _weight_spec(name, stacked, False)),
                     scales=NamedSharding(mesh, _weight_spec(name, stacked, True)),
+                    activations=value.activations,
                 )
             else:
                 out[name] = NamedSharding(mesh, _weight_spec(name, stacked, False))

@@ -20,6 +20,7 @@ _EXPORTS = {
     "store_prefix": "serving.models.llama",
     "QuantizedWeight": "serving.models.quantization",
     "quantize_params": "serving.models.quantization",
+    "with_int8_activations": "serving.models.quantization",
 }
 
 __all__ = sorted(_EXPORTS)

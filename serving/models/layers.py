@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.models.config import ModelConfig
-from serving.models.quantization import QuantizedWeight
+from serving.models.quantization import QuantizedWeight, int8_dot
 
 _NEG_INF = -1e30
 
@@ -21,6 +21,8 @@ _NEG_INF = -1e30
 def matmul(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     """x[..., in] @ w[in, out] for a float weight or an int8 `QuantizedWeight`."""
     if isinstance(w, QuantizedWeight):
+        if w.activations:
+            return int8_dot(x, w.values, w.scales[0]).astype(x.dtype)
         # Dequantize inside the jit: XLA fuses the convert into the dot's operand.
         y = jnp.matmul(x, w.values.astype(x.dtype))
         return y * w.scales[0].astype(x.dtype)

@@ -32,7 +32,7 @@ from serving.models.layers import (
     rope_frequencies,
     rope_tables,
 )
-from serving.models.quantization import QuantizedWeight
+from serving.models.quantization import QuantizedWeight, int8_dot
 
 
 class KVCache(NamedTuple):
@@ -152,6 +152,8 @@ def _logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if not cfg.tie_embeddings:
         return matmul(x, params["lm_head"]).astype(jnp.float32)
     table = params["embed"]
+    if isinstance(table, QuantizedWeight) and table.activations:
+        return int8_dot(x, table.values, table.scales[:, 0], transposed=True)
     if isinstance(table, QuantizedWeight):  # per-row scales of the table are per-vocab output scales
         out = jnp.matmul(x, table.values.astype(x.dtype).T, preferred_element_type=jnp.float32)
         return out * table.scales[:, 0]

@@ -23,7 +23,9 @@ OVERRIDES = ["per_device_batch_size=4", "max_prefill_predict_length=256", "max_t
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    process = ServerProcess.pathserve(str(tiny_model_dir), *OVERRIDES, "enable_model_warmup=true").wait_ready()
+    process = ServerProcess.pathserve(
+        str(tiny_model_dir), *OVERRIDES, "enable_model_warmup=true"
+    ).wait_ready()
     yield process
     assert process.stop() == 0, process.output()
 
@@ -45,7 +47,12 @@ def test_synthetic_dataset_is_reproducible_and_spread():
 def test_sharegpt_file_is_read(tmp_path):
     path = tmp_path / "sharegpt.json"
     conversations = [
-        {"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "word " * 20}]}
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}?"},
+                {"from": "gpt", "value": "word " * 20},
+            ]
+        }
         for i in range(5)
     ]
     path.write_text(json.dumps([{"conversations": []}, *conversations]))
