@@ -18,8 +18,9 @@ COPY serving serving
 COPY checkpoints checkpoints
 COPY loadtest loadtest
 COPY configs configs
-RUN pip install . && pathserve --help > /dev/null
+RUN pip install '.[gcs]' && pathserve --help > /dev/null
 
-EXPOSE 8000 9000
+EXPOSE 8000
 ENTRYPOINT ["pathserve"]
-CMD ["serve"]
+# In a container the server must listen beyond loopback; the manifests pass their own arguments.
+CMD ["serve", "--host=0.0.0.0"]
