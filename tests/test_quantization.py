@@ -43,8 +43,8 @@ def test_quantize_params_replaces_matmul_weights_and_the_embedding(tiny_cfg):
 
 @pytest.mark.parametrize(
     ("activations", "min_agreement", "max_perplexity_ratio"),
-    # Measured: weights only 95.3% and +0.5%; with int8 activations (w8a8) 87.9% and +5.3%.
-    [(False, 0.9, 1.02), (True, 0.85, 1.08)],
+    # Measured: weights only 95.3% and +0.5%; with int8 activations (w8a8) 85.9% and +2.0%.
+    [(False, 0.9, 1.02), (True, 0.85, 1.05)],
 )
 def test_int8_on_smollm2_agrees_with_float(smollm2, activations, min_agreement, max_perplexity_ratio):
     """Top-1 agreement over an English text and a bounded perplexity change."""
