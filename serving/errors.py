@@ -2,7 +2,15 @@
 
 
 class GenerationError(ValueError):
-    """A request that cannot be served as asked (empty prompt, too long, bad sampling values)."""
+    """A request that cannot be served as asked (empty prompt, too long, bad sampling values).
+
+    `field` names the part of the request at fault ("prompt" or "max_tokens") and `code` says why
+    in OpenAI's terms, so the HTTP layer and the batch runner report it without reading the message.
+    """
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
 
 
 class QueueFullError(RuntimeError):

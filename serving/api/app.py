@@ -45,7 +45,6 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
-    app.state.server = state
 
     # -- probes -----------------------------------------------------------------------------
 
@@ -211,14 +210,8 @@ def _submit(
     try:
         return state.orchestrator.submit(prompt_ids, sampling, stops, loop=asyncio.get_running_loop())
     except GenerationError as exc:
-        message = str(exc)
-        param = "max_tokens" if "max_tokens" in message and "prompt (" in message else prompt_param
-        raise APIError(
-            400,
-            message,
-            param=param,
-            code="context_length_exceeded" if "exceeds" in message or "more than" in message else None,
-        ) from None
+        param = prompt_param if exc.field == "prompt" else exc.field  # "prompt" or "messages"
+        raise APIError(400, str(exc), param=param, code=exc.code) from None
     except QueueFullError as exc:
         raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from None
     except ShuttingDownError as exc:
@@ -230,10 +223,6 @@ async def _reading(handle: RequestHandle):
     """The request's deltas; leaving early (the client went away) cancels the request."""
     async with contextlib.aclosing(handle.astream()) as deltas:
         yield deltas
-
-
-class _ClientGone(Exception):
-    pass
 
 
 async def _complete(handle: RequestHandle, request: Request) -> Completion:

@@ -193,7 +193,7 @@ class _Job:
             return rows.error_record(record_id, exc.custom_id, exc.code, exc.message)
         except (APIError, GenerationError) as exc:
             self._advance(0)
-            code = getattr(exc, "code", None) or "invalid_request"
+            code = exc.code or "invalid_request"
             return rows.error_record(record_id, custom_id, code, str(exc))
         finally:
             self.room.release()

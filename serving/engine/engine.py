@@ -34,6 +34,7 @@ from serving.sampling import SamplingParams, sample
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 8
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 MIN_WINDOW = 128
 
 
@@ -159,10 +160,12 @@ class Engine:
 
     def bucket_for(self, length: int) -> int:
         if length <= 0:
-            raise GenerationError("the prompt is empty")
+            raise GenerationError("the prompt is empty", field="prompt")
         if length > self.max_prefill_length:
             raise GenerationError(
-                f"the prompt has {length} tokens, more than max_prefill_predict_length={self.max_prefill_length}"
+                f"the prompt has {length} tokens, more than max_prefill_predict_length={self.max_prefill_length}",
+                field="prompt",
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
         return next(b for b in self.buckets if b >= length)
 
@@ -171,7 +174,9 @@ class Engine:
         if prompt_length + sampling.max_tokens > self.cfg.max_target_length:
             raise GenerationError(
                 f"prompt ({prompt_length} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                f"max_target_length={self.cfg.max_target_length}"
+                f"max_target_length={self.cfg.max_target_length}",
+                field="max_tokens",
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
         if len(sampling.stop_ids) > MAX_STOP_IDS:
             raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
