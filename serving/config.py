@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.models.config import ModelConfig
 
@@ -45,6 +45,11 @@ class ServingConfig(BaseModel):
     # int8 matmuls also quantize their inputs per token (w8a8): faster on CPU, somewhat less accurate.
     quantize_activations: bool = False
     checkpoint_is_quantized: bool = False
+    # float32 and int8 matmuls on one x86 CPU device run through serving/kernels/cpu_matmul.cc
+    # (AVX-512; int8 with activations per row in int16 and VNNI): "auto" uses it where it builds and
+    # the CPU can, "on" fails where it cannot, "off" keeps XLA's dot. Not with quantize_activations
+    # (that is XLA's int8 x int8 dot) nor bfloat16 weights.
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
     enable_model_warmup: bool = False
     # Engine and runtime (not MaxText flags).
     runtime: Literal["auto", "local", "pathways", "multicontroller"] = "auto"
@@ -60,6 +65,14 @@ class ServingConfig(BaseModel):
     drain_timeout_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may finish
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
 
+    @field_validator("cpu_kernels", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        """YAML reads a bare on/off as a boolean."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
         if self.max_prefill_predict_length > self.max_target_length:
@@ -69,6 +82,10 @@ class ServingConfig(BaseModel):
             )
         if self.quantize_activations and self.quantization != "int8":
             raise ValueError("quantize_activations=true requires quantization=int8")
+        if self.cpu_kernels == "on" and self.quantize_activations:
+            raise ValueError("cpu_kernels=on does not go with quantize_activations=true")
+        if self.cpu_kernels == "on" and self.weight_dtype != "float32" and self.quantization != "int8":
+            raise ValueError("cpu_kernels=on needs float32 or int8 weights, not weight_dtype=bfloat16")
         if self.checkpoint_is_quantized and self.quantization != "int8":
             raise ValueError("checkpoint_is_quantized=true requires quantization=int8")
         return self

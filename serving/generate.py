@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving import weights
 from serving.config import ServingConfig
 from serving.errors import GenerationError
 from serving.model_source import LoadedModel
@@ -43,6 +44,7 @@ class Generator:
     def __init__(self, model: LoadedModel, cfg: ServingConfig):
         self.model = model
         self.cfg = cfg
+        self.params = weights.prepare(model.params, cfg, weights.use_cpu_kernels(cfg, jax.devices()[:1]))
         dtype = jnp.dtype(cfg.dtype)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype)
         self._prefill = jax.jit(partial(prefill, **static))
@@ -72,7 +74,7 @@ class Generator:
         padded_len = bucket_length(n, self.cfg.max_prefill_predict_length)
         tokens = np.zeros((1, padded_len), np.int32)
         tokens[0, :n] = prompt_ids
-        logits, kv = self._prefill(self.model.params, jnp.asarray(tokens), jnp.array([n], jnp.int32))
+        logits, kv = self._prefill(self.params, jnp.asarray(tokens), jnp.array([n], jnp.int32))
         cache = self._cache_with_prompt(
             kv, bucket_length(n + sampling.max_tokens, self.cfg.max_target_length)
         )
@@ -92,9 +94,7 @@ class Generator:
             yield token_id
             if token_id in stop or step == sampling.max_tokens - 1:
                 return
-            next_logits, cache = self._decode(
-                self.model.params, token, jnp.array([n + step], jnp.int32), cache
-            )
+            next_logits, cache = self._decode(self.params, token, jnp.array([n + step], jnp.int32), cache)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generated:
         ids = list(self.stream(prompt_ids, sampling))
@@ -115,7 +115,7 @@ class Generator:
                 continue
             padded = np.zeros((1, bucket_length(len(chunk), window)), np.int32)
             padded[0, : len(chunk)] = chunk
-            nll = _chunk_nll(self._prefill, self.model.params, jnp.asarray(padded), len(chunk))
+            nll = _chunk_nll(self._prefill, self.params, jnp.asarray(padded), len(chunk))
             total += float(nll)
             count += len(chunk) - 1
         return total, count

@@ -5,7 +5,6 @@ quantization. The default model is converted once into $PATHSERVE_HOME and loade
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from checkpoints.layout import build_params
 from checkpoints.restore import tokenizer_from_files
 from checkpoints.sources import open_source
 from serving.config import ConfigError, ServingConfig
+from serving.home import pathserve_home
 from serving.models import ModelConfig, quantize_params, with_int8_activations
 from serving.tokenizer import Tokenizer
 
@@ -54,10 +54,6 @@ def _is_default_model(path: Path) -> bool:
         return path.resolve() == default_model_path().resolve()
     except CheckpointError:
         return False
-
-
-def pathserve_home() -> Path:
-    return Path(os.environ.get("PATHSERVE_HOME") or Path.home() / ".cache" / "pathserve")
 
 
 def default_checkpoint() -> str:

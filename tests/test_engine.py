@@ -186,7 +186,7 @@ SHARDED = textwrap.dedent(
     import json, sys
     import jax
     from jax.sharding import PartitionSpec as P
-    from serving.config import ServingConfig
+    from serving.config import ConfigError, ServingConfig
     from serving.engine.engine import Engine
     from serving.engine.offline import generate_all
     from serving.model_source import load_model
@@ -206,6 +206,12 @@ SHARDED = textwrap.dedent(
         state = engine.init_decode_state()
         specs["cache"] = list(state.cache.k.sharding.spec)
         specs["tokens"] = list(state.tokens.sharding.spec)
+        # The CPU kernels run on one device: "auto" keeps XLA's dot here, "on" says why not.
+        specs["cpu_kernels_auto"] = engine.cpu_kernels
+        try:
+            Engine(model, cfg.model_copy(update={"cpu_kernels": "on"}), engine.mesh)
+        except ConfigError as e:
+            specs["cpu_kernels_on"] = str(e)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18, 19, 20, 21], [22, 23], [24, 25, 26, 27], [28], [29, 30, 31]]
     out = generate_all(engine, params, [(p, SamplingParams(max_tokens=10)) for p in prompts])
     print(json.dumps({"tokens": [c.token_ids for c in out], "specs": specs, "slots": engine.max_concurrent_decodes}))
@@ -233,7 +239,10 @@ def test_sharded_on_8_devices_gives_the_single_device_tokens(tiny_model_dir):
     sharded = run({"ici_tensor_parallelism": 4, "ici_autoregressive_parallelism": 2})
     assert sharded["slots"] == 8 and single["slots"] == 1
     assert sharded["tokens"] == single["tokens"]
+    on = sharded["specs"].pop("cpu_kernels_on")
+    assert "cpu_kernels=on" in on and "one CPU device, not 8 cpu device(s)" in on
     assert sharded["specs"] == {
+        "cpu_kernels_auto": False,
         "wq": [None, "fsdp", "tensor"],
         "w_down": [None, "tensor", "fsdp"],
         "cache": [None, "autoregressive", None, None, None],  # 2 kv heads over 4 chips: replicated

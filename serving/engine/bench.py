@@ -25,8 +25,9 @@ from serving.engine.engine import Engine
 from serving.model_source import default_model_path, load_model
 from serving.sampling import SamplingParams
 
-# float32; int8 weights (dequantized in the matmul); int8 weights and per-token int8 activations.
-WEIGHTS = ("float32", "int8", "w8a8")
+# float32 and int8 weights (through the CPU kernels where they run), int8 weights and per-token
+# int8 activations (XLA's int8 dot), and both weights again through XLA's own dot for comparison.
+WEIGHTS = ("float32", "int8", "w8a8", "float32-xla", "int8-xla")
 PROMPT = (
     "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
 )
@@ -128,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         base = ServingConfig(
             max_prefill_predict_length=64,
             max_target_length=64 + ns.new_tokens + 8,
-            quantization="" if weights == "float32" else "int8",
+            quantization="" if weights.startswith("float32") else "int8",
             quantize_activations=weights == "w8a8",
+            cpu_kernels="off" if weights.endswith("-xla") else "auto",
         )
         model = load_model(str(gguf), base)
         prompt_ids = model.tokenizer.encode(PROMPT)
@@ -143,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                 ours.append(engine_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens))
                 if weights == "float32":
                     theirs.append(transformers_rate(reference, prompt_ids, batch, ns.new_tokens))
+            # The weights a step must read: the model's, not the packed copies (a tied head is one).
             step_bytes, step_flops = bytes_per_step(
-                params, model.config, batch, len(prompt_ids) + ns.new_tokens // 2
+                model.params, model.config, batch, len(prompt_ids) + ns.new_tokens // 2
             )
             roofline = min(bandwidth / step_bytes, flops / step_flops) * batch
             point = {
                 "weights": weights,
+                "cpu_kernels": engine.cpu_kernels,
                 "batch": batch,
                 "tokens_per_s": max(ours),
                 "roofline_tokens_per_s": roofline,
@@ -184,6 +188,10 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    for weights, style in (("float32-xla", "o--"), ("int8-xla", "s--")):
+        pts = [p for p in results["points"] if p["weights"] == weights]
+        xs, ys = [p["batch"] for p in pts], [p["tokens_per_s"] for p in pts]
+        ax.plot(xs, ys, style, alpha=0.5, label=f"pathserve {weights} (no CPU kernels)")
     for weights, style in (("float32", "o-"), ("int8", "s-"), ("w8a8", "d-")):
         pts = [p for p in results["points"] if p["weights"] == weights]
         ax.plot(

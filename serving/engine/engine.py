@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from serving import weights
 from serving.config import ServingConfig
 from serving.engine.sharding import cache_spec, param_shardings
 from serving.errors import GenerationError
@@ -108,6 +109,7 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh(cfg)
+        self.cpu_kernels = weights.use_cpu_kernels(cfg, list(self.mesh.devices.flat))
         self.max_concurrent_decodes = max(1, int(cfg.per_device_batch_size * self.mesh.size))
         self.max_prefill_length = cfg.max_prefill_predict_length
         self.buckets = prefill_buckets(self.max_prefill_length)
@@ -129,8 +131,10 @@ class Engine:
     # -- the contract --------------------------------------------------------------------------
 
     def load_params(self) -> dict:
-        """The model's params placed on the mesh (weights over `tensor` and `fsdp`)."""
-        return jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
+        """The model's params placed on the mesh (weights over `tensor` and `fsdp`), matmul weights
+        packed for the CPU kernels when they are used, layers unstacked when scan_layers=false."""
+        params = jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
+        return weights.prepare(params, self.cfg, self.cpu_kernels)
 
     def init_decode_state(self) -> DecodeState:
         cfg, slots = self.model.config, self.max_concurrent_decodes

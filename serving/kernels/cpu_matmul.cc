@@ -1,0 +1,313 @@
+// y[M, N] = x[M, K] @ w[K, N] on x86 CPUs with AVX-512, for float32 weights and for int8 weights
+// with per-column scales. XLA FFI handlers: PathserveF32Matmul, PathserveInt8Matmul.
+//
+// Why: on XLA:CPU a decode step's matrix-vector products stream weights far below the memory
+// bandwidth. Inside a scan each layer's weight slice is copied before the dot; int8 weights are
+// converted to float before it (or, for int8 x int8, take a path that moves a few GB/s). Here the
+// weights are read once, in place, in a layout made for the loop below, by the calling thread and
+// XLA's intra-op pool together.
+//
+// Weights are packed once (serving/kernels/cpu_matmul.py), 64 output columns per tile:
+// - float32: [tiles, K, 64]; each k adds x[k] * 64 weights (four 16-lane FMAs per row of x).
+// - int8: [tiles, pairs, 64, 2], the weights of input rows 2k and 2k+1 side by side for each column:
+//   the operand layout of vpdpwssd, which multiplies them with a broadcast (x[2k], x[2k+1]). Each row
+//   of x is quantized to int16 (symmetric, absmax / 32767: near lossless next to int8 weights) and
+//   32 multiply-adds run per instruction, straight from the int8 weights. int32 sums are flushed to
+//   float every kPairs pairs, so they cannot overflow: 2 * 128 * 32767 * 127 < 2^31.
+// Either may hold every layer ([layers, ...]): the `layer` operand picks one in place, so a scanned
+// model does not copy each layer's weight out of the stack.
+//
+// Threads: the output tiles are split into chunks that the calling thread and XLA's intra-op pool
+// claim from a shared counter. The caller never waits for a task that has not started: it takes
+// every chunk nobody has claimed, then waits only for chunks already being computed.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define PATHSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+namespace {
+
+constexpr int64_t kTile = 64;    // output columns per packed tile: four vectors of 16 lanes
+constexpr int64_t kPairs = 128;  // int8: input-row pairs per int32 accumulation
+constexpr int kRows = 4;         // rows of x per register block
+// Below this many multiply-adds one thread is faster than waking another.
+constexpr int64_t kParallelWork = int64_t{1} << 18;
+
+__mmask16 Lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
+}
+
+// Columns [t * 64, t * 64 + 64) of rows [row, row + R): sum[r][c] * (scales) stored into y.
+template <int R>
+PATHSERVE_AVX512 void Store(__m512 (&sum)[R][4], const float* w_scales, const float* x_scales, float* y,
+                            int64_t n, int64_t t, int64_t row) {
+  for (int c = 0; c < 4; ++c) {
+    const int64_t col = t * kTile + 16 * c;
+    if (col >= n) break;
+    const __mmask16 mask = Lanes(n - col);
+    for (int r = 0; r < R; ++r) {
+      __m512 out = sum[r][c];
+      if (w_scales) out = _mm512_mul_ps(out, _mm512_mul_ps(_mm512_loadu_ps(w_scales + col), _mm512_set1_ps(x_scales[row + r])));
+      _mm512_mask_storeu_ps(y + (row + r) * n + col, mask, out);
+    }
+  }
+}
+
+struct F32Problem {
+  const float* x;  // [M, K]
+  const float* w;  // [tiles, K, kTile]
+  float* y;        // [M, N]
+  int64_t m, k, n, tiles;
+
+  template <int R>
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row) const {
+    const float* wp = w + t * k * kTile;
+    const float* xr = x + row * k;
+    __m512 sum[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; ++i, wp += kTile) {
+      __m512 wv[4];
+      for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wp + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(xr[r * k + i]);
+        for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_fmadd_ps(xv, wv[c], sum[r][c]);
+      }
+    }
+    Store<R>(sum, nullptr, nullptr, y, n, t, row);
+  }
+};
+
+struct Int8Problem {
+  const int32_t* x;       // [M, pairs] of int16 pairs
+  const float* x_scales;  // [M]
+  const int8_t* w;        // [tiles, pairs, kTile, 2]
+  const float* w_scales;  // [tiles * kTile]
+  float* y;               // [M, N]
+  int64_t m, pairs, n, tiles;
+
+  template <int R>
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row) const {
+    const int8_t* tile = w + t * pairs * kTile * 2;
+    const int32_t* xr = x + row * pairs;
+    __m512 sum[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < pairs; k0 += kPairs) {
+      const int64_t k1 = std::min(pairs, k0 + kPairs);
+      __m512i acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+      const int8_t* wp = tile + k0 * kTile * 2;
+      for (int64_t k = k0; k < k1; ++k, wp += kTile * 2) {
+        __m512i wv[4];
+        for (int c = 0; c < 4; ++c)
+          wv[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c)));
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_set1_epi32(xr[r * pairs + k]);
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], xv, wv[c]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_add_ps(sum[r][c], _mm512_cvtepi32_ps(acc[r][c]));
+    }
+    Store<R>(sum, w_scales, x_scales, y, n, t, row);
+  }
+};
+
+template <typename Problem>
+void Tiles(const Problem& p, int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {  // tiles outer: a tile stays in cache across row blocks
+    int64_t row = 0;
+    for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row);
+    switch (p.m - row) {
+      case 3: p.template Rows<3>(t, row); break;
+      case 2: p.template Rows<2>(t, row); break;
+      case 1: p.template Rows<1>(t, row); break;
+      default: break;
+    }
+  }
+}
+
+template <typename Problem>
+struct Shared {
+  Problem problem;
+  int64_t per_chunk = 0;
+  int64_t chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename Problem>
+void Drain(Shared<Problem>& s) {
+  int64_t mine = 0;
+  for (int64_t c; (c = s.next.fetch_add(1)) < s.chunks; ++mine) {
+    Tiles(s.problem, c * s.per_chunk, std::min(s.problem.tiles, (c + 1) * s.per_chunk));
+  }
+  s.done.fetch_add(mine, std::memory_order_release);
+}
+
+// All tiles of `problem`, on this thread alone when the work is small.
+template <typename Problem>
+void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), problem.tiles);
+  if (threads <= 1 || multiply_adds < kParallelWork) {
+    Tiles(problem, 0, problem.tiles);
+    return;
+  }
+  auto shared = std::make_shared<Shared<Problem>>();
+  shared->problem = problem;
+  const int64_t chunks = std::min<int64_t>(problem.tiles, 4 * threads);
+  shared->per_chunk = (problem.tiles + chunks - 1) / chunks;
+  shared->chunks = (problem.tiles + shared->per_chunk - 1) / shared->per_chunk;
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([shared] { Drain(*shared); });
+  Drain(*shared);
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->chunks; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+// Each row of x[M, K] as int16 with its scale (absmax / 32767), zero-padded to 2 * pairs columns.
+// A row holding NaN or infinity gets a NaN scale, so the output carries it as a float matmul would.
+PATHSERVE_AVX512 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t pairs, int16_t* xq,
+                                   float* scales) {
+  const int64_t width = 2 * pairs;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    __m512 vmax = _mm512_setzero_ps();
+    __m512 nonfinite = _mm512_setzero_ps();  // x * 0 is NaN exactly where x is NaN or infinite
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(Lanes(k - i), row + i);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+      nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(v, _mm512_setzero_ps()));
+    }
+    const float absmax = _mm512_reduce_max_ps(vmax);
+    const bool finite = !std::isnan(_mm512_reduce_add_ps(nonfinite));
+    int16_t* out = xq + r * width;
+    if (!finite || !(absmax > 0)) {
+      std::fill(out, out + width, int16_t{0});
+      scales[r] = finite ? 0.0f : NAN;
+      continue;
+    }
+    scales[r] = absmax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(32767.0f / absmax);
+    for (int64_t i = 0; i < width; i += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(Lanes(k - i), row + i), inv));
+      _mm256_mask_storeu_epi16(out + i, Lanes(width - i), _mm512_cvtsepi32_epi16(q));
+    }
+  }
+}
+
+// The checks both handlers share: x[M, K], w[(layers,) tiles, inner..., 64(, 2)], y[M, N], layer.
+struct Shapes {
+  int64_t m, k, n, tiles, layers, index;
+  size_t lead;
+};
+
+ffi::ErrorOr<Shapes> CheckShapes(const char* name, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                                 ffi::Span<const int64_t> yd, size_t rank, int64_t inner, int64_t layer) {
+  const size_t lead = wd.size() == rank + 1 ? 1 : 0;
+  const std::string where = std::string(name) + ": ";
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != rank + lead || wd[lead + 2] != kTile ||
+      (rank == 4 && wd[lead + 3] != 2)) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(where + "expected x[M, K], a packed w and y[M, N]"));
+  }
+  Shapes s{xd[0], xd[1], yd[1], wd[lead], lead ? wd[0] : 1, layer, lead};
+  if (yd[0] != s.m || wd[lead + 1] != inner || (s.n + kTile - 1) / kTile != s.tiles) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(where + "shapes disagree: x[" + std::to_string(s.m) + ", " +
+                                       std::to_string(s.k) + "], y[" + std::to_string(yd[0]) + ", " +
+                                       std::to_string(s.n) + "], " + std::to_string(s.tiles) + " tiles of " +
+                                       std::to_string(wd[lead + 1]) + " rows"));
+  }
+  if (layer < 0 || layer >= s.layers) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(where + "layer " + std::to_string(layer) + " of " + std::to_string(s.layers)));
+  }
+  return s;
+}
+
+ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  auto shapes = CheckShapes("f32_matmul", xd, w.dimensions(), y->dimensions(), 3, xd.size() == 2 ? xd[1] : -1,
+                            layer.typed_data()[0]);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const float* w_layer = w.typed_data() + s.index * s.tiles * s.k * kTile;
+  const F32Problem problem{x.typed_data(), w_layer, y->typed_data(), s.m, s.k, s.n, s.tiles};
+  Run(pool, problem, s.m * s.k * s.tiles * kTile);
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const int64_t pairs = xd.size() == 2 ? (xd[1] + 1) / 2 : -1;
+  auto shapes = CheckShapes("int8_matmul", xd, w.dimensions(), y->dimensions(), 4, pairs, layer.typed_data()[0]);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (static_cast<int64_t>(w_scales.element_count()) != s.layers * s.tiles * kTile) {
+    return ffi::Error::InvalidArgument("int8_matmul: scales must hold one float per packed column");
+  }
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  // Per calling thread: XLA may run two matmuls at once on different threads.
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> x_scales;
+  xq.resize(s.m * 2 * pairs);
+  x_scales.resize(s.m);
+  QuantizeRows(x.typed_data(), s.m, s.k, pairs, xq.data(), x_scales.data());
+  const Int8Problem problem{reinterpret_cast<const int32_t*>(xq.data()),
+                            x_scales.data(),
+                            w.typed_data() + s.index * s.tiles * pairs * kTile * 2,
+                            w_scales.typed_data() + s.index * s.tiles * kTile,
+                            y->typed_data(),
+                            s.m,
+                            pairs,
+                            s.n,
+                            s.tiles};
+  Run(pool, problem, s.m * 2 * pairs * s.tiles * kTile);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 1 when this CPU runs the kernels (AVX-512 F, BW, VL and VNNI); the Python side checks before use.
+extern "C" int pathserve_cpu_matmul_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32Matmul, F32Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,195 @@
+"""The CPU int8 kernel (serving/kernels/cpu_matmul.cc) against numpy, and where the engine uses it."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.config import ServingConfig
+from serving.engine.engine import Engine
+from serving.engine.offline import generate_all
+from serving.generate import Generator
+from serving.kernels import cpu_matmul
+from serving.kernels.cpu_matmul import PackedWeight
+from serving.model_source import load_model
+from serving.models import QuantizedWeight, init_params, prefill, quantize_params
+from serving.sampling import SamplingParams
+from serving.weights import pack_for_cpu_kernels
+
+CPU_FLAGS = set()
+if Path("/proc/cpuinfo").exists():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            CPU_FLAGS = set(line.split(":", 1)[1].split())
+            break
+CAN_RUN = (
+    platform.machine() == "x86_64"
+    and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= CPU_FLAGS
+    and shutil.which("c++") is not None
+)
+needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX-512 VNNI and a C++ compiler")
+
+
+def test_status_says_whether_this_machine_runs_the_kernel():
+    status = cpu_matmul.status()
+    assert status.available == CAN_RUN, status.detail
+    if status.available:
+        assert Path(status.detail).is_file()  # the built library, in $PATHSERVE_HOME/kernels
+    else:
+        assert status.detail
+
+
+def _expected(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Rows of x quantized to int16 (absmax / 32767), exact integer products, then both scales."""
+    absmax = np.abs(x).max(axis=1, keepdims=True)
+    row_scales = np.where(absmax > 0, absmax / 32767, 0).astype(np.float32)
+    xq = np.rint(x * np.where(absmax > 0, 32767 / absmax, 0)).astype(np.int64)
+    return (xq @ values.astype(np.int64)).astype(np.float64) * row_scales * scales
+
+
+SHAPES = [(1, 576, 1536), (3, 7, 5), (4, 64, 64), (5, 100, 130), (9, 1536, 192), (37, 33, 70), (2, 2000, 64)]
+
+
+@needs_kernel
+# one row (decode), blocks of 4 rows and remainders, odd k, n off the 64-column tiles, long k
+@pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
+def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + k)
+    values = rng.integers(-127, 128, (k, n), dtype=np.int8)
+    scales = (rng.random(n) + 0.1).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32) * 3
+    w = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales))
+    assert (w.in_features, w.out_features) == (k, n)
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x[None]), w))
+    assert got.shape == (1, rows, n) and got.dtype == np.float32
+    expected = _expected(x, values, scales)
+    np.testing.assert_allclose(got[0], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    exact = x @ (values.astype(np.float32) * scales)
+    assert np.abs(got[0] - exact).max() <= 1e-3 * np.abs(exact).max()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
+def test_float32_kernel_is_the_matmul(rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + k + 1)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    packed = cpu_matmul.pack(jnp.asarray(w))
+    assert packed.scales is None and (packed.in_features, packed.out_features) == (k, n)
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), packed))
+    expected = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+@needs_kernel
+def test_a_row_with_nan_gives_nan_and_a_zero_row_gives_zeros():
+    values = np.random.default_rng(0).integers(-127, 128, (80, 64), dtype=np.int8)
+    x = np.ones((3, 80), np.float32)
+    x[1, 5] = np.nan
+    x[2] = 0
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), cpu_matmul.pack(values, np.ones(64))))
+    assert np.isfinite(got[0]).all() and np.isnan(got[1]).all() and (got[2] == 0).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [True, False])
+def test_stacked_layers_are_read_in_place_by_index(int8):
+    rng = np.random.default_rng(1)
+    if int8:
+        values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
+        scales = (rng.random((3, 128)) + 0.5).astype(np.float32)
+        per_layer = [cpu_matmul.pack(jnp.asarray(values[i]), jnp.asarray(scales[i])) for i in range(3)]
+        stacked = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales))
+    else:
+        values = rng.standard_normal((3, 96, 128)).astype(np.float32)
+        per_layer = [cpu_matmul.pack(jnp.asarray(values[i])) for i in range(3)]
+        stacked = cpu_matmul.pack(jnp.asarray(values))
+    x = jnp.asarray(rng.standard_normal((2, 96)).astype(np.float32))
+
+    @jax.jit
+    def scanned(x, w):
+        return jax.lax.scan(lambda c, i: (c, cpu_matmul.matmul(x, w.at_layer(i))), None, jnp.arange(3))[1]
+
+    got = np.asarray(scanned(x, stacked))
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], np.asarray(jax.jit(cpu_matmul.matmul)(x, per_layer[i])))
+    with pytest.raises(Exception, match="layer 3 of 3"):
+        jax.block_until_ready(jax.jit(cpu_matmul.matmul)(x, stacked.at_layer(3)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("tie", [False, True])
+def test_packed_params_give_the_models_logits(tiny_cfg, tie, int8):
+    cfg = tiny_cfg.model_copy(update={"tie_embeddings": tie})
+    params = init_params(cfg, jax.random.PRNGKey(3))
+    if int8:
+        params = quantize_params(params)
+    packed = pack_for_cpu_kernels(params)
+    layers = packed["layers"]
+    assert all(
+        isinstance(layers[n], PackedWeight) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    )
+    assert isinstance(packed["lm_head"], PackedWeight)  # tied: a packed copy of the embedding
+    assert type(packed["embed"]) is type(params["embed"])  # still there for the token lookup
+    tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 8, 1]])
+    lengths = jnp.asarray([8])
+    expected, _ = prefill(params, tokens, lengths, cfg)
+    got, _ = jax.jit(prefill, static_argnums=3)(packed, tokens, lengths, cfg)
+    tolerance = 1e-3 if int8 else 1e-5
+    assert (
+        np.abs(np.asarray(got) - np.asarray(expected)).max() <= tolerance * np.abs(np.asarray(expected)).max()
+    )
+
+
+@pytest.fixture(scope="module", params=["int8", ""])
+def served_model(request, tiny_model_dir):
+    cfg = ServingConfig(
+        per_device_batch_size=4,
+        max_prefill_predict_length=64,
+        max_target_length=128,
+        quantization=request.param,
+    )
+    return cfg, load_model(str(tiny_model_dir), cfg)
+
+
+@needs_kernel
+def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model):
+    cfg, model = served_model
+    engine = Engine(model, cfg)
+    assert engine.cpu_kernels
+    assert isinstance(engine.load_params()["layers"]["wq"], PackedWeight)
+    off = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}))
+    assert not off.cpu_kernels
+    assert not isinstance(off.load_params()["layers"]["wq"], PackedWeight)
+
+
+@needs_kernel
+def test_int8_activations_keep_xlas_int8_dot(tiny_model_dir):
+    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=128, quantization="int8")
+    cfg = cfg.model_copy(update={"quantize_activations": True})
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg)
+    assert not engine.cpu_kernels
+    assert isinstance(engine.load_params()["layers"]["wq"], QuantizedWeight)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers):
+    """Batched engine = one-request generator (both through the kernels), scanned or unstacked."""
+    cfg, model = served_model
+    cfg = cfg.model_copy(update={"scan_layers": scan_layers})
+    engine = Engine(model, cfg)
+    params = engine.load_params()
+    assert isinstance(params["layers"], dict if scan_layers else list)
+    ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    requests = [(ids[i : i + 4 + 3 * i], SamplingParams(max_tokens=10 + i)) for i in range(6)]
+    generator = Generator(model, cfg)
+    for (prompt, sampling), completion in zip(requests, generate_all(engine, params, requests), strict=True):
+        assert completion.token_ids == generator.generate(prompt, sampling).token_ids
