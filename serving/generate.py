@@ -44,11 +44,12 @@ class Generator:
     def __init__(self, model: LoadedModel, cfg: ServingConfig):
         self.model = model
         self.cfg = cfg
-        self.params = weights.prepare(model.params, cfg, weights.use_cpu_kernels(cfg, jax.devices()[:1]))
+        kernels = weights.use_cpu_kernels(cfg, jax.devices()[:1])
+        self.params = weights.prepare(model.params, cfg, kernels)
         dtype = jnp.dtype(cfg.dtype)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype)
         self._prefill = jax.jit(partial(prefill, **static))
-        self._decode = jax.jit(partial(decode_step, **static), donate_argnums=(3,))
+        self._decode = jax.jit(partial(decode_step, **static, cpu_kernels=kernels), donate_argnums=(3,))
         self._sample = jax.jit(sample)
         # A model's vocabulary may be padded past the tokenizer's; never sample an id it can't decode.
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from serving.config import ConfigError, ServingConfig
-from serving.kernels import cpu_matmul
+from serving.kernels import cpu_matmul, library
 from serving.models.llama import unstack_layers
 from serving.models.quantization import EMBEDDING, MATMUL_WEIGHTS, QuantizedWeight
 
@@ -29,7 +29,7 @@ def use_cpu_kernels(cfg: ServingConfig, devices: list) -> bool:
     elif len(devices) != 1 or devices[0].platform != "cpu":
         reason = f"they run on one CPU device, not {len(devices)} {devices[0].platform} device(s)"
     else:
-        status = cpu_matmul.status()
+        status = library.status()
         if status.available:
             log.info("matmuls run through the CPU kernels (%s)", status.detail)
             return True

@@ -15,10 +15,20 @@ from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.offline import generate_all
 from serving.generate import Generator
-from serving.kernels import cpu_matmul
+from serving.kernels import cpu_attention, cpu_matmul, library
 from serving.kernels.cpu_matmul import PackedWeight
 from serving.model_source import load_model
-from serving.models import QuantizedWeight, init_params, prefill, quantize_params
+from serving.models import (
+    KVCache,
+    QuantizedWeight,
+    decode_step,
+    init_cache,
+    init_params,
+    prefill,
+    quantize_params,
+)
+from serving.models.layers import attention_with_new_token
+from serving.models.llama import quantize_kv
 from serving.sampling import SamplingParams
 from serving.weights import pack_for_cpu_kernels
 
@@ -37,7 +47,7 @@ needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX-512
 
 
 def test_status_says_whether_this_machine_runs_the_kernel():
-    status = cpu_matmul.status()
+    status = library.status()
     assert status.available == CAN_RUN, status.detail
     if status.available:
         assert Path(status.detail).is_file()  # the built library, in $PATHSERVE_HOME/kernels
@@ -193,3 +203,76 @@ def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers
     generator = Generator(model, cfg)
     for (prompt, sampling), completion in zip(requests, generate_all(engine, params, requests), strict=True):
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8_cache", [False, True])
+@pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128)])
+def test_decode_attention_kernel_is_attention_over_each_rows_positions(int8_cache, groups, head_dim):
+    rng = np.random.default_rng(groups * 100 + head_dim)
+    layers, batch, capacity, kv = 3, 6, 40, 2
+    q = rng.standard_normal((batch, kv, groups, head_dim)).astype(np.float32)
+    k = rng.standard_normal((layers, batch, capacity, kv, head_dim)).astype(np.float32) * 2
+    v = rng.standard_normal((layers, batch, capacity, kv, head_dim)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((batch, kv, head_dim)).astype(np.float32) for _ in range(2))
+    lengths = np.array([0, 1, 7, 17, 39, 40], np.int32)  # none, some, and the whole cache
+    if int8_cache:
+        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k)), quantize_kv(jnp.asarray(v))
+        cache = (kq, vq, ks, vs)
+        k = np.asarray(kq, np.float32) * np.asarray(ks)
+        v = np.asarray(vq, np.float32) * np.asarray(vs)
+    else:
+        cache = (jnp.asarray(k), jnp.asarray(v), None, None)
+    mask = jnp.asarray((np.arange(capacity)[None, :] < lengths[:, None])[:, None, :])
+    for layer in range(layers):
+        expected = attention_with_new_token(q[:, None], k[layer], v[layer], mask, k_new, v_new)[:, 0]
+        got = jax.jit(cpu_attention.decode_attention)(q, *cache, layer, jnp.asarray(lengths), k_new, v_new)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="layer 3 of 3"):
+        jax.block_until_ready(
+            cpu_attention.decode_attention(q, *cache, 3, jnp.asarray(lengths), k_new, v_new)
+        )
+
+
+def test_decode_attention_kernel_says_what_it_does_not_handle():
+    assert cpu_attention.supports(jnp.float32, 64, 3) and cpu_attention.supports(jnp.int8, 128, 4)
+    assert not cpu_attention.supports(jnp.bfloat16, 64, 3)
+    assert not cpu_attention.supports(jnp.float32, 72, 3)  # head_dim not a multiple of 16
+    assert not cpu_attention.supports(jnp.float32, 64, 9)
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize_kvcache", [False, True])
+def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quantize_kvcache):
+    """With the attention kernel one generate variant serves every length; tokens = the plain loop
+    (which goes through the kernels too) and the logits = XLA's attention's."""
+    cfg = ServingConfig(
+        per_device_batch_size=4,
+        max_prefill_predict_length=64,
+        max_target_length=256,
+        quantize_kvcache=quantize_kvcache,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg)
+    assert engine.windows == [256]
+    assert Engine(model, cfg.model_copy(update={"cpu_kernels": "off"})).windows == [128, 256]
+    ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)
+    requests = [(ids[i : i + 3 + 9 * i], SamplingParams(max_tokens=20 + 30 * i)) for i in range(5)]
+    generator = Generator(model, cfg)
+    for (prompt, sampling), completion in zip(
+        requests, generate_all(engine, engine.load_params(), requests), strict=True
+    ):
+        assert completion.token_ids == generator.generate(prompt, sampling).token_ids
+
+    params = engine.load_params()
+    tokens, positions = jnp.asarray([5, 9, 2, 7]), jnp.asarray([0, 3, 60, 200])
+    shape = init_cache(model.config, 4, 256).k.shape
+    k, v = (jax.random.uniform(jax.random.PRNGKey(i), shape, minval=-2, maxval=2) for i in (1, 2))
+    cache = KVCache(k, v)
+    if quantize_kvcache:
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        cache = KVCache(kq, vq, ks, vs)
+    filled = cache
+    ours, _ = decode_step(params, tokens, positions, filled, model.config, cpu_kernels=True)
+    xla, _ = decode_step(params, tokens, positions, filled, model.config, cpu_kernels=False)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-4, atol=1e-4)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.kernels import cpu_matmul
+from serving.kernels import library
 from serving.models import (
     QuantizedWeight,
     decode_step,
@@ -51,8 +51,8 @@ def test_quantize_params_replaces_matmul_weights_and_the_embedding(tiny_cfg):
 )
 def test_int8_on_smollm2_agrees_with_float(smollm2, mode, min_agreement, max_perplexity_ratio):
     """Top-1 agreement over an English text and a bounded perplexity change."""
-    if mode == "kernel" and not cpu_matmul.status().available:
-        pytest.skip(f"the CPU kernels do not run here: {cpu_matmul.status().detail}")
+    if mode == "kernel" and not library.status().available:
+        pytest.skip(f"the CPU kernels do not run here: {library.status().detail}")
     ids = smollm2.tokenizer.encode_prompt((DATA / "english.txt").read_text())[:256]
     tokens, lengths = jnp.asarray([ids]), jnp.array([len(ids)])
     float_logits, _ = prefill(smollm2.params, tokens, lengths, smollm2.config)

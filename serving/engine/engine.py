@@ -30,6 +30,7 @@ from serving.errors import GenerationError
 from serving.generate import MIN_BUCKET
 from serving.model_source import LoadedModel
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.models.llama import uses_attention_kernel
 from serving.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -116,12 +117,17 @@ class Engine:
         self._dtype = jnp.dtype(cfg.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype)
+        decode_static = dict(static, cpu_kernels=self.cpu_kernels)
         self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
-        self.windows = attention_windows(cfg.max_target_length)
+        cache_dtype = jnp.int8 if cfg.quantize_kvcache else self._dtype
+        if self.cpu_kernels and uses_attention_kernel(model.config, cache_dtype, self._dtype):
+            self.windows = [cfg.max_target_length]  # the kernel reads only each row's positions
+        else:
+            self.windows = attention_windows(cfg.max_target_length)
         self._generate_fn = jax.jit(
-            partial(self._generate_impl, static=static),
+            partial(self._generate_impl, static=decode_static),
             donate_argnums=(1,),
             out_shardings=(state_shardings, None),
             static_argnames=("window",),
@@ -211,6 +217,8 @@ class Engine:
 
     def window_for(self, decode_state: DecodeState) -> int:
         """The smallest attention window holding every active slot through this generate call."""
+        if len(self.windows) == 1:
+            return self.windows[0]
         active = np.asarray(decode_state.active)
         longest = int(np.asarray(decode_state.positions)[active].max()) if active.any() else 0
         needed = longest + self.cfg.decode_steps_per_call

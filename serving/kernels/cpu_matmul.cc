@@ -17,38 +17,29 @@
 // Either may hold every layer ([layers, ...]): the `layer` operand picks one in place, so a scanned
 // model does not copy each layer's weight out of the stack.
 //
-// Threads: the output tiles are split into chunks that the calling thread and XLA's intra-op pool
-// claim from a shared counter. The caller never waits for a task that has not started: it takes
-// every chunk nobody has claimed, then waits only for chunks already being computed.
+// Threads: the output tiles are shared out between the calling thread and XLA's intra-op pool
+// (pathserve::ParallelFor in cpu_common.h).
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-#define PATHSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-
 namespace {
+
+using pathserve::Lanes;
 
 constexpr int64_t kTile = 64;    // output columns per packed tile: four vectors of 16 lanes
 constexpr int64_t kPairs = 128;  // int8: input-row pairs per int32 accumulation
 constexpr int kRows = 4;         // rows of x per register block
-// Below this many multiply-adds one thread is faster than waking another.
-constexpr int64_t kParallelWork = int64_t{1} << 18;
-
-__mmask16 Lanes(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
-}
 
 // Columns [t * 64, t * 64 + 64) of rows [row, row + R): sum[r][c] * (scales) stored into y.
 template <int R>
@@ -142,46 +133,11 @@ void Tiles(const Problem& p, int64_t first, int64_t last) {
   }
 }
 
-template <typename Problem>
-struct Shared {
-  Problem problem;
-  int64_t per_chunk = 0;
-  int64_t chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename Problem>
-void Drain(Shared<Problem>& s) {
-  int64_t mine = 0;
-  for (int64_t c; (c = s.next.fetch_add(1)) < s.chunks; ++mine) {
-    Tiles(s.problem, c * s.per_chunk, std::min(s.problem.tiles, (c + 1) * s.per_chunk));
-  }
-  s.done.fetch_add(mine, std::memory_order_release);
-}
-
-// All tiles of `problem`, on this thread alone when the work is small.
+// All tiles of `problem`, shared out between threads when the work is large enough.
 template <typename Problem>
 void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), problem.tiles);
-  if (threads <= 1 || multiply_adds < kParallelWork) {
-    Tiles(problem, 0, problem.tiles);
-    return;
-  }
-  auto shared = std::make_shared<Shared<Problem>>();
-  shared->problem = problem;
-  const int64_t chunks = std::min<int64_t>(problem.tiles, 4 * threads);
-  shared->per_chunk = (problem.tiles + chunks - 1) / chunks;
-  shared->chunks = (problem.tiles + shared->per_chunk - 1) / shared->per_chunk;
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([shared] { Drain(*shared); });
-  Drain(*shared);
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->chunks; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  pathserve::ParallelFor(pool, problem.tiles, multiply_adds,
+                         [problem](int64_t first, int64_t last) { Tiles(problem, first, last); });
 }
 
 // Each row of x[M, K] as int16 with its scale (absmax / 32767), zero-padded to 2 * pairs columns.
@@ -289,7 +245,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }  // namespace
 
 // 1 when this CPU runs the kernels (AVX-512 F, BW, VL and VNNI); the Python side checks before use.
-extern "C" int pathserve_cpu_matmul_supported() {
+extern "C" int pathserve_cpu_kernels_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from serving.kernels import cpu_attention
 from serving.kernels.cpu_matmul import PackedWeight
 from serving.models.config import ModelConfig
 from serving.models.layers import (
@@ -269,6 +270,13 @@ def _read_kv(
     return layer(cache.k) * layer(cache.k_scale), layer(cache.v) * layer(cache.v_scale)
 
 
+def uses_attention_kernel(cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
+    """Whether decode attention can go through the CPU kernel (when the CPU kernels are on)."""
+    return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(
+        cache_dtype, cfg.head_dim, cfg.num_groups
+    )
+
+
 def decode_step(
     params: dict,
     tokens: jax.Array,
@@ -278,6 +286,7 @@ def decode_step(
     scan_layers: bool = True,
     dtype: jnp.dtype = jnp.float32,
     window: int | None = None,
+    cpu_kernels: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token.
 
@@ -287,9 +296,11 @@ def decode_step(
     decode cost follows the longest live sequence, not max_target_length.
 
     The cache is read-only inside the layer loop and written once after it, so the loop never
-    carries (and copies) the whole cache from layer to layer.
+    carries (and copies) the whole cache from layer to layer. With `cpu_kernels` (see
+    `uses_attention_kernel`) attention reads each row's positions in place and `window` is unused.
     """
     x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
+    attention_kernel = cpu_kernels and uses_attention_kernel(cfg, cache.k.dtype, dtype)
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
     window = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
     earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
@@ -304,8 +315,12 @@ def decode_step(
             k, v = kq.astype(dtype) * ks.astype(dtype), vq.astype(dtype) * vs.astype(dtype)
         else:
             stored = KVCache(k, v)
-        keys, values = _read_kv(cache, index, dtype, window)
-        out = attention_with_new_token(q, keys, values, earlier, k, v)
+        if attention_kernel:
+            out = cpu_attention.decode_attention(q[:, 0], *cache, index, positions, k, v)[:, None]
+            out = out.astype(dtype)
+        else:
+            keys, values = _read_kv(cache, index, dtype, window)
+            out = attention_with_new_token(q, keys, values, earlier, k, v)
         return _attention_out_and_mlp(cfg, layer, x, out), stored
 
     x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers)

@@ -1,0 +1,43 @@
+"""One decode step's attention on x86 CPUs through XLA FFI kernels (cpu_attention.cc says why;
+serving.kernels.library builds them)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from serving.kernels import library
+
+F32_TARGET = "pathserve_f32_decode_attention"
+INT8_TARGET = "pathserve_int8_decode_attention"
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # query heads per kv head the kernel is built for
+
+
+def supports(cache_dtype: jnp.dtype, head_dim: int, groups: int) -> bool:
+    """Whether the kernel handles this cache and head layout (else the model keeps XLA's ops)."""
+    return jnp.dtype(cache_dtype) in (jnp.float32, jnp.int8) and head_dim % 16 == 0 and groups in GROUPS
+
+
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    layer: jax.Array | int,
+    lengths: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+) -> jax.Array:
+    """Attention of q [batch, kv_heads, groups, head_dim] over layer `layer` of the cache
+    k, v [layers, batch, cache, kv_heads, head_dim] (int8 with scales [..., 1], or float32),
+    positions [0, lengths[b]) of each row, then the token's own k_new, v_new [batch, kv_heads,
+    head_dim]. float32 [batch, kv_heads, groups, head_dim]; the cache is read in place."""
+    library.require()
+    result = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    args = (jnp.asarray(layer, jnp.int32), lengths.astype(jnp.int32))
+    new = (k_new.astype(jnp.float32), v_new.astype(jnp.float32))
+    q = q.astype(jnp.float32)
+    if k_scale is None:
+        return jax.ffi.ffi_call(F32_TARGET, result)(q, k, v, *args, *new)
+    return jax.ffi.ffi_call(INT8_TARGET, result)(q, k, v, k_scale, v_scale, *args, *new)

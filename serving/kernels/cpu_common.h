@@ -1,0 +1,80 @@
+// Helpers shared by the CPU kernels: lane masks and splitting work between the calling thread and
+// XLA's intra-op thread pool.
+//
+// Work is split into chunks that the calling thread and the pool's tasks claim from a shared
+// counter. The caller never waits for a task that has not started: it takes every chunk nobody has
+// claimed, then waits only for chunks already being computed. So a busy (or absent) pool costs
+// parallelism, never a deadlock.
+
+#ifndef PATHSERVE_KERNELS_CPU_COMMON_H_
+#define PATHSERVE_KERNELS_CPU_COMMON_H_
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#define PATHSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+namespace pathserve {
+
+// Below this much work (multiply-adds) one thread is faster than waking another.
+constexpr int64_t kParallelWork = int64_t{1} << 18;
+
+// The first `count` of 16 lanes (all 16 from 16 up, none below 1).
+inline __mmask16 Lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
+}
+
+template <typename Body>
+struct Shared {
+  explicit Shared(Body b) : body(std::move(b)) {}
+  Body body;
+  int64_t items = 0;
+  int64_t per_chunk = 0;
+  int64_t chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    int64_t mine = 0;
+    for (int64_t c; (c = next.fetch_add(1)) < chunks; ++mine) {
+      body(c * per_chunk, std::min(items, (c + 1) * per_chunk));
+    }
+    done.fetch_add(mine, std::memory_order_release);
+  }
+};
+
+// body(first, last) over items [0, items), on this thread alone when `work` is small.
+template <typename Body>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t work, Body body) {
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), items);
+  if (threads <= 1 || work < kParallelWork) {
+    body(0, items);
+    return;
+  }
+  auto shared = std::make_shared<Shared<Body>>(std::move(body));
+  shared->items = items;
+  const int64_t chunks = std::min<int64_t>(items, 4 * threads);
+  shared->per_chunk = (items + chunks - 1) / chunks;
+  shared->chunks = (items + shared->per_chunk - 1) / shared->per_chunk;
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([shared] { shared->Drain(); });
+  shared->Drain();
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->chunks; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+}  // namespace pathserve
+
+#endif  // PATHSERVE_KERNELS_CPU_COMMON_H_

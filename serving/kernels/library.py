@@ -1,0 +1,95 @@
+"""Build, load and register the CPU kernels (the *.cc files beside this module) once per machine.
+
+They are compiled on first use with the machine's C++ compiler into one library in
+$PATHSERVE_HOME/kernels (named by a hash of the sources, the compiler and jax, whose FFI headers
+they use). The AVX-512 code is chosen by function attributes, not -march, so the library loads on
+any x86-64 CPU and checks the CPU itself. `status()` says whether that worked and, if not, why;
+the model then keeps XLA's own ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from serving.home import pathserve_home
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+# XLA custom call target -> the handler symbol the library exports.
+TARGETS = {
+    "pathserve_f32_matmul": "PathserveF32Matmul",
+    "pathserve_int8_matmul": "PathserveInt8Matmul",
+    "pathserve_f32_decode_attention": "PathserveF32DecodeAttention",
+    "pathserve_int8_decode_attention": "PathserveInt8DecodeAttention",
+}
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the kernels can run in this process, and why not (or where their library is)."""
+
+    available: bool
+    detail: str
+
+
+@functools.cache
+def status() -> KernelStatus:
+    """Build (once per machine), load and register the kernels; never raises."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return KernelStatus(False, f"the kernels are for x86-64 CPUs, not {platform.machine()}")
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        return KernelStatus(False, "no C++ compiler found (set CXX or install g++)")
+    try:
+        library = _build(compiler)
+        lib = ctypes.cdll.LoadLibrary(str(library))
+    except (OSError, subprocess.SubprocessError) as e:
+        return KernelStatus(False, f"building the CPU kernels failed: {e}")
+    if not lib.pathserve_cpu_kernels_supported():
+        return KernelStatus(False, "this CPU lacks AVX-512 VNNI")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return KernelStatus(True, str(library))
+
+
+def require() -> None:
+    """Raise unless the kernels run here (called where a computation uses them)."""
+    kernels = status()
+    if not kernels.available:
+        raise RuntimeError(f"the CPU kernels cannot run here: {kernels.detail}")
+
+
+def _build(compiler: str) -> Path:
+    sources = sorted(HERE.glob("*.cc"))
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256(version.encode() + jax.__version__.encode())
+    for path in sorted([*sources, *HERE.glob("*.h")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    library = pathserve_home() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-I", jax.ffi.include_dir()]
+    log.info("compiling the CPU kernels into %s", library)
+    result = subprocess.run(
+        [*command, *map(str, sources), "-o", str(partial)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr.strip()]
+        raise subprocess.SubprocessError(errors[0])
+    os.replace(partial, library)  # atomic: concurrent builders each write a whole file
+    return library
