@@ -18,13 +18,22 @@ def sample(
     logits [batch, vocab] float32; keys [batch] PRNG keys; temperature, top_p [batch] float32;
     top_k [batch] int32. Rows with temperature 0 take the argmax. Returns [batch] int32.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     # Sorting the vocabulary costs more than a decode step on CPU: skip it when every row is greedy.
     return jax.lax.cond(
         jnp.any(temperature > 0),
         lambda: jnp.where(temperature > 0, _draw(logits, keys, temperature, top_k, top_p), greedy),
         lambda: greedy,
     )
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (first maximum; first NaN if any) as two plain reductions,
+    which XLA:CPU runs about 3x faster than argmax's (value, index) reduction. int32."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == top) | (jnp.isnan(logits) & jnp.isnan(top))
+    index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
 
 
 def _draw(

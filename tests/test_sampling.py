@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.sampling import SamplingParams, sample
+from serving.sampling import SamplingParams, argmax, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.125, 0.0625, 0.0625]], jnp.float32))
 
@@ -33,6 +33,19 @@ def test_temperature_zero_is_argmax():
     keys = jax.random.split(jax.random.PRNGKey(0), 6)
     picked = sample(logits, keys, jnp.zeros(6), jnp.zeros(6, jnp.int32), jnp.ones(6))
     assert np.array_equal(np.asarray(picked), np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_argmax_is_jnps_on_ties_infinities_and_nans():
+    rows = np.random.default_rng(1).normal(size=(7, 300)).astype(np.float32)
+    rows[1, [5, 9, 200]] = 50.0  # ties: the first
+    rows[2, 17] = np.inf
+    rows[3, [4, 99]] = np.nan  # NaN wins, the first one
+    rows[4, :] = -np.inf
+    rows[5, [0, 299]] = 60.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(rows)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)))
+    assert list(got[1:6]) == [5, 17, 4, 0, 0]
 
 
 def test_temperature_one_follows_the_distribution():

@@ -41,21 +41,37 @@ constexpr int64_t kTile = 64;    // output columns per packed tile: four vectors
 constexpr int64_t kPairs = 128;  // int8: input-row pairs per int32 accumulation
 constexpr int kRows = 4;         // rows of x per register block
 
-// Columns [t * 64, t * 64 + 64) of rows [row, row + R): sum[r][c] * (scales) stored into y.
+constexpr int64_t kChunk = 128;  // float32: input rows per pass over a tile (32 KB of weights, in L1)
+
+// Partial sums of columns [t * 64, t * 64 + 64), rows [row, row + R), kept in y between passes over
+// the input rows: loaded unless this is the first pass, scaled (int8) after the last, stored.
 template <int R>
-PATHSERVE_AVX512 void Store(__m512 (&sum)[R][4], const float* w_scales, const float* x_scales, float* y,
-                            int64_t n, int64_t t, int64_t row) {
-  for (int c = 0; c < 4; ++c) {
-    const int64_t col = t * kTile + 16 * c;
-    if (col >= n) break;
-    const __mmask16 mask = Lanes(n - col);
-    for (int r = 0; r < R; ++r) {
-      __m512 out = sum[r][c];
-      if (w_scales) out = _mm512_mul_ps(out, _mm512_mul_ps(_mm512_loadu_ps(w_scales + col), _mm512_set1_ps(x_scales[row + r])));
-      _mm512_mask_storeu_ps(y + (row + r) * n + col, mask, out);
+struct Block {
+  __m512 sum[R][4];
+
+  PATHSERVE_AVX512 void Start(const float* y, int64_t n, int64_t t, int64_t row, bool first) {
+    for (int c = 0; c < 4; ++c) {
+      const __mmask16 mask = Lanes(n - (t * kTile + 16 * c));
+      for (int r = 0; r < R; ++r)
+        sum[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + (row + r) * n + t * kTile + 16 * c);
     }
   }
-}
+
+  PATHSERVE_AVX512 void Finish(float* y, int64_t n, int64_t t, int64_t row, const float* w_scales,
+                               const float* x_scales) {
+    for (int c = 0; c < 4; ++c) {
+      const int64_t col = t * kTile + 16 * c;
+      const __mmask16 mask = Lanes(n - col);
+      for (int r = 0; r < R; ++r) {
+        __m512 out = sum[r][c];
+        if (w_scales) {
+          out = _mm512_mul_ps(out, _mm512_mul_ps(_mm512_loadu_ps(w_scales + col), _mm512_set1_ps(x_scales[row + r])));
+        }
+        _mm512_mask_storeu_ps(y + (row + r) * n + col, mask, out);
+      }
+    }
+  }
+};
 
 struct F32Problem {
   const float* x;  // [M, K]
@@ -63,22 +79,25 @@ struct F32Problem {
   float* y;        // [M, N]
   int64_t m, k, n, tiles;
 
+  int64_t depth() const { return k; }
+  int64_t chunk() const { return kChunk; }
+
+  // Input rows [k0, k1) of tile `t` into rows [row, row + R) of y.
   template <int R>
-  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row) const {
-    const float* wp = w + t * k * kTile;
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row, int64_t k0, int64_t k1) const {
+    const float* wp = w + (t * k + k0) * kTile;
     const float* xr = x + row * k;
-    __m512 sum[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; ++i, wp += kTile) {
+    Block<R> block;
+    block.Start(y, n, t, row, k0 == 0);
+    for (int64_t i = k0; i < k1; ++i, wp += kTile) {
       __m512 wv[4];
       for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wp + 16 * c);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(xr[r * k + i]);
-        for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_fmadd_ps(xv, wv[c], sum[r][c]);
+        for (int c = 0; c < 4; ++c) block.sum[r][c] = _mm512_fmadd_ps(xv, wv[c], block.sum[r][c]);
       }
     }
-    Store<R>(sum, nullptr, nullptr, y, n, t, row);
+    block.Finish(y, n, t, row, nullptr, nullptr);
   }
 };
 
@@ -90,45 +109,50 @@ struct Int8Problem {
   float* y;               // [M, N]
   int64_t m, pairs, n, tiles;
 
+  int64_t depth() const { return pairs; }
+  int64_t chunk() const { return kPairs; }
+
+  // Input-row pairs [k0, k1) of tile `t` into rows [row, row + R) of y (one int32 accumulation).
   template <int R>
-  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row) const {
-    const int8_t* tile = w + t * pairs * kTile * 2;
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row, int64_t k0, int64_t k1) const {
+    const int8_t* wp = w + (t * pairs + k0) * kTile * 2;
     const int32_t* xr = x + row * pairs;
-    __m512 sum[R][4];
+    __m512i acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < pairs; k0 += kPairs) {
-      const int64_t k1 = std::min(pairs, k0 + kPairs);
-      __m512i acc[R][4];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
-      const int8_t* wp = tile + k0 * kTile * 2;
-      for (int64_t k = k0; k < k1; ++k, wp += kTile * 2) {
-        __m512i wv[4];
-        for (int c = 0; c < 4; ++c)
-          wv[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c)));
-        for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_set1_epi32(xr[r * pairs + k]);
-          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], xv, wv[c]);
-        }
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; ++k, wp += kTile * 2) {
+      __m512i wv[4];
+      for (int c = 0; c < 4; ++c)
+        wv[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c)));
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(xr[r * pairs + k]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], xv, wv[c]);
       }
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) sum[r][c] = _mm512_add_ps(sum[r][c], _mm512_cvtepi32_ps(acc[r][c]));
     }
-    Store<R>(sum, w_scales, x_scales, y, n, t, row);
+    Block<R> block;
+    block.Start(y, n, t, row, k0 == 0);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) block.sum[r][c] = _mm512_add_ps(block.sum[r][c], _mm512_cvtepi32_ps(acc[r][c]));
+    const bool last = k1 == pairs;
+    block.Finish(y, n, t, row, last ? w_scales : nullptr, x_scales);
   }
 };
 
+// Tiles [first, last): for each tile, pass by pass over the input rows, every block of rows, so a
+// pass's weights are read from memory once and from L1 by the other row blocks.
 template <typename Problem>
 void Tiles(const Problem& p, int64_t first, int64_t last) {
-  for (int64_t t = first; t < last; ++t) {  // tiles outer: a tile stays in cache across row blocks
-    int64_t row = 0;
-    for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row);
-    switch (p.m - row) {
-      case 3: p.template Rows<3>(t, row); break;
-      case 2: p.template Rows<2>(t, row); break;
-      case 1: p.template Rows<1>(t, row); break;
-      default: break;
+  for (int64_t t = first; t < last; ++t) {
+    for (int64_t k0 = 0; k0 < p.depth(); k0 += p.chunk()) {
+      const int64_t k1 = std::min(p.depth(), k0 + p.chunk());
+      int64_t row = 0;
+      for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row, k0, k1);
+      switch (p.m - row) {
+        case 3: p.template Rows<3>(t, row, k0, k1); break;
+        case 2: p.template Rows<2>(t, row, k0, k1); break;
+        case 1: p.template Rows<1>(t, row, k0, k1); break;
+        default: break;
+      }
     }
   }
 }
