@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from serving.config import ConfigError, ServingConfig
 from serving.kernels import cpu_matmul, library
-from serving.models.llama import unstack_layers
+from serving.models.llama import FUSED, unstack_layers
 from serving.models.quantization import EMBEDDING, MATMUL_WEIGHTS, QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ def use_cpu_kernels(cfg: ServingConfig, devices: list) -> bool:
 
 
 def pack_for_cpu_kernels(params: dict) -> dict:
-    """params with every float32 and weight-only int8 matmul weight packed for the CPU kernels.
+    """params with every float32 and weight-only int8 matmul weight packed for the CPU kernels,
+    the projections that share an input fused (llama.FUSED: q, k, v; gate, up).
 
     A tied embedding is also packed, transposed, as `lm_head`: the embedding stays for the token
     lookup, so the head costs one more copy of the table.
@@ -52,9 +53,24 @@ def pack_for_cpu_kernels(params: dict) -> dict:
             return None if value.activations else cpu_matmul.pack(value.values, value.scales[..., 0, :])
         return cpu_matmul.pack(value) if value.dtype == jnp.float32 else None
 
+    def fused(parts: list):
+        """One packed weight for matmuls of the same input: fewer, larger kernel calls."""
+        if all(isinstance(p, QuantizedWeight) and not p.activations for p in parts):
+            values = jnp.concatenate([p.values for p in parts], axis=-1)
+            return cpu_matmul.pack(values, jnp.concatenate([p.scales[..., 0, :] for p in parts], axis=-1))
+        if all(isinstance(p, jax.Array) and p.dtype == jnp.float32 for p in parts):
+            return cpu_matmul.pack(jnp.concatenate(parts, axis=-1))
+        return None
+
     def visit(tree: dict) -> dict:
         out = {}
+        for name, members in FUSED.items():
+            if all(m in tree for m in members) and (p := fused([tree[m] for m in members])) is not None:
+                out[name] = p
+        done = {m for name in out for m in FUSED[name]}
         for key, value in tree.items():
+            if key in done:
+                continue
             if isinstance(value, dict):
                 out[key] = visit(value)
             elif key in MATMUL_WEIGHTS and (p := packed(value)) is not None:

@@ -143,9 +143,7 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, int8):
         params = quantize_params(params)
     packed = pack_for_cpu_kernels(params)
     layers = packed["layers"]
-    assert all(
-        isinstance(layers[n], PackedWeight) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-    )
+    assert all(isinstance(layers[n], PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
     assert isinstance(packed["lm_head"], PackedWeight)  # tied: a packed copy of the embedding
     assert type(packed["embed"]) is type(params["embed"])  # still there for the token lookup
     tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 8, 1]])
@@ -174,7 +172,8 @@ def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model)
     cfg, model = served_model
     engine = Engine(model, cfg)
     assert engine.cpu_kernels
-    assert isinstance(engine.load_params()["layers"]["wq"], PackedWeight)
+    layers = engine.load_params()["layers"]
+    assert isinstance(layers["wqkv"], PackedWeight) and "wq" not in layers  # q, k, v: one matmul
     off = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}))
     assert not off.cpu_kernels
     assert not isinstance(off.load_params()["layers"]["wq"], PackedWeight)

@@ -113,9 +113,14 @@ def _project_qkv(
     """q [batch, seq, kv_heads, groups, head_dim]; k, v [batch, seq, kv_heads, head_dim]."""
     batch, seq, _ = x.shape
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = matmul(h, layer["wq"]).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
-    k = matmul(h, layer["wk"]).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
-    v = matmul(h, layer["wv"]).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+    if "wqkv" in layer:
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(matmul(h, layer["wqkv"]), [q_size, q_size + kv_size], axis=-1)
+    else:
+        q, k, v = matmul(h, layer["wq"]), matmul(h, layer["wk"]), matmul(h, layer["wv"])
+    q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return q.reshape(batch, seq, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim), k, v
 
@@ -125,7 +130,16 @@ def _attention_out_and_mlp(cfg: ModelConfig, layer: dict, x: jax.Array, attn: ja
     batch, seq, _ = x.shape
     x = x + matmul(attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim), layer["wo"])
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    return x + matmul(jax.nn.silu(matmul(h, layer["w_gate"])) * matmul(h, layer["w_up"]), layer["w_down"])
+    if "w_gate_up" in layer:
+        gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = matmul(h, layer["w_gate"]), matmul(h, layer["w_up"])
+    return x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+
+
+# Matmul weights that share their input, fused into one weight (one matmul) by serving.weights for
+# the CPU kernels; the layer code splits the output back.
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def _run_layers(body: Callable, carry, layers: dict | list[dict], num_layers: int, scan_layers: bool):
