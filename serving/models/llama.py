@@ -182,8 +182,9 @@ def unstack_layers(params: dict) -> dict:
     """params with `layers` as a list of per-layer dicts instead of stacked arrays.
 
     Why: inside a scan (or an unrolled loop over stacked arrays) XLA:CPU copies each layer's weight
-    slice before its dot; per-layer arrays are read in place, which on CPU roughly doubles
-    matrix-vector throughput. The price is a layer loop unrolled at compile time.
+    slice before its dot; per-layer arrays are read in place (SmolLM2 float32 with XLA's dots:
+    19 -> 27 tok/s at batch 1, but 205 -> 171 at batch 32). The CPU kernels read stacked layers in
+    place anyway. The price is a layer loop unrolled at compile time.
     """
     layers = params["layers"]
     if isinstance(layers, list):
