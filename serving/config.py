@@ -45,10 +45,10 @@ class ServingConfig(BaseModel):
     # int8 matmuls also quantize their inputs per token (w8a8): faster on CPU, somewhat less accurate.
     quantize_activations: bool = False
     checkpoint_is_quantized: bool = False
-    # float32 and int8 matmuls on one x86 CPU device run through serving/kernels/cpu_matmul.cc
-    # (AVX-512; int8 with activations per row in int16 and VNNI): "auto" uses it where it builds and
-    # the CPU can, "on" fails where it cannot, "off" keeps XLA's dot. Not with quantize_activations
-    # (that is XLA's int8 x int8 dot) nor bfloat16 weights.
+    # On one x86 CPU device, float32 and int8 matmuls and decode attention run through
+    # serving/kernels/ (AVX-512; int8 weights with activations per row in int16 and VNNI): "auto"
+    # uses them where they build and the CPU can, "on" fails where they cannot, "off" keeps XLA's
+    # ops. Not with quantize_activations (that is XLA's int8 x int8 dot) nor bfloat16 weights.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     enable_model_warmup: bool = False
     # Engine and runtime (not MaxText flags).

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def use_cpu_kernels(cfg: ServingConfig, devices: list) -> bool:
-    """Whether matmuls run through the CPU kernels (`cpu_kernels`); logs why not."""
+    """Whether matmuls and decode attention run through the CPU kernels (`cpu_kernels`); logs why
+    not."""
     if cfg.cpu_kernels == "off" or cfg.quantize_activations:
         return False
     if cfg.quantization != "int8" and cfg.weight_dtype != "float32":

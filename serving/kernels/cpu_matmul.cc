@@ -198,7 +198,6 @@ PATHSERVE_AVX512 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t
 // The checks both handlers share: x[M, K], w[(layers,) tiles, inner..., 64(, 2)], y[M, N], layer.
 struct Shapes {
   int64_t m, k, n, tiles, layers, index;
-  size_t lead;
 };
 
 ffi::ErrorOr<Shapes> CheckShapes(const char* name, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
@@ -209,7 +208,7 @@ ffi::ErrorOr<Shapes> CheckShapes(const char* name, ffi::Span<const int64_t> xd, 
       (rank == 4 && wd[lead + 3] != 2)) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(where + "expected x[M, K], a packed w and y[M, N]"));
   }
-  Shapes s{xd[0], xd[1], yd[1], wd[lead], lead ? wd[0] : 1, layer, lead};
+  Shapes s{xd[0], xd[1], yd[1], wd[lead], lead ? wd[0] : 1, layer};
   if (yd[0] != s.m || wd[lead + 1] != inner || (s.n + kTile - 1) / kTile != s.tiles) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(where + "shapes disagree: x[" + std::to_string(s.m) + ", " +
                                        std::to_string(s.k) + "], y[" + std::to_string(yd[0]) + ", " +
