@@ -99,7 +99,7 @@ def tokenizer_from_files(files: dict[str, bytes]):
 
     if "gguf_tokenizer.json" in files:
         return tokenizer_from_gguf(GGUFTokenizerData(**json.loads(files["gguf_tokenizer.json"])))
-    local = Path(tempfile.mkdtemp(prefix="pathserve-tokenizer-"))
-    for name, data in files.items():
-        (local / name).write_bytes(data)
-    return load_tokenizer(local)
+    with tempfile.TemporaryDirectory(prefix="pathserve-tokenizer-") as local:
+        for name, data in files.items():
+            (Path(local) / name).write_bytes(data)
+        return load_tokenizer(Path(local))  # reads every file now: the directory can go

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 # Tests run on CPU, single-threaded BLAS keeps torch and XLA from fighting over 2 cores.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The default model is converted into $PATHSERVE_HOME on first use: a fresh one per test session.
+# The default model is converted into $PATHSERVE_HOME on first use: a fresh one per test session,
+# removed when the session ends (it holds ~340 MB of checkpoints and compiled kernels).
 os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
 
 import pytest
@@ -17,6 +19,11 @@ import pytest
 from serving.model_source import default_model_path
 
 DATA = Path(__file__).parent / "data"
+SESSION_HOME = os.environ["PATHSERVE_HOME"]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
 
 def make_hf_llama(

@@ -25,8 +25,11 @@ class ServerProcess:
     def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None, cwd: Path = REPO):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        # Kept after stop() for assertions; in the test session's $PATHSERVE_HOME, removed with it.
+        logs = Path(os.environ["PATHSERVE_HOME"]) / "server-logs"
+        logs.mkdir(parents=True, exist_ok=True)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
-            "w+", prefix="pathserve-serve-", suffix=".log", delete=False
+            "w+", prefix="pathserve-serve-", suffix=".log", dir=logs, delete=False
         )
         self.proc = subprocess.Popen(
             command,

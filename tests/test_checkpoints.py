@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -45,8 +46,13 @@ def test_hf_round_trip_float32_is_identical(tiny_model_dir, tmp_path, scan_layer
     metadata = read_metadata(str(tmp_path / "ckpt"))
     assert metadata.source_format == "hf" and metadata.scan_layers is scan_layers
     assert metadata.config == cfg
-    tokenizer = load_checkpoint_tokenizer(str(tmp_path / "ckpt"), metadata)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", str(scratch))
+        tokenizer = load_checkpoint_tokenizer(str(tmp_path / "ckpt"), metadata)
     assert tokenizer.decode(tokenizer.encode("the lighthouse keeper")) == "the lighthouse keeper"
+    assert list(scratch.iterdir()) == []  # the tokenizer's files were staged in a directory since removed
 
 
 def _interleave_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
