@@ -29,6 +29,7 @@ namespace {
 using pathserve::Lanes;
 
 constexpr int kMaxGroups = 16;
+constexpr int64_t kAhead = 8;  // positions between a prefetch and the scores that use it
 
 // e^x for x <= 0 (scores minus their max): 2^n * 2^f with a degree-6 polynomial for 2^f, |f| <= 1/2
 // (relative error about 2e-7).
@@ -84,6 +85,12 @@ struct Problem {
     scores.resize(G * width);
 
     for (int64_t t = 0; t <= n; ++t) {
+      if (t + kAhead < n) {  // this position's keys and values are far apart in the cache: fetch both early
+        for (int64_t c = 0; c < head_dim * static_cast<int64_t>(sizeof(T)); c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(keys + (t + kAhead) * row) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(values + (t + kAhead) * row) + c, _MM_HINT_T0);
+        }
+      }
       __m512 dot[G];
       for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {

@@ -73,23 +73,40 @@ struct Block {
   }
 };
 
+// Lines of the next pass's weights that one row block asks for while it computes: the next pass
+// streams in from memory while this one runs from L1. Spread over every row block (and over each
+// block's steps) so that a few lines are in flight at a time, not the whole pass at once.
+struct Prefetch {
+  const char* next = nullptr;  // first line, then advancing
+  const char* end = nullptr;
+  int64_t per_step = 0;
+
+  PATHSERVE_AVX512 void Step() {
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
 struct F32Problem {
   const float* x;  // [M, K]
   const float* w;  // [tiles, K, kTile]
   float* y;        // [M, N]
   int64_t m, k, n, tiles;
 
+  static constexpr int64_t kStepBytes = kTile * sizeof(float);  // weights per input row
+
   int64_t depth() const { return k; }
   int64_t chunk() const { return kChunk; }
+  const char* weights(int64_t t, int64_t k0) const { return reinterpret_cast<const char*>(w + (t * k + k0) * kTile); }
 
   // Input rows [k0, k1) of tile `t` into rows [row, row + R) of y.
   template <int R>
-  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row, int64_t k0, int64_t k1) const {
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row, int64_t k0, int64_t k1, Prefetch prefetch) const {
     const float* wp = w + (t * k + k0) * kTile;
     const float* xr = x + row * k;
     Block<R> block;
     block.Start(y, n, t, row, k0 == 0);
     for (int64_t i = k0; i < k1; ++i, wp += kTile) {
+      prefetch.Step();
       __m512 wv[4];
       for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wp + 16 * c);
       for (int r = 0; r < R; ++r) {
@@ -109,18 +126,22 @@ struct Int8Problem {
   float* y;               // [M, N]
   int64_t m, pairs, n, tiles;
 
+  static constexpr int64_t kStepBytes = kTile * 2;  // weights per input-row pair
+
   int64_t depth() const { return pairs; }
   int64_t chunk() const { return kPairs; }
+  const char* weights(int64_t t, int64_t k0) const { return reinterpret_cast<const char*>(w + (t * pairs + k0) * kTile * 2); }
 
   // Input-row pairs [k0, k1) of tile `t` into rows [row, row + R) of y (one int32 accumulation).
   template <int R>
-  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row, int64_t k0, int64_t k1) const {
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row, int64_t k0, int64_t k1, Prefetch prefetch) const {
     const int8_t* wp = w + (t * pairs + k0) * kTile * 2;
     const int32_t* xr = x + row * pairs;
     __m512i acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
     for (int64_t k = k0; k < k1; ++k, wp += kTile * 2) {
+      prefetch.Step();
       __m512i wv[4];
       for (int c = 0; c < 4; ++c)
         wv[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c)));
@@ -139,18 +160,29 @@ struct Int8Problem {
 };
 
 // Tiles [first, last): for each tile, pass by pass over the input rows, every block of rows, so a
-// pass's weights are read from memory once and from L1 by the other row blocks.
+// pass's weights are read from memory once (prefetched during the pass before) and from L1 by the
+// other row blocks. Tiles and passes lie one after another, so the next pass starts where this ends
+// (after the last one, the lines asked for are simply not used: a prefetch never faults).
 template <typename Problem>
 void Tiles(const Problem& p, int64_t first, int64_t last) {
+  const int64_t blocks = (p.m + kRows - 1) / kRows;
+  const int64_t lines = p.chunk() * Problem::kStepBytes / 64;  // of a whole pass
+  const int64_t per_block = (lines + blocks - 1) / blocks;
   for (int64_t t = first; t < last; ++t) {
     for (int64_t k0 = 0; k0 < p.depth(); k0 += p.chunk()) {
       const int64_t k1 = std::min(p.depth(), k0 + p.chunk());
+      const char* next = p.weights(t, k1);
+      const auto prefetch = [&](int64_t row) {
+        const int64_t begin = std::min(lines, row / kRows * per_block);
+        const int64_t end = std::min(lines, begin + per_block);
+        return Prefetch{next + 64 * begin, next + 64 * end, (end - begin + (k1 - k0) - 1) / (k1 - k0)};
+      };
       int64_t row = 0;
-      for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row, k0, k1);
+      for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row, k0, k1, prefetch(row));
       switch (p.m - row) {
-        case 3: p.template Rows<3>(t, row, k0, k1); break;
-        case 2: p.template Rows<2>(t, row, k0, k1); break;
-        case 1: p.template Rows<1>(t, row, k0, k1); break;
+        case 3: p.template Rows<3>(t, row, k0, k1, prefetch(row)); break;
+        case 2: p.template Rows<2>(t, row, k0, k1, prefetch(row)); break;
+        case 1: p.template Rows<1>(t, row, k0, k1, prefetch(row)); break;
         default: break;
       }
     }
