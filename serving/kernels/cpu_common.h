@@ -1,9 +1,9 @@
 // Helpers shared by the CPU kernels: lane masks and splitting work between the calling thread and
 // XLA's intra-op thread pool.
 //
-// Work is split into chunks that the calling thread and the pool's tasks claim from a shared
-// counter. The caller never waits for a task that has not started: it takes every chunk nobody has
-// claimed, then waits only for chunks already being computed. So a busy (or absent) pool costs
+// Work is split into runs of items that the calling thread and the pool's tasks claim from a shared
+// counter. The caller never waits for a task that has not started: it takes every item nobody has
+// claimed, then waits only for items already being computed. So a busy (or absent) pool costs
 // parallelism, never a deadlock.
 
 #ifndef PATHSERVE_KERNELS_CPU_COMMON_H_
@@ -34,24 +34,31 @@ inline __mmask16 Lanes(int64_t count) {
 
 template <typename Body>
 struct Shared {
-  explicit Shared(Body b) : body(std::move(b)) {}
+  Shared(Body b, int64_t n, int64_t t) : body(std::move(b)), items(n), threads(t) {}
   Body body;
-  int64_t items = 0;
-  int64_t per_chunk = 0;
-  int64_t chunks = 0;
+  const int64_t items;
+  const int64_t threads;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  // Claims shrinking runs of items (a share of what is left) until none are left: long runs first,
+  // so each thread streams contiguous weights, short ones at the end, so threads finish together.
   void Drain() {
     int64_t mine = 0;
-    for (int64_t c; (c = next.fetch_add(1)) < chunks; ++mine) {
-      body(c * per_chunk, std::min(items, (c + 1) * per_chunk));
+    int64_t first = next.load(std::memory_order_relaxed);
+    while (first < items) {
+      const int64_t run = std::max<int64_t>(1, (items - first) / (2 * threads));
+      if (next.compare_exchange_weak(first, first + run, std::memory_order_relaxed)) {
+        body(first, first + run);
+        mine += run;
+        first = next.load(std::memory_order_relaxed);
+      }
     }
     done.fetch_add(mine, std::memory_order_release);
   }
 };
 
-// body(first, last) over items [0, items), on this thread alone when `work` is small.
+// body(first, last) over runs of items [0, items), on this thread alone when `work` is small.
 template <typename Body>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t work, Body body) {
   const int64_t threads = std::min<int64_t>(pool.num_threads(), items);
@@ -59,14 +66,10 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t work, Body b
     body(0, items);
     return;
   }
-  auto shared = std::make_shared<Shared<Body>>(std::move(body));
-  shared->items = items;
-  const int64_t chunks = std::min<int64_t>(items, 4 * threads);
-  shared->per_chunk = (items + chunks - 1) / chunks;
-  shared->chunks = (items + shared->per_chunk - 1) / shared->per_chunk;
+  auto shared = std::make_shared<Shared<Body>>(std::move(body), items, threads);
   for (int64_t i = 1; i < threads; ++i) pool.Schedule([shared] { shared->Drain(); });
   shared->Drain();
-  for (int spins = 0; shared->done.load(std::memory_order_acquire) < shared->chunks; ++spins) {
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < items; ++spins) {
     if (spins < 4096) {
       _mm_pause();
     } else {
