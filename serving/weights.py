@@ -41,6 +41,14 @@ def use_cpu_kernels(cfg: ServingConfig, devices: list) -> bool:
     return False
 
 
+def _kernel_operands(value) -> tuple[jax.Array, jax.Array | None] | None:
+    """(values [..., in, out], per-output scales or None) of a float32 or weight-only int8 matmul
+    weight; None for a weight the kernels do not take (bfloat16, w8a8)."""
+    if isinstance(value, QuantizedWeight):
+        return None if value.activations else (value.values, value.scales[..., 0, :])
+    return (value, None) if value.dtype == jnp.float32 else None
+
+
 def pack_for_cpu_kernels(params: dict) -> dict:
     """params with every float32 and weight-only int8 matmul weight packed for the CPU kernels,
     the projections that share an input fused (llama.FUSED: q, k, v; gate, up).
@@ -49,19 +57,14 @@ def pack_for_cpu_kernels(params: dict) -> dict:
     lookup, so the head costs one more copy of the table.
     """
 
-    def packed(value):
-        if isinstance(value, QuantizedWeight):
-            return None if value.activations else cpu_matmul.pack(value.values, value.scales[..., 0, :])
-        return cpu_matmul.pack(value) if value.dtype == jnp.float32 else None
-
     def fused(parts: list):
         """One packed weight for matmuls of the same input: fewer, larger kernel calls."""
-        if all(isinstance(p, QuantizedWeight) and not p.activations for p in parts):
-            values = jnp.concatenate([p.values for p in parts], axis=-1)
-            return cpu_matmul.pack(values, jnp.concatenate([p.scales[..., 0, :] for p in parts], axis=-1))
-        if all(isinstance(p, jax.Array) and p.dtype == jnp.float32 for p in parts):
-            return cpu_matmul.pack(jnp.concatenate(parts, axis=-1))
-        return None
+        operands = [_kernel_operands(p) for p in parts]
+        if any(o is None for o in operands) or len({o[1] is None for o in operands}) != 1:
+            return None
+        values = jnp.concatenate([v for v, _ in operands], axis=-1)
+        scales = None if operands[0][1] is None else jnp.concatenate([s for _, s in operands], axis=-1)
+        return cpu_matmul.pack(values, scales)
 
     def visit(tree: dict) -> dict:
         out = {}
@@ -74,8 +77,8 @@ def pack_for_cpu_kernels(params: dict) -> dict:
                 continue
             if isinstance(value, dict):
                 out[key] = visit(value)
-            elif key in MATMUL_WEIGHTS and (p := packed(value)) is not None:
-                out[key] = p
+            elif key in MATMUL_WEIGHTS and (operands := _kernel_operands(value)) is not None:
+                out[key] = cpu_matmul.pack(*operands)
             else:
                 out[key] = value
         return out
@@ -83,6 +86,7 @@ def pack_for_cpu_kernels(params: dict) -> dict:
     result = visit(params)
     embed = params.get(EMBEDDING)
     if "lm_head" not in params and embed is not None:
+        # The table is [vocab, embed] with one scale per row (token): the head's output columns.
         if isinstance(embed, QuantizedWeight):
             head = None if embed.activations else cpu_matmul.pack(embed.values.T, embed.scales[:, 0])
         else:
