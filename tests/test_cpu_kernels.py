@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -44,6 +47,12 @@ CAN_RUN = (
     and shutil.which("c++") is not None
 )
 needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX-512 VNNI and a C++ compiler")
+HAS_AMX = CAN_RUN and {"amx_tile", "amx_int8"} <= CPU_FLAGS
+# int8 weights in both layouts: the AVX-512 kernel's and (where the CPU has it) the AMX kernel's
+INT8_LAYOUTS = [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-INT8")),
+]
 
 
 def test_status_says_whether_this_machine_runs_the_kernel():
@@ -53,6 +62,15 @@ def test_status_says_whether_this_machine_runs_the_kernel():
         assert Path(status.detail).is_file()  # the built library, in $PATHSERVE_HOME/kernels
     else:
         assert status.detail
+    assert status.amx == (HAS_AMX and os.environ.get("PATHSERVE_CPU_AMX", "1") != "0")
+
+
+@needs_kernel
+def test_pathserve_cpu_amx_0_keeps_int8_weights_off_amx():
+    code = "from serving.kernels import library; s = library.status(); print(s.available, s.amx)"
+    env = {**os.environ, "PATHSERVE_CPU_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
 
 
 def _expected(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -63,19 +81,30 @@ def _expected(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> np.ndarr
     return (xq @ values.astype(np.int64)).astype(np.float64) * row_scales * scales
 
 
-SHAPES = [(1, 576, 1536), (3, 7, 5), (4, 64, 64), (5, 100, 130), (9, 1536, 192), (37, 33, 70), (2, 2000, 64)]
+SHAPES = [
+    (1, 576, 1536),
+    (3, 7, 5),
+    (4, 64, 64),
+    (5, 100, 130),
+    (9, 1536, 192),
+    (37, 33, 70),
+    (2, 2000, 64),
+    (32, 576, 80),
+]
 
 
 @needs_kernel
-# one row (decode), blocks of 4 rows and remainders, odd k, n off the 64-column tiles, long k
+# one row (decode), blocks of 4 rows and remainders, odd k, n off the 64-column tiles, long k;
+# for AMX: one, two and three tiles of 16 rows, k off its 64-row steps, n off its 16-column tiles
 @pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
-def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n):
+@pytest.mark.parametrize("amx", INT8_LAYOUTS)
+def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n, amx):
     rng = np.random.default_rng(rows * 1000 + k)
     values = rng.integers(-127, 128, (k, n), dtype=np.int8)
     scales = (rng.random(n) + 0.1).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32) * 3
-    w = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales))
-    assert (w.in_features, w.out_features) == (k, n)
+    w = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=amx)
+    assert (w.in_features, w.out_features, w.amx) == (k, n, amx)
     got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x[None]), w))
     assert got.shape == (1, rows, n) and got.dtype == np.float32
     expected = _expected(x, values, scales)
@@ -98,24 +127,45 @@ def test_float32_kernel_is_the_matmul(rows, k, n):
 
 
 @needs_kernel
-def test_a_row_with_nan_gives_nan_and_a_zero_row_gives_zeros():
+@pytest.mark.parametrize("amx", INT8_LAYOUTS)
+def test_a_row_with_nan_gives_nan_and_a_zero_row_gives_zeros(amx):
     values = np.random.default_rng(0).integers(-127, 128, (80, 64), dtype=np.int8)
     x = np.ones((3, 80), np.float32)
     x[1, 5] = np.nan
     x[2] = 0
-    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), cpu_matmul.pack(values, np.ones(64))))
+    packed = cpu_matmul.pack(values, np.ones(64), amx=amx)
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), packed))
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all() and (got[2] == 0).all()
 
 
+def test_amx_layout_is_four_input_rows_per_column_and_only_where_int32_sums_cannot_overflow():
+    values = np.arange(130 * 20, dtype=np.int32).reshape(130, 20).astype(np.int8)
+    w = cpu_matmul.pack(jnp.asarray(values), jnp.ones(20), amx=True)
+    assert w.amx and w.values.shape == (2, 192 // 4, 16, 4) and w.scales.shape == (32,)
+    v = np.asarray(w.values)
+    assert (
+        v[1, 2, 3, 1] == values[2 * 4 + 1, 16 + 3]
+        and (v[:, 130 // 4 + 1 :] == 0).all()
+        and (v[1, :, 4:] == 0).all()
+    )
+    # longer inputs keep the AVX-512 layout, whose sums are flushed to float every 256 rows
+    long = cpu_matmul.pack(jnp.zeros((cpu_matmul.AMX_MAX_DEPTH + 1, 1), jnp.int8), jnp.ones(1), amx=True)
+    assert not long.amx and long.values.shape[-1] == 2
+
+
 @needs_kernel
-@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("int8", [True, False, pytest.param("amx", marks=INT8_LAYOUTS[1].marks)])
 def test_stacked_layers_are_read_in_place_by_index(int8):
     rng = np.random.default_rng(1)
     if int8:
+        amx = int8 == "amx"
         values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
         scales = (rng.random((3, 128)) + 0.5).astype(np.float32)
-        per_layer = [cpu_matmul.pack(jnp.asarray(values[i]), jnp.asarray(scales[i])) for i in range(3)]
-        stacked = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales))
+        per_layer = [
+            cpu_matmul.pack(jnp.asarray(values[i]), jnp.asarray(scales[i]), amx=amx) for i in range(3)
+        ]
+        stacked = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=amx)
+        assert stacked.amx == amx
     else:
         values = rng.standard_normal((3, 96, 128)).astype(np.float32)
         per_layer = [cpu_matmul.pack(jnp.asarray(values[i])) for i in range(3)]

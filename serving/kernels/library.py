@@ -31,6 +31,7 @@ HERE = Path(__file__).parent
 TARGETS = {
     "pathserve_f32_matmul": "PathserveF32Matmul",
     "pathserve_int8_matmul": "PathserveInt8Matmul",
+    "pathserve_int8_amx_matmul": "PathserveInt8AmxMatmul",
     "pathserve_f32_decode_attention": "PathserveF32DecodeAttention",
     "pathserve_int8_decode_attention": "PathserveInt8DecodeAttention",
 }
@@ -38,10 +39,13 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class KernelStatus:
-    """Whether the kernels can run in this process, and why not (or where their library is)."""
+    """Whether the kernels can run in this process, and why not (or where their library is);
+    `amx`: whether int8 weights take the AMX kernel (the CPU has AMX-INT8, Linux allows it, and
+    PATHSERVE_CPU_AMX is not 0)."""
 
     available: bool
     detail: str
+    amx: bool = False
 
 
 @functools.cache
@@ -61,7 +65,8 @@ def status() -> KernelStatus:
         return KernelStatus(False, "this CPU lacks AVX-512 VNNI")
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    return KernelStatus(True, str(library))
+    amx = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0" and bool(lib.pathserve_cpu_amx_supported())
+    return KernelStatus(True, str(library), amx)
 
 
 def require() -> None:
