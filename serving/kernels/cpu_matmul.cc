@@ -357,7 +357,7 @@ struct alignas(64) TileConfig {
 };
 
 struct Int8AmxProblem {
-  const int8_t* x_high;   // [mtiles * 16, depth]: signed high bytes of x's int16 rows (zero rows past M)
+  const int8_t* x_high;   // [M, depth], or [mtiles * 16, depth] with zero rows past M: signed high bytes
   const uint8_t* x_low;   // [mtiles * 16, depth]: unsigned low bytes
   const float* x_scales;  // [M]
   const int8_t* w;        // [tiles, depth / 4, 16, 4]
@@ -391,10 +391,12 @@ inline void PrefetchTile(const int8_t* next) {
 // weights. With one row tile, two column tiles at a time (sums: high and low of each); with more,
 // one column tile for two row tiles at a time, so each weight tile read serves 32 rows.
 PATHSERVE_AMX void AmxTiles(const Int8AmxProblem& p, int64_t first, int64_t last) {
+  // Tiles of x and of the sums hold 16 rows, or M when M is less: no padding rows to compute.
+  const uint8_t rows = static_cast<uint8_t>(std::min(kAmxRows, p.m));
   TileConfig config;
   for (int i = 0; i < 8; ++i) {
     config.colsb[i] = 64;
-    config.rows[i] = kAmxRows;
+    config.rows[i] = i < 6 ? rows : kAmxRows;
   }
   _tile_loadconfig(&config);
   const int64_t steps = p.depth / kAmxDepth;
@@ -502,11 +504,12 @@ ffi::Error Int8AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   thread_local std::vector<uint8_t> low;
   thread_local std::vector<float> x_scales;
   xq.resize(s.m * depth);
-  high.resize(mtiles * kAmxRows * depth);
-  low.resize(mtiles * kAmxRows * depth);
+  const int64_t rows = mtiles > 1 ? mtiles * kAmxRows : s.m;  // past one tile, whole tiles of rows
+  high.resize(rows * depth);
+  low.resize(rows * depth);
   x_scales.resize(s.m);
   QuantizeRows(x.typed_data(), s.m, s.k, depth / 2, xq.data(), x_scales.data());
-  SplitBytes(xq.data(), s.m, mtiles * kAmxRows, depth, high.data(), low.data());
+  SplitBytes(xq.data(), s.m, rows, depth, high.data(), low.data());
   const Int8AmxProblem problem{high.data(),
                                low.data(),
                                x_scales.data(),
