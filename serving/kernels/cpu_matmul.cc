@@ -330,7 +330,6 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // ---- int8 weights on AMX ----------------------------------------------------------------------
 
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
-#define PATHSERVE_HAVE_AMX 1
 #define PATHSERVE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 constexpr int64_t kAmxCols = 16;   // output columns per tile (an AMX C tile's width in int32)
@@ -357,8 +356,9 @@ struct alignas(64) TileConfig {
 };
 
 struct Int8AmxProblem {
-  const int8_t* x_high;   // [M, depth], or [mtiles * 16, depth] with zero rows past M: signed high bytes
-  const uint8_t* x_low;   // [mtiles * 16, depth]: unsigned low bytes
+  // x's int16 rows as bytes, [M, depth] (or, past one row tile, [mtiles * 16, depth] with zero rows):
+  const int8_t* x_high;   // signed high bytes
+  const uint8_t* x_low;   // unsigned low bytes
   const float* x_scales;  // [M]
   const int8_t* w;        // [tiles, depth / 4, 16, 4]
   const float* w_scales;  // [tiles * 16]
