@@ -33,7 +33,7 @@ from serving.models import (
 from serving.models.layers import attention_with_new_token
 from serving.models.llama import quantize_kv
 from serving.sampling import SamplingParams
-from serving.weights import pack_for_cpu_kernels
+from serving.weights import bf16_pair_weights, pack_for_cpu_kernels
 
 CPU_FLAGS = set()
 if Path("/proc/cpuinfo").exists():
@@ -53,6 +53,15 @@ INT8_LAYOUTS = [
     False,
     pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-INT8")),
 ]
+HAS_AMX_BF16 = CAN_RUN and {"amx_tile", "amx_bf16"} <= CPU_FLAGS
+needs_amx_bf16 = pytest.mark.skipif(not HAS_AMX_BF16, reason="needs a CPU with AMX-BF16")
+# float32 weights in both layouts: the AVX-512 kernel's and the AMX kernel's (two bfloat16 each)
+F32_LAYOUTS = [False, pytest.param(True, marks=needs_amx_bf16)]
+
+
+def _two_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values cut to 16 significant bits: each exactly the sum of two bfloat16."""
+    return (values.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFFF00)).view(np.float32)
 
 
 def test_status_says_whether_this_machine_runs_the_kernel():
@@ -62,15 +71,17 @@ def test_status_says_whether_this_machine_runs_the_kernel():
         assert Path(status.detail).is_file()  # the built library, in $PATHSERVE_HOME/kernels
     else:
         assert status.detail
-    assert status.amx == (HAS_AMX and os.environ.get("PATHSERVE_CPU_AMX", "1") != "0")
+    allowed = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0"
+    assert status.amx == (HAS_AMX and allowed)
+    assert status.amx_bf16 == (HAS_AMX_BF16 and allowed)
 
 
 @needs_kernel
-def test_pathserve_cpu_amx_0_keeps_int8_weights_off_amx():
-    code = "from serving.kernels import library; s = library.status(); print(s.available, s.amx)"
+def test_pathserve_cpu_amx_0_keeps_weights_off_amx():
+    code = "from serving.kernels import library; s = library.status(); print(s.available, s.amx, s.amx_bf16)"
     env = {**os.environ, "PATHSERVE_CPU_AMX": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "False"]
+    assert out.stdout.split() == ["True", "False", "False"]
 
 
 def _expected(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -114,16 +125,64 @@ def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n, amx):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
-def test_float32_kernel_is_the_matmul(rows, k, n):
+@pytest.mark.parametrize(("rows", "k", "n"), [*SHAPES, (16, 40, 17), (17, 576, 960)])
+@pytest.mark.parametrize("amx", F32_LAYOUTS)
+def test_float32_kernel_is_the_matmul(rows, k, n, amx):
     rng = np.random.default_rng(rows * 1000 + k + 1)
     w = rng.standard_normal((k, n)).astype(np.float32)
+    if amx:
+        w = _two_bf16(w)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    packed = cpu_matmul.pack(jnp.asarray(w))
-    assert packed.scales is None and (packed.in_features, packed.out_features) == (k, n)
+    packed = cpu_matmul.pack(jnp.asarray(w), amx=amx)
+    assert packed.scales is None and (packed.in_features, packed.out_features, packed.amx) == (k, n, amx)
     got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), packed))
     expected = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    # float32 accuracy: errors within a few roundings of the sum of the products' magnitudes
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert (np.abs(got - expected) / magnitude).max() < 1e-6
+
+
+@needs_amx_bf16
+def test_float32_on_amx_gives_nan_for_a_row_with_nan_and_zeros_for_a_zero_row():
+    w = _two_bf16(np.random.default_rng(0).standard_normal((80, 64)))
+    x = np.ones((3, 80), np.float32)
+    x[1, 5] = np.nan
+    x[2] = 0
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), cpu_matmul.pack(jnp.asarray(w), amx=True)))
+    assert np.isfinite(got[0]).all() and np.isnan(got[1]).all() and (got[2] == 0).all()
+
+
+def test_splits_exactly_is_true_of_values_with_16_significant_bits_and_finite():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    assert not cpu_matmul.splits_exactly(jnp.asarray(w))  # float32's 24 bits
+    for exact in (
+        _two_bf16(w),
+        w.astype(jnp.bfloat16).astype(np.float32),
+        w.astype(np.float16).astype(np.float32),  # 11 bits
+        (rng.integers(0, 16, w.shape) * np.float16(0.0123) + np.float16(-0.1)).astype(np.float32),  # Q4_1
+    ):
+        assert cpu_matmul.splits_exactly(jnp.asarray(exact))
+    for bad in (np.inf, np.nan):
+        assert not cpu_matmul.splits_exactly(jnp.asarray(_two_bf16(w)).at[3, 4].set(bad))
+
+
+def test_float32_amx_layout_is_high_then_low_halves_of_row_pairs_per_block_of_32():
+    rng = np.random.default_rng(3)
+    w = _two_bf16(rng.standard_normal((70, 20)))
+    packed = cpu_matmul.pack(jnp.asarray(w), amx=True)
+    # 2 tiles of 16 columns, 70 rows padded to 3 blocks of 32
+    assert packed.amx and packed.values.shape == (2, 96, 16, 2) and packed.values.dtype == jnp.bfloat16
+    v = np.asarray(packed.values.astype(jnp.float32))
+    high = (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    row, column = 32 + 2 * 5 + 1, 16 + 3  # block 1, pair 5, second row of the pair; tile 1, column 3
+    assert v[1, 32 + 5, 3, 1] == high[row, column]
+    assert v[1, 32 + 16 + 5, 3, 1] == w[row, column] - high[row, column]
+    assert (
+        (v[1, :, 4:] == 0).all() and (v[:, 64 + 3 : 64 + 16] == 0).all() and (v[:, 64 + 16 + 3 :] == 0).all()
+    )
+    assert (v[:, :, :, 0] + v[:, :, :, 1]).sum() != 0
 
 
 @needs_kernel
@@ -154,10 +213,22 @@ def test_amx_layout_is_four_input_rows_per_column_and_only_where_int32_sums_cann
 
 
 @needs_kernel
-@pytest.mark.parametrize("int8", [True, False, pytest.param("amx", marks=INT8_LAYOUTS[1].marks)])
+@pytest.mark.parametrize(
+    "int8",
+    [
+        True,
+        False,
+        pytest.param("amx", marks=INT8_LAYOUTS[1].marks),
+        pytest.param("float32-amx", marks=needs_amx_bf16),
+    ],
+)
 def test_stacked_layers_are_read_in_place_by_index(int8):
     rng = np.random.default_rng(1)
-    if int8:
+    if int8 == "float32-amx":
+        values = _two_bf16(rng.standard_normal((3, 96, 128)))
+        per_layer = [cpu_matmul.pack(jnp.asarray(values[i]), amx=True) for i in range(3)]
+        stacked = cpu_matmul.pack(jnp.asarray(values), amx=True)
+    elif int8:
         amx = int8 == "amx"
         values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
         scales = (rng.random((3, 128)) + 0.5).astype(np.float32)
@@ -184,26 +255,52 @@ def test_stacked_layers_are_read_in_place_by_index(int8):
 
 
 @needs_kernel
-@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("weights", ["int8", "float32", pytest.param("float32-bf16", marks=needs_amx_bf16)])
 @pytest.mark.parametrize("tie", [False, True])
-def test_packed_params_give_the_models_logits(tiny_cfg, tie, int8):
+def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     cfg = tiny_cfg.model_copy(update={"tie_embeddings": tie})
     params = init_params(cfg, jax.random.PRNGKey(3))
-    if int8:
+    if weights == "int8":
         params = quantize_params(params)
-    packed = pack_for_cpu_kernels(params)
+    if weights == "float32-bf16":  # every weight exact in two bfloat16: all take AMX
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
+    amx_f32 = bf16_pair_weights(params)
+    assert bool(amx_f32) == (weights == "float32-bf16")
+    packed = pack_for_cpu_kernels(params, amx_f32)
     layers = packed["layers"]
     assert all(isinstance(layers[n], PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
     assert isinstance(packed["lm_head"], PackedWeight)  # tied: a packed copy of the embedding
     assert type(packed["embed"]) is type(params["embed"])  # still there for the token lookup
+    if weights == "float32-bf16":
+        assert all(layers[n].amx for n in ("wqkv", "wo", "w_gate_up", "w_down")) and packed["lm_head"].amx
     tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 8, 1]])
     lengths = jnp.asarray([8])
     expected, _ = prefill(params, tokens, lengths, cfg)
     got, _ = jax.jit(prefill, static_argnums=3)(packed, tokens, lengths, cfg)
-    tolerance = 1e-3 if int8 else 1e-5
+    tolerance = 1e-3 if weights == "int8" else 1e-5
     assert (
         np.abs(np.asarray(got) - np.asarray(expected)).max() <= tolerance * np.abs(np.asarray(expected)).max()
     )
+
+
+@needs_amx_bf16
+def test_only_float32_weights_exact_in_two_bfloat16_take_amx(tiny_cfg):
+    params = init_params(tiny_cfg, jax.random.PRNGKey(4))
+    assert bf16_pair_weights(params) == frozenset()  # random float32: 24 significant bits
+    layers = dict(params["layers"])
+    layers["wo"] = layers["wo"].astype(jnp.bfloat16).astype(jnp.float32)
+    layers["wq"] = layers["wq"].astype(jnp.bfloat16).astype(jnp.float32)  # fused with k and v: not all exact
+    params = {**params, "layers": layers}
+    amx_f32 = bf16_pair_weights(params)
+    assert amx_f32 == {("layers", "wo"), ("layers", "wq")}
+    packed = pack_for_cpu_kernels(params, amx_f32)["layers"]
+    assert packed["wo"].amx and not packed["wqkv"].amx and not packed["w_down"].amx
+
+
+@needs_amx_bf16
+def test_smollm2s_4_bit_layers_take_amx_and_its_8_bit_embedding_does_not(smollm2):
+    amx_f32 = bf16_pair_weights(smollm2.params)
+    assert {("layers", n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")} == amx_f32
 
 
 @pytest.fixture(scope="module", params=["int8", ""])

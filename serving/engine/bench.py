@@ -22,7 +22,7 @@ import numpy as np
 
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
-from serving.kernels import library
+from serving.kernels.cpu_matmul import PackedWeight
 from serving.model_source import default_model_path, load_model
 from serving.sampling import SamplingParams
 
@@ -154,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             point = {
                 "weights": weights,
                 "cpu_kernels": engine.cpu_kernels,
-                # int8 weights take the AMX kernel where the CPU has AMX-INT8
-                "amx": engine.cpu_kernels and weights == "int8" and library.status().amx,
+                # some packed weights take an AMX kernel (int8: AMX-INT8; float32: AMX-BF16)
+                "amx": any(
+                    getattr(leaf, "amx", False)
+                    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight))
+                ),
                 "batch": batch,
                 "tokens_per_s": max(ours),
                 "roofline_tokens_per_s": roofline,

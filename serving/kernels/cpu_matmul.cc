@@ -1,5 +1,6 @@
-// y[M, N] = x[M, K] @ w[K, N] on x86 CPUs with AVX-512, for float32 weights and for int8 weights
-// with per-column scales. XLA FFI handlers: PathserveF32Matmul, PathserveInt8Matmul.
+// y[M, N] = x[M, K] @ w[K, N] on x86 CPUs with AVX-512 (and AMX where present), for float32 weights
+// and for int8 weights with per-column scales. XLA FFI handlers: PathserveF32Matmul,
+// PathserveInt8Matmul, PathserveInt8AmxMatmul, PathserveF32AmxMatmul.
 //
 // Why: on XLA:CPU a decode step's matrix-vector products stream weights far below the memory
 // bandwidth. Inside a scan each layer's weight slice is copied before the dot; int8 weights are
@@ -22,7 +23,13 @@
 //   multiply costs the same for 1 row as for 16, yet is cheap enough that even one row is bound by
 //   reading the weights; at batch 32 the AVX-512 loop above is bound by its multiply-adds instead
 //   (AMX: ~3x its rate there, measured with 30 distinct layers on two threads).
-// Either may hold every layer ([layers, ...]): the `layer` operand picks one in place, so a scanned
+// - float32 on AMX (PathserveF32AmxMatmul, where the CPU has AMX-BF16, for weights that are each
+//   exactly the sum of two bfloat16, checked when packing): [tiles, blocks * 32, 16, 2] bfloat16, per
+//   16 columns and block of 32 input rows one B tile of the weights' high halves and one of their
+//   low halves (the same 4 bytes per weight as float32). x is split exactly into three bfloat16
+//   parts; six tile multiplies per block give every product exactly, summed in float32 (TDPBF16PS
+//   flushes denormals). ~1.5x the AVX-512 loop at batch 32, where that loop is bound by its FMAs.
+// Any of them may hold every layer ([layers, ...]): the `layer` operand picks one in place, so a scanned
 // model does not copy each layer's weight out of the stack.
 //
 // Threads: the output tiles are shared out between the calling thread and XLA's intra-op pool
@@ -327,26 +334,29 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// ---- int8 weights on AMX ----------------------------------------------------------------------
+// ---- AMX: readiness, tile configuration, int8 weights -----------------------------------------
+
+constexpr int kAmxInt8 = 25, kAmxBf16 = 22;  // CPUID leaf 7 EDX bits of AMX's int8 and bfloat16 multiplies
 
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
-#define PATHSERVE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#define PATHSERVE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8,amx-bf16")))
 
 constexpr int64_t kAmxCols = 16;   // output columns per tile (an AMX C tile's width in int32)
 constexpr int64_t kAmxDepth = 64;  // input rows per tile multiply (an A tile row: 64 bytes)
 constexpr int64_t kAmxRows = 16;   // rows of x per tile multiply
 constexpr int64_t kAmxMaxDepth = 65536;  // low-byte sums stay in int32: 255 * 128 * 65536 < 2^31
 
-// Whether this CPU has AMX-INT8 and Linux lets this process use it (the tile data state must be
-// asked for once per process). Decided once.
-bool AmxReady() {
-  static const bool ready = [] {
+// Whether Linux lets this process use AMX tiles (the tile data state must be asked for once per
+// process) and the CPU has AMX with `feature` (CPUID leaf 7 EDX bit: 25 AMX-INT8, 22 AMX-BF16).
+bool AmxReady(int feature) {
+  static const bool tiles = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl: ARCH_REQ_XCOMP_PERM
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();
-  return ready;
+  unsigned a, b, c, d;
+  return tiles && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << feature));
 }
 
 struct alignas(64) TileConfig {
@@ -383,8 +393,8 @@ struct Int8AmxProblem {
 
 // Asks for the weights `kAhead` tile multiplies ahead (measured: 2 to 4 best, 8 worse).
 constexpr int64_t kAhead = 4;
-inline void PrefetchTile(const int8_t* next) {
-  for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * i, _MM_HINT_T0);
+inline void PrefetchTile(const void* next) {
+  for (int i = 0; i < 16; ++i) _mm_prefetch(static_cast<const char*>(next) + 64 * i, _MM_HINT_T0);
 }
 
 // Column tiles [first, last). Tile registers: 0-3 int32 sums, 4-5 x's high and low bytes, 6-7
@@ -485,7 +495,7 @@ PATHSERVE_AVX512 void SplitBytes(const int16_t* xq, int64_t m, int64_t rows, int
 
 ffi::Error Int8AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                          ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  if (!AmxReady()) return ffi::Error::InvalidArgument("int8_amx_matmul: this CPU (or kernel) does not run AMX");
+  if (!AmxReady(kAmxInt8)) return ffi::Error::InvalidArgument("int8_amx_matmul: this CPU (or kernel) does not run AMX");
   const auto xd = x.dimensions();
   const int64_t depth = xd.size() == 2 ? (xd[1] + kAmxDepth - 1) / kAmxDepth * kAmxDepth : -1;
   auto shapes = CheckShapes("int8_amx_matmul", xd, w.dimensions(), y->dimensions(), 4, depth / 4,
@@ -500,8 +510,8 @@ ffi::Error Int8AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t mtiles = (s.m + kAmxRows - 1) / kAmxRows;
   // Per calling thread: XLA may run two matmuls at once on different threads.
   thread_local std::vector<int16_t> xq;
-  thread_local std::vector<int8_t> high;
-  thread_local std::vector<uint8_t> low;
+  thread_local pathserve::LineVector<int8_t> high;
+  thread_local pathserve::LineVector<uint8_t> low;
   thread_local std::vector<float> x_scales;
   xq.resize(s.m * depth);
   const int64_t rows = mtiles > 1 ? mtiles * kAmxRows : s.m;  // past one tile, whole tiles of rows
@@ -528,13 +538,162 @@ ffi::Error Int8AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
-#else  // a compiler without AMX intrinsics: the handler exists and says so
+// ---- float32 weights on AMX (bfloat16 parts) --------------------------------------------------
 
-bool AmxReady() { return false; }
+constexpr int64_t kBf16Depth = 32;  // input rows per tile multiply (an A tile row: 32 bfloat16)
+constexpr int kXParts = 3;          // a float32 is exactly the sum of three bfloat16 (8 + 8 + 8 bits)
+constexpr int64_t kBf16Ahead = 2;   // blocks of weights asked for ahead (measured: 2 best of 2, 4, 8)
+
+struct F32AmxProblem {
+  const uint16_t* x;  // x's bfloat16 parts, [mtiles, blocks, 3, rows, 32] (SplitParts)
+  const uint16_t* w;  // [tiles, blocks, 2, 16, 16, 2]: per block of 32 inputs, high then low halves
+  float* y;           // [M, N]
+  int64_t m, n, tiles, mtiles, blocks, rows;
+
+  const uint16_t* weights(int64_t t) const { return w + t * blocks * 2 * 512; }
+
+  // Rows of row tile `mt`, columns of tile `t` of y, from the tile's float32 sums.
+  PATHSERVE_AMX void Store(int64_t mt, int64_t t, const float* sums) const {
+    const int64_t count = std::min(rows, m - mt * rows), col = t * kAmxCols;
+    const __mmask16 mask = Lanes(n - col);
+    for (int64_t r = 0; r < count; ++r)
+      _mm512_mask_storeu_ps(y + (mt * rows + r) * n + col, mask, _mm512_load_ps(sums + 16 * r));
+  }
+};
+
+// Column tiles [first, last), four at a time. Tile registers: 0-3 float32 sums of four column
+// tiles, 4-6 the three parts of x for 32 inputs, 7 the high or low half of a block of weights. Each
+// half is multiplied by all three parts of x into the same sum (6 bfloat16 products per float32
+// product; the products are exact in float32 and summed in float32, as the AVX-512 loop does).
+// Row tiles one after another: the four column tiles' weights, read from memory for the first,
+// are in L2 for the next (measured faster than two row tiles per pass, which reload x's tiles).
+PATHSERVE_AMX void F32AmxTiles(const F32AmxProblem& p, int64_t first, int64_t last) {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.colsb[i] = 64;
+    config.rows[i] = i < 7 ? static_cast<uint8_t>(p.rows) : 16;
+  }
+  _tile_loadconfig(&config);
+  const int64_t part = p.rows * kBf16Depth;  // bfloat16 in one part of x for one block
+  alignas(64) float sums[kAmxRows * kAmxCols];
+  for (int64_t t = first; t < last; t += 4) {
+    const int64_t count = std::min<int64_t>(4, last - t);
+    const uint16_t* w[4];
+    for (int64_t j = 0; j < 4; ++j) w[j] = p.weights(t + std::min(j, count - 1));
+    for (int64_t mt = 0; mt < p.mtiles; ++mt) {
+      const uint16_t* xt = p.x + mt * p.blocks * kXParts * part;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        const uint16_t* xb = xt + b * kXParts * part;
+        _tile_loadd(4, xb, 64);
+        _tile_loadd(5, xb + part, 64);
+        _tile_loadd(6, xb + 2 * part, 64);
+        // Tile numbers are immediates: one line per column tile.
+#define PATHSERVE_COLUMN(j)                             \
+  if (mt == 0) {                                        \
+    PrefetchTile(w[j] + (b + kBf16Ahead) * 1024);       \
+    PrefetchTile(w[j] + (b + kBf16Ahead) * 1024 + 512); \
+  }                                                     \
+  _tile_loadd(7, w[j] + b * 1024, 64);                  \
+  _tile_dpbf16ps(j, 4, 7);                              \
+  _tile_dpbf16ps(j, 5, 7);                              \
+  _tile_dpbf16ps(j, 6, 7);                              \
+  _tile_loadd(7, w[j] + b * 1024 + 512, 64);            \
+  _tile_dpbf16ps(j, 4, 7);                              \
+  _tile_dpbf16ps(j, 5, 7);                              \
+  _tile_dpbf16ps(j, 6, 7);
+        PATHSERVE_COLUMN(0)
+        if (count > 1) { PATHSERVE_COLUMN(1) }
+        if (count > 2) { PATHSERVE_COLUMN(2) }
+        if (count > 3) { PATHSERVE_COLUMN(3) }
+#undef PATHSERVE_COLUMN
+      }
+      _tile_stored(0, sums, 64);
+      p.Store(mt, t, sums);
+      if (count > 1) {
+        _tile_stored(1, sums, 64);
+        p.Store(mt, t + 1, sums);
+      }
+      if (count > 2) {
+        _tile_stored(2, sums, 64);
+        p.Store(mt, t + 2, sums);
+      }
+      if (count > 3) {
+        _tile_stored(3, sums, 64);
+        p.Store(mt, t + 3, sums);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x[M, K] -> its three bfloat16 parts (high, middle, low 8 significant bits: x = sum exactly, for
+// normal numbers) as A tiles, [mtiles, blocks, 3, rows, 32], zero past M and K. Each part is cut
+// from what the parts before left, by masking the low 16 bits; the differences are exact.
+PATHSERVE_AVX512 void SplitParts(const float* x, int64_t m, int64_t k, int64_t blocks, int64_t rows,
+                                 uint16_t* out) {
+  const int64_t mtiles = (m + rows - 1) / rows, part = rows * kBf16Depth;
+  std::fill(out, out + mtiles * blocks * kXParts * part, uint16_t{0});
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < k; i += 16) {
+      const __mmask16 lanes = Lanes(k - i);
+      __m512 rest = _mm512_maskz_loadu_ps(lanes, x + r * k + i);
+      uint16_t* at = out + ((r / rows) * blocks + i / kBf16Depth) * kXParts * part + (r % rows) * kBf16Depth + i % kBf16Depth;
+      for (int j = 0; j < kXParts; ++j) {
+        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(rest), high);
+        _mm256_mask_storeu_epi16(at + j * part, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(bits));
+      }
+    }
+  }
+}
+
+ffi::Error F32AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  if (!AmxReady(kAmxBf16)) return ffi::Error::InvalidArgument("f32_amx_matmul: this CPU (or kernel) does not run AMX-BF16");
+  const auto xd = x.dimensions();
+  const int64_t depth = xd.size() == 2 ? (xd[1] + kBf16Depth - 1) / kBf16Depth * kBf16Depth : -1;
+  auto shapes = CheckShapes("f32_amx_matmul", xd, w.dimensions(), y->dimensions(), 4, depth, layer.typed_data()[0],
+                            kAmxCols, 2);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const int64_t rows = std::min(kAmxRows, s.m), mtiles = (s.m + rows - 1) / rows, blocks = depth / kBf16Depth;
+  thread_local pathserve::LineVector<uint16_t> parts;  // per calling thread: XLA may run two at once
+  parts.resize(mtiles * blocks * kXParts * rows * kBf16Depth);
+  SplitParts(x.typed_data(), s.m, s.k, blocks, rows, parts.data());
+  const F32AmxProblem problem{parts.data(),
+                              w.typed_data() + s.index * s.tiles * depth * kAmxCols * 2,
+                              y->typed_data(),
+                              s.m,
+                              s.n,
+                              s.tiles,
+                              mtiles,
+                              blocks,
+                              rows};
+  // Items are groups of four column tiles, as F32AmxTiles takes them.
+  pathserve::ParallelFor(pool, (s.tiles + 3) / 4, s.m * depth * s.tiles * kAmxCols, [problem](int64_t first, int64_t last) {
+    F32AmxTiles(problem, 4 * first, std::min(4 * last, problem.tiles));
+  });
+  return ffi::Error::Success();
+}
+
+#else  // a compiler without AMX intrinsics: the handlers exist and say so
+
+bool AmxReady(int) { return false; }
 
 ffi::Error Int8AmxMatmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
                          ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>) {
   return ffi::Error::InvalidArgument("int8_amx_matmul: built by a compiler without AMX intrinsics");
+}
+
+ffi::Error F32AmxMatmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::S32>,
+                        ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::InvalidArgument("f32_amx_matmul: built by a compiler without AMX intrinsics");
 }
 
 #endif
@@ -557,7 +716,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32Matmul, F32Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // 1 when int8 weights can take the AMX kernel here (CPU, Linux and compiler); packing asks first.
-extern "C" int pathserve_cpu_amx_supported() { return AmxReady() ? 1 : 0; }
+extern "C" int pathserve_cpu_amx_supported() { return AmxReady(kAmxInt8) ? 1 : 0; }
+
+// 1 when float32 weights (those exact in two bfloat16) can take the AMX kernel here.
+extern "C" int pathserve_cpu_amx_bf16_supported() { return AmxReady(kAmxBf16) ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32AmxMatmul, F32AmxMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8AmxMatmul, Int8AmxMatmul,
                               ffi::Ffi::Bind()

@@ -13,10 +13,12 @@ from serving.kernels import library
 F32_TARGET = "pathserve_f32_matmul"
 INT8_TARGET = "pathserve_int8_matmul"
 INT8_AMX_TARGET = "pathserve_int8_amx_matmul"
+F32_AMX_TARGET = "pathserve_f32_amx_matmul"
 TILE = 64  # output columns per packed tile (kTile in the C++ source)
 AMX_TILE = 16  # int8 on AMX: output columns per tile (kAmxCols)
 AMX_DEPTH = 64  # int8 on AMX: input rows padded to a multiple of this (kAmxDepth)
 AMX_MAX_DEPTH = 65536  # int8 on AMX: the most input rows whose int32 sums cannot overflow
+BF16_DEPTH = 32  # float32 on AMX: input rows padded to a multiple of this (kBf16Depth)
 
 
 @jax.tree_util.register_dataclass
@@ -24,7 +26,10 @@ AMX_MAX_DEPTH = 65536  # int8 on AMX: the most input rows whose int32 sums canno
 class PackedWeight:
     """A [..., in, out] matmul weight in the kernels' layout, 64 output columns per tile.
 
-    float32: values [..., tiles, in, 64] and no scales. int8: values [..., tiles, pairs, 64, 2]
+    float32: values [..., tiles, in, 64] and no scales; or, with `amx`, bfloat16 values
+    [..., tiles, blocks * 32, 16, 2] for the AMX kernel: 16 columns per tile, input rows padded to
+    blocks of 32, each block the weights' high bfloat16 halves then their low halves (16 row pairs
+    each, a pair's two rows side by side per column). int8: values [..., tiles, pairs, 64, 2]
     (input rows paired) with per-output scales [..., tiles * 64]; or, with `amx`, values
     [..., tiles, quads, 16, 4] (16 columns per tile, input rows in fours, padded to a multiple of
     64) with scales [..., tiles * 16], for the AMX kernel. `in_features` and `out_features` are the
@@ -48,22 +53,61 @@ class PackedWeight:
 def pack(values: jax.Array, scales: jax.Array | None = None, amx: bool | None = None) -> PackedWeight:
     """Pack a [..., in, out] weight (any leading axes, e.g. stacked layers): float32 values, or int8
     values with per-output `scales` [..., out]. Columns are padded to a multiple of 64 and, for
-    int8, input rows to an even count. int8 weights take the AMX layout where `amx` (default:
-    where the AMX kernel runs, `library.status().amx`)."""
+    int8, input rows to an even count.
+
+    `amx` picks the AMX layout. int8: by default where the AMX kernel runs (`library.status().amx`).
+    float32: only when asked, and only for values that `splits_exactly` (the caller checks, on
+    concrete values: inside a jit the answer is not known when the layout is chosen)."""
     *lead, k, n = values.shape
     tiles, nd = -(-n // TILE), len(lead)
     pad = [(0, 0)] * nd
-    if scales is not None and (library.status().amx if amx is None else amx) and k <= AMX_MAX_DEPTH:
-        return _pack_amx(values, scales)
     if scales is None:
+        if amx:
+            return _pack_bf16_pairs(values)
         v = jnp.pad(values.astype(jnp.float32), [*pad, (0, 0), (0, tiles * TILE - n)])
         v = v.reshape(*lead, k, tiles, TILE).transpose(*range(nd), nd + 1, nd, nd + 2)
         return PackedWeight(values=v, scales=None, in_features=k, out_features=n)
+    if (library.status().amx if amx is None else amx) and k <= AMX_MAX_DEPTH:
+        return _pack_amx(values, scales)
     pairs = -(-k // 2)
     v = jnp.pad(values, [*pad, (0, 2 * pairs - k), (0, tiles * TILE - n)])
     v = v.reshape(*lead, pairs, 2, tiles, TILE).transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)
     s = jnp.pad(scales.reshape(*lead, n).astype(jnp.float32), [*pad, (0, tiles * TILE - n)])
     return PackedWeight(values=v, scales=s, in_features=k, out_features=n)
+
+
+def _halves(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 values as the bits of their high bfloat16 half (the top 16 bits) and of what is
+    left, cut to its top 16 bits."""
+    values = values.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    high = bits & jnp.uint32(0xFFFF0000)
+    rest = values - jax.lax.bitcast_convert_type(high, jnp.float32)
+    return high, jax.lax.bitcast_convert_type(rest, jnp.uint32)
+
+
+def splits_exactly(values: jax.Array) -> jax.Array:
+    """Whether every value is finite and exactly the sum of two bfloat16 (16 significant bits or
+    fewer): then the AMX kernel multiplies the float32 weights themselves. True of weights that
+    came from bfloat16 or float16 checkpoints, and of dequantized 4-bit GGUF blocks."""
+    _, rest = _halves(values)
+    return jnp.all(jnp.isfinite(values)) & jnp.all((rest & jnp.uint32(0xFFFF)) == 0)
+
+
+def _pack_bf16_pairs(values: jax.Array) -> PackedWeight:
+    """float32 values [..., in, out] (each exactly two bfloat16) as [..., tiles, blocks * 32, 16, 2]
+    bfloat16: per tile of 16 columns and block of 32 input rows, one 1 KB AMX operand of the high
+    halves and one of the low halves, input rows 2i and 2i + 1 side by side for each column."""
+    *lead, k, n = values.shape
+    tiles, nd, depth = -(-n // AMX_TILE), len(lead), -(-k // BF16_DEPTH) * BF16_DEPTH
+    high, rest = _halves(values)
+    parts = jnp.stack([high >> 16, rest >> 16], axis=nd).astype(jnp.uint16)  # [..., 2, k, n]
+    parts = jnp.pad(parts, [(0, 0)] * (nd + 1) + [(0, depth - k), (0, tiles * AMX_TILE - n)])
+    parts = parts.reshape(*lead, 2, depth // BF16_DEPTH, BF16_DEPTH // 2, 2, tiles, AMX_TILE)
+    # [..., half, block, pair, row of pair, tile, column] -> [..., tile, block, half, pair, column, row]
+    v = parts.transpose(*range(nd), nd + 4, nd + 1, nd, nd + 2, nd + 5, nd + 3)
+    v = jax.lax.bitcast_convert_type(v.reshape(*lead, tiles, depth, AMX_TILE, 2), jnp.bfloat16)
+    return PackedWeight(values=v, scales=None, in_features=k, out_features=n, amx=True)
 
 
 def _pack_amx(values: jax.Array, scales: jax.Array) -> PackedWeight:
@@ -86,7 +130,8 @@ def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     layer = jnp.zeros((), jnp.int32) if w.layer is None else w.layer
     result = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
     if w.scales is None:
-        out = jax.ffi.ffi_call(F32_TARGET, result)(rows, w.values, layer)
+        target = F32_AMX_TARGET if w.amx else F32_TARGET
+        out = jax.ffi.ffi_call(target, result)(rows, w.values, layer)
     else:
         target = INT8_AMX_TARGET if w.amx else INT8_TARGET
         out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, layer)

@@ -32,6 +32,7 @@ TARGETS = {
     "pathserve_f32_matmul": "PathserveF32Matmul",
     "pathserve_int8_matmul": "PathserveInt8Matmul",
     "pathserve_int8_amx_matmul": "PathserveInt8AmxMatmul",
+    "pathserve_f32_amx_matmul": "PathserveF32AmxMatmul",
     "pathserve_f32_decode_attention": "PathserveF32DecodeAttention",
     "pathserve_int8_decode_attention": "PathserveInt8DecodeAttention",
 }
@@ -41,11 +42,13 @@ TARGETS = {
 class KernelStatus:
     """Whether the kernels can run in this process, and why not (or where their library is);
     `amx`: whether int8 weights take the AMX kernel (the CPU has AMX-INT8, Linux allows it, and
-    PATHSERVE_CPU_AMX is not 0)."""
+    PATHSERVE_CPU_AMX is not 0); `amx_bf16`: the same for float32 weights that are exactly two
+    bfloat16 each (AMX-BF16)."""
 
     available: bool
     detail: str
     amx: bool = False
+    amx_bf16: bool = False
 
 
 @functools.cache
@@ -65,8 +68,10 @@ def status() -> KernelStatus:
         return KernelStatus(False, "this CPU lacks AVX-512 VNNI")
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    amx = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0" and bool(lib.pathserve_cpu_amx_supported())
-    return KernelStatus(True, str(library), amx)
+    allowed = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0"
+    amx = allowed and bool(lib.pathserve_cpu_amx_supported())
+    amx_bf16 = allowed and bool(lib.pathserve_cpu_amx_bf16_supported())
+    return KernelStatus(True, str(library), amx, amx_bf16)
 
 
 def require() -> None:
