@@ -56,8 +56,8 @@ def pack(values: jax.Array, scales: jax.Array | None = None, amx: bool | None = 
     int8, input rows to an even count.
 
     `amx` picks the AMX layout. int8: by default where the AMX kernel runs (`library.status().amx`).
-    float32: only when asked, and only for values that `splits_exactly` (the caller checks, on
-    concrete values: inside a jit the answer is not known when the layout is chosen)."""
+    float32: only when asked (`amx=True`), for values the caller found to `splits_exactly`. Not
+    checked here, where the values may be traced: other values would lose their low bits."""
     *lead, k, n = values.shape
     tiles, nd = -(-n // TILE), len(lead)
     pad = [(0, 0)] * nd
