@@ -348,15 +348,15 @@ constexpr int64_t kAmxMaxDepth = 65536;  // low-byte sums stay in int32: 255 * 1
 
 // Whether Linux lets this process use AMX tiles (the tile data state must be asked for once per
 // process) and the CPU has AMX with `feature` (CPUID leaf 7 EDX bit: 25 AMX-INT8, 22 AMX-BF16).
+// Decided once: every kernel call asks, and CPUID traps to the hypervisor in a VM.
 bool AmxReady(int feature) {
-  static const bool tiles = [] {
+  static const unsigned features = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return 0u;
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl: ARCH_REQ_XCOMP_PERM
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 ? d : 0u;
   }();
-  unsigned a, b, c, d;
-  return tiles && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << feature));
+  return features & (1u << feature);
 }
 
 struct alignas(64) TileConfig {
