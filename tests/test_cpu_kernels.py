@@ -214,22 +214,22 @@ def test_amx_layout_is_four_input_rows_per_column_and_only_where_int32_sums_cann
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "int8",
+    "layout",
     [
-        True,
-        False,
-        pytest.param("amx", marks=INT8_LAYOUTS[1].marks),
+        "int8",
+        "float32",
+        pytest.param("int8-amx", marks=INT8_LAYOUTS[1].marks),
         pytest.param("float32-amx", marks=needs_amx_bf16),
     ],
 )
-def test_stacked_layers_are_read_in_place_by_index(int8):
+def test_stacked_layers_are_read_in_place_by_index(layout):
     rng = np.random.default_rng(1)
-    if int8 == "float32-amx":
+    if layout == "float32-amx":
         values = _two_bf16(rng.standard_normal((3, 96, 128)))
         per_layer = [cpu_matmul.pack(jnp.asarray(values[i]), amx=True) for i in range(3)]
         stacked = cpu_matmul.pack(jnp.asarray(values), amx=True)
-    elif int8:
-        amx = int8 == "amx"
+    elif layout.startswith("int8"):
+        amx = layout == "int8-amx"
         values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
         scales = (rng.random((3, 128)) + 0.5).astype(np.float32)
         per_layer = [
