@@ -27,7 +27,10 @@ LENGTHS = jnp.array([12])
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-X", "faulthandler", "-m", "serving.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

@@ -16,7 +16,7 @@ from tests.conftest import DATA
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "serving.cli", *args],
+        [sys.executable, "-X", "faulthandler", "-m", "serving.cli", *args],
         capture_output=True,
         text=True,
         input=stdin,
