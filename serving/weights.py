@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -50,35 +51,73 @@ def _kernel_operands(value) -> tuple[jax.Array, jax.Array | None] | None:
     return (value, None) if value.dtype == jnp.float32 else None
 
 
-def bf16_pair_weights(params: dict) -> frozenset[tuple[str, ...]]:
-    """Key paths of the float32 matmul weights (and a float32 embedding, the tied head) whose
-    values are each exactly two bfloat16 (`cpu_matmul.splits_exactly`): where AMX-BF16 runs, the
-    kernels multiply those on AMX, exactly. Empty where it does not run.
+# AMX layouts of float32 weights, fewer bytes first: integers in blocks (cpu_matmul.BLOCK_FORMATS,
+# ~2 bytes per weight), or two bfloat16 (4 bytes, as float32)
+AMX_F32_LAYOUTS = (*cpu_matmul.BLOCK_FORMATS, "pairs")
+_LAYOUT_NAMES = {
+    "blocks8": "8-bit blocks",
+    "blocks4": "4-bit blocks with an offset",
+    "pairs": "bfloat16 pairs",
+}
+
+
+@dataclass(frozen=True)
+class AmxFloat32:
+    """The float32 matmul weights (key paths; a float32 embedding stands for the tied head) that the
+    AMX-BF16 kernels multiply exactly, with the layouts each is exact in (AMX_F32_LAYOUTS:
+    "blocks8", "blocks4": cpu_matmul.in_blocks_exactly; "pairs": cpu_matmul.splits_exactly)."""
+
+    layouts: dict[tuple[str, ...], frozenset[str]] = field(default_factory=dict)
+
+    def layout(self, paths: list[tuple[str, ...]]) -> str | None:
+        """The layout every path (the parts of one packed weight) is exact in, fewest bytes first;
+        None: the AVX-512 float32 loop."""
+        for name in AMX_F32_LAYOUTS:
+            if all(name in self.layouts.get(p, ()) for p in paths):
+                return name
+        return None
+
+    def describe(self) -> str:
+        chosen: dict[str, list[str]] = {}
+        for path in sorted(self.layouts):
+            if (name := self.layout([path])) is not None:
+                chosen.setdefault(_LAYOUT_NAMES[name], []).append("/".join(path))
+        return "; ".join(f"{name}: {', '.join(paths)}" for name, paths in chosen.items())
+
+
+def amx_float32(params: dict) -> AmxFloat32:
+    """Which float32 weights are exact in which AMX layout (`AmxFloat32`); none where AMX-BF16 does
+    not run.
 
     Decided on the concrete values, before packing is traced: the layout depends on the answer.
     """
     if not library.status().amx_bf16:
-        return frozenset()
+        return AmxFloat32()
     candidates: dict[tuple[str, ...], jax.Array] = {}
 
     def visit(tree: dict, path: tuple[str, ...]) -> None:
         for key, value in tree.items():
             if isinstance(value, dict):
                 visit(value, (*path, key))
-            elif key in (*MATMUL_WEIGHTS, EMBEDDING) and getattr(value, "dtype", None) == jnp.float32:
+            elif getattr(value, "dtype", None) == jnp.float32 and key in MATMUL_WEIGHTS:
                 candidates[(*path, key)] = value
+            elif getattr(value, "dtype", None) == jnp.float32 and key == EMBEDDING:
+                candidates[(*path, key)] = value.T  # as the head multiplies it: [embed, vocab]
+
+    def check(values: jax.Array) -> dict[str, jax.Array]:
+        exact = {fmt: cpu_matmul.in_blocks_exactly(values, fmt) for fmt in cpu_matmul.BLOCK_FORMATS}
+        return {**exact, "pairs": cpu_matmul.splits_exactly(values)}
 
     visit(params, ())
-    exact = jax.device_get(
-        jax.jit(lambda c: {p: cpu_matmul.splits_exactly(v) for p, v in c.items()})(candidates)
-    )
-    return frozenset(path for path, ok in exact.items() if ok)
+    checks = jax.device_get(jax.jit(lambda c: {p: check(v) for p, v in c.items()})(candidates))
+    layouts = {p: frozenset(n for n, ok in exact.items() if ok) for p, exact in checks.items()}
+    return AmxFloat32({p: names for p, names in layouts.items() if names})
 
 
-def pack_for_cpu_kernels(params: dict, amx_f32: frozenset[tuple[str, ...]] = frozenset()) -> dict:
+def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> dict:
     """params with every float32 and weight-only int8 matmul weight packed for the CPU kernels,
     the projections that share an input fused (llama.FUSED: q, k, v; gate, up). float32 weights
-    whose key paths are in `amx_f32` (see `bf16_pair_weights`) take the AMX layout.
+    take the AMX layout `amx_f32` (see `amx_float32`) gives them.
 
     A tied embedding is also packed, transposed, as `lm_head`: the embedding stays for the token
     lookup, so the head costs one more copy of the table.
@@ -86,8 +125,12 @@ def pack_for_cpu_kernels(params: dict, amx_f32: frozenset[tuple[str, ...]] = fro
 
     def pack(operands: tuple[jax.Array, jax.Array | None], paths: list[tuple[str, ...]]):
         values, scales = operands
-        amx = None if scales is not None else all(p in amx_f32 for p in paths)
-        return cpu_matmul.pack(values, scales, amx=amx)
+        if scales is not None:
+            return cpu_matmul.pack(values, scales)
+        layout = amx_f32.layout(paths)
+        if layout in cpu_matmul.BLOCK_FORMATS:
+            return cpu_matmul.pack_blocks(values, layout)
+        return cpu_matmul.pack(values, amx=layout == "pairs")
 
     def fused(parts: list, paths: list[tuple[str, ...]]):
         """One packed weight for matmuls of the same input: fewer, larger kernel calls."""
@@ -135,12 +178,9 @@ def pack_for_cpu_kernels(params: dict, amx_f32: frozenset[tuple[str, ...]] = fro
 def prepare(params: dict, cfg: ServingConfig, cpu_kernels: bool) -> dict:
     """params (already placed) packed and unstacked as configured."""
     if cpu_kernels:
-        amx_f32 = bf16_pair_weights(params)
-        if amx_f32:
-            log.info(
-                "float32 weights exact in two bfloat16 each run on AMX-BF16: %s",
-                ", ".join("/".join(p) for p in sorted(amx_f32)),
-            )
+        amx_f32 = amx_float32(params)
+        if amx_f32.layouts:
+            log.info("float32 weights multiplied exactly on AMX-BF16, by layout: %s", amx_f32.describe())
         params = jax.jit(functools.partial(pack_for_cpu_kernels, amx_f32=amx_f32))(params)
     if not cfg.scan_layers:
         params = jax.jit(unstack_layers)(params)

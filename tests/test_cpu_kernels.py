@@ -32,8 +32,9 @@ from serving.models import (
 )
 from serving.models.layers import attention_with_new_token
 from serving.models.llama import quantize_kv
+from serving.models.quantization import MATMUL_WEIGHTS
 from serving.sampling import SamplingParams
-from serving.weights import bf16_pair_weights, pack_for_cpu_kernels
+from serving.weights import AmxFloat32, amx_float32, pack_for_cpu_kernels
 
 CPU_FLAGS = set()
 if Path("/proc/cpuinfo").exists():
@@ -55,13 +56,61 @@ INT8_LAYOUTS = [
 ]
 HAS_AMX_BF16 = CAN_RUN and {"amx_tile", "amx_bf16"} <= CPU_FLAGS
 needs_amx_bf16 = pytest.mark.skipif(not HAS_AMX_BF16, reason="needs a CPU with AMX-BF16")
-# float32 weights in both layouts: the AVX-512 kernel's and the AMX kernel's (two bfloat16 each)
-F32_LAYOUTS = [False, pytest.param(True, marks=needs_amx_bf16)]
+# float32 weights in each layout: the AVX-512 kernel's and the AMX kernels' (two bfloat16 each;
+# integers in 8-bit blocks; in 4-bit blocks with an offset)
+F32_LAYOUTS = [
+    "avx512",
+    pytest.param("pairs", marks=needs_amx_bf16),
+    pytest.param("blocks8", marks=needs_amx_bf16),
+    pytest.param("blocks4", marks=needs_amx_bf16),
+]
 
 
 def _two_bf16(values: np.ndarray) -> np.ndarray:
     """float32 values cut to 16 significant bits: each exactly the sum of two bfloat16."""
     return (values.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFFF00)).view(np.float32)
+
+
+def _8bit_blocks(values: np.ndarray) -> np.ndarray:
+    """values [..., in, out] as a Q8_0 GGUF tensor dequantizes them: per block of 32 inputs and
+    column, integers in [-127, 127] (the largest magnitude 127) times a float16 scale."""
+    *lead, k, n = values.shape
+    depth = -(-k // 32) * 32
+    v = np.pad(values.astype(np.float32), [(0, 0)] * len(lead) + [(0, depth - k), (0, 0)])
+    v = v.reshape(*lead, depth // 32, 32, n)
+    largest = np.abs(v).max(axis=-2, keepdims=True)
+    scale = (largest / 127).astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint(v / np.where(scale > 0, scale, 1)), -127, 127)
+    q = np.where(np.abs(v) == largest, np.sign(v) * 127, q)  # as the quantizer rounds the largest
+    return (q * scale).reshape(*lead, depth, n)[..., :k, :]
+
+
+def _4bit_blocks(values: np.ndarray) -> np.ndarray:
+    """values [..., in, out] as a Q4_1 GGUF tensor dequantizes them: per block of 32 inputs and
+    column, integers in [0, 15] (both ends taken) times a float16 scale plus a float16 offset."""
+    *lead, k, n = values.shape
+    depth = -(-k // 32) * 32
+    v = np.pad(values.astype(np.float32), [(0, 0)] * len(lead) + [(0, depth - k), (0, 0)])
+    v = v.reshape(*lead, depth // 32, 32, n)
+    low = v.min(axis=-2, keepdims=True).astype(np.float16).astype(np.float32)
+    scale = ((v.max(axis=-2, keepdims=True) - low) / 15).astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint((v - low) / np.where(scale > 0, scale, 1)), 0, 15)
+    q[..., 0, :], q[..., 1, :] = 0, 15  # as the quantizer maps the smallest and the largest
+    return (q * scale + low).reshape(*lead, depth, n)[..., :k, :]
+
+
+def _pack_f32(w: np.ndarray, layout: str) -> PackedWeight:
+    if layout.startswith("blocks"):
+        return cpu_matmul.pack_blocks(jnp.asarray(w), layout)
+    return cpu_matmul.pack(jnp.asarray(w), amx=layout == "pairs")
+
+
+def _f32_weights(rng: np.random.Generator, shape: tuple[int, ...], layout: str) -> np.ndarray:
+    """Random float32 weights the layout takes (exact in it)."""
+    w = rng.standard_normal(shape).astype(np.float32)
+    return {"avx512": w, "pairs": _two_bf16(w), "blocks8": _8bit_blocks(w), "blocks4": _4bit_blocks(w)}[
+        layout
+    ]
 
 
 def test_status_says_whether_this_machine_runs_the_kernel():
@@ -126,15 +175,14 @@ def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n, amx):
 
 @needs_kernel
 @pytest.mark.parametrize(("rows", "k", "n"), [*SHAPES, (16, 40, 17), (17, 576, 960)])
-@pytest.mark.parametrize("amx", F32_LAYOUTS)
-def test_float32_kernel_is_the_matmul(rows, k, n, amx):
+@pytest.mark.parametrize("layout", F32_LAYOUTS)
+def test_float32_kernel_is_the_matmul(rows, k, n, layout):
     rng = np.random.default_rng(rows * 1000 + k + 1)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    if amx:
-        w = _two_bf16(w)
+    w = _f32_weights(rng, (k, n), layout)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    packed = cpu_matmul.pack(jnp.asarray(w), amx=amx)
-    assert packed.scales is None and (packed.in_features, packed.out_features, packed.amx) == (k, n, amx)
+    packed = _pack_f32(w, layout)
+    assert (packed.scales is not None) == layout.startswith("blocks")
+    assert (packed.in_features, packed.out_features, packed.amx) == (k, n, layout != "avx512")
     got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), packed))
     expected = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
@@ -144,12 +192,13 @@ def test_float32_kernel_is_the_matmul(rows, k, n, amx):
 
 
 @needs_amx_bf16
-def test_float32_on_amx_gives_nan_for_a_row_with_nan_and_zeros_for_a_zero_row():
-    w = _two_bf16(np.random.default_rng(0).standard_normal((80, 64)))
+@pytest.mark.parametrize("layout", ["pairs", "blocks8", "blocks4"])
+def test_float32_on_amx_gives_nan_for_a_row_with_nan_and_zeros_for_a_zero_row(layout):
+    w = _f32_weights(np.random.default_rng(0), (80, 64), layout)
     x = np.ones((3, 80), np.float32)
     x[1, 5] = np.nan
     x[2] = 0
-    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), cpu_matmul.pack(jnp.asarray(w), amx=True)))
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), _pack_f32(w, layout)))
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all() and (got[2] == 0).all()
 
 
@@ -166,6 +215,46 @@ def test_splits_exactly_is_true_of_values_with_16_significant_bits_and_finite():
         assert cpu_matmul.splits_exactly(jnp.asarray(exact))
     for bad in (np.inf, np.nan):
         assert not cpu_matmul.splits_exactly(jnp.asarray(_two_bf16(w)).at[3, 4].set(bad))
+
+
+def test_in_blocks_exactly_is_true_of_integers_times_a_scale_plus_an_offset_per_block_of_32_inputs():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((70, 48)).astype(np.float32)  # 70 inputs: the last block padded
+    for fmt, make, other in (("blocks8", _8bit_blocks, "blocks4"), ("blocks4", _4bit_blocks, "blocks8")):
+        assert not cpu_matmul.in_blocks_exactly(jnp.asarray(w), fmt)
+        blocks = make(w)
+        assert cpu_matmul.in_blocks_exactly(jnp.asarray(blocks), fmt)
+        assert not cpu_matmul.in_blocks_exactly(jnp.asarray(blocks), other)
+        assert cpu_matmul.in_blocks_exactly(jnp.asarray(blocks).at[32:64, 5].set(0), fmt)  # a zero block
+        # blocks run along the inputs: the same values blocked along the outputs are not
+        assert not cpu_matmul.in_blocks_exactly(jnp.asarray(make(w.T).T), fmt)
+        off = blocks.copy()
+        off[40, 7] = np.nextafter(off[40, 7], np.float32(np.inf))
+        for bad in (off, jnp.asarray(blocks).at[3, 4].set(np.inf), jnp.asarray(blocks).at[3, 4].set(np.nan)):
+            assert not cpu_matmul.in_blocks_exactly(jnp.asarray(bad), fmt)
+    # a scale of more than 16 significant bits: the integer times it would round
+    fine = np.float32(1 + 2**-20) * np.arange(-127, 129, dtype=np.float32)[:, None].clip(-127, 127)
+    assert not cpu_matmul.in_blocks_exactly(jnp.asarray(fine), "blocks8")
+    # an offset the product cannot be added to exactly
+    rounded = np.float32(2**-30) + np.float32(0.5) * np.arange(32, dtype=np.float32)[:, None].clip(0, 15)
+    assert not cpu_matmul.in_blocks_exactly(jnp.asarray(rounded), "blocks4")
+
+
+def test_blocks_layout_is_integers_of_row_pairs_per_block_of_32_with_scales_and_offsets_per_block():
+    w = _4bit_blocks(np.random.default_rng(6).standard_normal((70, 20)))
+    packed = cpu_matmul.pack_blocks(jnp.asarray(w), "blocks4")
+    # 2 tiles of 16 columns, 70 rows padded to 3 blocks of 32: 16 row pairs each
+    assert packed.amx and packed.values.shape == (2, 48, 16, 2) and packed.values.dtype == jnp.bfloat16
+    assert packed.scales.shape == (2, 3, 2, 16) and packed.scales.dtype == jnp.float32
+    v, scales = np.asarray(packed.values.astype(jnp.float32)), np.asarray(packed.scales)
+    row, column = 32 + 2 * 5 + 1, 16 + 3  # block 1, pair 5, second row of the pair; tile 1, column 3
+    scale, offset = scales[1, 1, :, 3]
+    assert offset == w[32:64, column].min() and scale == (w[32:64, column].max() - offset) / 15
+    assert v[1, 16 + 5, 3, 1] * scale + offset == w[row, column]
+    assert (v[1, :, 4:] == 0).all() and (scales[1, :, :, 4:] == 0).all()
+    # inputs 70-95 (pairs 3-15 of block 2) repeat input 69's integers: the block keeps its range
+    assert (v[:, 32 + 3 :] == v[:, 32 + 2 : 32 + 3, :, 1:]).all()
+    assert v.min() == 0 and v.max() == 15 and (v == np.rint(v)).all()
 
 
 def test_float32_amx_layout_is_high_then_low_halves_of_row_pairs_per_block_of_32():
@@ -220,14 +309,16 @@ def test_amx_layout_is_four_input_rows_per_column_and_only_where_int32_sums_cann
         "float32",
         pytest.param("int8-amx", marks=INT8_LAYOUTS[1].marks),
         pytest.param("float32-amx", marks=needs_amx_bf16),
+        pytest.param("float32-blocks4", marks=needs_amx_bf16),
     ],
 )
 def test_stacked_layers_are_read_in_place_by_index(layout):
     rng = np.random.default_rng(1)
-    if layout == "float32-amx":
-        values = _two_bf16(rng.standard_normal((3, 96, 128)))
-        per_layer = [cpu_matmul.pack(jnp.asarray(values[i]), amx=True) for i in range(3)]
-        stacked = cpu_matmul.pack(jnp.asarray(values), amx=True)
+    if layout in ("float32-amx", "float32-blocks4"):
+        f32 = "pairs" if layout == "float32-amx" else "blocks4"
+        values = _f32_weights(rng, (3, 96, 128), f32)
+        per_layer = [_pack_f32(values[i], f32) for i in range(3)]
+        stacked = _pack_f32(values, f32)
     elif layout.startswith("int8"):
         amx = layout == "int8-amx"
         values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
@@ -255,7 +346,15 @@ def test_stacked_layers_are_read_in_place_by_index(layout):
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["int8", "float32", pytest.param("float32-bf16", marks=needs_amx_bf16)])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "int8",
+        "float32",
+        pytest.param("float32-bf16", marks=needs_amx_bf16),
+        pytest.param("float32-blocks", marks=needs_amx_bf16),
+    ],
+)
 @pytest.mark.parametrize("tie", [False, True])
 def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     cfg = tiny_cfg.model_copy(update={"tie_embeddings": tie})
@@ -264,15 +363,38 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
         params = quantize_params(params)
     if weights == "float32-bf16":  # every weight exact in two bfloat16: all take AMX
         params = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
-    amx_f32 = bf16_pair_weights(params)
-    assert bool(amx_f32) == (weights == "float32-bf16")
+    if weights == "float32-blocks":  # as SmolLM2: 4-bit layer weights, an 8-bit embedding (and head)
+        blocked = {
+            n: jnp.asarray(_4bit_blocks(np.asarray(w)))
+            for n, w in params["layers"].items()
+            if n in MATMUL_WEIGHTS
+        }
+        params = {
+            **params,
+            "layers": {**params["layers"], **blocked},
+            "embed": jnp.asarray(_8bit_blocks(np.asarray(params["embed"]).T).T),
+        }
+        if "lm_head" in params:
+            params["lm_head"] = jnp.asarray(_8bit_blocks(np.asarray(params["lm_head"])))
+    amx_f32 = amx_float32(params)
+    layouts = {amx_f32.layout([p]) for p in amx_f32.layouts}
+    assert (
+        layouts
+        == {
+            "int8": set(),
+            "float32": set(),
+            "float32-bf16": {"pairs"},
+            "float32-blocks": {"blocks4", "blocks8"},
+        }[weights]
+    )
     packed = pack_for_cpu_kernels(params, amx_f32)
     layers = packed["layers"]
     assert all(isinstance(layers[n], PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
     assert isinstance(packed["lm_head"], PackedWeight)  # tied: a packed copy of the embedding
     assert type(packed["embed"]) is type(params["embed"])  # still there for the token lookup
-    if weights == "float32-bf16":
+    if weights.startswith("float32-"):
         assert all(layers[n].amx for n in ("wqkv", "wo", "w_gate_up", "w_down")) and packed["lm_head"].amx
+        assert (packed["lm_head"].scales is not None) == (weights == "float32-blocks")
     tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 8, 1]])
     lengths = jnp.asarray([8])
     expected, _ = prefill(params, tokens, lengths, cfg)
@@ -284,23 +406,41 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
 
 
 @needs_amx_bf16
-def test_only_float32_weights_exact_in_two_bfloat16_take_amx(tiny_cfg):
+def test_only_float32_weights_exact_in_a_layout_take_amx(tiny_cfg):
     params = init_params(tiny_cfg, jax.random.PRNGKey(4))
-    assert bf16_pair_weights(params) == frozenset()  # random float32: 24 significant bits
+    assert amx_float32(params) == AmxFloat32()  # random float32: 24 significant bits
     layers = dict(params["layers"])
     layers["wo"] = layers["wo"].astype(jnp.bfloat16).astype(jnp.float32)
     layers["wq"] = layers["wq"].astype(jnp.bfloat16).astype(jnp.float32)  # fused with k and v: not all exact
+    layers["w_down"] = jnp.asarray(_8bit_blocks(np.asarray(layers["w_down"])))
     params = {**params, "layers": layers}
-    amx_f32 = bf16_pair_weights(params)
-    assert amx_f32 == {("layers", "wo"), ("layers", "wq")}
+    amx_f32 = amx_float32(params)
+    assert amx_f32.layouts == {
+        ("layers", "wo"): {"pairs"},
+        ("layers", "wq"): {"pairs"},
+        ("layers", "w_down"): {"blocks8"},
+    }
     packed = pack_for_cpu_kernels(params, amx_f32)["layers"]
-    assert packed["wo"].amx and not packed["wqkv"].amx and not packed["w_down"].amx
+    assert packed["wo"].amx and packed["wo"].scales is None
+    assert packed["w_down"].amx and packed["w_down"].scales is not None
+    assert not packed["wqkv"].amx and not packed["w_gate_up"].amx
+
+
+def test_a_weight_exact_in_two_layouts_takes_the_one_of_fewer_bytes_and_fused_parts_a_shared_one():
+    amx = AmxFloat32({("a",): frozenset({"blocks4", "pairs"}), ("b",): frozenset({"pairs"})})
+    assert amx.layout([("a",)]) == "blocks4" and amx.layout([("b",)]) == "pairs"
+    assert amx.layout([("a",), ("b",)]) == "pairs" and amx.layout([("c",)]) is None
+    assert amx.describe() == "4-bit blocks with an offset: a; bfloat16 pairs: b"
 
 
 @needs_amx_bf16
-def test_smollm2s_4_bit_layers_take_amx_and_its_8_bit_embedding_does_not(smollm2):
-    amx_f32 = bf16_pair_weights(smollm2.params)
-    assert {("layers", n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")} == amx_f32
+def test_smollm2s_q4_1_layers_and_q8_0_embedding_take_amx_blocks(smollm2):
+    amx_f32 = amx_float32(smollm2.params)
+    layers = [("layers", n) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    assert set(amx_f32.layouts) == {*layers, ("embed",)}
+    assert all(amx_f32.layouts[p] == {"blocks4", "pairs"} for p in layers)  # 4-bit: 16 bits or fewer
+    assert amx_f32.layout(layers) == "blocks4"
+    assert amx_f32.layout([("embed",)]) == "blocks8"  # the tied head, blocked along the embedding
 
 
 @pytest.fixture(scope="module", params=["int8", ""])

@@ -14,11 +14,18 @@ F32_TARGET = "pathserve_f32_matmul"
 INT8_TARGET = "pathserve_int8_matmul"
 INT8_AMX_TARGET = "pathserve_int8_amx_matmul"
 F32_AMX_TARGET = "pathserve_f32_amx_matmul"
+F32_BLOCKS_AMX_TARGET = "pathserve_f32_blocks_amx_matmul"
 TILE = 64  # output columns per packed tile (kTile in the C++ source)
 AMX_TILE = 16  # int8 on AMX: output columns per tile (kAmxCols)
 AMX_DEPTH = 64  # int8 on AMX: input rows padded to a multiple of this (kAmxDepth)
 AMX_MAX_DEPTH = 65536  # int8 on AMX: the most input rows whose int32 sums cannot overflow
 BF16_DEPTH = 32  # float32 on AMX: input rows padded to a multiple of this (kBf16Depth)
+# float32 weights the AMX kernel reads as integers per block of 32 inputs and column (a dequantized
+# GGUF tensor blocked along the inputs): w = integer * scale + offset, per format (levels, offset):
+BLOCK_FORMATS = {
+    "blocks8": (127, False),  # Q8_0: integers in [-127, 127], scale = largest magnitude / 127
+    "blocks4": (15, True),  # Q4_1: integers in [0, 15], offset = the smallest, scale = range / 15
+}
 
 
 @jax.tree_util.register_dataclass
@@ -29,8 +36,10 @@ class PackedWeight:
     float32: values [..., tiles, in, 64] and no scales; or, with `amx`, bfloat16 values
     [..., tiles, blocks * 32, 16, 2] for the AMX kernel: 16 columns per tile, input rows padded to
     blocks of 32, each block the weights' high bfloat16 halves then their low halves (16 row pairs
-    each, a pair's two rows side by side per column). int8: values [..., tiles, pairs, 64, 2]
-    (input rows paired) with per-output scales [..., tiles * 64]; or, with `amx`, values
+    each, a pair's two rows side by side per column); or, in blocks (`pack_blocks`), bfloat16
+    integers [..., tiles, blocks * 16, 16, 2] with scales and offsets [..., tiles, blocks, 2, 16],
+    `amx` set. int8: values [..., tiles, pairs, 64, 2] (input rows paired) with per-output scales
+    [..., tiles * 64]; or, with `amx`, values
     [..., tiles, quads, 16, 4] (16 columns per tile, input rows in fours, padded to a multiple of
     64) with scales [..., tiles * 16], for the AMX kernel. `in_features` and `out_features` are the
     sizes before padding.
@@ -110,6 +119,89 @@ def _pack_bf16_pairs(values: jax.Array) -> PackedWeight:
     return PackedWeight(values=v, scales=None, in_features=k, out_features=n, amx=True)
 
 
+def _divide(x: jax.Array, d: int) -> jax.Array:
+    """x / d, exactly where x is d times a float32: XLA:CPU's division is not correctly rounded
+    (a float16 scale times 15, divided by 15, came back 1 ulp off in most cases)."""
+    q = x / d
+    for direction in (jnp.inf, -jnp.inf):
+        near = q
+        for _ in range(2):
+            near = jnp.nextafter(near, jnp.asarray(direction, q.dtype))
+            q = jnp.where((q * d != x) & (near * d == x), near, q)
+    return q
+
+
+def _blocks(values: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """float32 values [..., in, out] in blocks of 32 inputs per column, as BLOCK_FORMATS[fmt] cuts
+    them: (values [..., blocks, 32, out], the inputs padded; integers (not yet rounded);
+    scales and offsets [..., blocks, out])."""
+    levels, with_offset = BLOCK_FORMATS[fmt]
+    *lead, k, n = values.shape
+    depth = -(-k // BF16_DEPTH) * BF16_DEPTH
+    # padded with the last input's weights: the last block's range stays its own (x is zero there)
+    v = jnp.pad(values.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, depth - k), (0, 0)], mode="edge")
+    v = v.reshape(*lead, depth // BF16_DEPTH, BF16_DEPTH, n)
+    if with_offset:
+        offsets = jnp.min(v, axis=-2)
+        scales = _divide(jnp.max(v, axis=-2) - offsets, levels)
+    else:
+        offsets = jnp.zeros((*v.shape[:-2], n), jnp.float32)
+        scales = _divide(jnp.max(jnp.abs(v), axis=-2), levels)
+    integers = (v - offsets[..., None, :]) / jnp.where(scales > 0, scales, 1)[..., None, :]
+    return v, integers, scales, offsets
+
+
+def in_blocks_exactly(values: jax.Array, fmt: str) -> jax.Array:
+    """Whether every value is finite and exactly integer * scale + offset in format `fmt` (see
+    BLOCK_FORMATS), with no rounding in that product or sum: then the AMX kernel reads the integers
+    as bfloat16, about half the bytes of float32, and x . w = scale * (x . integers) + offset * sum(x)
+    per block, each product exact. True of dequantized Q8_0 (blocks8) and Q4_1 (blocks4) GGUF
+    tensors, blocked along the inputs."""
+    v, integers, scales, offsets = _blocks(values, fmt)
+    levels, with_offset = BLOCK_FORMATS[fmt]
+    q = jnp.round(integers)
+    low = -levels if not with_offset else 0
+    product = q * scales[..., None, :]
+    total = product + offsets[..., None, :]
+    # exact: scales of 16 significant bits or fewer (times 8-bit integers: 24 bits), and the sum's
+    # rounding error (two-sum) zero
+    scale_bits = jax.lax.bitcast_convert_type(scales, jnp.uint32) & jnp.uint32(0xFF)
+    back = total - product
+    error = (product - (total - back)) + (offsets[..., None, :] - back)
+    return (
+        jnp.all(jnp.isfinite(values))
+        & jnp.all((q >= low) & (q <= levels))
+        & jnp.all(scale_bits == 0)
+        & jnp.all(total == v)
+        & jnp.all(error == 0)
+    )
+
+
+def pack_blocks(values: jax.Array, fmt: str) -> PackedWeight:
+    """float32 values [..., in, out] that are `in_blocks_exactly(values, fmt)` (the caller checks:
+    here they may be traced) as bfloat16 integers [..., tiles, blocks * 16, 16, 2] (per tile of 16
+    columns and block of 32 inputs one 1 KB AMX operand, input rows 2i and 2i + 1 side by side for
+    each column) and float32 scales and offsets [..., tiles, blocks, 2, 16]."""
+    *lead, k, n = values.shape
+    tiles, nd = -(-n // AMX_TILE), len(lead)
+    _, integers, scales, offsets = _blocks(values, fmt)
+    blocks = integers.shape[-3]
+    pad = [(0, 0)] * (nd + 2) + [(0, tiles * AMX_TILE - n)]
+    q = jnp.pad(jnp.round(integers), pad).astype(jnp.bfloat16)
+    q = q.reshape(*lead, blocks, BF16_DEPTH // 2, 2, tiles, AMX_TILE)
+    # [..., block, pair, row of pair, tile, column] -> [..., tile, block, pair, column, row]
+    q = q.transpose(*range(nd), nd + 3, nd, nd + 1, nd + 4, nd + 2)
+    s = jnp.pad(jnp.stack([scales, offsets], axis=-2), pad)  # [..., blocks, 2, columns]
+    s = s.reshape(*lead, blocks, 2, tiles, AMX_TILE).transpose(*range(nd), nd + 2, nd, nd + 1, nd + 3)
+    return PackedWeight(
+        values=q.reshape(*lead, tiles, blocks * BF16_DEPTH // 2, AMX_TILE, 2),
+        scales=s,
+        in_features=k,
+        out_features=n,
+        amx=True,
+    )
+
+
 def _pack_amx(values: jax.Array, scales: jax.Array) -> PackedWeight:
     """int8 values [..., in, out] as [..., tiles, quads, 16, 4]: a tile's 64 input rows are one
     1 KB AMX operand, four input rows side by side for each column."""
@@ -132,6 +224,8 @@ def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     if w.scales is None:
         target = F32_AMX_TARGET if w.amx else F32_TARGET
         out = jax.ffi.ffi_call(target, result)(rows, w.values, layer)
+    elif w.values.dtype == jnp.bfloat16:
+        out = jax.ffi.ffi_call(F32_BLOCKS_AMX_TARGET, result)(rows, w.values, w.scales, layer)
     else:
         target = INT8_AMX_TARGET if w.amx else INT8_TARGET
         out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, layer)

@@ -33,6 +33,7 @@ TARGETS = {
     "pathserve_int8_matmul": "PathserveInt8Matmul",
     "pathserve_int8_amx_matmul": "PathserveInt8AmxMatmul",
     "pathserve_f32_amx_matmul": "PathserveF32AmxMatmul",
+    "pathserve_f32_blocks_amx_matmul": "PathserveF32BlocksAmxMatmul",
     "pathserve_f32_decode_attention": "PathserveF32DecodeAttention",
     "pathserve_int8_decode_attention": "PathserveInt8DecodeAttention",
 }
