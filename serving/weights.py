@@ -78,6 +78,7 @@ class AmxFloat32:
         return None
 
     def describe(self) -> str:
+        """Each weight under the layout it takes alone (fused parts take one they all share)."""
         chosen: dict[str, list[str]] = {}
         for path in sorted(self.layouts):
             if (name := self.layout([path])) is not None:
@@ -180,7 +181,10 @@ def prepare(params: dict, cfg: ServingConfig, cpu_kernels: bool) -> dict:
     if cpu_kernels:
         amx_f32 = amx_float32(params)
         if amx_f32.layouts:
-            log.info("float32 weights multiplied exactly on AMX-BF16, by layout: %s", amx_f32.describe())
+            log.info(
+                "float32 weights multiplied exactly on AMX-BF16 (fused parts take a layout they all share): %s",
+                amx_f32.describe(),
+            )
         params = jax.jit(functools.partial(pack_for_cpu_kernels, amx_f32=amx_f32))(params)
     if not cfg.scan_layers:
         params = jax.jit(unstack_layers)(params)
