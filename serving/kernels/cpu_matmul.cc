@@ -551,6 +551,15 @@ constexpr int64_t kBf16Depth = 32;  // input rows per tile multiply (an A tile r
 constexpr int kXParts = 3;          // a float32 is exactly the sum of three bfloat16 (8 + 8 + 8 bits)
 constexpr int64_t kBf16Ahead = 2;   // blocks of weights asked for ahead (measured: 2 best of 2, 4, 8)
 
+// Rows of row tile `mt` (`rows` per tile), columns of tile `t` of y[M, N], from the tile's float32
+// sums [rows, 16].
+PATHSERVE_AVX512 void StoreSums(float* y, int64_t m, int64_t n, int64_t rows, int64_t mt, int64_t t, const float* sums) {
+  const int64_t count = std::min(rows, m - mt * rows), col = t * kAmxCols;
+  const __mmask16 mask = Lanes(n - col);
+  for (int64_t r = 0; r < count; ++r)
+    _mm512_mask_storeu_ps(y + (mt * rows + r) * n + col, mask, _mm512_load_ps(sums + kAmxCols * r));
+}
+
 struct F32AmxProblem {
   const uint16_t* x;  // x's bfloat16 parts, [mtiles, blocks, 3, rows, 32] (SplitParts)
   const uint16_t* w;  // [tiles, blocks, 2, 16, 16, 2]: per block of 32 inputs, high then low halves
@@ -559,13 +568,7 @@ struct F32AmxProblem {
 
   const uint16_t* weights(int64_t t) const { return w + t * blocks * 2 * 512; }
 
-  // Rows of row tile `mt`, columns of tile `t` of y, from the tile's float32 sums.
-  PATHSERVE_AMX void Store(int64_t mt, int64_t t, const float* sums) const {
-    const int64_t count = std::min(rows, m - mt * rows), col = t * kAmxCols;
-    const __mmask16 mask = Lanes(n - col);
-    for (int64_t r = 0; r < count; ++r)
-      _mm512_mask_storeu_ps(y + (mt * rows + r) * n + col, mask, _mm512_load_ps(sums + 16 * r));
-  }
+  PATHSERVE_AMX void Store(int64_t mt, int64_t t, const float* sums) const { StoreSums(y, m, n, rows, mt, t, sums); }
 };
 
 // Column tiles [first, last), four at a time. Tile registers: 0-3 float32 sums of four column
@@ -787,13 +790,8 @@ PATHSERVE_AMX void F32BlocksTiles(const F32BlocksProblem& p, int64_t first, int6
       }
       if (p.blocks >= 2) scale_into_sums(p.blocks - 2);
       scale_into_sums(p.blocks - 1);
-      const int64_t rows = std::min(p.rows, p.m - mt * p.rows);
-      for (int j = 0; j < (two ? 2 : 1); ++j) {
-        const int64_t col = (t + j) * kAmxCols;
-        const __mmask16 mask = Lanes(p.n - col);
-        for (int64_t r = 0; r < rows; ++r)
-          _mm512_mask_storeu_ps(p.y + (mt * p.rows + r) * p.n + col, mask, _mm512_load_ps(sums[j] + r * kAmxCols));
-      }
+      StoreSums(p.y, p.m, p.n, p.rows, mt, t, sums[0]);
+      if (two) StoreSums(p.y, p.m, p.n, p.rows, mt, t + 1, sums[1]);
     }
   }
   _tile_release();
