@@ -45,7 +45,7 @@ bench: bench-engine bench-serve
 
 # Offline decode throughput against transformers, with a roofline (results/engine-bench.{json,png}).
 bench-engine: install
-	$(BIN)/python -m serving.engine.bench
+	$(BIN)/python -m loadtest.engine_bench
 
 # HTTP vs offline engine at batch 32 (results/serve-overhead.json), then a concurrency sweep of the
 # default model's server (results/serve-bench.json, -throughput.png, -latency.png).

@@ -15,12 +15,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serving.errors import UserError
 from serving.models.config import ModelConfig
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration that cannot be used; the message names the offending key."""
 
 

@@ -1,7 +1,12 @@
-"""Errors of the runtime that a user can fix; the CLI prints them without a traceback."""
+"""Errors a user can fix. Every such error derives from `UserError`; the CLI and the server print
+them without a traceback (one base class, so neither has to list every package's errors)."""
 
 
-class GenerationError(ValueError):
+class UserError(ValueError):
+    """Bad input (a config key, a checkpoint, a request, a manifest): the message says what to fix."""
+
+
+class GenerationError(UserError):
     """A request that cannot be served as asked (empty prompt, too long, bad sampling values).
 
     `field` names the part of the request at fault ("prompt" or "max_tokens") and `code` says why

@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving import weights
+from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
+from serving.engine.sampling import sample
 from serving.errors import GenerationError
-from serving.model_source import LoadedModel
+from serving.kernels import packing as weights
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
-from serving.sampling import SamplingParams, sample
+from serving.request import SamplingParams
 
 MIN_BUCKET = 16
 _store_prefix = jax.jit(store_prefix, donate_argnums=(0,))

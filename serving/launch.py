@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from serving.checkpoints.model_source import LoadedModel, load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
-from serving.model_source import LoadedModel, load_model
 from serving.orchestrator import Orchestrator
 from serving.runtime import init_runtime
 

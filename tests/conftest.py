@@ -16,7 +16,7 @@ os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
 
 import pytest
 
-from serving.model_source import default_model_path
+from serving.checkpoints.model_source import default_model_path
 
 DATA = Path(__file__).parent / "data"
 SESSION_HOME = os.environ["PATHSERVE_HOME"]
@@ -100,8 +100,8 @@ def smollm2_hf_tokenizer(smollm2_path):
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """Our loaded SmolLM2 model (float32)."""
+    from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
-    from serving.model_source import load_model
 
     return load_model(str(smollm2_path), ServingConfig())
 

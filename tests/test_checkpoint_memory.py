@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoints.checkpoint import read_metadata
+from serving.checkpoints.checkpoint import read_metadata
 
 # 4 layers of a 2048-wide Llama with a 32000 vocabulary: 1.49 GB in float32; the largest tensors
 # (embedding and LM head) are 262 MB each.
@@ -75,7 +75,7 @@ def test_converting_a_1_5_gb_model_peaks_below_3x_largest_tensor_plus_1_gib(tmp_
     # wait4 returns is no good here: Linux carries the parent's high-water mark over fork and exec,
     # so a child of this (large) pytest process would report pytest's memory, not its own.
     code = (
-        "import sys; from serving.cli import main; "
+        "import sys; from serving.cli.main import main; "
         f"rc = main(['convert', {str(tmp_path / 'big')!r}, {str(tmp_path / 'ckpt')!r}, '--quiet']); "
         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]; "
         "print('VmHWM_KB', hwm); sys.exit(rc)"

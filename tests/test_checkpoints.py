@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints.checkpoint import read_metadata
-from checkpoints.convert import convert
-from checkpoints.errors import CheckpointError
-from checkpoints.hf import load_hf_params, read_hf_config
-from checkpoints.restore import load_checkpoint_tokenizer, restore_params
-from checkpoints.verify import verify
+from serving.checkpoints.checkpoint import read_metadata
+from serving.checkpoints.convert import convert
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.hf import load_hf_params, read_hf_config
+from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
+from serving.checkpoints.verify import verify
 from serving.models import prefill
 from tests.conftest import DATA, make_hf_llama
 
@@ -158,8 +158,8 @@ def _tensor_bytes(path: Path) -> int:
 
 
 def test_int8_smollm2_checkpoint_quality_and_size(smollm2_checkpoints):
+    from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
-    from serving.model_source import load_model
 
     ids = jnp.asarray(
         [
@@ -197,7 +197,7 @@ def test_int8_checkpoint_needs_quantization_int8(smollm2_checkpoints):
 def test_generate_and_perplexity_accept_a_converted_checkpoint(smollm2_checkpoints, smollm2):
     from serving.config import ServingConfig
     from serving.generate import Generator
-    from serving.sampling import SamplingParams
+    from serving.request import SamplingParams
 
     ckpt = str(smollm2_checkpoints / "int8")
     result = run_cli(
@@ -340,7 +340,7 @@ def test_gguf_source_in_raises_for_a_truncated_file(tmp_path, smollm2_path):
 
 @pytest.mark.parametrize("missing", ["num_attention_heads", "hidden_size", "vocab_size"])
 def test_hf_config_without_a_key_is_a_checkpoint_error_naming_it(missing):
-    from checkpoints.hf import model_config_from_hf
+    from serving.checkpoints.hf import model_config_from_hf
 
     config = {
         "num_hidden_layers": 2,

@@ -10,7 +10,7 @@ import pytest
 
 from serving.config import ServingConfig
 from serving.generate import Generator
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 from tests.conftest import DATA
 
 

@@ -14,13 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.offline import generate_all
 from serving.generate import Generator
 from serving.kernels import cpu_attention, cpu_matmul, library
 from serving.kernels.cpu_matmul import PackedWeight
-from serving.model_source import load_model
+from serving.kernels.packing import AmxFloat32, amx_float32, pack_for_cpu_kernels
 from serving.models import (
     KVCache,
     QuantizedWeight,
@@ -33,8 +34,7 @@ from serving.models import (
 from serving.models.layers import attention_with_new_token
 from serving.models.llama import quantize_kv
 from serving.models.quantization import MATMUL_WEIGHTS
-from serving.sampling import SamplingParams
-from serving.weights import AmxFloat32, amx_float32, pack_for_cpu_kernels
+from serving.request import SamplingParams
 
 CPU_FLAGS = set()
 if Path("/proc/cpuinfo").exists():

@@ -10,13 +10,14 @@ import textwrap
 import numpy as np
 import pytest
 
+from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
-from serving.engine.engine import Engine, prefill_buckets
+from serving.engine.engine import Engine
+from serving.engine.limits import prefill_buckets
 from serving.engine.offline import generate_all
 from serving.errors import GenerationError
 from serving.generate import Generator
-from serving.model_source import load_model
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 from tests.conftest import DATA
 
 TEXT = (DATA / "english.txt").read_text()
@@ -118,7 +119,7 @@ def test_cancelled_slot_is_freed(tiny):
     model, _cfg, engine, params = tiny
     prompt = _prompts(model.tokenizer, [5])[0]
     state = engine.init_decode_state()
-    prefix, _ = engine.prefill(params, engine.pad_prompt(prompt), len(prompt), SamplingParams(max_tokens=50))
+    prefix, _ = engine.prefill(params, engine.limits.pad(prompt), len(prompt), SamplingParams(max_tokens=50))
     state = engine.insert(prefix, state, 3)
     assert bool(state.active[3])
     state = engine.free_resource(state, 3)
@@ -130,11 +131,11 @@ def test_cancelled_slot_is_freed(tiny):
 def test_limits_are_errors_the_caller_sees(tiny):
     _model, _cfg, engine, _params = tiny
     with pytest.raises(GenerationError, match="max_prefill_predict_length=64"):
-        engine.pad_prompt(list(range(65)))
+        engine.limits.pad(list(range(65)))
     with pytest.raises(GenerationError, match="max_target_length=128"):
-        engine.check_request(60, SamplingParams(max_tokens=100))
+        engine.limits.check(60, SamplingParams(max_tokens=100))
     with pytest.raises(GenerationError, match="empty"):
-        engine.pad_prompt([])
+        engine.limits.pad([])
 
 
 def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
@@ -189,8 +190,8 @@ SHARDED = textwrap.dedent(
     from serving.config import ConfigError, ServingConfig
     from serving.engine.engine import Engine
     from serving.engine.offline import generate_all
-    from serving.model_source import load_model
-    from serving.sampling import SamplingParams
+    from serving.checkpoints.model_source import load_model
+    from serving.request import SamplingParams
 
     path, parallel = sys.argv[1], json.loads(sys.argv[2])
     cfg = ServingConfig(per_device_batch_size=1, max_prefill_predict_length=32, max_target_length=64, **parallel)

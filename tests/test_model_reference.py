@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints.hf import load_hf_params, read_hf_config
+from serving.checkpoints.hf import load_hf_params, read_hf_config
 from serving.models import init_cache, prefill, store_prefix
 from serving.models.llama import decode_step
 from tests.conftest import make_hf_llama

@@ -8,12 +8,13 @@ import time
 
 import pytest
 
+from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
+from serving.errors import QueueFullError
 from serving.generate import Generator
-from serving.model_source import load_model
-from serving.orchestrator import Orchestrator, QueueFullError
-from serving.sampling import SamplingParams
+from serving.orchestrator import Orchestrator
+from serving.request import SamplingParams
 from tests.conftest import DATA
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from serving.kernels import library
+from serving.kernels.packing import pack_for_cpu_kernels
 from serving.models import (
     QuantizedWeight,
     decode_step,
@@ -18,7 +19,6 @@ from serving.models import (
     store_prefix,
 )
 from serving.models.quantization import int8_dot, quantize_int8, with_int8_activations
-from serving.weights import pack_for_cpu_kernels
 from tests.conftest import DATA
 
 
@@ -120,7 +120,7 @@ def test_int8_kv_cache_decode_close_to_float_cache(tiny_cfg):
 
 def test_bfloat16_weights_stay_close_to_float32(tiny_model_dir):
     """weight_dtype=bfloat16 stores weights in bf16; compute stays float32 (dtype=float32)."""
-    from checkpoints.hf import load_hf_params, read_hf_config
+    from serving.checkpoints.hf import load_hf_params, read_hf_config
 
     cfg = read_hf_config(tiny_model_dir)
     f32 = load_hf_params(tiny_model_dir, cfg, "float32")

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.sampling import SamplingParams, argmax, sample
+from serving.engine.sampling import argmax, sample
+from serving.request import SamplingParams
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.25, 0.125, 0.0625, 0.0625]], jnp.float32))
 

@@ -11,15 +11,15 @@ import textwrap
 
 import pytest
 
-from checkpoints.convert import convert
+from serving.checkpoints.convert import convert
 
 SCRIPT = textwrap.dedent(
     """
     import sys
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from checkpoints.checkpoint import leaves, read_metadata
-    from checkpoints.restore import restore_params
+    from serving.checkpoints.checkpoint import leaves, read_metadata
+    from serving.checkpoints.restore import restore_params
 
     path = sys.argv[1]
     assert len(jax.devices()) == 8, jax.devices()

@@ -9,7 +9,7 @@ import torch
 
 from serving.config import ServingConfig
 from serving.generate import Generator
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 from tests.conftest import DATA
 
 PROMPT = "The lighthouse keeper opened the door and"

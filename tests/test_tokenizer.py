@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints.gguf_file import GGUFFile
-from serving import chat_templates
-from serving.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer, tokenizer_from_gguf
+from serving.checkpoints.gguf_file import GGUFFile
+from serving.text import chat_templates
+from serving.text.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer, tokenizer_from_gguf
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",
@@ -157,7 +157,7 @@ def test_incremental_decode_of_a_dangling_byte_flushes_a_replacement(llama3_toke
 
 
 def test_unknown_token_id_is_a_clear_error(gguf_tokenizer):
-    from serving.tokenizer import TokenizerError
+    from serving.text.tokenizer import TokenizerError
 
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         gguf_tokenizer.decode([10**7])

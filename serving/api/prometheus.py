@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from serving.metrics import EngineMetrics, Histogram
+from serving.orchestrator.metrics import EngineMetrics, Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

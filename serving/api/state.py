@@ -16,7 +16,7 @@ from serving.config import ServingConfig
 
 if TYPE_CHECKING:  # the API talks to the orchestrator; it never imports JAX itself
     from serving.orchestrator import Orchestrator
-    from serving.tokenizer import Tokenizer
+    from serving.text.tokenizer import Tokenizer
 
 
 @dataclass

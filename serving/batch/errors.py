@@ -1,5 +1,8 @@
 """Errors of a batch job the user can fix (bad URL, changed arguments); the CLI prints them."""
 
 
-class BatchError(ValueError):
+from serving.errors import UserError
+
+
+class BatchError(UserError):
     """The job cannot run as asked; the message names the input, output or argument."""

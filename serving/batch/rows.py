@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from serving.api.convert import OpenAIRequest
 from serving.api.errors import describe_validation
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.openai.convert import OpenAIRequest
+from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,

@@ -1,5 +1,8 @@
 """The one error type of the deploy package."""
 
 
-class DeployError(ValueError):
+from serving.errors import UserError
+
+
+class DeployError(UserError):
     """A deployment that cannot be rendered, planned or applied; the message names the field or object."""

@@ -23,30 +23,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from serving import weights
+from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
+from serving.engine.limits import MAX_STOP_IDS, Limits
+from serving.engine.sampling import sample
 from serving.engine.sharding import cache_spec, param_shardings
-from serving.errors import GenerationError
-from serving.generate import MIN_BUCKET
-from serving.model_source import LoadedModel
+from serving.kernels import packing as weights
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import uses_attention_kernel
-from serving.sampling import SamplingParams, sample
+from serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_IDS = 8
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 MIN_WINDOW = 128
-
-
-def prefill_buckets(max_prefill_length: int) -> list[int]:
-    """Power-of-two prompt lengths from MIN_BUCKET up to (and including) the limit."""
-    buckets, n = [], MIN_BUCKET
-    while n < max_prefill_length:
-        buckets.append(n)
-        n *= 2
-    return [*buckets, max_prefill_length]
 
 
 def attention_windows(max_target_length: int) -> list[int]:
@@ -111,9 +100,12 @@ class Engine:
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh(cfg)
         self.cpu_kernels = weights.use_cpu_kernels(cfg, list(self.mesh.devices.flat))
-        self.max_concurrent_decodes = max(1, int(cfg.per_device_batch_size * self.mesh.size))
-        self.max_prefill_length = cfg.max_prefill_predict_length
-        self.buckets = prefill_buckets(self.max_prefill_length)
+        self.limits = Limits(
+            max_concurrent_decodes=max(1, int(cfg.per_device_batch_size * self.mesh.size)),
+            max_prefill_length=cfg.max_prefill_predict_length,
+            max_target_length=cfg.max_target_length,
+        )
+        self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         self._dtype = jnp.dtype(cfg.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype)
@@ -168,39 +160,11 @@ class Engine:
         )
         return jax.device_put(state, self._state_shardings())
 
-    def bucket_for(self, length: int) -> int:
-        if length <= 0:
-            raise GenerationError("the prompt is empty", field="prompt")
-        if length > self.max_prefill_length:
-            raise GenerationError(
-                f"the prompt has {length} tokens, more than max_prefill_predict_length={self.max_prefill_length}",
-                field="prompt",
-                code=CONTEXT_LENGTH_EXCEEDED,
-            )
-        return next(b for b in self.buckets if b >= length)
-
-    def check_request(self, prompt_length: int, sampling: SamplingParams) -> None:
-        self.bucket_for(prompt_length)
-        if prompt_length + sampling.max_tokens > self.cfg.max_target_length:
-            raise GenerationError(
-                f"prompt ({prompt_length} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                f"max_target_length={self.cfg.max_target_length}",
-                field="max_tokens",
-                code=CONTEXT_LENGTH_EXCEEDED,
-            )
-        if len(sampling.stop_ids) > MAX_STOP_IDS:
-            raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
-
-    def pad_prompt(self, prompt_ids: list[int]) -> np.ndarray:
-        padded = np.zeros((self.bucket_for(len(prompt_ids)),), np.int32)
-        padded[: len(prompt_ids)] = prompt_ids
-        return padded
-
     def prefill(
         self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams
     ) -> tuple[Prefix, int]:
         """KV for one padded prompt and its first sampled token."""
-        self.check_request(true_length, sampling)
+        self.limits.check(true_length, sampling)
         prefix = self._prefill_fn(
             params,
             jnp.asarray(padded_tokens, jnp.int32)[None],
@@ -232,7 +196,7 @@ class Engine:
         start = time.perf_counter()
         state = self.init_decode_state()
         probe = SamplingParams(max_tokens=1)
-        for bucket in self.buckets:
+        for bucket in self.limits.buckets:
             prefix, _ = self.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
             state = self.insert(prefix, state, 0)
         state = self.free_resource(state, 0)
@@ -242,7 +206,7 @@ class Engine:
         seconds = time.perf_counter() - start
         log.info(
             "warmup: compiled %d prefill buckets, insert and %d generate windows in %.1f s",
-            len(self.buckets),
+            len(self.limits.buckets),
             len(self.windows),
             seconds,
         )

@@ -13,7 +13,7 @@ import numpy as np
 
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 
 
 @dataclass
@@ -30,7 +30,7 @@ def generate_all(
     """Every request's tokens and finish reason (stop or length), in request order."""
     completions = [Completion(list(p), s) for p, s in requests]
     for c in completions:
-        engine.check_request(len(c.prompt_ids), c.sampling)
+        engine.limits.check(len(c.prompt_ids), c.sampling)
     waiting = deque(range(len(completions)))
     state = engine.init_decode_state()
     slots: dict[int, int] = {}  # slot -> request index
@@ -40,7 +40,7 @@ def generate_all(
             index = waiting.popleft()
             c = completions[index]
             prefix, first = engine.prefill(
-                params, engine.pad_prompt(c.prompt_ids), len(c.prompt_ids), c.sampling
+                params, engine.limits.pad(c.prompt_ids), len(c.prompt_ids), c.sampling
             )
             c.token_ids.append(first)
             if first in c.sampling.stop_ids or c.sampling.max_tokens <= 1:
@@ -72,7 +72,7 @@ def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_toke
     compiling): the offline baseline the HTTP server is compared with."""
     import time
 
-    from serving.model_source import load_model
+    from serving.checkpoints.model_source import load_model
     from serving.runtime import init_runtime
 
     init_runtime(cfg)

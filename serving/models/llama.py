@@ -137,7 +137,7 @@ def _attention_out_and_mlp(cfg: ModelConfig, layer: dict, x: jax.Array, attn: ja
     return x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
 
 
-# Matmul weights that share their input, fused into one weight (one matmul) by serving.weights for
+# Matmul weights that share their input, fused into one weight (one matmul) by serving.kernels.packing for
 # the CPU kernels; the layer code splits the output back.
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 

@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
+from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.generate import Generator
-from serving.model_source import load_model
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 from tests.server_process import ServerProcess, free_port
 
 SLOTS, QUEUE = 4, 4

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from serving.cli import build_parser
+from serving.checkpoints.model_source import load_model
+from serving.cli.main import build_parser
 from serving.config import ServingConfig
 from serving.deploy.config import load_deployment
 from serving.deploy.manifests import render
 from serving.engine.engine import Engine
 from serving.engine.offline import generate_all
-from serving.model_source import load_model
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 from tests.conftest import DATA
 from tests.gcs_emulator import create_bucket, emulator_env, fake_gcs_server
 

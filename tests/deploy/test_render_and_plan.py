@@ -195,7 +195,7 @@ def test_plan_and_render_cli(tmp_path):
 
 def test_deploy_commands_do_not_import_jax():
     code = (
-        "import sys; from serving.cli import main; "
+        "import sys; from serving.cli.main import main; "
         f"main(['deploy', 'plan', {str(V6E_405B)!r}]); main(['deploy', 'render', {str(V6E_405B)!r}]); "
         "import serving.deploy.kube; assert 'jax' not in sys.modules, 'jax was imported'"
     )

@@ -5,9 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.request import SamplingParams
-
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["sample"]
 
 
 def sample(

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf_file import unpermute_rotary_rows
-from checkpoints.layout import ParamKey
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.gguf_file import unpermute_rotary_rows
+from serving.checkpoints.layout import ParamKey
 from serving.models.config import ModelConfig, RopeScaling
 
 # Meta name -> (pytree place, axis along which shards are concatenated, or None if replicated)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from checkpoints.errors import CheckpointError
+from serving.checkpoints.errors import CheckpointError
 
 
 def _bool(text: str) -> bool:
@@ -52,7 +52,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(ns: argparse.Namespace) -> int:
-    from checkpoints.convert import convert
+    from serving.checkpoints.convert import convert
     from serving.config import load_model_config
 
     model_config = load_model_config(ns.model_config) if ns.model_config else None
@@ -74,8 +74,8 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
-    from checkpoints.checkpoint import read_metadata
-    from checkpoints.verify import describe
+    from serving.checkpoints.checkpoint import read_metadata
+    from serving.checkpoints.verify import describe
 
     metadata = read_metadata(ns.checkpoint)
     print(metadata.to_json() if ns.json else describe(metadata))
@@ -83,7 +83,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
 
 
 def cmd_verify(ns: argparse.Namespace) -> int:
-    from checkpoints.verify import verify
+    from serving.checkpoints.verify import verify
 
     result = verify(ns.checkpoint)
     if result.bad:

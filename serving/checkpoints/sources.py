@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf_file import GGUFFile, is_gguf_file, iter_gguf_params
-from checkpoints.hf import is_hf_dir, iter_hf_params, read_hf_config
-from checkpoints.layout import ParamKey
-from checkpoints.meta import is_meta_dir, iter_meta_params, read_meta_config
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.gguf_file import GGUFFile, is_gguf_file, iter_gguf_params
+from serving.checkpoints.hf import is_hf_dir, iter_hf_params, read_hf_config
+from serving.checkpoints.layout import ParamKey
+from serving.checkpoints.meta import is_meta_dir, iter_meta_params, read_meta_config
 from serving.models.config import ModelConfig
 
 FORMATS = ("hf", "meta", "gguf")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from checkpoints.errors import CheckpointError
+from serving.checkpoints.errors import CheckpointError
 
 
 def is_gcs(path: str) -> bool:

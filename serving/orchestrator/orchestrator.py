@@ -31,9 +31,9 @@ import numpy as np
 
 from serving.engine.engine import Engine
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
-from serving.metrics import EngineMetrics
-from serving.sampling import SamplingParams
-from serving.tokenizer import Tokenizer
+from serving.orchestrator.metrics import EngineMetrics
+from serving.request import SamplingParams
+from serving.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class Orchestrator:
         """
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
-        self.engine.check_request(len(prompt_ids), sampling)
+        self.engine.limits.check(len(prompt_ids), sampling)
         request = _Request(list(prompt_ids), sampling, tuple(s for s in stop_strings if s))
         if loop is not None:
             request.tokens = _LoopQueue(loop)
@@ -350,7 +350,7 @@ class Orchestrator:
         started = time.perf_counter()
         try:
             prefix, first = engine.prefill(
-                self.params, engine.pad_prompt(request.prompt_ids), len(request.prompt_ids), request.sampling
+                self.params, engine.limits.pad(request.prompt_ids), len(request.prompt_ids), request.sampling
             )
         except GenerationError as exc:  # checked at submit; kept as a guard for the loop
             log.warning("request rejected at prefill: %s", exc)

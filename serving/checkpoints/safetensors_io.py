@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from checkpoints.errors import CheckpointError
+from serving.checkpoints.errors import CheckpointError
 
 _DTYPES = {
     "F64": np.float64,

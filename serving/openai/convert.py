@@ -8,13 +8,13 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from serving.api.errors import APIError
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
-from serving.chat_templates import ChatTemplateError
+from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serving.request import SamplingParams
+from serving.text.chat_templates import ChatTemplateError
 
 if TYPE_CHECKING:
     from serving.orchestrator import Completion
-    from serving.tokenizer import Tokenizer
+    from serving.text.tokenizer import Tokenizer
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 

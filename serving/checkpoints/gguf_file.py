@@ -17,8 +17,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import ParamKey, build_params
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.layout import ParamKey, build_params
 from serving.models.config import ModelConfig
 
 _LAYER_NAMES = {

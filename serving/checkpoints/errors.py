@@ -1,6 +1,9 @@
 """The one error type of checkpoint reading and writing."""
 
 
-class CheckpointError(ValueError):
+from serving.errors import UserError
+
+
+class CheckpointError(UserError):
     """A checkpoint that cannot be read or does not match its config; the message names the file
     or tensor."""

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import ParamKey, build_params
-from checkpoints.safetensors_io import iter_tensors
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.layout import ParamKey, build_params
+from serving.checkpoints.safetensors_io import iter_tensors
 from serving.models.config import ModelConfig, RopeScaling
 
 _LAYER_NAMES = {

@@ -14,29 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from checkpoints import cli as checkpoint_cli
-from checkpoints.errors import CheckpointError
-from serving.batch.errors import BatchError
-from serving.chat_templates import ChatTemplateError
+from serving.checkpoints import cli as checkpoint_cli
 from serving.config import ConfigError, ServingConfig, config_dir, load_config, read_yaml
 from serving.deploy import cli as deploy_cli
-from serving.deploy.errors import DeployError
-from serving.errors import GenerationError
-from serving.tokenizer import TokenizerError
+from serving.errors import GenerationError, UserError
 
 if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
-    from serving.model_source import LoadedModel
-    from serving.sampling import SamplingParams
+    from serving.checkpoints.model_source import LoadedModel
+    from serving.request import SamplingParams
 
-USER_ERRORS = (
-    ConfigError,
-    CheckpointError,
-    TokenizerError,
-    GenerationError,
-    ChatTemplateError,
-    DeployError,
-    BatchError,
-)
 EXIT_USAGE = 2
 
 
@@ -165,7 +151,7 @@ def split_model_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _load(ns: argparse.Namespace) -> tuple[ServingConfig, LoadedModel]:
-    from serving.model_source import load_model
+    from serving.checkpoints.model_source import load_model
 
     source, overrides = split_model_args(ns.args)
     cfg = load_config(ns.config, overrides)
@@ -173,7 +159,7 @@ def _load(ns: argparse.Namespace) -> tuple[ServingConfig, LoadedModel]:
 
 
 def _sampling(ns: argparse.Namespace, model: LoadedModel) -> SamplingParams:
-    from serving.sampling import SamplingParams
+    from serving.request import SamplingParams
 
     try:
         return SamplingParams(
@@ -288,7 +274,7 @@ def _serving_config(ns: argparse.Namespace) -> tuple[ServingConfig, str | None]:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from serving.server import serve
+    from serving.api.server import serve
 
     cfg, source = _serving_config(ns)
     return serve(cfg, source, ns.host, ns.port)
@@ -344,12 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns.args = [*ns.args, *extra]
     try:
         return ns.handler(ns)
-    except USER_ERRORS as exc:
+    except UserError as exc:
         print(f"pathserve {ns.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

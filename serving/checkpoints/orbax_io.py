@@ -16,8 +16,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from checkpoints.errors import CheckpointError
-from checkpoints.storage import is_gcs, join, kvstore
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.storage import is_gcs, join, kvstore
 
 MAX_CHUNK_BYTES = 16 << 20
 ZARR_DTYPES = {

@@ -14,11 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints.checkpoint import PARAMS_DIR, TOKENIZER_DIR, CheckpointMetadata, leaves, read_metadata
-from checkpoints.errors import CheckpointError
-from checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES
-from checkpoints.orbax_io import LeafPath, restore_tree
-from checkpoints.storage import join, read_bytes
+from serving.checkpoints.checkpoint import (
+    PARAMS_DIR,
+    TOKENIZER_DIR,
+    CheckpointMetadata,
+    leaves,
+    read_metadata,
+)
+from serving.checkpoints.errors import CheckpointError
+from serving.checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES
+from serving.checkpoints.orbax_io import LeafPath, restore_tree
+from serving.checkpoints.storage import join, read_bytes
 
 
 def restore_params(
@@ -94,8 +100,8 @@ def load_checkpoint_tokenizer(path: str, metadata: CheckpointMetadata):
 def tokenizer_from_files(files: dict[str, bytes]):
     """A tokenizer from a source's or checkpoint's tokenizer files (written to a local temporary
     directory when the tokenizer library needs files)."""
-    from checkpoints.gguf_file import GGUFTokenizerData
-    from serving.tokenizer import load_tokenizer, tokenizer_from_gguf
+    from serving.checkpoints.gguf_file import GGUFTokenizerData
+    from serving.text.tokenizer import load_tokenizer, tokenizer_from_gguf
 
     if "gguf_tokenizer.json" in files:
         return tokenizer_from_gguf(GGUFTokenizerData(**json.loads(files["gguf_tokenizer.json"])))

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from checkpoints.checkpoint import PARAMS_DIR, CheckpointMetadata, read_metadata, sha256
-from checkpoints.orbax_io import read_leaf
-from checkpoints.storage import join
+from serving.checkpoints.checkpoint import PARAMS_DIR, CheckpointMetadata, read_metadata, sha256
+from serving.checkpoints.orbax_io import read_leaf
+from serving.checkpoints.storage import join
 
 
 def describe(metadata: CheckpointMetadata) -> str:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from checkpoints.errors import CheckpointError
+from serving.checkpoints.errors import CheckpointError
 from serving.models.config import ModelConfig
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")

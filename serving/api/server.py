@@ -25,6 +25,7 @@ import uvicorn
 from serving.api.app import create_app
 from serving.api.state import ServerState
 from serving.config import ServingConfig
+from serving.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +94,11 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
 
 
 def _load(state: ServerState, server: _Server, source: str | None) -> None:
-    from serving.cli import USER_ERRORS
     from serving.launch import launch
 
     try:
         launched = launch(state.cfg, source)
-    except USER_ERRORS as exc:
+    except UserError as exc:
         state.startup_error = str(exc)
         server.should_exit = True
         return

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.checkpoints.model_source import default_model_path, load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.kernels.cpu_matmul import PackedWeight
-from serving.model_source import default_model_path, load_model
-from serving.sampling import SamplingParams
+from serving.request import SamplingParams
 
 # float32 and int8 weights (through the CPU kernels where they run), int8 weights and per-token
 # int8 activations (XLA's int8 dot), and both weights again through XLA's own dot for comparison.
@@ -68,7 +68,7 @@ def engine_decode_rate(
     state = engine.init_decode_state()
     sampling = SamplingParams(max_tokens=new_tokens + 1)
     for slot in range(batch):
-        prefix, _ = engine.prefill(params, engine.pad_prompt(prompt_ids), len(prompt_ids), sampling)
+        prefix, _ = engine.prefill(params, engine.limits.pad(prompt_ids), len(prompt_ids), sampling)
         state = engine.insert(prefix, state, slot)
     jax.block_until_ready(state)
     produced, start = 0, time.perf_counter()

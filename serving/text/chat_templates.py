@@ -13,6 +13,8 @@ from typing import Protocol
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from serving.errors import UserError
+
 # Llama 3 instruct format: a header per turn, each turn closed by <|eot_id|>.
 LLAMA3 = (
     "{{ bos_token }}"
@@ -38,7 +40,7 @@ class _KnowsTokens(Protocol):
     def token_id(self, text: str) -> int | None: ...
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError):
     """A template that does not render for the given messages."""
 
 

@@ -3,6 +3,6 @@
 Uses the model's params layout, never the server.
 """
 
-from checkpoints.errors import CheckpointError
+from serving.checkpoints.errors import CheckpointError
 
 __all__ = ["CheckpointError"]
