@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             roofline = min(bandwidth / step_bytes, flops / step_flops) * batch
             point = {
                 "weights": weights,
-                "cpu_kernels": engine.cpu_kernels,
+                "backend": engine.ops.name,
                 # some packed weights take an AMX kernel (int8: AMX-INT8; float32: AMX-BF16)
                 "amx": any(
                     getattr(leaf, "amx", False)

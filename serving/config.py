@@ -65,6 +65,8 @@ class ServingConfig(BaseModel):
     liveness_timeout_s: float = Field(default=60.0, gt=0)  # /livez fails when work waits this long
     drain_timeout_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may finish
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
+    # JetStream's gRPC API (jetstream_proto.Orchestrator) beside HTTP; 0 turns it off.
+    grpc_port: int = Field(default=9000, ge=0, le=65535)
 
     @field_validator("cpu_kernels", mode="before")
     @classmethod
@@ -83,13 +85,22 @@ class ServingConfig(BaseModel):
             )
         if self.quantize_activations and self.quantization != "int8":
             raise ValueError("quantize_activations=true requires quantization=int8")
-        if self.cpu_kernels == "on" and self.quantize_activations:
-            raise ValueError("cpu_kernels=on does not go with quantize_activations=true")
-        if self.cpu_kernels == "on" and self.weight_dtype != "float32" and self.quantization != "int8":
-            raise ValueError("cpu_kernels=on needs float32 or int8 weights, not weight_dtype=bfloat16")
+        unsupported = weights_unsupported(self.quantization, self.weight_dtype, self.quantize_activations)
+        if self.cpu_kernels == "on" and unsupported:
+            raise ValueError(f"cpu_kernels=on, but the CPU kernels cannot be used: {unsupported}")
         if self.checkpoint_is_quantized and self.quantization != "int8":
             raise ValueError("checkpoint_is_quantized=true requires quantization=int8")
         return self
+
+
+def weights_unsupported(quantization: str, weight_dtype: str, quantize_activations: bool) -> str | None:
+    """Why the CPU kernels (serving.kernels) cannot multiply these weights, or None when they can:
+    the one statement of that rule, for `cpu_kernels=on` here and for the backend choice at run time."""
+    if quantize_activations:
+        return "quantize_activations=true multiplies int8 x int8 with XLA's dot"
+    if quantization != "int8" and weight_dtype != "float32":
+        return f"they take float32 or int8 weights, not weight_dtype={weight_dtype}"
+    return None
 
 
 def config_dir() -> Path:

@@ -19,8 +19,9 @@ from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
 from serving.engine.sampling import sample
 from serving.errors import GenerationError
-from serving.kernels import packing as weights
+from serving.kernels import backend
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.models.llama import unstack_layers
 from serving.request import SamplingParams
 
 MIN_BUCKET = 16
@@ -45,12 +46,16 @@ class Generator:
     def __init__(self, model: LoadedModel, cfg: ServingConfig):
         self.model = model
         self.cfg = cfg
-        kernels = weights.use_cpu_kernels(cfg, jax.devices()[:1])
-        self.params = weights.prepare(model.params, cfg, kernels)
+        ops = backend.select(
+            cfg.cpu_kernels, cfg.quantization, cfg.weight_dtype, cfg.quantize_activations, jax.devices()[:1]
+        )
+        self.params = ops.prepare(model.params)
+        if not cfg.scan_layers:
+            self.params = jax.jit(unstack_layers)(self.params)
         dtype = jnp.dtype(cfg.dtype)
-        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype)
+        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype, ops=ops)
         self._prefill = jax.jit(partial(prefill, **static))
-        self._decode = jax.jit(partial(decode_step, **static, cpu_kernels=kernels), donate_argnums=(3,))
+        self._decode = jax.jit(partial(decode_step, **static), donate_argnums=(3,))
         self._sample = jax.jit(sample)
         # A model's vocabulary may be padded past the tokenizer's; never sample an id it can't decode.
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -20,6 +21,7 @@ from serving.engine.engine import Engine
 from serving.engine.offline import generate_all
 from serving.generate import Generator
 from serving.kernels import cpu_attention, cpu_matmul, library
+from serving.kernels.backend import CpuKernelOps
 from serving.kernels.cpu_matmul import PackedWeight
 from serving.kernels.packing import AmxFloat32, amx_float32, pack_for_cpu_kernels
 from serving.models import (
@@ -31,8 +33,9 @@ from serving.models import (
     prefill,
     quantize_params,
 )
+from serving.models.cache import quantize_kv
 from serving.models.layers import attention_with_new_token
-from serving.models.llama import quantize_kv
+from serving.models.ops import XlaOps
 from serving.models.quantization import MATMUL_WEIGHTS
 from serving.request import SamplingParams
 
@@ -398,7 +401,7 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     tokens = jnp.asarray([[3, 17, 5, 99, 42, 7, 8, 1]])
     lengths = jnp.asarray([8])
     expected, _ = prefill(params, tokens, lengths, cfg)
-    got, _ = jax.jit(prefill, static_argnums=3)(packed, tokens, lengths, cfg)
+    got, _ = jax.jit(functools.partial(prefill, cfg=cfg, ops=CpuKernelOps()))(packed, tokens, lengths)
     tolerance = 1e-3 if weights == "int8" else 1e-5
     assert (
         np.abs(np.asarray(got) - np.asarray(expected)).max() <= tolerance * np.abs(np.asarray(expected)).max()
@@ -458,11 +461,11 @@ def served_model(request, tiny_model_dir):
 def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model):
     cfg, model = served_model
     engine = Engine(model, cfg)
-    assert engine.cpu_kernels
+    assert engine.ops.name == "cpu-kernels"
     layers = engine.load_params()["layers"]
     assert isinstance(layers["wqkv"], PackedWeight) and "wq" not in layers  # q, k, v: one matmul
     off = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}))
-    assert not off.cpu_kernels
+    assert off.ops.name == "xla"
     assert not isinstance(off.load_params()["layers"]["wq"], PackedWeight)
 
 
@@ -471,7 +474,7 @@ def test_int8_activations_keep_xlas_int8_dot(tiny_model_dir):
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=128, quantization="int8")
     cfg = cfg.model_copy(update={"quantize_activations": True})
     engine = Engine(load_model(str(tiny_model_dir), cfg), cfg)
-    assert not engine.cpu_kernels
+    assert engine.ops.name == "xla"
     assert isinstance(engine.load_params()["layers"]["wq"], QuantizedWeight)
 
 
@@ -559,6 +562,35 @@ def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quant
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         cache = KVCache(kq, vq, ks, vs)
     filled = cache
-    ours, _ = decode_step(params, tokens, positions, filled, model.config, cpu_kernels=True)
-    xla, _ = decode_step(params, tokens, positions, filled, model.config, cpu_kernels=False)
+    ours, _ = decode_step(params, tokens, positions, filled, model.config, ops=CpuKernelOps())
+    xla, _ = decode_step(params, tokens, positions, filled, model.config, ops=_KernelMatmulsOnly())
     np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-4, atol=1e-4)
+
+
+class _KernelMatmulsOnly(CpuKernelOps):
+    """The kernels' matmuls (the params are packed) with XLA's decode attention."""
+
+    decode_attention = XlaOps.decode_attention
+    reads_cache_in_place = XlaOps.reads_cache_in_place
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkeypatch, quantized):
+    """The backend's Python side (fused splits, weights read in place by layer, the attention
+    kernel's call) is checked on every machine: traced to a jaxpr, which needs no kernel library."""
+    monkeypatch.setattr(library, "require", lambda: None)
+    params = init_params(tiny_cfg, jax.random.PRNGKey(0))
+    params = pack_for_cpu_kernels(quantize_params(params) if quantized else params)
+    ops = CpuKernelOps()
+    tokens, lengths = jnp.zeros((2, 16), jnp.int32), jnp.array([16, 5])
+    logits = jax.eval_shape(functools.partial(prefill, cfg=tiny_cfg, ops=ops), params, tokens, lengths)[0]
+    assert logits.shape == (2, 16, tiny_cfg.vocab_size)
+    cache = init_cache(tiny_cfg, 2, 64, quantized=quantized)
+    step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops)
+    jaxpr = str(jax.make_jaxpr(step)(params, tokens[:, 0], jnp.array([3, 9]), cache))
+    target = cpu_attention.INT8_TARGET if quantized else cpu_attention.F32_TARGET
+    assert target in jaxpr and ("pathserve_int8_matmul" if quantized else "pathserve_f32_matmul") in jaxpr
+    # the layer scan's body once: q, k and v as one weight, gate and up as one, wo, w_down; the head
+    assert jaxpr.count("_matmul") == 4 + 1
+    out = jax.eval_shape(step, params, tokens[:, 0], jnp.array([3, 9]), cache)[0]
+    assert out.shape == (2, tiny_cfg.vocab_size)

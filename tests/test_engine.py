@@ -208,7 +208,7 @@ SHARDED = textwrap.dedent(
         specs["cache"] = list(state.cache.k.sharding.spec)
         specs["tokens"] = list(state.tokens.sharding.spec)
         # The CPU kernels run on one device: "auto" keeps XLA's dot here, "on" says why not.
-        specs["cpu_kernels_auto"] = engine.cpu_kernels
+        specs["backend_auto"] = engine.ops.name
         try:
             Engine(model, cfg.model_copy(update={"cpu_kernels": "on"}), engine.mesh)
         except ConfigError as e:
@@ -243,7 +243,7 @@ def test_sharded_on_8_devices_gives_the_single_device_tokens(tiny_model_dir):
     on = sharded["specs"].pop("cpu_kernels_on")
     assert "cpu_kernels=on" in on and "one CPU device, not 8 cpu device(s)" in on
     assert sharded["specs"] == {
-        "cpu_kernels_auto": False,
+        "backend_auto": "xla",
         "wq": [None, "fsdp", "tensor"],
         "w_down": [None, "tensor", "fsdp"],
         "cache": [None, "autoregressive", None, None, None],  # 2 kv heads over 4 chips: replicated

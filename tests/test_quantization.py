@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from serving.kernels import library
+from serving.kernels.backend import CpuKernelOps
 from serving.kernels.packing import pack_for_cpu_kernels
 from serving.models import (
     QuantizedWeight,
@@ -18,6 +19,7 @@ from serving.models import (
     quantize_params,
     store_prefix,
 )
+from serving.models.ops import XLA
 from serving.models.quantization import int8_dot, quantize_int8, with_int8_activations
 from tests.conftest import DATA
 
@@ -61,7 +63,8 @@ def test_int8_on_smollm2_agrees_with_float(smollm2, mode, min_agreement, max_per
         params = with_int8_activations(params)
     if mode == "kernel":
         params = pack_for_cpu_kernels(params)
-    int8_logits, _ = prefill(params, tokens, lengths, smollm2.config)
+    ops = CpuKernelOps() if mode == "kernel" else XLA
+    int8_logits, _ = prefill(params, tokens, lengths, smollm2.config, ops=ops)
     agreement = np.mean(np.argmax(float_logits[0], -1) == np.argmax(int8_logits[0], -1))
     assert agreement >= min_agreement
 

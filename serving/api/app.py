@@ -22,11 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import prometheus
-from serving.api.errors import APIError, api_error_handler, error_response, validation_error_handler
+from serving.api.errors import api_error_handler, error_response, validation_error_handler
 from serving.api.gate import Gate
 from serving.api.state import ServerState
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.openai import convert
+from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.api.errors import error_body
 from serving.api.state import ServerState
+from serving.openai.errors import error_body
 
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 API_ROUTES = GENERATION_ROUTES | {"/v1/models"}

@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from serving.api.errors import describe_validation
 from serving.openai.convert import OpenAIRequest
+from serving.openai.errors import describe_validation
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {

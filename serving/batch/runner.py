@@ -20,12 +20,12 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from serving.api.errors import APIError
 from serving.batch import files, manifest, rows
 from serving.batch.errors import BatchError
 from serving.config import ServingConfig
 from serving.errors import GenerationError, QueueFullError
 from serving.openai import convert
+from serving.openai.errors import APIError
 
 if TYPE_CHECKING:
     from serving.launch import Launched

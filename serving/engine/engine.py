@@ -28,9 +28,9 @@ from serving.config import ServingConfig
 from serving.engine.limits import MAX_STOP_IDS, Limits
 from serving.engine.sampling import sample
 from serving.engine.sharding import cache_spec, param_shardings
-from serving.kernels import packing as weights
+from serving.kernels import backend
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
-from serving.models.llama import uses_attention_kernel
+from serving.models.llama import unstack_layers
 from serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,13 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh(cfg)
-        self.cpu_kernels = weights.use_cpu_kernels(cfg, list(self.mesh.devices.flat))
+        self.ops = backend.select(
+            cfg.cpu_kernels,
+            cfg.quantization,
+            cfg.weight_dtype,
+            cfg.quantize_activations,
+            list(self.mesh.devices.flat),
+        )
         self.limits = Limits(
             max_concurrent_decodes=max(1, int(cfg.per_device_batch_size * self.mesh.size)),
             max_prefill_length=cfg.max_prefill_predict_length,
@@ -108,18 +114,17 @@ class Engine:
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         self._dtype = jnp.dtype(cfg.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
-        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype)
-        decode_static = dict(static, cpu_kernels=self.cpu_kernels)
+        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype, ops=self.ops)
         self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
         cache_dtype = jnp.int8 if cfg.quantize_kvcache else self._dtype
-        if self.cpu_kernels and uses_attention_kernel(model.config, cache_dtype, self._dtype):
-            self.windows = [cfg.max_target_length]  # the kernel reads only each row's positions
+        if self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype):
+            self.windows = [cfg.max_target_length]  # attention reads only each row's positions
         else:
             self.windows = attention_windows(cfg.max_target_length)
         self._generate_fn = jax.jit(
-            partial(self._generate_impl, static=decode_static),
+            partial(self._generate_impl, static=static),
             donate_argnums=(1,),
             out_shardings=(state_shardings, None),
             static_argnames=("window",),
@@ -129,10 +134,11 @@ class Engine:
     # -- the contract --------------------------------------------------------------------------
 
     def load_params(self) -> dict:
-        """The model's params placed on the mesh (weights over `tensor` and `fsdp`), matmul weights
-        packed for the CPU kernels when they are used, layers unstacked when scan_layers=false."""
+        """The model's params placed on the mesh (weights over `tensor` and `fsdp`), in the
+        backend's layout (`ops.prepare`), layers unstacked when scan_layers=false."""
         params = jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
-        return weights.prepare(params, self.cfg, self.cpu_kernels)
+        params = self.ops.prepare(params)
+        return params if self.cfg.scan_layers else jax.jit(unstack_layers)(params)
 
     def init_decode_state(self) -> DecodeState:
         cfg, slots = self.model.config, self.max_concurrent_decodes

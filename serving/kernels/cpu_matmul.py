@@ -54,6 +54,8 @@ class PackedWeight:
     out_features: int = field(metadata={"static": True})
     layer: jax.Array | None = None
     amx: bool = field(default=False, metadata={"static": True})
+    # Output columns of each weight fused into this one (matmuls sharing an input), in order.
+    parts: tuple[int, ...] = field(default=(), metadata={"static": True})
 
     def at_layer(self, index: jax.Array | int) -> PackedWeight:
         return replace(self, layer=jnp.asarray(index, jnp.int32))

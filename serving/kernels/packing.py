@@ -1,46 +1,26 @@
-"""Weights as the compiled steps read them: matmul weights packed for the CPU kernels
-(serving.kernels.cpu_matmul) where they run, layers unstacked when scan_layers=false.
-
-The engine and the single-request generator share this, so `pathserve generate` and `pathserve
-serve` compute the same way.
+"""The CPU kernels' weight layout: float32 and weight-only int8 matmul weights packed for
+serving.kernels.cpu_matmul, the matmuls that share an input fused into one weight, float32 weights
+in the AMX layout they are exact in. Used by serving.kernels.backend, whose ops read these weights.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
 
-from serving.config import ConfigError, ServingConfig
 from serving.kernels import cpu_matmul, library
-from serving.models.llama import FUSED, unstack_layers
 from serving.models.quantization import EMBEDDING, MATMUL_WEIGHTS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
 
-def use_cpu_kernels(cfg: ServingConfig, devices: list) -> bool:
-    """Whether matmuls and decode attention run through the CPU kernels (`cpu_kernels`); logs why
-    not."""
-    if cfg.cpu_kernels == "off" or cfg.quantize_activations:
-        return False
-    if cfg.quantization != "int8" and cfg.weight_dtype != "float32":
-        reason = f"they take float32 or int8 weights, not {cfg.weight_dtype}"
-    elif len(devices) != 1 or devices[0].platform != "cpu":
-        reason = f"they run on one CPU device, not {len(devices)} {devices[0].platform} device(s)"
-    else:
-        status = library.status()
-        if status.available:
-            log.info("matmuls run through the CPU kernels (%s)", status.detail)
-            return True
-        reason = status.detail
-    if cfg.cpu_kernels == "on":
-        raise ConfigError(f"cpu_kernels=on, but the CPU kernels cannot be used: {reason}")
-    log.info("matmuls use XLA's dot; the CPU kernels are not used: %s", reason)
-    return False
+# Matmuls that share their input (the model asks for them together, `XlaOps.matmuls`), packed as
+# one weight under this name: one kernel call instead of three or two.
+FUSED = {("wq", "wk", "wv"): "wqkv", ("w_gate", "w_up"): "w_gate_up"}
 
 
 def _kernel_operands(value) -> tuple[jax.Array, jax.Array | None] | None:
@@ -117,7 +97,7 @@ def amx_float32(params: dict) -> AmxFloat32:
 
 def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> dict:
     """params with every float32 and weight-only int8 matmul weight packed for the CPU kernels,
-    the projections that share an input fused (llama.FUSED: q, k, v; gate, up). float32 weights
+    the projections that share an input fused (FUSED: q, k, v; gate, up). float32 weights
     take the AMX layout `amx_f32` (see `amx_float32`) gives them.
 
     A tied embedding is also packed, transposed, as `lm_head`: the embedding stays for the token
@@ -140,18 +120,18 @@ def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> di
             return None
         values = jnp.concatenate([v for v, _ in operands], axis=-1)
         scales = None if operands[0][1] is None else jnp.concatenate([s for _, s in operands], axis=-1)
-        return pack((values, scales), paths)
+        return replace(pack((values, scales), paths), parts=tuple(v.shape[-1] for v, _ in operands))
 
     def visit(tree: dict, path: tuple[str, ...]) -> dict:
         out = {}
-        for name, members in FUSED.items():
+        for members, name in FUSED.items():
             paths = [(*path, m) for m in members]
             if (
                 all(m in tree for m in members)
                 and (p := fused([tree[m] for m in members], paths)) is not None
             ):
                 out[name] = p
-        done = {m for name in out for m in FUSED[name]}
+        done = {m for members, name in FUSED.items() if name in out for m in members}
         for key, value in tree.items():
             if key in done:
                 continue
@@ -176,16 +156,13 @@ def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> di
     return result
 
 
-def prepare(params: dict, cfg: ServingConfig, cpu_kernels: bool) -> dict:
-    """params (already placed) packed and unstacked as configured."""
-    if cpu_kernels:
-        amx_f32 = amx_float32(params)
-        if amx_f32.layouts:
-            log.info(
-                "float32 weights multiplied exactly on AMX-BF16 (fused parts take a layout they all share): %s",
-                amx_f32.describe(),
-            )
-        params = jax.jit(functools.partial(pack_for_cpu_kernels, amx_f32=amx_f32))(params)
-    if not cfg.scan_layers:
-        params = jax.jit(unstack_layers)(params)
-    return params
+def pack_params(params: dict) -> dict:
+    """params (already placed) in the kernels' layout, float32 weights in the AMX layout they are
+    exact in where AMX-BF16 runs (decided on the concrete values first, then packed under jit)."""
+    amx_f32 = amx_float32(params)
+    if amx_f32.layouts:
+        log.info(
+            "float32 weights multiplied exactly on AMX-BF16 (fused parts take a layout they all share): %s",
+            amx_f32.describe(),
+        )
+    return jax.jit(functools.partial(pack_for_cpu_kernels, amx_f32=amx_f32))(params)

@@ -1,6 +1,7 @@
 """Llama-family model as pure functions over a params pytree.
 
-This package knows nothing of serving: no engine, orchestrator or HTTP imports. Its names load
+This package knows nothing of serving and names no compute backend: no engine, orchestrator, HTTP
+or kernel imports (tests/test_boundaries.py checks it). Its names load
 lazily so that `serving.models.config` can be read (by `serving.deploy`, on a laptop) without JAX.
 """
 
@@ -12,12 +13,14 @@ from typing import Any
 _EXPORTS = {
     "ModelConfig": "serving.models.config",
     "RopeScaling": "serving.models.config",
-    "KVCache": "serving.models.llama",
+    "KVCache": "serving.models.cache",
     "decode_step": "serving.models.llama",
-    "init_cache": "serving.models.llama",
+    "init_cache": "serving.models.cache",
     "init_params": "serving.models.llama",
     "prefill": "serving.models.llama",
-    "store_prefix": "serving.models.llama",
+    "store_prefix": "serving.models.cache",
+    "XLA": "serving.models.ops",
+    "XlaOps": "serving.models.ops",
     "QuantizedWeight": "serving.models.quantization",
     "quantize_params": "serving.models.quantization",
     "with_int8_activations": "serving.models.quantization",

@@ -12,18 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.kernels import cpu_matmul
 from serving.models.config import ModelConfig
 from serving.models.quantization import QuantizedWeight, int8_dot
 
 _NEG_INF = -1e30
 
 
-def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | cpu_matmul.PackedWeight) -> jax.Array:
-    """x[..., in] @ w[in, out] for a float weight, an int8 `QuantizedWeight`, or either packed for
-    the CPU kernels."""
-    if isinstance(w, cpu_matmul.PackedWeight):
-        return cpu_matmul.matmul(x, w).astype(x.dtype)
+def matmul(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+    """x[..., in] @ w[in, out] for a float weight or an int8 `QuantizedWeight`."""
     if isinstance(w, QuantizedWeight):
         if w.activations:
             return int8_dot(x, w.values, w.scales[0]).astype(x.dtype)

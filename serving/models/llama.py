@@ -11,71 +11,24 @@ Params pytree (layers stacked on a leading axis so they can run under `lax.scan`
     final_norm   [embed]
     lm_head      [embed, vocab]   (absent when the embedding is tied)
 
-Any matmul weight, and the embedding, may be a `QuantizedWeight` instead of a float array.
+Any matmul weight, and the embedding, may be a `QuantizedWeight` instead of a float array. Every
+matmul and decode attention goes through the ops the caller hands in (`serving.models.ops.XlaOps` by
+default, or a backend's subclass), so a backend with its own weight layout plugs in without this
+file naming it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from serving.kernels import cpu_attention
-from serving.kernels.cpu_matmul import PackedWeight
+from serving.models.cache import KVCache, quantize_kv, write_new_tokens
 from serving.models.config import ModelConfig
-from serving.models.layers import (
-    apply_rope,
-    attention,
-    attention_with_new_token,
-    matmul,
-    rms_norm,
-    rope_frequencies,
-    rope_tables,
-)
+from serving.models.layers import apply_rope, attention, rms_norm, rope_frequencies, rope_tables
+from serving.models.ops import XLA, XlaOps
 from serving.models.quantization import QuantizedWeight, int8_dot
-
-
-class KVCache(NamedTuple):
-    """Preallocated keys and values [layers, batch, cache, kv_heads, head_dim].
-
-    With an int8 cache, `k`/`v` hold int8 values and `k_scale`/`v_scale` [layers, batch, cache,
-    kv_heads, 1] one float scale per token and head; for a float cache the scales are None.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
-
-
-def init_cache(
-    cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype = jnp.float32, quantized: bool = False
-) -> KVCache:
-    """Zeroed cache for `batch` sequences of up to `length` tokens."""
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    if not quantized:
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    scale_shape = (*shape[:-1], 1)
-    return KVCache(
-        jnp.zeros(shape, jnp.int8),
-        jnp.zeros(shape, jnp.int8),
-        jnp.zeros(scale_shape, jnp.float32),
-        jnp.zeros(scale_shape, jnp.float32),
-    )
-
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per token and head over head_dim: x ~= values * scale."""
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    values = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
-    return values, scale
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
@@ -108,16 +61,12 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
 
 
 def _project_qkv(
-    cfg: ModelConfig, layer: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
+    cfg: ModelConfig, ops: XlaOps, layer: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [batch, seq, kv_heads, groups, head_dim]; k, v [batch, seq, kv_heads, head_dim]."""
     batch, seq, _ = x.shape
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    if "wqkv" in layer:
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = jnp.split(matmul(h, layer["wqkv"]), [q_size, q_size + kv_size], axis=-1)
-    else:
-        q, k, v = matmul(h, layer["wq"]), matmul(h, layer["wk"]), matmul(h, layer["wv"])
+    q, k, v = ops.matmuls(h, layer, ("wq", "wk", "wv"))
     q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)
     k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
@@ -125,24 +74,20 @@ def _project_qkv(
     return q.reshape(batch, seq, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim), k, v
 
 
-def _attention_out_and_mlp(cfg: ModelConfig, layer: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
+def _attention_out_and_mlp(
+    cfg: ModelConfig, ops: XlaOps, layer: dict, x: jax.Array, attn: jax.Array
+) -> jax.Array:
     """Residual output projection, then the residual SwiGLU MLP. x [batch, seq, embed]."""
     batch, seq, _ = x.shape
-    x = x + matmul(attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim), layer["wo"])
+    x = x + ops.matmul(attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim), layer["wo"])
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    if "w_gate_up" in layer:
-        gate, up = jnp.split(matmul(h, layer["w_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = matmul(h, layer["w_gate"]), matmul(h, layer["w_up"])
-    return x + matmul(jax.nn.silu(gate) * up, layer["w_down"])
+    gate, up = ops.matmuls(h, layer, ("w_gate", "w_up"))
+    return x + ops.matmul(jax.nn.silu(gate) * up, layer["w_down"])
 
 
-# Matmul weights that share their input, fused into one weight (one matmul) by serving.kernels.packing for
-# the CPU kernels; the layer code splits the output back.
-FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
-
-
-def _run_layers(body: Callable, carry, layers: dict | list[dict], num_layers: int, scan_layers: bool):
+def _run_layers(
+    body: Callable, carry, layers: dict | list[dict], num_layers: int, scan_layers: bool, ops: XlaOps
+):
     """Apply body(carry, (layer, index)) -> (carry, out) over the layers.
 
     `layers` is stacked (a dict of [layers, ...] arrays) or a list of per-layer dicts (see
@@ -155,16 +100,13 @@ def _run_layers(body: Callable, carry, layers: dict | list[dict], num_layers: in
             carry, out = body(carry, (layer, i))
             outs.append(out)
         return carry, _stack_outputs(outs)
-    # Weights packed for the CPU kernels are not sliced: the kernel reads its layer in place.
-    packed = {name: w for name, w in layers.items() if isinstance(w, PackedWeight)}
-    rest = {name: w for name, w in layers.items() if name not in packed}
+    sliced, in_place = ops.split_layers(layers)  # weights a backend reads by layer index stay whole
 
     def step(carry, layer_and_index):
         layer, index = layer_and_index
-        layer = {**layer, **{name: w.at_layer(index) for name, w in packed.items()}}
-        return body(carry, (layer, index))
+        return body(carry, ({**layer, **ops.at_layer(in_place, index)}, index))
 
-    xs = (rest, jnp.arange(num_layers))
+    xs = (sliced, jnp.arange(num_layers))
     if scan_layers:
         return jax.lax.scan(step, carry, xs)
     outs = []
@@ -183,8 +125,8 @@ def unstack_layers(params: dict) -> dict:
 
     Why: inside a scan (or an unrolled loop over stacked arrays) XLA:CPU copies each layer's weight
     slice before its dot; per-layer arrays are read in place (SmolLM2 float32 with XLA's dots:
-    19 -> 27 tok/s at batch 1, but 205 -> 171 at batch 32). The CPU kernels read stacked layers in
-    place anyway. The price is a layer loop unrolled at compile time.
+    19 -> 27 tok/s at batch 1, but 205 -> 171 at batch 32). A backend whose kernels take a layer
+    index reads stacked layers in place anyway. The price is a layer loop unrolled at compile time.
     """
     layers = params["layers"]
     if isinstance(layers, list):
@@ -202,11 +144,11 @@ def _embed(params: dict, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return table[tokens].astype(dtype)
 
 
-def _logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+def _logits(params: dict, cfg: ModelConfig, x: jax.Array, ops: XlaOps) -> jax.Array:
     """Final norm and LM head; float32 logits [..., vocab]."""
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    if "lm_head" in params:  # untied, or a tied embedding packed for the CPU kernels
-        return matmul(x, params["lm_head"]).astype(jnp.float32)
+    if "lm_head" in params:  # untied, or a backend's layout gave the tied embedding a head of its own
+        return ops.matmul(x, params["lm_head"]).astype(jnp.float32)
     table = params["embed"]
     if isinstance(table, QuantizedWeight) and table.activations:
         return int8_dot(x, table.values, table.scales[:, 0], transposed=True)
@@ -223,6 +165,7 @@ def prefill(
     cfg: ModelConfig,
     scan_layers: bool = True,
     dtype: jnp.dtype = jnp.float32,
+    ops: XlaOps = XLA,
 ) -> tuple[jax.Array, KVCache]:
     """Run a padded prompt from position 0.
 
@@ -239,57 +182,11 @@ def prefill(
 
     def body(x, layer_and_index):
         layer, _ = layer_and_index
-        q, k, v = _project_qkv(cfg, layer, x, cos, sin)
-        return _attention_out_and_mlp(cfg, layer, x, attention(q, k, v, mask)), (k, v)
+        q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin)
+        return _attention_out_and_mlp(cfg, ops, layer, x, attention(q, k, v, mask)), (k, v)
 
-    x, (ks, vs) = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers)
-    return _logits(params, cfg, x), KVCache(ks, vs)
-
-
-def _write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache) -> KVCache:
-    """Store every layer's new token, new.k/v [layers, batch, kv_heads, head_dim], at per-row positions."""
-    rows = jnp.arange(positions.shape[0])
-    return KVCache(
-        *(
-            None if old is None else old.at[:, rows, positions].set(value.astype(old.dtype))
-            for old, value in zip(cache, new, strict=True)
-        )
-    )
-
-
-def store_prefix(cache: KVCache, prefix: KVCache, row: int | jax.Array) -> KVCache:
-    """Write a prompt's float KV [layers, 1, seq, kv_heads, head_dim] into `row` at positions 0..seq-1."""
-    start = (0, row, 0, 0, 0)
-    if not cache.quantized:
-        return KVCache(
-            jax.lax.dynamic_update_slice(cache.k, prefix.k.astype(cache.k.dtype), start),
-            jax.lax.dynamic_update_slice(cache.v, prefix.v.astype(cache.v.dtype), start),
-        )
-    (kq, ks), (vq, vs) = quantize_kv(prefix.k), quantize_kv(prefix.v)
-    return KVCache(
-        *(jax.lax.dynamic_update_slice(c, x, start) for c, x in zip(cache, (kq, vq, ks, vs), strict=True))
-    )
-
-
-def _read_kv(
-    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int
-) -> tuple[jax.Array, jax.Array]:
-    """Layer `index` keys and values [batch, window, kv_heads, head_dim] in the compute dtype."""
-
-    def layer(x: jax.Array) -> jax.Array:
-        start = (index,) + (0,) * (x.ndim - 1)
-        return jax.lax.dynamic_slice(x, start, (1, x.shape[1], window, *x.shape[3:]))[0].astype(dtype)
-
-    if not cache.quantized:
-        return layer(cache.k), layer(cache.v)
-    return layer(cache.k) * layer(cache.k_scale), layer(cache.v) * layer(cache.v_scale)
-
-
-def uses_attention_kernel(cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
-    """Whether decode attention can go through the CPU kernel (when the CPU kernels are on)."""
-    return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(
-        cache_dtype, cfg.head_dim, cfg.num_groups
-    )
+    x, (ks, vs) = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
+    return _logits(params, cfg, x, ops), KVCache(ks, vs)
 
 
 def decode_step(
@@ -301,7 +198,7 @@ def decode_step(
     scan_layers: bool = True,
     dtype: jnp.dtype = jnp.float32,
     window: int | None = None,
-    cpu_kernels: bool = False,
+    ops: XlaOps = XLA,
 ) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token.
 
@@ -311,18 +208,15 @@ def decode_step(
     decode cost follows the longest live sequence, not max_target_length.
 
     The cache is read-only inside the layer loop and written once after it, so the loop never
-    carries (and copies) the whole cache from layer to layer. With `cpu_kernels` (see
-    `uses_attention_kernel`) attention reads each row's positions in place and `window` is unused.
+    carries (and copies) the whole cache from layer to layer.
     """
     x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
-    attention_kernel = cpu_kernels and uses_attention_kernel(cfg, cache.k.dtype, dtype)
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
     window = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
-    earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
 
     def body(x, layer_and_index):
         layer, index = layer_and_index
-        q, k, v = _project_qkv(cfg, layer, x, cos, sin)
+        q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin)
         k, v = k[:, 0], v[:, 0]  # [batch, kv_heads, head_dim]
         if cache.quantized:  # attend to the token as the cache will hold it
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
@@ -330,13 +224,8 @@ def decode_step(
             k, v = kq.astype(dtype) * ks.astype(dtype), vq.astype(dtype) * vs.astype(dtype)
         else:
             stored = KVCache(k, v)
-        if attention_kernel:
-            out = cpu_attention.decode_attention(q[:, 0], *cache, index, positions, k, v)[:, None]
-            out = out.astype(dtype)
-        else:
-            keys, values = _read_kv(cache, index, dtype, window)
-            out = attention_with_new_token(q, keys, values, earlier, k, v)
-        return _attention_out_and_mlp(cfg, layer, x, out), stored
+        out = ops.decode_attention(q, cache, index, positions, k, v, window)
+        return _attention_out_and_mlp(cfg, ops, layer, x, out), stored
 
-    x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers)
-    return _logits(params, cfg, x[:, 0]), _write_new_tokens(cache, positions, new)
+    x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
+    return _logits(params, cfg, x[:, 0], ops), write_new_tokens(cache, positions, new)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from serving.api.errors import APIError
+from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serving.request import SamplingParams
 from serving.text.chat_templates import ChatTemplateError

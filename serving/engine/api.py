@@ -1,0 +1,79 @@
+"""The engine contract, in JetStream's terms: what the orchestrator may ask of an engine.
+
+An engine owns a fixed pool of `limits.max_concurrent_decodes` decode slots and a decode state it
+never keeps itself: every call takes the state and returns the new one (the real engine donates
+the old buffers). One thread calls an engine at a time (the orchestrator's device loop).
+
+Two engines implement it: `serving.engine.engine.Engine` (the model on a device mesh) and
+`serving.engine.mock.MockEngine` (outputs computable by hand, for tests of everything above it).
+Plain Python, no JAX: the types an engine uses for its prefixes and states are its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, TypeVar
+
+from numpy.typing import ArrayLike
+
+from serving.engine.limits import Limits
+from serving.request import SamplingParams
+
+PrefixT = TypeVar("PrefixT")
+StateT = TypeVar("StateT")
+ParamsT = TypeVar("ParamsT", contravariant=True)
+
+
+class ResultTokens(NamedTuple):
+    """What one `generate` call produced, step by step ([steps, slots] each; device or host arrays)."""
+
+    tokens: ArrayLike  # int32: the token each slot produced at each step
+    valid: ArrayLike  # bool: the slot was active and `tokens` holds its next token
+    done: ArrayLike  # bool: that token finished the slot (a stop id, max_tokens, max_target_length)
+
+
+class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
+    """prefill -> insert -> generate ... -> (done or free_resource), per slot."""
+
+    @property
+    def limits(self) -> Limits:
+        """Slots, the largest prefill bucket, the longest sequence; requests are checked against it."""
+        ...
+
+    @property
+    def decode_steps_per_call(self) -> int:
+        """How many tokens each active slot advances in one `generate` call."""
+        ...
+
+    def init_decode_state(self) -> StateT:
+        """A fresh decode state: every slot free, the KV cache allocated."""
+        ...
+
+    def prefill(
+        self, params: ParamsT, padded_tokens: Sequence[int], true_length: int, sampling: SamplingParams
+    ) -> tuple[PrefixT, int]:
+        """Run one prompt, padded to a bucket of `limits` (`limits.pad`), from position 0.
+
+        Returns the prompt's KV with its sampling state (the prefix) and its first sampled token
+        (on the host). Raises GenerationError for a request `limits.check` refuses."""
+        ...
+
+    def insert(self, prefix: PrefixT, decode_state: StateT, slot: int) -> StateT:
+        """Write a prefix into `slot`; the slot is active unless its first token already finished it
+        (a stop id, or max_tokens <= 1)."""
+        ...
+
+    def generate(
+        self, params: ParamsT, decode_state: StateT, max_position: int | None = None
+    ) -> tuple[StateT, ResultTokens]:
+        """Advance every active slot by `decode_steps_per_call` tokens; a slot that finishes turns
+        inactive at that step.
+
+        `max_position`: no active slot's position (prompt + tokens so far) exceeds it; the caller
+        keeps these on the host so that the engine can read less of the cache without reading
+        positions back from the device. None: the engine assumes the longest."""
+        ...
+
+    def free_resource(self, decode_state: StateT, slot: int) -> StateT:
+        """Deactivate `slot` (its request was cancelled); it may be inserted into again."""
+        ...

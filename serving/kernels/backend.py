@@ -1,0 +1,100 @@
+"""The CPU-kernel backend: the model's ops (serving.models.ops) on x86 CPUs through the kernels of
+this package, with the weight layout those kernels read (serving.kernels.packing).
+
+`select` is the one place a backend is chosen; the engine calls it once and hands the result to
+every compiled step. Where the kernels cannot run, it returns XLA's ops and logs why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from serving.config import ConfigError, weights_unsupported
+from serving.kernels import cpu_attention, cpu_matmul, library, packing
+from serving.models.cache import KVCache
+from serving.models.config import ModelConfig
+from serving.models.ops import XLA, XlaOps
+
+log = logging.getLogger(__name__)
+
+
+class CpuKernelOps(XlaOps):
+    """XLA's ops, except: matmuls of packed weights and decode attention over a float32 or int8
+    cache run as XLA FFI calls into the kernels, which read weights and cache in place."""
+
+    name = "cpu-kernels"
+
+    def matmul(self, x: jax.Array, w) -> jax.Array:
+        if isinstance(w, cpu_matmul.PackedWeight):
+            return cpu_matmul.matmul(x, w).astype(x.dtype)
+        return super().matmul(x, w)
+
+    def matmuls(self, x: jax.Array, layer: dict, names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+        fused = packing.FUSED.get(names)
+        if fused is None or fused not in layer:
+            return super().matmuls(x, layer, names)
+        weight = layer[fused]  # one kernel call for the matmuls that share x
+        out = self.matmul(x, weight)
+        return tuple(jnp.split(out, _running_sums(list(weight.parts[:-1])), axis=-1))
+
+    def decode_attention(self, q, cache: KVCache, layer, positions, k_new, v_new, window):
+        if not self.reads_cache_in_place_for(cache.k.dtype, q):
+            return super().decode_attention(q, cache, layer, positions, k_new, v_new, window)
+        out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new)
+        return out[:, None].astype(q.dtype)
+
+    def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
+        return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(
+            cache_dtype, cfg.head_dim, cfg.num_groups
+        )
+
+    def reads_cache_in_place_for(self, cache_dtype: jnp.dtype, q: jax.Array) -> bool:
+        """`reads_cache_in_place` from a traced query [batch, 1, kv_heads, groups, head_dim]."""
+        return q.dtype == jnp.float32 and cpu_attention.supports(cache_dtype, q.shape[-1], q.shape[-2])
+
+    def split_layers(self, layers: dict) -> tuple[dict, dict]:
+        in_place = {name: w for name, w in layers.items() if isinstance(w, cpu_matmul.PackedWeight)}
+        return {name: w for name, w in layers.items() if name not in in_place}, in_place
+
+    def at_layer(self, in_place: dict, index) -> dict:
+        return {name: w.at_layer(index) for name, w in in_place.items()}
+
+    def prepare(self, params: dict) -> dict:
+        return packing.pack_params(params)
+
+    def describe(self) -> str:
+        return f"the CPU kernels ({library.status().detail})"
+
+
+def _running_sums(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for size in sizes:
+        total += size
+        out.append(total)
+    return out
+
+
+def select(
+    cpu_kernels: str, quantization: str, weight_dtype: str, quantize_activations: bool, devices: list
+) -> XlaOps:
+    """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
+
+    `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops."""
+    if cpu_kernels == "off":
+        return XLA
+    reason = weights_unsupported(quantization, weight_dtype, quantize_activations)
+    if reason is None and (len(devices) != 1 or devices[0].platform != "cpu"):
+        reason = f"they run on one CPU device, not {len(devices)} {devices[0].platform} device(s)"
+    if reason is None:
+        status = library.status()
+        if status.available:
+            log.info("matmuls run through the CPU kernels (%s)", status.detail)
+            return CpuKernelOps()
+        reason = status.detail
+    if cpu_kernels == "on":
+        raise ConfigError(f"cpu_kernels=on, but the CPU kernels cannot be used: {reason}")
+    log.info("matmuls use XLA's dot; the CPU kernels are not used: %s", reason)
+    return XLA

@@ -1,0 +1,74 @@
+"""The model's door to compute: the few ops the forward pass calls, and their plain-JAX versions.
+
+The model (serving.models.llama) calls `ops.matmul`, `ops.matmuls`, `ops.decode_attention` and
+`ops.split_layers` on an `Ops` it is handed; it never names a backend. `XlaOps` is the default:
+ordinary jnp / lax code that XLA compiles for any device. A backend with kernels of its own
+(serving.kernels.backend) subclasses it, overrides what it speeds up, and brings its own weight
+layout (its `prepare` packs the params; the ops recognise the packed weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from serving.models.cache import KVCache, read_layer
+from serving.models.config import ModelConfig
+from serving.models.layers import attention_with_new_token, matmul
+
+
+class XlaOps:
+    """Plain JAX: XLA's dots and attention. Stateless; one instance serves every model."""
+
+    name = "xla"
+
+    def matmul(self, x: jax.Array, w) -> jax.Array:
+        """x [..., in] @ w [in, out], in x's dtype (w float or a QuantizedWeight)."""
+        return matmul(x, w)
+
+    def matmuls(self, x: jax.Array, layer: dict, names: tuple[str, ...]) -> tuple[jax.Array, ...]:
+        """x @ layer[name] for each name: matmuls that share their input (q/k/v, gate/up)."""
+        return tuple(self.matmul(x, layer[name]) for name in names)
+
+    def decode_attention(
+        self,
+        q: jax.Array,
+        cache: KVCache,
+        layer: jax.Array | int,
+        positions: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        window: int,
+    ) -> jax.Array:
+        """One decode step's attention: q [batch, 1, kv_heads, groups, head_dim] over layer `layer`
+        of the cache at positions [0, positions[b]) (all below `window`), then the token's own
+        k_new, v_new [batch, kv_heads, head_dim]. Returns [batch, 1, kv_heads, groups, head_dim]."""
+        keys, values = read_layer(cache, layer, q.dtype, window)
+        earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
+        return attention_with_new_token(q, keys, values, earlier, k_new, v_new)
+
+    def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
+        """Whether decode attention reads each row's own positions (then the `window` is unused
+        and one window, the whole cache, is all the engine compiles)."""
+        return False
+
+    def split_layers(self, layers: dict) -> tuple[dict, dict]:
+        """Stacked layer params as (sliced per layer by the layer loop, read in place by index).
+
+        XLA's weights are all sliced; a backend whose kernels take a layer index keeps its packed
+        weights whole (a slice would copy each one out of the stack)."""
+        return layers, {}
+
+    def at_layer(self, in_place: dict, index: jax.Array | int) -> dict:
+        """The in-place weights of `split_layers` as layer `index` reads them."""
+        return in_place
+
+    def prepare(self, params: dict) -> dict:
+        """params (already placed on devices) in this backend's layout: XLA takes them as they are."""
+        return params
+
+    def describe(self) -> str:
+        return "XLA's dots and attention"
+
+
+XLA = XlaOps()
