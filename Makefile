@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean manifests bench bench-engine bench-serve loadtest
+.PHONY: install serve test test-fast lint clean manifests bench bench-engine bench-serve loadtest
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ serve: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The unit tier: the mock engine, the scheduler, config, boundaries (no model, torch or transformers).
+test-fast: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: install
 	$(BIN)/ruff check .

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,16 @@ CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
 
 class ConfigError(UserError):
     """A configuration that cannot be used; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The device loop's settings (from ServingConfig.orchestrator)."""
+
+    max_queued_requests: int = 256
+    profiler_steps: int = 0  # trace this many generate calls at start (with profile_dir)
+    profile_dir: str = ""
+    profiler_port: int = 0  # jax.profiler.start_server when set
 
 
 class ServingConfig(BaseModel):
@@ -67,6 +78,15 @@ class ServingConfig(BaseModel):
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
     # JetStream's gRPC API (jetstream_proto.Orchestrator) beside HTTP; 0 turns it off.
     grpc_port: int = Field(default=9000, ge=0, le=65535)
+
+    @property
+    def orchestrator(self) -> OrchestratorConfig:
+        return OrchestratorConfig(
+            max_queued_requests=self.max_queued_requests,
+            profiler_steps=self.profiler_steps,
+            profile_dir=self.profile_dir,
+            profiler_port=self.profiler_port,
+        )
 
     @field_validator("cpu_kernels", mode="before")
     @classmethod

@@ -16,8 +16,6 @@ os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
 
 import pytest
 
-from serving.checkpoints.model_source import default_model_path
-
 DATA = Path(__file__).parent / "data"
 SESSION_HOME = os.environ["PATHSERVE_HOME"]
 
@@ -76,6 +74,8 @@ def make_hf_llama(
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
+    from serving.checkpoints.model_source import default_model_path
+
     return default_model_path()
 
 

@@ -189,36 +189,24 @@ def jax_log_softmax(x):
     return jax.nn.log_softmax(x, axis=-1)
 
 
-def test_int8_checkpoint_needs_quantization_int8(smollm2_checkpoints):
-    result = run_cli("generate", str(smollm2_checkpoints / "int8"), "--prompt", "hi")
-    assert result.returncode == 2 and "quantization=int8" in result.stderr
-
-
-def test_generate_and_perplexity_accept_a_converted_checkpoint(smollm2_checkpoints, smollm2):
-    from serving.config import ServingConfig
-    from serving.generate import Generator
-    from serving.request import SamplingParams
-
+def test_an_int8_checkpoint_refuses_flags_that_contradict_its_metadata(smollm2_checkpoints):
     ckpt = str(smollm2_checkpoints / "int8")
-    result = run_cli(
-        "generate",
-        ckpt,
-        "--prompt",
-        "The capital of France is",
-        "--max-tokens",
-        "6",
-        "--json",
-        "quantization=int8",
-        "checkpoint_is_quantized=true",
-    )
+    result = run_cli("generate", ckpt, "--prompt", "hi", "quantization=")
+    assert result.returncode == 2 and "quantization=''" in result.stderr and "int8" in result.stderr
+    result = run_cli("perplexity", ckpt, "--text-file", str(DATA / "english.txt"), "checkpoint_is_quantized=false")
+    assert result.returncode == 2 and "checkpoint_is_quantized=False" in result.stderr
+
+
+def test_generate_and_perplexity_take_an_int8_checkpoint_without_flags(smollm2_checkpoints):
+    ckpt = str(smollm2_checkpoints / "int8")
+    result = run_cli("generate", ckpt, "--prompt", "The capital of France is", "--max-tokens", "6", "--json")
     assert result.returncode == 0, result.stderr
-    assert "Paris" in json.loads(result.stdout)["text"]
-    result = run_cli(
-        "perplexity", ckpt, "--text-file", str(DATA / "english.txt"), "--json", "quantization=int8"
-    )
+    out = json.loads(result.stdout)
+    assert "Paris" in out["text"] and out["quantization"] == "int8"
+    result = run_cli("perplexity", ckpt, "--text-file", str(DATA / "english.txt"), "--json")
     assert result.returncode == 0, result.stderr
-    assert 1 < json.loads(result.stdout)["perplexity"] < 100
-    del Generator, SamplingParams, ServingConfig, smollm2
+    out = json.loads(result.stdout)
+    assert 1 < out["perplexity"] < 100 and out["quantization"] == "int8"
 
 
 def test_default_model_is_converted_once_into_pathserve_home(tmp_path):

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
-from serving.config import ServingConfig
-from serving.generate import Generator
+from serving.config import config_dir, load_config, read_yaml
 from serving.request import SamplingParams
 from tests.conftest import DATA
+from tests.reference import ReferenceDecoder
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -41,14 +42,25 @@ def test_generate_json_on_a_tiny_hf_model(tiny_model_dir):
     assert all(0 <= t < 320 for t in out["token_ids"])
 
 
-def test_generate_default_model_matches_the_library(smollm2):
+@pytest.fixture(scope="module")
+def smollm2_as_served():
+    """The default model as `serve` runs it (configs/serving/default.yml: int8), and that config."""
+    from serving.checkpoints.model_source import load_model
+
+    cfg = load_config(None, defaults=read_yaml(config_dir() / "serving" / "default.yml"))
+    return load_model(None, cfg), cfg
+
+
+def test_generate_runs_the_default_model_as_serve_does(smollm2_as_served):
+    model, cfg = smollm2_as_served
     prompt = "What is the capital of France?"
     result = run_cli("generate", "--chat", "--json", "--prompt", prompt, "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    expected = Generator(smollm2, ServingConfig()).generate(
-        ids, SamplingParams(max_tokens=12, stop_ids=smollm2.tokenizer.eos_ids)
+    assert out["quantization"] == cfg.quantization == "int8"
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    expected = ReferenceDecoder(model, cfg).generate(
+        ids, SamplingParams(max_tokens=12, stop_ids=model.tokenizer.eos_ids)
     )
     assert out["token_ids"] == expected.token_ids
     assert out["text"] == expected.text
@@ -73,14 +85,16 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
     assert json.loads(first.stdout)["token_ids"] != json.loads(other.stdout)["token_ids"]
 
 
-def test_perplexity_json_on_the_default_model(smollm2):
+def test_perplexity_json_on_the_default_model(smollm2_as_served):
+    model, cfg = smollm2_as_served
     result = run_cli("perplexity", "--text-file", str(DATA / "english.txt"), "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    ids = smollm2.tokenizer.encode_prompt((DATA / "english.txt").read_text())
-    expected = Generator(smollm2, ServingConfig()).perplexity(ids, window=1024)
-    assert out["tokens"] == len(ids) - 1
-    assert out["perplexity"] == pytest.approx(expected, rel=1e-5)
+    ids = model.tokenizer.encode_prompt((DATA / "english.txt").read_text())
+    window = cfg.max_prefill_predict_length  # --window 1024 is cut to the largest prefill bucket
+    total, count = ReferenceDecoder(model, cfg).negative_log_likelihood(ids, window)
+    assert out["tokens"] == count and out["quantization"] == "int8"
+    assert out["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-4)
 
 
 def test_chat_answers_then_ends_on_eof(tiny_model_dir):

@@ -18,8 +18,6 @@ import pytest
 from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
-from serving.engine.offline import generate_all
-from serving.generate import Generator
 from serving.kernels import cpu_attention, cpu_matmul, library
 from serving.kernels.backend import CpuKernelOps
 from serving.kernels.cpu_matmul import PackedWeight
@@ -37,7 +35,9 @@ from serving.models.cache import quantize_kv
 from serving.models.layers import attention_with_new_token
 from serving.models.ops import XlaOps
 from serving.models.quantization import MATMUL_WEIGHTS
+from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
+from tests.reference import ReferenceDecoder
 
 CPU_FLAGS = set()
 if Path("/proc/cpuinfo").exists():
@@ -489,8 +489,8 @@ def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers
     assert isinstance(params["layers"], dict if scan_layers else list)
     ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
     requests = [(ids[i : i + 4 + 3 * i], SamplingParams(max_tokens=10 + i)) for i in range(6)]
-    generator = Generator(model, cfg)
-    for (prompt, sampling), completion in zip(requests, generate_all(engine, params, requests), strict=True):
+    generator = ReferenceDecoder(model, cfg)
+    for (prompt, sampling), completion in zip(requests, run_to_completion(engine, params, requests), strict=True):
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 
 
@@ -547,9 +547,9 @@ def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quant
     assert Engine(model, cfg.model_copy(update={"cpu_kernels": "off"})).windows == [128, 256]
     ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)
     requests = [(ids[i : i + 3 + 9 * i], SamplingParams(max_tokens=20 + 30 * i)) for i in range(5)]
-    generator = Generator(model, cfg)
+    generator = ReferenceDecoder(model, cfg)
     for (prompt, sampling), completion in zip(
-        requests, generate_all(engine, engine.load_params(), requests), strict=True
+        requests, run_to_completion(engine, engine.load_params(), requests), strict=True
     ):
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 

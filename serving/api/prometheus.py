@@ -1,98 +1,98 @@
-"""Prometheus text exposition (format 0.0.4) of the engine's and the HTTP layer's metrics.
+"""Prometheus exposition of the engine's and the HTTP layer's metrics, through prometheus-client.
 
 Names follow JetStream's where JetStream has one (`jetstream_time_to_first_token`, ...), so its
-dashboards work; the rest are `pathserve_*`.
+dashboards work; the rest are `pathserve_*`. The orchestrator keeps plain counters
+(serving.orchestrator.metrics, no dependency); a collector reads a consistent snapshot of them at
+each scrape into a registry of the app's own (no process-global state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from serving.orchestrator.metrics import EngineMetrics, Histogram
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what JetStream's and most scrapers' parsers expect
+
+Source = Callable[[], tuple[EngineMetrics | None, Mapping[tuple[str, int], int]]]
 
 
-def render(metrics: EngineMetrics | None, http_requests: Mapping[tuple[str, int], int]) -> str:
-    """Every metric as Prometheus text; engine metrics only once the engine is up."""
-    out: list[str] = []
-    _family(out, "pathserve_http_requests", "counter", "HTTP requests by route and status code")
-    for (route, status), count in sorted(http_requests.items()):
-        out.append(f'pathserve_http_requests_total{{route="{route}",status="{status}"}} {count}')
-    if metrics is None:
-        return "\n".join(out) + "\n"
-    with metrics.lock:
-        finished = dict(metrics.requests_finished)
-        success = sum(n for reason, n in finished.items() if reason in ("stop", "length"))
-        slots_used = metrics.active_slots / metrics.total_slots if metrics.total_slots else 0.0
-        kv_used = metrics.kv_tokens_used / metrics.kv_tokens_capacity if metrics.kv_tokens_capacity else 0.0
-        gauges = [
-            ("jetstream_prefill_backlog_size", "requests waiting for a decode slot", metrics.queued),
-            ("jetstream_slots_used_percentage", "fraction of decode slots in use", slots_used),
-            ("pathserve_active_slots", "decode slots in use", metrics.active_slots),
-            ("pathserve_total_slots", "decode slots", metrics.total_slots),
-            ("pathserve_kv_cache_usage_ratio", "fraction of KV cache positions in use", kv_used),
-            ("pathserve_kv_cache_tokens_used", "KV cache positions in use", metrics.kv_tokens_used),
-        ]
-        for name, help_text, value in gauges:
-            _family(out, name, "gauge", help_text)
-            out.append(f"{name} {_number(value)}")
-        _family(out, "jetstream_request_success_count", "counter", "requests that finished (stop or length)")
-        out.append(f"jetstream_request_success_count_total {success}")
-        _family(out, "pathserve_requests_finished", "counter", "requests by finish reason")
-        for reason, count in sorted(finished.items()):
-            out.append(f'pathserve_requests_finished_total{{reason="{reason}"}} {count}')
-        tokens = [
-            ("pathserve_prompt_tokens", "prompt tokens of finished requests", metrics.prompt_tokens),
-            (
-                "pathserve_generation_tokens",
-                "tokens generated for finished requests",
-                metrics.generation_tokens,
-            ),
-        ]
-        for name, help_text, value in tokens:
-            _family(out, name, "counter", help_text)
-            out.append(f"{name}_total {value}")
-        _family(out, "pathserve_requests_rejected", "counter", "requests refused because the queue was full")
-        out.append(f"pathserve_requests_rejected_total {metrics.requests_rejected}")
-        histograms = [
-            (
-                "jetstream_time_to_first_token",
-                "seconds from submission to the first token",
-                metrics.time_to_first_token,
-            ),
-            (
-                "jetstream_time_per_output_token",
-                "seconds per output token after the first",
-                metrics.time_per_output_token,
-            ),
-            ("pathserve_prefill_step_seconds", "seconds per prefill call", metrics.prefill_step),
-            (
-                "pathserve_generate_step_seconds",
-                "seconds per generate call (k decode steps)",
-                metrics.generate_step,
-            ),
-        ]
-        for name, help_text, histogram in histograms:
-            _family(out, name, "histogram", help_text)
-            _histogram(out, name, histogram)
-    return "\n".join(out) + "\n"
+class _Collector(Collector):
+    """The metrics of one server: `source()` gives the engine's (None before it is up) and the
+    HTTP request counts by (route, status)."""
+
+    def __init__(self, source: Source):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        metrics, http_requests = self.source()
+        requests = CounterMetricFamily(
+            "pathserve_http_requests", "HTTP requests by route and status code", labels=["route", "status"]
+        )
+        for (route, status), count in sorted(http_requests.items()):
+            requests.add_metric([route, str(status)], count)
+        yield requests
+        if metrics is not None:
+            with metrics.lock:
+                yield from _engine_metrics(metrics)
 
 
-def _family(out: list[str], name: str, kind: str, help_text: str) -> None:
-    out.append(f"# HELP {name} {help_text}")
-    out.append(f"# TYPE {name} {kind}")
+def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
+    slots_used = m.active_slots / m.total_slots if m.total_slots else 0.0
+    kv_used = m.kv_tokens_used / m.kv_tokens_capacity if m.kv_tokens_capacity else 0.0
+    for name, help_text, value in (
+        ("jetstream_prefill_backlog_size", "requests waiting for a decode slot", m.queued),
+        ("jetstream_slots_used_percentage", "fraction of decode slots in use", slots_used),
+        ("pathserve_active_slots", "decode slots in use", m.active_slots),
+        ("pathserve_total_slots", "decode slots", m.total_slots),
+        ("pathserve_kv_cache_usage_ratio", "fraction of KV cache positions in use", kv_used),
+        ("pathserve_kv_cache_tokens_used", "KV cache positions in use", m.kv_tokens_used),
+    ):
+        yield GaugeMetricFamily(name, help_text, value=value)
+    finished = dict(m.requests_finished)
+    success = sum(n for reason, n in finished.items() if reason in ("stop", "length"))
+    yield CounterMetricFamily(
+        "jetstream_request_success_count", "requests that finished (stop or length)", value=success
+    )
+    by_reason = CounterMetricFamily("pathserve_requests_finished", "requests by finish reason", labels=["reason"])
+    for reason, count in sorted(finished.items()):
+        by_reason.add_metric([reason], count)
+    yield by_reason
+    for name, help_text, value in (
+        ("pathserve_prompt_tokens", "prompt tokens of finished requests", m.prompt_tokens),
+        ("pathserve_generation_tokens", "tokens generated for finished requests", m.generation_tokens),
+        ("pathserve_requests_rejected", "requests refused because the queue was full", m.requests_rejected),
+    ):
+        yield CounterMetricFamily(name, help_text, value=value)
+    for name, help_text, histogram in (
+        ("jetstream_time_to_first_token", "seconds from submission to the first token", m.time_to_first_token),
+        ("jetstream_time_per_output_token", "seconds per output token after the first", m.time_per_output_token),
+        ("pathserve_prefill_step_seconds", "seconds per prefill call", m.prefill_step),
+        ("pathserve_generate_step_seconds", "seconds per generate call (k decode steps)", m.generate_step),
+    ):
+        yield _histogram(name, help_text, histogram)
 
 
-def _histogram(out: list[str], name: str, histogram: Histogram) -> None:
-    cumulative = 0
+def _histogram(name: str, help_text: str, histogram: Histogram) -> HistogramMetricFamily:
+    buckets, cumulative = [], 0
     for bound, count in zip(histogram.buckets, histogram.counts, strict=False):
         cumulative += count
-        out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-    out.append(f'{name}_bucket{{le="+Inf"}} {histogram.count}')
-    out.append(f"{name}_sum {_number(histogram.total)}")
-    out.append(f"{name}_count {histogram.count}")
+        buckets.append((str(bound), cumulative))
+    buckets.append(("+Inf", histogram.count))
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=histogram.total)
 
 
-def _number(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
+def registry(source: Source) -> CollectorRegistry:
+    """A registry of one server's metrics, read from `source` at every scrape."""
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_Collector(source))
+    return out
+
+
+def render(metrics_registry: CollectorRegistry) -> str:
+    """The registry in Prometheus' text format (0.0.4)."""
+    return generate_latest(metrics_registry).decode()

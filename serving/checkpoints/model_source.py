@@ -77,15 +77,32 @@ def _default_config(gguf: Path) -> ModelConfig:
     return GGUFFile(gguf).model_config(DEFAULT_MODEL_NAME)
 
 
+def effective_config(source: str | None, cfg: ServingConfig) -> ServingConfig:
+    """`cfg` as the checkpoint it will load describes itself: a converted int8 checkpoint implies
+    quantization=int8 checkpoint_is_quantized=true. A flag set explicitly (on the command line or in
+    a config file) that contradicts the checkpoint's metadata is refused, naming both."""
+    source = source or cfg.load_parameters_path
+    if not source or not is_checkpoint(source):
+        return cfg
+    metadata = read_metadata(source)
+    if metadata.quantization != "int8":
+        return cfg
+    explicit = cfg.model_fields_set
+    for key, wanted in (("quantization", "int8"), ("checkpoint_is_quantized", True)):
+        if key in explicit and getattr(cfg, key) != wanted:
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r} contradicts {source}, whose metadata says its weights are "
+                f"int8 ({key}={wanted!r})"
+            )
+    return cfg.model_copy(update={"quantization": "int8", "checkpoint_is_quantized": True})
+
+
 def load_converted(path: str, cfg: ServingConfig) -> LoadedModel:
     """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for."""
     from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
 
+    cfg = effective_config(path, cfg)
     metadata = read_metadata(path)
-    if metadata.quantization == "int8" and cfg.quantization != "int8":
-        raise ConfigError(
-            f"{path} holds int8 weights: serve it with quantization=int8 checkpoint_is_quantized=true"
-        )
     if cfg.checkpoint_is_quantized and metadata.quantization != "int8":
         raise ConfigError(f"checkpoint_is_quantized=true, but {path} holds {metadata.dtype} weights")
     params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype)

@@ -20,7 +20,7 @@ from serving.deploy import cli as deploy_cli
 from serving.errors import GenerationError, UserError
 
 if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
-    from serving.checkpoints.model_source import LoadedModel
+    from serving.launch import Launched
     from serving.request import SamplingParams
 
 EXIT_USAGE = 2
@@ -150,15 +150,7 @@ def split_model_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return source, overrides
 
 
-def _load(ns: argparse.Namespace) -> tuple[ServingConfig, LoadedModel]:
-    from serving.checkpoints.model_source import load_model
-
-    source, overrides = split_model_args(ns.args)
-    cfg = load_config(ns.config, overrides)
-    return cfg, load_model(source, cfg)
-
-
-def _sampling(ns: argparse.Namespace, model: LoadedModel) -> SamplingParams:
+def _sampling(ns: argparse.Namespace, stop_ids: tuple[int, ...]) -> SamplingParams:
     from serving.request import SamplingParams
 
     try:
@@ -168,59 +160,89 @@ def _sampling(ns: argparse.Namespace, model: LoadedModel) -> SamplingParams:
             top_k=getattr(ns, "top_k", 0),
             top_p=getattr(ns, "top_p", 1.0),
             seed=ns.seed,
-            stop_ids=model.tokenizer.eos_ids,
+            stop_ids=stop_ids,
         )
     except ValueError as exc:
         raise GenerationError(str(exc)) from None
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
-    from serving.generate import Generator
+# One-shot commands serve one request at a time and compile only the shapes they use; a config
+# file or key=value overrides still win.
+ONE_SHOT_DEFAULTS = {"per_device_batch_size": 1, "enable_model_warmup": False}
 
+
+def _launch(ns: argparse.Namespace) -> Launched:
+    """The engine and its device loop, exactly as `serve` starts them (the same defaults)."""
+    from serving.launch import launch
+
+    cfg, source = _serving_config(ns, ONE_SHOT_DEFAULTS)
+    return launch(cfg, source)
+
+
+def _stream(launched: Launched, prompt_ids: list[int], sampling: SamplingParams):
+    """Text deltas of one request through the orchestrator; the completion is on the handle."""
+    handle = launched.orchestrator.submit(prompt_ids, sampling)
+    return handle, handle.stream()
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
     if not ns.prompt.strip():
         raise GenerationError("--prompt is empty")
-    cfg, model = _load(ns)
-    tokenizer = model.tokenizer
-    sampling = _sampling(ns, model)
-    prompt_ids = (
-        tokenizer.encode_chat([{"role": "user", "content": ns.prompt}])
-        if ns.chat
-        else tokenizer.encode_prompt(ns.prompt)
-    )
-    generator = Generator(model, cfg)
-    generator.check_prompt(prompt_ids, sampling.max_tokens)
-    if ns.json:
-        result = generator.generate(prompt_ids, sampling)
-        print(
-            json.dumps(
-                {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason}
-            )
+    launched = _launch(ns)
+    try:
+        tokenizer = launched.model.tokenizer
+        sampling = _sampling(ns, tokenizer.eos_ids)
+        prompt_ids = (
+            tokenizer.encode_chat([{"role": "user", "content": ns.prompt}])
+            if ns.chat
+            else tokenizer.encode_prompt(ns.prompt)
         )
-        return 0
-    decoder = tokenizer.incremental_decoder()
-    for token_id in generator.stream(prompt_ids, sampling):
-        print(decoder.push(token_id), end="", flush=True)
-    print(decoder.flush())
+        handle, deltas = _stream(launched, prompt_ids, sampling)
+        for delta in deltas:
+            if not ns.json:
+                print(delta.text, end="", flush=True)
+        completion = handle.completion
+        if ns.json:
+            print(json.dumps({
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                **launched.engine.summary(),
+            }))
+        else:
+            print()
+    finally:
+        launched.orchestrator.stop(timeout=10)
     return 0
 
 
 def cmd_perplexity(ns: argparse.Namespace) -> int:
-    from serving.generate import Generator
+    from serving.checkpoints.model_source import effective_config, load_model
+    from serving.engine.engine import Engine
+    from serving.runtime import init_runtime
 
     try:
         text = ns.text_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise GenerationError(f"cannot read --text-file {ns.text_file}: {exc}") from None
-    cfg, model = _load(ns)
-    ids = model.tokenizer.encode_prompt(text)
-    window = min(ns.window, cfg.max_prefill_predict_length)
-    generator = Generator(model, cfg)
-    total, count = generator.negative_log_likelihood(ids, window)
+    cfg, source = _serving_config(ns, ONE_SHOT_DEFAULTS)
+    init_runtime(cfg)
+    cfg = effective_config(source, cfg)
+    engine = Engine(load_model(source, cfg), cfg)
+    params = engine.load_params()
+    ids = engine.model.tokenizer.encode_prompt(text)
+    window = min(ns.window, engine.limits.max_prefill_length)
+    total, count = 0.0, 0
+    for start in range(0, len(ids), window):
+        chunk = ids[start : start + window]
+        if len(chunk) >= 2:
+            total -= float(engine.prompt_logprobs(params, engine.limits.pad(chunk), len(chunk)).sum())
+            count += len(chunk) - 1
     if count == 0:
         raise GenerationError(f"{ns.text_file}: fewer than 2 tokens; perplexity is undefined")
     ppl = math.exp(total / count)
     print(
-        json.dumps({"perplexity": ppl, "tokens": count})
+        json.dumps({"perplexity": ppl, "tokens": count, **engine.summary()})
         if ns.json
         else f"perplexity {ppl:.4f} over {count} tokens"
     )
@@ -228,13 +250,18 @@ def cmd_perplexity(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from serving.generate import Generator
+    launched = _launch(ns)
+    try:
+        return _chat(ns, launched)
+    finally:
+        launched.orchestrator.stop(timeout=10)
 
-    cfg, model = _load(ns)
-    generator = Generator(model, cfg)
-    sampling = _sampling(ns, model)
+
+def _chat(ns: argparse.Namespace, launched: Launched) -> int:
+    tokenizer, limits = launched.model.tokenizer, launched.engine.limits
+    sampling = _sampling(ns, tokenizer.eos_ids)
     messages: list[dict[str, str]] = []
-    print(f"pathserve chat with {model.config.name} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    print(f"pathserve chat with {launched.model.config.name} (empty line or Ctrl-D to quit)", file=sys.stderr)
     while True:
         try:
             line = input("you> ")
@@ -244,33 +271,34 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
-        prompt_ids = model.tokenizer.encode_chat(messages)
+        prompt_ids = tokenizer.encode_chat(messages)
         try:
-            generator.check_prompt(prompt_ids, sampling.max_tokens)
+            limits.check(len(prompt_ids), sampling)
         except GenerationError:
             messages = messages[-1:]  # forget older turns rather than stop the conversation
-            prompt_ids = model.tokenizer.encode_chat(messages)
-        decoder = model.tokenizer.incremental_decoder()
-        reply = []
+            prompt_ids = tokenizer.encode_chat(messages)
         print("model> ", end="", flush=True)
-        for token_id in generator.stream(prompt_ids, sampling):
-            piece = decoder.push(token_id)
-            reply.append(piece)
-            print(piece, end="", flush=True)
-        reply.append(decoder.flush())
-        print(reply[-1])
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        handle, deltas = _stream(launched, prompt_ids, sampling)
+        for delta in deltas:
+            print(delta.text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": handle.completion.text})
 
 
-def _serving_config(ns: argparse.Namespace) -> tuple[ServingConfig, str | None]:
-    """Config and SOURCE for the commands that start the engine, checked before any work."""
+def _serving_config(
+    ns: argparse.Namespace, command_defaults: dict | None = None
+) -> tuple[ServingConfig, str | None]:
+    """Config and SOURCE for the commands that start the engine, checked before any work.
+
+    The default model gets configs/serving/default.yml (int8, as `serve` runs it) under
+    `command_defaults`; a config file and key=value overrides go over both."""
     source, overrides = split_model_args(ns.args)
     if source and "://" not in source and not Path(source).exists():
         raise ConfigError(f"SOURCE not found: {source}")
     # The default model gets the CPU-friendly defaults; any other model is served as configured.
     default_model = not (source or ns.config or any(o.startswith("load_parameters_path=") for o in overrides))
-    defaults = read_yaml(config_dir() / "serving" / "default.yml") if default_model else None
-    return load_config(ns.config, overrides, defaults=defaults), source
+    defaults = dict(read_yaml(config_dir() / "serving" / "default.yml")) if default_model else {}
+    return load_config(ns.config, overrides, defaults={**defaults, **(command_defaults or {})}), source
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -308,7 +336,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     parser.add_argument("--prompts", required=True, type=Path, help='a JSON list of {"prompt": text}')
     parser.add_argument("--max-tokens", type=_positive_int, required=True)
     offline_ns = parser.parse_args(ns.rest)
-    from serving.engine.offline import measure
+    from loadtest.offline import measure
 
     source, overrides = split_model_args(offline_ns.args)
     cfg = load_config(offline_ns.config, overrides)

@@ -25,9 +25,11 @@ from jax.sharding import PartitionSpec as P
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
+from serving.engine.api import ResultTokens
 from serving.engine.limits import MAX_STOP_IDS, Limits
 from serving.engine.sampling import sample
 from serving.engine.sharding import cache_spec, param_shardings
+from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import unstack_layers
@@ -78,14 +80,6 @@ class DecodeState(NamedTuple):
     sampling: SlotSampling  # [slots, ...]
 
 
-class ResultTokens(NamedTuple):
-    """What one generate call produced, step by step."""
-
-    tokens: jax.Array  # int32 [steps, slots]
-    valid: jax.Array  # bool [steps, slots]: the slot was active and produced this token
-    done: jax.Array  # bool [steps, slots]: this token finished the slot
-
-
 def _is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(token[..., None] == stop_ids, axis=-1)
 
@@ -116,6 +110,7 @@ class Engine:
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype, ops=self.ops)
         self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
+        self._logprobs_fn = jax.jit(partial(self._prompt_logprobs_impl, static=static))
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
         cache_dtype = jnp.int8 if cfg.quantize_kvcache else self._dtype
@@ -139,6 +134,14 @@ class Engine:
         params = jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
         params = self.ops.prepare(params)
         return params if self.cfg.scan_layers else jax.jit(unstack_layers)(params)
+
+    def summary(self) -> dict[str, str]:
+        """What runs: the weights' quantization, the KV cache's format, the compute backend."""
+        return {
+            "quantization": self.cfg.quantization or "none",
+            "kv_cache": "int8" if self.cfg.quantize_kvcache else self.cfg.dtype,
+            "backend": self.ops.name,
+        }
 
     def init_decode_state(self) -> DecodeState:
         cfg, slots = self.model.config, self.max_concurrent_decodes
@@ -179,19 +182,33 @@ class Engine:
         )
         return prefix, int(prefix.first_token)
 
+    def prompt_logprobs(self, params: dict, padded_tokens, true_length: int) -> np.ndarray:
+        """log p(token i | tokens before it) for i in 1..true_length-1 of one padded prompt, float32
+        [true_length - 1]: the prefill's own computation (a scoring call; no KV is kept)."""
+        if true_length < 2:
+            raise GenerationError("a prompt of fewer than 2 tokens has no token to score", field="prompt")
+        self.limits.bucket_for(true_length)
+        tokens = jnp.asarray(padded_tokens, jnp.int32)[None]
+        return np.asarray(self._logprobs_fn(params, tokens, jnp.int32(true_length)))[: true_length - 1]
+
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._insert_fn(prefix, decode_state, jnp.int32(slot))
 
-    def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_fn(params, decode_state, window=self.window_for(decode_state))
+    @property
+    def decode_steps_per_call(self) -> int:
+        return self.cfg.decode_steps_per_call
 
-    def window_for(self, decode_state: DecodeState) -> int:
-        """The smallest attention window holding every active slot through this generate call."""
-        if len(self.windows) == 1:
-            return self.windows[0]
-        active = np.asarray(decode_state.active)
-        longest = int(np.asarray(decode_state.positions)[active].max()) if active.any() else 0
-        needed = longest + self.cfg.decode_steps_per_call
+    def generate(
+        self, params: dict, decode_state: DecodeState, max_position: int | None = None
+    ) -> tuple[DecodeState, ResultTokens]:
+        return self._generate_fn(params, decode_state, window=self.window_for(max_position))
+
+    def window_for(self, max_position: int | None) -> int:
+        """The smallest attention window holding every active slot through one generate call, when
+        no active slot's position exceeds `max_position` (None: the whole cache)."""
+        if max_position is None:
+            return self.windows[-1]
+        needed = max_position + self.cfg.decode_steps_per_call
         return next((w for w in self.windows if w >= needed), self.windows[-1])
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -248,6 +265,11 @@ class Engine:
         batched = jax.tree.map(lambda x: x[None], sampling)
         first = self._sample(last, jax.random.fold_in(sampling.key, 0)[None], batched)[0]
         return Prefix(kv=kv, length=true_length, first_token=first, sampling=sampling)
+
+    def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
+        logits, _ = prefill(params, tokens, true_length[None], **static)
+        logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
+        return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
         finished = _is_stop(prefix.first_token, prefix.sampling.stop_ids) | (prefix.sampling.max_tokens <= 1)

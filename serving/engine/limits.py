@@ -26,6 +26,12 @@ def prefill_buckets(max_prefill_length: int) -> list[int]:
     return [*buckets, max_prefill_length]
 
 
+def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
+    """Whether a request is done with its first token (a stop id, or max_tokens <= 1): its slot
+    never becomes active (the engine's insert applies the same rule on the device)."""
+    return token in sampling.stop_ids or sampling.max_tokens <= 1
+
+
 @dataclass(frozen=True)
 class Limits:
     """An engine's fixed shapes: decode slots, the longest prompt, the longest sequence."""

@@ -2,7 +2,9 @@
 batch and gRPC without a model, JAX or a compile (the fast test tier).
 
 Its rule: a prompt's first token is `(last prompt token + 1) % vocab_size`, and every next token is
-the previous one plus one (plus the request's seed when temperature > 0), modulo vocab_size. Stop
+the previous one plus one (plus the request's seed when temperature > 0), modulo vocab_size. With
+`AsciiTokenizer` (token i is the character chr(32 + i), vocab 95) the text is as easy: the prompt
+"ab" continues "cdefg...". Stop
 ids, max_tokens and max_target_length end a slot as they do in the real engine. The mock checks its
 own contract: a decode state used after a call replaced it raises (the real engine donates it),
 and `calls` records every call for tests to read.
@@ -17,8 +19,36 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.engine.api import ResultTokens
-from serving.engine.limits import Limits
+from serving.engine.limits import Limits, finishes_at_first_token
 from serving.request import SamplingParams
+from serving.text.tokenizer import Tokenizer
+
+
+class AsciiTokenizer(Tokenizer):
+    """Token i <-> the printable ASCII character chr(32 + i): 95 tokens, no specials, no BOS."""
+
+    bos_id = None
+    eos_ids = ()
+    add_bos = False
+    chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+
+    @property
+    def vocab_size(self) -> int:
+        return 95
+
+    def encode(self, text: str) -> list[int]:
+        if any(not 32 <= ord(c) < 127 for c in text):
+            raise ValueError(f"AsciiTokenizer takes printable ASCII only, got {text!r}")
+        return [ord(c) - 32 for c in text]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([32 + token_id])
+
+    def is_special(self, token_id: int) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -51,7 +81,7 @@ class MockEngine:
         slots: int = 4,
         max_prefill_length: int = 64,
         max_target_length: int = 256,
-        vocab_size: int = 1000,
+        vocab_size: int = 95,
         decode_steps_per_call: int = 2,
         step_seconds: float = 0.0,
     ):
@@ -106,7 +136,7 @@ class MockEngine:
         self.calls.append(("insert", slot))
         slots = dict(decode_state.slots)
         slots.pop(slot, None)
-        if not (prefix.next_token in prefix.sampling.stop_ids or prefix.sampling.max_tokens <= 1):
+        if not finishes_at_first_token(prefix.next_token, prefix.sampling):
             slots[slot] = _Slot(prefix.next_token, prefix.length, 1, prefix.sampling)
         return self._replace(decode_state, slots)
 

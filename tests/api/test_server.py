@@ -17,8 +17,8 @@ import pytest
 
 from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
-from serving.generate import Generator
 from serving.request import SamplingParams
+from tests.reference import ReferenceDecoder
 from tests.server_process import ServerProcess, free_port
 
 SLOTS, QUEUE = 4, 4
@@ -75,7 +75,7 @@ def test_healthcheck_is_503_until_ready_then_200(server):
 def test_completions_greedy_equal_the_engine_and_count_usage(client, model_name, tiny):
     model, cfg = tiny
     prompt_ids = model.tokenizer.encode_prompt(PROMPT)
-    expected = Generator(model, cfg).generate(
+    expected = ReferenceDecoder(model, cfg).generate(
         prompt_ids, SamplingParams(max_tokens=24, stop_ids=model.tokenizer.eos_ids)
     )
     response = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0)

@@ -22,7 +22,7 @@ from serving.config import ServingConfig
 from serving.deploy.config import load_deployment
 from serving.deploy.manifests import render
 from serving.engine.engine import Engine
-from serving.engine.offline import generate_all
+from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.conftest import DATA
 from tests.gcs_emulator import create_bucket, emulator_env, fake_gcs_server
@@ -112,7 +112,7 @@ def expected(tiny_model_dir):
         (tokenizer.encode_prompt(r["prompt"]), SamplingParams(max_tokens=12, stop_ids=tokenizer.eos_ids))
         for r in rows
     ]
-    done = generate_all(engine, params, requests)
+    done = run_to_completion(engine, params, requests)
     return {r["id"]: tokenizer.decode(c.token_ids) for r, c in zip(rows, done, strict=True)}
 
 

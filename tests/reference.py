@@ -1,7 +1,6 @@
-"""Single-request generation and scoring straight over the model functions (no engine).
-
-Used by `pathserve generate`, `pathserve chat` and `pathserve perplexity`, and as the plain
-reference loop that the engine is tested against.
+"""A plain single-sequence loop straight over the model functions (no engine, no slots, no
+buckets beyond powers of two): the reference the engine and the servers are tested against.
+Test code only: every product command runs its requests through the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import numpy as np
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
+from serving.engine.limits import MIN_BUCKET
 from serving.engine.sampling import sample
 from serving.errors import GenerationError
 from serving.kernels import backend
@@ -24,7 +24,6 @@ from serving.models import KVCache, decode_step, init_cache, prefill, store_pref
 from serving.models.llama import unstack_layers
 from serving.request import SamplingParams
 
-MIN_BUCKET = 16
 _store_prefix = jax.jit(store_prefix, donate_argnums=(0,))
 
 
@@ -40,8 +39,8 @@ class Generated:
     finish_reason: str  # "stop" or "length"
 
 
-class Generator:
-    """Greedy or sampled decoding for one sequence at a time."""
+class ReferenceDecoder:
+    """Greedy or sampled decoding, and scoring, for one sequence at a time."""
 
     def __init__(self, model: LoadedModel, cfg: ServingConfig):
         self.model = model

@@ -1,0 +1,53 @@
+"""Run a list of requests to completion on an engine, slots refilled as they free up.
+
+A synchronous driver for tests, benchmarks and offline use, over the same scheduler and executor as
+the orchestrator's device loop (which is the concurrent one, with streams).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.engine.api import EngineAPI
+from serving.orchestrator.executor import Executor
+from serving.orchestrator.scheduler import Scheduler, Waiting
+from serving.request import SamplingParams
+
+
+@dataclass
+class OfflineResult:
+    """One request's tokens and finish reason (stop or length)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+def run_to_completion(
+    engine: EngineAPI, params, requests: list[tuple[list[int], SamplingParams]]
+) -> list[OfflineResult]:
+    """Every request's tokens, in request order: the device loop's scheduler and executor, driven
+    synchronously, without threads or streams."""
+    results = [OfflineResult(list(p), s) for p, s in requests]
+    for r in results:
+        engine.limits.check(len(r.prompt_ids), r.sampling)
+    waiting = deque(range(len(results)))
+    scheduler = Scheduler(engine.limits, engine.decode_steps_per_call)
+    executor = Executor(engine, params)
+    while waiting or scheduler.running:
+        admit = [waiting.popleft() for _ in range(min(scheduler.room(), len(waiting)))]
+        plan = scheduler.schedule([Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit])
+        slots = {slot: results[r.request_id] for slot, r in scheduler.running.items()}
+        outcome = executor.run(plan)
+        for admission, first in zip(plan.admissions, outcome.first_tokens, strict=True):
+            slots[admission.slot].token_ids.append(first)
+        for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
+            for slot, result in slots.items():
+                if step_valid[slot]:
+                    result.token_ids.append(step_tokens[slot])
+        for request_id, _slot in scheduler.update(plan, outcome):
+            r = results[request_id]
+            r.finish_reason = "stop" if r.token_ids[-1] in r.sampling.stop_ids else "length"
+    return results

@@ -1,0 +1,195 @@
+"""Per-request streams: the device loop puts token ids on a request's queue; whoever reads
+`RequestHandle.stream()` (a thread) or `astream()` (asyncio) gets text deltas, detokenized off the
+device thread, never splitting a UTF-8 character, with stop strings held back and cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serving.request import SamplingParams
+from serving.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from serving.orchestrator.orchestrator import Orchestrator
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Completion:
+    """The final record of a request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop, length or cancelled
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token: float
+    token_times: list[float]  # seconds since submission, one per completion token
+
+
+END = object()
+
+
+class LoopQueue:
+    """Items put by the device thread, awaited on an asyncio event loop (no thread per reader)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get_async(self):
+        return await self._queue.get()
+
+
+@dataclass
+class Request:
+    """A submitted request as the device loop and its reader share it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_strings: tuple[str, ...]
+    # ints, then (END, reason); a SimpleQueue for thread readers, a LoopQueue for asyncio readers
+    tokens: queue.SimpleQueue | LoopQueue = field(default_factory=queue.SimpleQueue)
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    request_id: int = field(default_factory=itertools.count().__next__)
+    last_token: int | None = None  # the newest token put on the stream (the device loop's)
+
+    def put(self, token: int) -> None:
+        """Hand a token to the reader (device loop only)."""
+        self.last_token = token
+        self.tokens.put(token)
+
+
+class _Assembler:
+    """Turns a request's token items into text deltas: UTF-8 safe, stop strings held back and cut."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer):
+        self.request = request
+        self.decoder = tokenizer.incremental_decoder()
+        self.text = ""
+        self.ids: list[int] = []
+        self.times: list[float] = []
+        self.emitted = 0  # characters of `text` already handed out
+        self.emitted_ids = 0
+        self.hold = max((len(s) for s in request.stop_strings), default=1) - 1
+        self.reason = ""
+
+    def feed(self, item) -> Delta | None:
+        """The delta this item makes available (if any); sets `reason` when the request ended."""
+        request = self.request
+        if isinstance(item, tuple) and item[0] is END:
+            self.reason = item[1]
+            self.text += self.decoder.flush()
+            return self._delta(len(self.text))
+        self.ids.append(item)
+        self.times.append(time.perf_counter() - request.submitted)
+        self.text += self.decoder.push(item)
+        stop_at = _find_stop(self.text, request.stop_strings, self.emitted)
+        if stop_at is not None:
+            self.text, self.reason = self.text[:stop_at], "stop"
+            return self._delta(len(self.text))
+        return self._delta(len(self.text) - self.hold if request.stop_strings else len(self.text))
+
+    def _delta(self, safe: int) -> Delta | None:
+        if safe <= self.emitted:
+            return None  # nothing new to show yet; its tokens travel with the next delta
+        delta = Delta(self.text[self.emitted : safe], self.ids[self.emitted_ids :])
+        self.emitted, self.emitted_ids = safe, len(self.ids)
+        return delta
+
+    def completion(self) -> Completion:
+        return Completion(
+            text=self.text,
+            token_ids=self.ids,
+            finish_reason=self.reason,
+            prompt_tokens=len(self.request.prompt_ids),
+            completion_tokens=len(self.ids),
+            time_to_first_token=self.times[0] if self.times else 0.0,
+            token_times=self.times,
+        )
+
+
+class RequestHandle:
+    """A submitted request: iterate `stream()` (threads) or `astream()` (asyncio, when submitted
+    with `loop=`) for text deltas; `completion` afterwards."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer, orchestrator: Orchestrator):
+        self._request = request
+        self._orchestrator = orchestrator
+        self._assembler = _Assembler(request, tokenizer)
+        self.completion: Completion | None = None
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); the slot is freed at the next step."""
+        self._request.cancelled.set()
+        self._orchestrator.wake()
+
+    def stream(self) -> Iterator[Delta]:
+        """Text deltas as tokens arrive; never splits a UTF-8 character; honours stop strings."""
+        tokens = self._request.tokens
+        if not isinstance(tokens, queue.SimpleQueue):
+            raise TypeError("this request was submitted for asyncio: read it with astream()")
+        while not self._assembler.reason:
+            delta = self._assembler.feed(tokens.get())
+            if delta is not None:
+                yield delta
+        self._finish()
+
+    async def astream(self) -> AsyncIterator[Delta]:
+        """`stream()` for asyncio readers. Leaving early (the client went away) cancels the request."""
+        tokens = self._request.tokens
+        if not isinstance(tokens, LoopQueue):
+            raise TypeError("this request was not submitted with loop=: read it with stream()")
+        try:
+            while not self._assembler.reason:
+                delta = self._assembler.feed(await tokens.get_async())
+                if delta is not None:
+                    yield delta
+        finally:
+            if not self._assembler.reason:
+                self._assembler.reason = "cancelled"
+            self._finish()
+
+    def result(self) -> Completion:
+        """Drain the stream and return the final record."""
+        for _ in self.stream():
+            pass
+        if self.completion is None:
+            raise RuntimeError("the stream ended without a final record")
+        return self.completion
+
+    def _finish(self) -> None:
+        if self.completion is not None:
+            return
+        if self._assembler.reason in ("stop", "cancelled") and not self._request.cancelled.is_set():
+            self.cancel()  # a stop string or a reader that left: free the slot
+        self.completion = self._assembler.completion()
+        metrics = self._orchestrator.metrics
+        c = self.completion
+        metrics.finished(c.finish_reason, c.prompt_tokens, c.completion_tokens)
+        times = self.completion.token_times
+        if len(times) > 1:
+            metrics.observe("time_per_output_token", (times[-1] - times[0]) / (len(times) - 1))
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    positions = [i for s in stops if (i := text.find(s, max(0, start - len(s)))) >= 0]
+    return min(positions) if positions else None

@@ -1,0 +1,134 @@
+"""The HTTP API's translation and routes on the mock engine: a real uvicorn server on loopback and
+the real openai client, with tokens computable by hand (AsciiTokenizer: "ab" continues "cdef...")."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from loadtest.server import free_port
+from serving.api.app import create_app
+from serving.api.state import ServerState
+from serving.config import ServingConfig
+from serving.engine.mock import AsciiTokenizer, MockEngine
+from serving.orchestrator import Orchestrator
+from serving.request import SamplingParams
+
+TOKENIZER = AsciiTokenizer()
+
+
+class _Running:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _state(queue: int = 16, start: bool = True) -> ServerState:
+    cfg = ServingConfig(max_queued_requests=queue, max_prefill_predict_length=64, max_target_length=256)
+    orchestrator = Orchestrator(MockEngine(slots=2), {}, TOKENIZER, cfg.orchestrator)
+    state = ServerState(cfg=cfg)
+    if start:
+        state.set_ready(orchestrator.start(), "mock")
+    else:
+        state.set_ready(orchestrator, "mock")  # ready, but nothing drains its queue
+    return state
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = _Running(_state())
+    yield running
+    running.stop()
+    running.state.orchestrator.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_probes_say_starting_until_the_engine_is_ready():
+    state = ServerState(cfg=ServingConfig())
+    running = _Running(state)
+    try:
+        assert httpx.get(f"{running.url}/healthcheck").status_code == 503
+        assert httpx.post(f"{running.url}/v1/completions", json={"prompt": "a"}).status_code == 503
+    finally:
+        running.stop()
+
+
+def test_completions_carry_the_engines_tokens_and_usage(client):
+    out = client.completions.create(model="mock", prompt="ab", max_tokens=5, temperature=0)
+    assert out.choices[0].text == "cdefg" and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (2, 5)
+
+
+def test_a_streamed_chat_equals_the_whole_answer(client):
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model="mock", messages=messages, max_tokens=6, temperature=0)
+    parts = client.chat.completions.create(
+        model="mock", messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    # the template ends "assistant: ", so the reply starts after a space: "!" then "\"#$%&"
+    prompt = TOKENIZER.encode_chat(messages)
+    expected = TOKENIZER.decode(MockEngine().expected(prompt, SamplingParams(max_tokens=6)))
+    assert whole.choices[0].message.content == text == expected
+
+
+def test_stop_strings_and_jetstream_generate(server):
+    body = {"prompt": "ab", "max_tokens": 10, "stop": ["fg"], "temperature": 0}
+    out = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "mock"}).json()
+    assert out["choices"][0]["text"] == "cde" and out["choices"][0]["finish_reason"] == "stop"
+    out = httpx.post(f"{server.url}/generate", json={"prompt": "ab", "max_tokens": 3}).json()
+    assert out["response"] == "cde"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "a" * 65, "max_tokens": 2}, "prompt"),
+        ({"prompt": "ab", "max_tokens": 255}, "max_tokens"),
+        ({"prompt": "ab", "max_tokens": 2, "temperature": -1}, "temperature"),
+    ],
+)
+def test_requests_the_engine_cannot_take_get_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "mock"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_full_queue_answers_429_at_once():
+    state = _state(queue=1, start=False)
+    state.orchestrator.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))  # fills the queue
+    running = _Running(state)
+    try:
+        started = time.perf_counter()
+        response = httpx.post(f"{running.url}/v1/completions", json={"model": "mock", "prompt": "a", "max_tokens": 2})
+        assert response.status_code == 429 and time.perf_counter() - started < 2
+        assert response.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        running.stop()
+
+
+def test_metrics_use_jetstream_names(server, client):
+    client.completions.create(model="mock", prompt="ab", max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("jetstream_prefill_backlog_size", "jetstream_slots_used_percentage", "jetstream_time_to_first_token"):
+        assert name in text

@@ -1,0 +1,145 @@
+"""The orchestrator's threads on the mock engine: hand-computable tokens, no model, no JAX."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from serving.config import OrchestratorConfig
+from serving.engine.mock import AsciiTokenizer, MockEngine
+from serving.errors import GenerationError, QueueFullError, ShuttingDownError
+from serving.orchestrator import Orchestrator
+from serving.request import SamplingParams
+
+TOKENIZER = AsciiTokenizer()
+
+
+def _orchestrator(slots: int = 2, queue: int = 64, **engine) -> Orchestrator:
+    return Orchestrator(MockEngine(slots=slots, **engine), {}, TOKENIZER, OrchestratorConfig(max_queued_requests=queue))
+
+
+@pytest.fixture
+def orchestrator():
+    orch = _orchestrator().start()
+    yield orch
+    orch.stop(timeout=10)
+
+
+def test_more_concurrent_requests_than_slots_all_get_their_own_tokens(orchestrator):
+    prompts = [TOKENIZER.encode(chr(ord("a") + i) * (1 + i % 3)) for i in range(9)]
+    samplings = [SamplingParams(max_tokens=2 + i) for i in range(9)]
+    results: list = [None] * 9
+
+    def client(i):
+        results[i] = orchestrator.submit(prompts[i], samplings[i]).result()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    engine = orchestrator.engine
+    for prompt, sampling, result in zip(prompts, samplings, results, strict=True):
+        assert result.token_ids == engine.expected(prompt, sampling)
+        assert result.finish_reason == "length" and result.prompt_tokens == len(prompt)
+    assert TOKENIZER.decode(results[0].token_ids) == "bc"  # "a" continues "bc..."
+
+
+def test_a_stop_id_ends_with_stop_and_a_stop_string_cuts_the_text(orchestrator):
+    stop_at_e = SamplingParams(max_tokens=10, stop_ids=tuple(TOKENIZER.encode("e")))
+    done = orchestrator.submit(TOKENIZER.encode("ab"), stop_at_e).result()
+    assert (done.text, done.finish_reason) == ("cde", "stop")
+    cut = orchestrator.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=10), stop_strings=("fg",))
+    completion = cut.result()
+    assert (completion.text, completion.finish_reason) == ("cde", "stop")
+
+
+def test_stream_deltas_add_up_to_the_text(orchestrator):
+    handle = orchestrator.submit(TOKENIZER.encode("k"), SamplingParams(max_tokens=7))
+    deltas = list(handle.stream())
+    assert "".join(d.text for d in deltas) == handle.completion.text == "lmnopqr"
+    assert [i for d in deltas for i in d.token_ids] == handle.completion.token_ids
+
+
+def test_asyncio_readers_get_the_same_stream():
+    orch = _orchestrator().start()
+
+    async def read():
+        handle = orch.submit(TOKENIZER.encode("k"), SamplingParams(max_tokens=3), loop=asyncio.get_running_loop())
+        return "".join([d.text async for d in handle.astream()])
+
+    try:
+        assert asyncio.run(read()) == "lmn"
+    finally:
+        orch.stop(timeout=10)
+
+
+def test_cancellation_frees_the_slot_for_the_next_request():
+    orch = _orchestrator(slots=1, step_seconds=0.01, max_target_length=4096).start()
+    try:
+        long = orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=4000))
+        waiting_sampling = SamplingParams(max_tokens=2)
+        waiting = orch.submit(TOKENIZER.encode("a"), waiting_sampling)
+        stream = long.stream()
+        next(stream)
+        long.cancel()
+        list(stream)
+        assert long.completion.finish_reason == "cancelled" and long.completion.completion_tokens < 100
+        assert waiting.result().token_ids == orch.engine.expected(TOKENIZER.encode("a"), waiting_sampling)
+        assert ("free_resource", 0) in orch.engine.calls
+    finally:
+        orch.stop(timeout=10)
+
+
+def test_a_full_queue_fails_fast_and_is_counted():
+    orch = _orchestrator(queue=2)  # not started: nothing drains
+    prompt = TOKENIZER.encode("a")
+    orch.submit(prompt, SamplingParams(max_tokens=2))
+    orch.submit(prompt, SamplingParams(max_tokens=2))
+    started = time.perf_counter()
+    with pytest.raises(QueueFullError):
+        orch.submit(prompt, SamplingParams(max_tokens=2))
+    assert time.perf_counter() - started < 0.5 and orch.metrics.requests_rejected == 1
+
+
+def test_requests_the_engine_cannot_take_fail_at_submit_naming_the_field(orchestrator):
+    with pytest.raises(GenerationError) as err:
+        orchestrator.submit(list(range(65)), SamplingParams(max_tokens=2))
+    assert err.value.field == "prompt" and err.value.code == "context_length_exceeded"
+    with pytest.raises(GenerationError) as err:
+        orchestrator.submit([1, 2], SamplingParams(max_tokens=255))
+    assert err.value.field == "max_tokens"
+
+
+def test_stop_finishes_what_is_running_and_refuses_new_requests():
+    orch = _orchestrator(step_seconds=0.005).start()
+    handle = orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=20))
+    orch.stop(timeout=10)
+    assert handle.result().completion_tokens == 20 and not orch.alive
+    with pytest.raises(ShuttingDownError):
+        orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
+
+
+def test_metrics_count_steps_tokens_and_slots(orchestrator):
+    orchestrator.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=6)).result()
+    deadline = time.monotonic() + 5
+    while orchestrator.metrics.requests_finished.get("length") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    metrics = orchestrator.metrics
+    assert metrics.generate_step.count >= 3 and metrics.prefill_step.count == 1
+    assert (metrics.prompt_tokens, metrics.generation_tokens) == (2, 6)
+    assert metrics.active_slots == 0 and metrics.kv_tokens_used == 0
+
+
+def test_the_orchestrator_on_the_mock_engine_loads_no_jax_torch_or_transformers():
+    code = (
+        "import sys, serving.orchestrator.orchestrator, serving.engine.mock;"
+        "print(sorted(m for m in ('jax', 'torch', 'transformers') if m in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"

@@ -1,0 +1,70 @@
+"""The scheduler's decisions as plain data, and the executor running them on the mock engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.engine.limits import Limits
+from serving.engine.mock import MockEngine
+from serving.orchestrator.executor import Executor
+from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
+from serving.request import SamplingParams
+
+
+def _waiting(request_id: int, length: int = 3, max_tokens: int = 4, **kw) -> Waiting:
+    return Waiting(request_id, tuple(range(1, length + 1)), SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def test_admissions_fill_free_slots_in_order_padded_to_their_bucket():
+    scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
+    plan = scheduler.schedule([_waiting(7, length=3), _waiting(8, length=20)])
+    assert [(a.request_id, a.slot, a.true_length, len(a.padded_tokens)) for a in plan.admissions] == [
+        (7, 0, 3, 16),
+        (8, 1, 20, 32),
+    ]
+    assert plan.admissions[0].padded_tokens == (1, 2, 3, *([0] * 13))
+    assert (plan.decode_steps, plan.running, plan.max_position) == (2, 0, 20)
+    assert scheduler.room() == 0
+    with pytest.raises(ValueError, match="1 requests for 0 free slots"):
+        scheduler.schedule([_waiting(9)])
+
+
+def test_positions_are_mirrored_on_the_host_and_finished_slots_come_back():
+    scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
+    plan = scheduler.schedule([_waiting(1, length=5), _waiting(2, length=9)])
+    # slot 0 produced two tokens; slot 1 one, which finished it
+    outcome = StepOutcome((10, 11), [[3, 4], [5, 0]], [[True, True], [True, False]], [[False, True], [False, False]])
+    assert scheduler.update(plan, outcome) == [(2, 1)]
+    assert scheduler.running[0].position == 7 and scheduler.kv_tokens_used() == 7
+    assert scheduler.room() == 1
+
+
+def test_a_first_token_that_finishes_frees_the_slot_at_once():
+    scheduler = Scheduler(Limits(1, 32, 64), decode_steps_per_call=1)
+    plan = scheduler.schedule([_waiting(1, max_tokens=1)])
+    assert scheduler.update(plan, StepOutcome((5,))) == [(1, 0)]
+    assert scheduler.room() == 1 and scheduler.schedule([]).empty
+
+
+def test_cancelled_requests_free_their_slot_before_admissions_take_it():
+    scheduler = Scheduler(Limits(1, 32, 64), decode_steps_per_call=1)
+    scheduler.schedule([_waiting(1)])
+    assert scheduler.room(cancelled={1}) == 1
+    plan = scheduler.schedule([_waiting(2)], cancelled={1})
+    assert plan.frees == (0,) and [a.slot for a in plan.admissions] == [0] and plan.running == 0
+
+
+def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
+    engine = MockEngine(slots=2, decode_steps_per_call=2)
+    scheduler, executor = Scheduler(engine.limits, 2), Executor(engine, {})
+    only_one_token = Waiting(1, (4,), SamplingParams(max_tokens=1))
+    plan = scheduler.schedule([only_one_token])
+    outcome = executor.run(plan)
+    assert outcome.first_tokens == (5,) and outcome.tokens == ()
+    assert [c[0] for c in engine.calls] == ["init_decode_state", "prefill", "insert"]
+    assert scheduler.update(plan, outcome) == [(1, 0)]
+    plan = scheduler.schedule([Waiting(2, (4,), SamplingParams(max_tokens=3))])
+    outcome = executor.run(plan)
+    assert outcome.first_tokens == (5,) and [row[0] for row in outcome.tokens] == [6, 7]
+    assert engine.calls[-1] == ("generate", 1)  # the host mirror: position 1, nothing read back
+    assert scheduler.update(plan, outcome) == [(2, 0)]
