@@ -15,11 +15,11 @@ def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_toke
     from serving.checkpoints.model_source import load_model
     from serving.engine.engine import Engine
     from serving.orchestrator.offline import run_to_completion
-    from serving.runtime import init_runtime
+    from serving.runtime import init_runtime, make_mesh
 
-    init_runtime(cfg)
+    init_runtime(cfg.devices)
     model = load_model(source, cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
     params = engine.load_params()
     requests = [(model.tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
     if cfg.enable_model_warmup:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,15 +20,48 @@ from serving.errors import UserError
 from serving.models.config import ModelConfig
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
+_Part = TypeVar("_Part")
 
 
 class ConfigError(UserError):
     """A configuration that cannot be used; the message names the offending key."""
 
 
+# Each component gets only its own part of the config: a frozen dataclass whose fields are the
+# ServingConfig keys it reads, under the same (MaxText) names. ServingConfig.<part> builds them.
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine compiles: slots, shapes, numerics, backend."""
+
+    per_device_batch_size: float = 1.0
+    max_prefill_predict_length: int = 1024
+    max_target_length: int = 2048
+    scan_layers: bool = True
+    dtype: str = "float32"
+    weight_dtype: str = "float32"
+    quantization: str = ""
+    quantize_kvcache: bool = False
+    quantize_activations: bool = False
+    cpu_kernels: str = "auto"
+    decode_steps_per_call: int = 4
+
+
+@dataclass(frozen=True)
+class DevicesConfig:
+    """Where the engine runs: the JAX runtime, the mesh's shape, the compilation cache."""
+
+    runtime: str = "auto"
+    jax_compilation_cache_dir: str = ""
+    ici_fsdp_parallelism: int = 1
+    ici_autoregressive_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    """The device loop's settings (from ServingConfig.orchestrator)."""
+    """The device loop's settings."""
 
     max_queued_requests: int = 256
     profiler_steps: int = 0  # trace this many generate calls at start (with profile_dir)
@@ -80,13 +113,19 @@ class ServingConfig(BaseModel):
     grpc_port: int = Field(default=9000, ge=0, le=65535)
 
     @property
+    def engine(self) -> EngineConfig:
+        return self._part(EngineConfig)
+
+    @property
+    def devices(self) -> DevicesConfig:
+        return self._part(DevicesConfig)
+
+    @property
     def orchestrator(self) -> OrchestratorConfig:
-        return OrchestratorConfig(
-            max_queued_requests=self.max_queued_requests,
-            profiler_steps=self.profiler_steps,
-            profile_dir=self.profile_dir,
-            profiler_port=self.profiler_port,
-        )
+        return self._part(OrchestratorConfig)
+
+    def _part(self, cls: type[_Part]) -> _Part:
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
     @field_validator("cpu_kernels", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from serving.checkpoints.model_source import LoadedModel, effective_config, load
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.orchestrator import Orchestrator
-from serving.runtime import init_runtime
+from serving.runtime import init_runtime, make_mesh
 
 
 @dataclass
@@ -23,6 +23,10 @@ class Launched:
     orchestrator: Orchestrator
     warmup_s: float
     startup_s: float
+
+    @property
+    def model_name(self) -> str:
+        return self.model.config.name
 
     def describe(self) -> str:
         what = self.engine.summary()
@@ -36,10 +40,10 @@ class Launched:
 def launch(cfg: ServingConfig, source: str | None) -> Launched:
     """Everything up to a running device loop; raises the loader's errors (ConfigError, CheckpointError, ...)."""
     started = time.perf_counter()
-    init_runtime(cfg)  # first: on Pathways it must precede every other JAX call
+    init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     cfg = effective_config(source, cfg)
     model = load_model(source, cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
     params = engine.load_params()
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()

@@ -12,14 +12,14 @@ import os
 
 import numpy as np
 
-from serving.config import ConfigError, ServingConfig
+from serving.config import ConfigError, DevicesConfig
 
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("fsdp", "autoregressive", "tensor")
 
 
-def init_runtime(cfg: ServingConfig) -> str:
+def init_runtime(cfg: DevicesConfig) -> str:
     """Bring up the JAX backend the config asks for; returns the runtime chosen."""
     runtime = cfg.runtime
     if runtime == "auto":
@@ -49,7 +49,7 @@ def init_runtime(cfg: ServingConfig) -> str:
     return runtime
 
 
-def make_mesh(cfg: ServingConfig, devices=None):
+def make_mesh(cfg: DevicesConfig, devices=None):
     """Mesh(fsdp, autoregressive, tensor) over all devices; the product must match their count."""
     import jax
     from jax.sharding import Mesh

@@ -460,11 +460,11 @@ def served_model(request, tiny_model_dir):
 @needs_kernel
 def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model):
     cfg, model = served_model
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     assert engine.ops.name == "cpu-kernels"
     layers = engine.load_params()["layers"]
     assert isinstance(layers["wqkv"], PackedWeight) and "wq" not in layers  # q, k, v: one matmul
-    off = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}))
+    off = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}).engine)
     assert off.ops.name == "xla"
     assert not isinstance(off.load_params()["layers"]["wq"], PackedWeight)
 
@@ -473,7 +473,7 @@ def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model)
 def test_int8_activations_keep_xlas_int8_dot(tiny_model_dir):
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=128, quantization="int8")
     cfg = cfg.model_copy(update={"quantize_activations": True})
-    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg)
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
     assert engine.ops.name == "xla"
     assert isinstance(engine.load_params()["layers"]["wq"], QuantizedWeight)
 
@@ -484,7 +484,7 @@ def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers
     """Batched engine = one-request generator (both through the kernels), scanned or unstacked."""
     cfg, model = served_model
     cfg = cfg.model_copy(update={"scan_layers": scan_layers})
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     params = engine.load_params()
     assert isinstance(params["layers"], dict if scan_layers else list)
     ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
@@ -542,9 +542,9 @@ def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quant
         quantize_kvcache=quantize_kvcache,
     )
     model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     assert engine.windows == [256]
-    assert Engine(model, cfg.model_copy(update={"cpu_kernels": "off"})).windows == [128, 256]
+    assert Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}).engine).windows == [128, 256]
     ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)
     requests = [(ids[i : i + 3 + 9 * i], SamplingParams(max_tokens=20 + 30 * i)) for i in range(5)]
     generator = ReferenceDecoder(model, cfg)

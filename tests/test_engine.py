@@ -35,7 +35,7 @@ def tiny(tiny_model_dir):
         per_device_batch_size=8, max_prefill_predict_length=64, max_target_length=128, decode_steps_per_call=3
     )
     model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     return model, cfg, engine, engine.load_params()
 
 
@@ -66,7 +66,7 @@ def test_int8_activations_engine_equals_the_plain_loop(tiny_model_dir):
         quantize_activations=True,
     )
     model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     prompts = _prompts(model.tokenizer, [2, 7, 12, 20, 33, 5, 9])
     requests = [(p, SamplingParams(max_tokens=6 + i)) for i, p in enumerate(prompts)]
     generator = ReferenceDecoder(model, cfg)
@@ -150,7 +150,7 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=384, decode_steps_per_call=8)
     model = load_model(str(smollm2_path), cfg)
     ids = model.tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.")
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     continuation = run_to_completion(engine, engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
         0
     ].token_ids
@@ -175,7 +175,7 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     assert agreement >= 0.95, agreement
 
     int8_cfg = cfg.model_copy(update={"quantize_kvcache": True})
-    int8_engine = Engine(load_model(str(smollm2_path), int8_cfg), int8_cfg)
+    int8_engine = Engine(load_model(str(smollm2_path), int8_cfg), int8_cfg.engine)
     int8_run = run_to_completion(int8_engine, int8_engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
         0
     ].token_ids
@@ -196,7 +196,7 @@ SHARDED = textwrap.dedent(
     path, parallel = sys.argv[1], json.loads(sys.argv[2])
     cfg = ServingConfig(per_device_batch_size=1, max_prefill_predict_length=32, max_target_length=64, **parallel)
     model = load_model(path, cfg)
-    engine = Engine(model, cfg, jax.sharding.Mesh(
+    engine = Engine(model, cfg.engine, jax.sharding.Mesh(
         __import__("numpy").array(jax.devices()[: cfg.ici_fsdp_parallelism * cfg.ici_autoregressive_parallelism * cfg.ici_tensor_parallelism]).reshape(
             cfg.ici_fsdp_parallelism, cfg.ici_autoregressive_parallelism, cfg.ici_tensor_parallelism), ("fsdp", "autoregressive", "tensor")))
     params = engine.load_params()
@@ -210,7 +210,7 @@ SHARDED = textwrap.dedent(
         # The CPU kernels run on one device: "auto" keeps XLA's dot here, "on" says why not.
         specs["backend_auto"] = engine.ops.name
         try:
-            Engine(model, cfg.model_copy(update={"cpu_kernels": "on"}), engine.mesh)
+            Engine(model, cfg.model_copy(update={"cpu_kernels": "on"}).engine, engine.mesh)
         except ConfigError as e:
             specs["cpu_kernels_on"] = str(e)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15, 16, 17, 18, 19, 20, 21], [22, 23], [24, 25, 26, 27], [28], [29, 30, 31]]

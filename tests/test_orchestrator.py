@@ -26,7 +26,7 @@ def setup(tiny_model_dir):
         decode_steps_per_call=2,
     )
     model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     params = engine.load_params()
     engine.warmup(params)
     return model, cfg, engine, params

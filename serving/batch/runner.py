@@ -17,8 +17,9 @@ import json
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from serving.batch import files, manifest, rows
 from serving.batch.errors import BatchError
@@ -28,7 +29,17 @@ from serving.openai import convert
 from serving.openai.errors import APIError
 
 if TYPE_CHECKING:
-    from serving.launch import Launched
+    from serving.orchestrator import Orchestrator
+
+
+class Started(Protocol):
+    """An engine brought up behind its orchestrator (serving.launch.Launched)."""
+
+    orchestrator: Orchestrator
+    model_name: str
+
+    def describe(self) -> str: ...
+
 
 RETRY_FULL_QUEUE_S = 0.01
 
@@ -57,8 +68,12 @@ def run_batch(
     shard_size: int = 1000,
     restart: bool = False,
     progress: bool = True,
+    start: Callable[[ServingConfig, str | None], Started] | None = None,
 ) -> Summary:
-    """Run (or resume) the job; returns totals over the whole output."""
+    """Run (or resume) the job; returns totals over the whole output.
+
+    `start` brings up the engine behind an orchestrator (default: serving.launch.launch, as
+    `serve` does), only when some shard is left to run."""
     started = time.perf_counter()
     files.check_output(output_url)
     inputs = files.list_inputs(input_url)
@@ -81,14 +96,15 @@ def run_batch(
     ]
     _note(f"{len(job.shards)} shards, {len(job.shards) - len(pending)} already finished", progress)
     if pending:
-        from serving.launch import launch
-
-        launched = launch(cfg, source)
-        _note(f"engine ready: {launched.describe()}", progress)
+        if start is None:
+            from serving.launch import launch as start
+        started_engine = start(cfg, source)
+        _note(f"engine ready: {started_engine.describe()}", progress)
+        orchestrator = started_engine.orchestrator
         try:
-            asyncio.run(_Job(launched, cfg, job, output_url, progress).run(pending))
+            asyncio.run(_Job(orchestrator, started_engine.model_name, cfg, job, output_url, progress).run(pending))
         finally:
-            launched.orchestrator.stop(timeout=30)
+            orchestrator.stop(timeout=30)
     files.remove(files.join(output_url, files.TMP_DIR))  # temporaries of writes a kill interrupted
     totals = {key: sum(c[key] for c in job.finished.values()) for key in _COUNTS}
     summary = Summary(
@@ -123,15 +139,21 @@ class _Job:
     """The asyncio side of a run: rows in, records out, shards written behind."""
 
     def __init__(
-        self, launched: Launched, cfg: ServingConfig, job: manifest.Manifest, output_url: str, progress: bool
+        self,
+        orchestrator: Orchestrator,
+        model_name: str,
+        cfg: ServingConfig,
+        job: manifest.Manifest,
+        output_url: str,
+        progress: bool,
     ):
-        self.orchestrator = launched.orchestrator
-        self.tokenizer = launched.model.tokenizer
-        self.model_name = launched.model.config.name
+        self.orchestrator = orchestrator
+        self.tokenizer = orchestrator.tokenizer
+        self.model_name = model_name
         self.cfg = cfg
         self.job = job
         self.output_url = output_url
-        self.capacity = launched.engine.max_concurrent_decodes + cfg.max_queued_requests
+        self.capacity = orchestrator.engine.limits.max_concurrent_decodes + cfg.max_queued_requests
         self.bar = None
         self.progress = progress
         self.tokens_out = 0

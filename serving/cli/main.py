@@ -219,16 +219,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_perplexity(ns: argparse.Namespace) -> int:
     from serving.checkpoints.model_source import effective_config, load_model
     from serving.engine.engine import Engine
-    from serving.runtime import init_runtime
+    from serving.runtime import init_runtime, make_mesh
 
     try:
         text = ns.text_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise GenerationError(f"cannot read --text-file {ns.text_file}: {exc}") from None
     cfg, source = _serving_config(ns, ONE_SHOT_DEFAULTS)
-    init_runtime(cfg)
+    init_runtime(cfg.devices)
     cfg = effective_config(source, cfg)
-    engine = Engine(load_model(source, cfg), cfg)
+    engine = Engine(load_model(source, cfg), cfg.engine, make_mesh(cfg.devices))
     params = engine.load_params()
     ids = engine.model.tokenizer.encode_prompt(text)
     window = min(ns.window, engine.limits.max_prefill_length)

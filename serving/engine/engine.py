@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from serving.checkpoints.model_source import LoadedModel
-from serving.config import ServingConfig
+from serving.config import DevicesConfig, EngineConfig
 from serving.engine.api import ResultTokens
 from serving.engine.limits import MAX_STOP_IDS, Limits
 from serving.engine.sampling import sample
@@ -87,12 +87,13 @@ def _is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
 class Engine:
     """Prefill / insert / generate for one model on one mesh."""
 
-    def __init__(self, model: LoadedModel, cfg: ServingConfig, mesh: Mesh | None = None):
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, mesh: Mesh | None = None):
+        """`mesh`: the device mesh (serving.runtime.make_mesh); by default one device."""
         from serving.runtime import make_mesh
 
         self.model = model
         self.cfg = cfg
-        self.mesh = mesh if mesh is not None else make_mesh(cfg)
+        self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig())
         self.ops = backend.select(
             cfg.cpu_kernels,
             cfg.quantization,

@@ -104,7 +104,7 @@ def expected(tiny_model_dir):
     """The engine called directly: greedy text of every prompt."""
     cfg = ServingConfig(per_device_batch_size=8, max_prefill_predict_length=64, max_target_length=256)
     model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg)
+    engine = Engine(model, cfg.engine)
     params = engine.load_params()
     rows = prompts(200)
     tokenizer = model.tokenizer
