@@ -34,7 +34,7 @@ from serving.models import (
 from serving.models.cache import quantize_kv
 from serving.models.layers import attention_with_new_token
 from serving.models.ops import XlaOps
-from serving.models.quantization import MATMUL_WEIGHTS
+from serving.models.params import MATMUL_WEIGHTS
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.reference import ReferenceDecoder

@@ -96,7 +96,7 @@ def create_app(state: ServerState) -> FastAPI:
     # -- JetStream --------------------------------------------------------------------------
 
     @app.post("/generate", tags=["jetstream"])
-    async def generate(body: GenerateRequest, request: Request) -> Response:
+    async def jetstream_generate(body: GenerateRequest, request: Request) -> Response:
         """JetStream's generate: `{"response": text}`, or JSON lines `{"text": delta}` then a final record."""
         tokenizer = state.tokenizer
         prompt_ids = tokenizer.encode_prompt(body.prompt)

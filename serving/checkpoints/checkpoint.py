@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from serving.checkpoints.errors import CheckpointError
-from serving.checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES, ParamKey, param_shapes
+from serving.checkpoints.layout import NUMPY_DTYPES, ParamKey
 from serving.checkpoints.orbax_io import LeafPath, leaf_name
 from serving.checkpoints.storage import exists, join, read_bytes
 from serving.models.config import ModelConfig
+from serving.models.params import LAYER_KEYS, param_shapes
 from serving.models.quantization import QUANTIZED, scale_axis
 
 FORMAT_VERSION = 1

@@ -22,7 +22,7 @@ from serving.checkpoints.checkpoint import (
     stored_slices,
 )
 from serving.checkpoints.errors import CheckpointError
-from serving.checkpoints.layout import LAYER_KEYS, ParamTracker
+from serving.checkpoints.layout import ParamTracker
 from serving.checkpoints.orbax_io import ArrayWriter, leaf_name
 from serving.checkpoints.sources import open_source
 from serving.checkpoints.storage import (
@@ -35,6 +35,7 @@ from serving.checkpoints.storage import (
     write_bytes,
 )
 from serving.models.config import ModelConfig
+from serving.models.params import LAYER_KEYS
 
 QUANTIZATIONS = ("", "int8")
 DTYPES = ("float32", "bfloat16")

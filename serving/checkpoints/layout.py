@@ -16,8 +16,7 @@ import numpy as np
 
 from serving.checkpoints.errors import CheckpointError
 from serving.models.config import ModelConfig
-
-LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+from serving.models.params import LAYER_KEYS, param_shapes
 
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -27,27 +26,6 @@ class ParamKey(NamedTuple):
 
     name: str
     layer: int | None = None
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each entry, per layer for LAYER_KEYS (without the leading layers axis)."""
-    e, d = cfg.embed_dim, cfg.head_dim
-    shapes = {
-        "embed": (cfg.vocab_size, e),
-        "final_norm": (e,),
-        "attn_norm": (e,),
-        "mlp_norm": (e,),
-        "wq": (e, cfg.num_heads * d),
-        "wk": (e, cfg.num_kv_heads * d),
-        "wv": (e, cfg.num_kv_heads * d),
-        "wo": (cfg.num_heads * d, e),
-        "w_gate": (e, cfg.mlp_dim),
-        "w_up": (e, cfg.mlp_dim),
-        "w_down": (cfg.mlp_dim, e),
-    }
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (e, cfg.vocab_size)
-    return shapes
 
 
 class ParamTracker:

@@ -22,9 +22,10 @@ from serving.checkpoints.checkpoint import (
     read_metadata,
 )
 from serving.checkpoints.errors import CheckpointError
-from serving.checkpoints.layout import LAYER_KEYS, NUMPY_DTYPES
+from serving.checkpoints.layout import NUMPY_DTYPES
 from serving.checkpoints.orbax_io import LeafPath, restore_tree
 from serving.checkpoints.storage import join, read_bytes
+from serving.models.params import LAYER_KEYS
 
 
 def restore_params(

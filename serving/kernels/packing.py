@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from serving.kernels import cpu_matmul, library
-from serving.models.quantization import EMBEDDING, MATMUL_WEIGHTS, QuantizedWeight
+from serving.models.params import EMBEDDING, MATMUL_WEIGHTS
+from serving.models.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

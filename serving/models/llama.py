@@ -28,35 +28,28 @@ from serving.models.cache import KVCache, quantize_kv, write_new_tokens
 from serving.models.config import ModelConfig
 from serving.models.layers import apply_rope, attention, rms_norm, rope_frequencies, rope_tables
 from serving.models.ops import XLA, XlaOps
+from serving.models.params import LAYER_MATMULS, param_shapes
 from serving.models.quantization import QuantizedWeight, int8_dot
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
     """Random params with the shapes of `cfg` (for tests and benchmarks)."""
-    n, e, d = cfg.num_layers, cfg.embed_dim, cfg.head_dim
-    shapes = {
-        "wq": (n, e, cfg.num_heads * d),
-        "wk": (n, e, cfg.num_kv_heads * d),
-        "wv": (n, e, cfg.num_kv_heads * d),
-        "wo": (n, cfg.num_heads * d, e),
-        "w_gate": (n, e, cfg.mlp_dim),
-        "w_up": (n, e, cfg.mlp_dim),
-        "w_down": (n, cfg.mlp_dim, e),
-    }
-    keys = jax.random.split(key, len(shapes) + 2)
+    shapes = param_shapes(cfg)
+    n = cfg.num_layers
+    keys = jax.random.split(key, len(LAYER_MATMULS) + 2)
     layers = {
-        name: (jax.random.normal(k, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
-        for k, (name, shape) in zip(keys, shapes.items(), strict=False)
+        name: (jax.random.normal(k, (n, *shapes[name]), jnp.float32) * shapes[name][0] ** -0.5).astype(dtype)
+        for k, name in zip(keys, LAYER_MATMULS, strict=False)
     }
-    layers["attn_norm"] = jnp.ones((n, e), dtype)
-    layers["mlp_norm"] = jnp.ones((n, e), dtype)
+    layers["attn_norm"] = jnp.ones((n, *shapes["attn_norm"]), dtype)
+    layers["mlp_norm"] = jnp.ones((n, *shapes["mlp_norm"]), dtype)
     params = {
-        "embed": jax.random.normal(keys[-2], (cfg.vocab_size, e), jnp.float32).astype(dtype),
+        "embed": jax.random.normal(keys[-2], shapes["embed"], jnp.float32).astype(dtype),
         "layers": layers,
-        "final_norm": jnp.ones((e,), dtype),
+        "final_norm": jnp.ones(shapes["final_norm"], dtype),
     }
-    if not cfg.tie_embeddings:
-        params["lm_head"] = (jax.random.normal(keys[-1], (e, cfg.vocab_size)) * e**-0.5).astype(dtype)
+    if "lm_head" in shapes:
+        params["lm_head"] = (jax.random.normal(keys[-1], shapes["lm_head"]) * cfg.embed_dim**-0.5).astype(dtype)
     return params
 
 

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Params entries that are matmul weights ([..., in, out]); embeddings and norms stay in float.
-MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
-EMBEDDING = "embed"
+from serving.models.params import EMBEDDING, MATMUL_WEIGHTS
+
+# Params entries quantized to int8: the matmul weights ([..., in, out]) and the embedding; the
+# norms stay in float.
 QUANTIZED = (*MATMUL_WEIGHTS, EMBEDDING)
 
 
