@@ -1,13 +1,17 @@
-"""Engine: JetStream's contract over a fixed pool of decode slots.
+"""Engine: the model on a device mesh behind JetStream's contract (serving.engine.api.EngineAPI).
 
 - `prefill(params, padded_tokens, true_length, sampling)` runs one prompt (padded to a power-of-two
   bucket) and samples its first token; it returns a `Prefix` holding the prompt's KV.
 - `insert(prefix, decode_state, slot)` writes that KV into slot `slot` of the preallocated cache.
-- `generate(params, decode_state)` advances every active slot by `decode_steps_per_call` tokens in
-  one compiled call; a slot stops at a stop id, at its max_tokens, or at max_target_length.
+- `generate(params, decode_state, max_position)` advances every active slot by
+  `decode_steps_per_call` tokens in one compiled call, attending over the smallest cache window
+  that holds `max_position` plus those steps; a slot stops at a stop id, at its max_tokens, or at
+  max_target_length.
 - `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
+- `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
 
 All shapes are static; the decode state is donated to the compiled steps and comes back updated.
+The compute backend (XLA's ops or the CPU kernels) is chosen once here, with its weight layout.
 """
 
 from __future__ import annotations
@@ -87,38 +91,38 @@ def _is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
 class Engine:
     """Prefill / insert / generate for one model on one mesh."""
 
-    def __init__(self, model: LoadedModel, cfg: EngineConfig, mesh: Mesh | None = None):
+    def __init__(self, model: LoadedModel, config: EngineConfig, mesh: Mesh | None = None):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default one device."""
         from serving.runtime import make_mesh
 
         self.model = model
-        self.cfg = cfg
+        self.config = config
         self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig())
         self.ops = backend.select(
-            cfg.cpu_kernels,
-            cfg.quantization,
-            cfg.weight_dtype,
-            cfg.quantize_activations,
+            config.cpu_kernels,
+            config.quantization,
+            config.weight_dtype,
+            config.quantize_activations,
             list(self.mesh.devices.flat),
         )
         self.limits = Limits(
-            max_concurrent_decodes=max(1, int(cfg.per_device_batch_size * self.mesh.size)),
-            max_prefill_length=cfg.max_prefill_predict_length,
-            max_target_length=cfg.max_target_length,
+            max_concurrent_decodes=max(1, int(config.per_device_batch_size * self.mesh.size)),
+            max_prefill_length=config.max_prefill_predict_length,
+            max_target_length=config.max_target_length,
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
-        self._dtype = jnp.dtype(cfg.dtype)
+        self._dtype = jnp.dtype(config.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
-        static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=self._dtype, ops=self.ops)
+        static = dict(cfg=model.config, scan_layers=config.scan_layers, dtype=self._dtype, ops=self.ops)
         self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
         self._logprobs_fn = jax.jit(partial(self._prompt_logprobs_impl, static=static))
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
-        cache_dtype = jnp.int8 if cfg.quantize_kvcache else self._dtype
+        cache_dtype = jnp.int8 if config.quantize_kvcache else self._dtype
         if self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype):
-            self.windows = [cfg.max_target_length]  # attention reads only each row's positions
+            self.windows = [config.max_target_length]  # attention reads only each row's positions
         else:
-            self.windows = attention_windows(cfg.max_target_length)
+            self.windows = attention_windows(config.max_target_length)
         self._generate_fn = jax.jit(
             partial(self._generate_impl, static=static),
             donate_argnums=(1,),
@@ -134,20 +138,20 @@ class Engine:
         backend's layout (`ops.prepare`), layers unstacked when scan_layers=false."""
         params = jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
         params = self.ops.prepare(params)
-        return params if self.cfg.scan_layers else jax.jit(unstack_layers)(params)
+        return params if self.config.scan_layers else jax.jit(unstack_layers)(params)
 
     def summary(self) -> dict[str, str]:
         """What runs: the weights' quantization, the KV cache's format, the compute backend."""
         return {
-            "quantization": self.cfg.quantization or "none",
-            "kv_cache": "int8" if self.cfg.quantize_kvcache else self.cfg.dtype,
+            "quantization": self.config.quantization or "none",
+            "kv_cache": "int8" if self.config.quantize_kvcache else self.config.dtype,
             "backend": self.ops.name,
         }
 
     def init_decode_state(self) -> DecodeState:
-        cfg, slots = self.model.config, self.max_concurrent_decodes
+        slots = self.max_concurrent_decodes
         cache = init_cache(
-            cfg, slots, self.cfg.max_target_length, self._dtype, quantized=self.cfg.quantize_kvcache
+            self.model.config, slots, self.config.max_target_length, self._dtype, quantized=self.config.quantize_kvcache
         )
 
         def zeros():  # a buffer of its own for each field: they are donated one by one
@@ -197,7 +201,7 @@ class Engine:
 
     @property
     def decode_steps_per_call(self) -> int:
-        return self.cfg.decode_steps_per_call
+        return self.config.decode_steps_per_call
 
     def generate(
         self, params: dict, decode_state: DecodeState, max_position: int | None = None
@@ -209,7 +213,7 @@ class Engine:
         no active slot's position exceeds `max_position` (None: the whole cache)."""
         if max_position is None:
             return self.windows[-1]
-        needed = max_position + self.cfg.decode_steps_per_call
+        needed = max_position + self.config.decode_steps_per_call
         return next((w for w in self.windows if w >= needed), self.windows[-1])
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -239,11 +243,11 @@ class Engine:
     # -- compiled bodies -----------------------------------------------------------------------
 
     def _state_shardings(self) -> DecodeState:
-        mesh, cfg = self.mesh, self.model.config
+        mesh = self.mesh
         slots = NamedSharding(mesh, P("autoregressive"))
         rows = NamedSharding(mesh, P("autoregressive", None))
-        cache = NamedSharding(mesh, cache_spec(cfg, mesh))
-        quantized = self.cfg.quantize_kvcache
+        cache = NamedSharding(mesh, cache_spec(self.model.config, mesh))
+        quantized = self.config.quantize_kvcache
         return DecodeState(
             cache=KVCache(cache, cache, cache if quantized else None, cache if quantized else None),
             tokens=slots,
@@ -290,7 +294,7 @@ class Engine:
     def _generate_impl(
         self, params, state: DecodeState, static, window: int
     ) -> tuple[DecodeState, ResultTokens]:
-        max_len = self.cfg.max_target_length
+        max_len = self.config.max_target_length
 
         def step(state: DecodeState, _):
             positions = jnp.minimum(state.positions, max_len - 1)
@@ -314,7 +318,7 @@ class Engine:
             )
             return new_state, ResultTokens(token, valid, done)
 
-        return jax.lax.scan(step, state, None, length=self.cfg.decode_steps_per_call)
+        return jax.lax.scan(step, state, None, length=self.config.decode_steps_per_call)
 
 
 def _slot_sampling(sampling: SamplingParams) -> SlotSampling:
