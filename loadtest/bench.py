@@ -2,7 +2,11 @@
 request throughput, output tokens/s, TTFT, TPOT, ITL and end-to-end latency (mean, median, p90,
 p99) per level. Writes results/serve-bench.json, -throughput.png and -latency.png; prints a table.
 
-Speaks HTTP only (the OpenAI routes, streamed); works against a local server or a deployed Service.
+Speaks HTTP (the OpenAI routes, streamed) or, with `--grpc HOST:PORT`, JetStream's gRPC API the
+way JetStream's own benchmark does (prompts tokenized here, `token_content`, token ids streamed
+back); works against a local server or a deployed Service. Without --url or an address it starts
+the default model's server here. `--temperature` and `--top-p` go on every HTTP request (default
+greedy); JetStream's proto has no sampling fields, so gRPC runs are greedy.
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 
 from loadtest import dataset
 from loadtest.client import Result, request_body, stream_one
-from loadtest.server import Server
+from loadtest.server import Server, free_port
 
 PERCENTILES = (50, 90, 99)
+LOCAL = "local"  # --grpc without an address: start the server here and bench its gRPC port
 
 
 async def run_level(
@@ -34,31 +40,70 @@ async def run_level(
     model: str | None,
     ignore_eos: bool,
     headers: dict[str, str],
+    sampling: dict[str, float] | None = None,
 ) -> tuple[list[Result], float]:
-    """`concurrency` workers send prompts back to back until `requests` are done or `duration` is up."""
+    """`concurrency` workers send prompts back to back until `requests` are done or `duration` is up.
+
+    `sampling` (temperature, top_p) goes into every request body."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def send(i: int) -> Result:
+            prompt = prompts[i]
+            body = request_body(api, prompt.text, prompt.max_tokens, model, ignore_eos) | (sampling or {})
+            return await stream_one(client, url, api, body, headers)
+
+        return await _drive(send, len(prompts), concurrency, requests, duration)
+
+
+async def run_grpc_level(
+    address: str,
+    prompts: list[dataset.Prompt],
+    prompt_ids: list[list[int]],
+    concurrency: int,
+    requests: int | None,
+    duration: float | None,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> tuple[list[Result], float]:
+    """`run_level` over gRPC: `prompt_ids[i]` is `prompts[i]` tokenized on this side."""
+    from loadtest import grpc_client
+
+    async with grpc_client.channel(address) as chan:
+        orchestrator = grpc_client.stub(chan)
+
+        async def send(i: int) -> Result:
+            return await grpc_client.stream_one(orchestrator, prompt_ids[i], prompts[i].max_tokens, metadata)
+
+        return await _drive(send, len(prompts), concurrency, requests, duration)
+
+
+async def _drive(
+    send: Callable[[int], Awaitable[Result]],
+    num_prompts: int,
+    concurrency: int,
+    requests: int | None,
+    duration: float | None,
+) -> tuple[list[Result], float]:
+    """`concurrency` workers `send` prompt indices in turn (cycling); returns the results and the wall time."""
     next_index = 0
     results: list[Result] = []
     deadline = time.perf_counter() + duration if duration else None
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    timeout = httpx.Timeout(600.0, connect=30.0)
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker() -> None:
         nonlocal next_index
         while True:
             if requests is not None and next_index >= requests:
                 return
             if deadline is not None and time.perf_counter() >= deadline:
                 return
-            prompt = prompts[next_index % len(prompts)]
+            index = next_index % num_prompts
             next_index += 1
-            body = request_body(api, prompt.text, prompt.max_tokens, model, ignore_eos)
-            results.append(await stream_one(client, url, api, body, headers))
+            results.append(await send(index))
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    return results, wall
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - started
 
 
 def summarize(results: list[Result], wall: float, concurrency: int) -> dict:
@@ -150,6 +195,19 @@ def build_parser(prog: str = "pathserve bench serve") -> argparse.ArgumentParser
         "--url", help="the server, e.g. http://127.0.0.1:8000 (default: start the default model here)"
     )
     parser.add_argument(
+        "--grpc",
+        nargs="?",
+        const=LOCAL,
+        metavar="HOST:PORT",
+        help="bench JetStream's gRPC API at HOST:PORT instead of HTTP "
+        "(no address: on the server started here)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        help="--grpc: tokenize prompts here with this (a Hugging Face directory, tokenizer.json, "
+        "tokenizer.model or GGUF file; default: the default model's)",
+    )
+    parser.add_argument(
         "--serve-arg", action="append", default=[], help="key=value for the server started without --url"
     )
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated levels")
@@ -161,6 +219,8 @@ def build_parser(prog: str = "pathserve bench serve") -> argparse.ArgumentParser
     parser.add_argument("--max-prompt-words", type=int, default=300)
     parser.add_argument("--max-output-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="generate every requested token")
+    parser.add_argument("--temperature", type=float, default=0.0, help="on every request; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="on every request")
     parser.add_argument("--model", help="model name to send (default: the server's /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("PATHSERVE_API_KEY", ""))
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -177,38 +237,63 @@ def main(argv: list[str] | None = None, prog: str = "pathserve bench serve") -> 
         ) from None
     if any(c < 1 for c in levels_asked):
         raise SystemExit(f"{prog}: error: --concurrency: every level must be >= 1")
+    _check_options(ns, prog)
     if ns.url:
-        return _bench(ns, ns.url.rstrip("/"), levels_asked, prog)
-    with Server(
-        [*ns.serve_arg, f"per_device_batch_size={max(levels_asked)}"], ns.out / "serve-bench-server.log"
-    ) as server:
+        return _bench(ns, levels_asked, prog, url=ns.url.rstrip("/"))
+    if ns.grpc and ns.grpc != LOCAL:
+        return _bench(ns, levels_asked, prog, grpc_address=ns.grpc)
+    grpc_port = free_port() if ns.grpc else 0
+    args = [*ns.serve_arg, f"per_device_batch_size={max(levels_asked)}", f"grpc_port={grpc_port}"]
+    with Server(args, ns.out / "serve-bench-server.log") as server:
         print(f"starting the server at {server.url} (log: {server.log_path}) ...", flush=True)
         server.wait_ready()
-        return _bench(ns, server.url, levels_asked, prog)
+        if ns.grpc:
+            return _bench(ns, levels_asked, prog, grpc_address=f"127.0.0.1:{grpc_port}")
+        return _bench(ns, levels_asked, prog, url=server.url)
 
 
-def _bench(ns: argparse.Namespace, url: str, levels_asked: list[int], prog: str) -> int:
+def _check_options(ns: argparse.Namespace, prog: str) -> None:
+    if ns.grpc and ns.url:
+        raise SystemExit(f"{prog}: error: --url is the HTTP server; give --url or --grpc, not both")
+    if not ns.temperature >= 0:
+        raise SystemExit(f"{prog}: error: --temperature must be >= 0")
+    if not 0 < ns.top_p <= 1:
+        raise SystemExit(f"{prog}: error: --top-p must be in (0, 1]")
+    if ns.grpc and (ns.temperature or ns.top_p != 1.0 or ns.ignore_eos or ns.api != "completions"):
+        raise SystemExit(
+            f"{prog}: error: --grpc decodes greedily to max_tokens or end-of-sequence (JetStream's proto "
+            "has no sampling fields nor ignore_eos, and no chat): drop --temperature, --top-p, "
+            "--ignore-eos and --api"
+        )
+
+
+def _bench(
+    ns: argparse.Namespace,
+    levels_asked: list[int],
+    prog: str,
+    url: str | None = None,
+    grpc_address: str | None = None,
+) -> int:
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    try:
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]
-    except (httpx.HTTPError, KeyError, ValueError) as exc:
-        raise SystemExit(f"{prog}: error: --url {url}: cannot list models: {exc}") from None
-    model = ns.model or models[0]["id"]
     most = max(levels_asked) * 4 if ns.requests is None else ns.requests
     prompts = dataset.load(ns.dataset, max(most, 64), ns.seed, ns.max_prompt_words, ns.max_output_tokens)
+    if grpc_address is not None:
+        run, target, model = _grpc_runner(ns, prompts, grpc_address, headers, prog)
+    else:
+        assert url is not None
+        run, target, model = _http_runner(ns, prompts, url, headers, prog)
     levels = []
     for concurrency in levels_asked:
         requests = None if ns.duration else (ns.requests or 4 * concurrency)
-        results, wall = asyncio.run(
-            run_level(url, ns.api, prompts, concurrency, requests, ns.duration, model, ns.ignore_eos, headers)
-        )
+        results, wall = asyncio.run(run(concurrency, requests))
         levels.append(summarize(results, wall, concurrency))
         print(json.dumps({k: v for k, v in levels[-1].items() if not k.endswith("_ms")}), flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
     report = {
-        "url": url,
+        "url": target,
         "model": model,
-        "api": ns.api,
+        "api": "grpc" if grpc_address is not None else ns.api,
+        "sampling": {"temperature": ns.temperature, "top_p": ns.top_p},
         "dataset": ns.dataset or "synthetic",
         "args": {k: str(v) for k, v in vars(ns).items() if k != "api_key"},
         "levels": levels,
@@ -218,3 +303,48 @@ def _bench(ns: argparse.Namespace, url: str, levels_asked: list[int], prog: str)
     print(table(levels))
     print(f"wrote {ns.out / 'serve-bench.json'}, {', '.join(str(p) for p in plots)}")
     return 0
+
+
+# A level's runner: (concurrency, requests or None for --duration) -> (results, wall seconds)
+Runner = Callable[[int, int | None], Awaitable[tuple[list[Result], float]]]
+
+
+def _http_runner(
+    ns: argparse.Namespace, prompts: list[dataset.Prompt], url: str, headers: dict[str, str], prog: str
+) -> tuple[Runner, str, str]:
+    try:
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise SystemExit(f"{prog}: error: --url {url}: cannot list models: {exc}") from None
+    model = ns.model or models[0]["id"]
+    sampling = {"temperature": ns.temperature, "top_p": ns.top_p}
+
+    def run(concurrency: int, requests: int | None):
+        return run_level(
+            url, ns.api, prompts, concurrency, requests, ns.duration, model, ns.ignore_eos, headers, sampling
+        )
+
+    return run, url, model
+
+
+def _grpc_runner(
+    ns: argparse.Namespace, prompts: list[dataset.Prompt], address: str, headers: dict[str, str], prog: str
+) -> tuple[Runner, str, str]:
+    """Tokenize every prompt here (as JetStream's benchmark does), then stream token ids."""
+    from loadtest import grpc_client
+    from serving.errors import UserError
+
+    try:
+        tokenizer = grpc_client.load_tokenizer(ns.tokenizer)
+    except UserError as exc:
+        raise SystemExit(f"{prog}: error: --tokenizer: {exc}") from None
+    if not asyncio.run(grpc_client.wait_live(address)):
+        raise SystemExit(f"{prog}: error: --grpc {address}: HealthCheck did not say live within 30 s")
+    prompt_ids = [tokenizer.encode_prompt(p.text) for p in prompts]
+    metadata = tuple((k.lower(), v) for k, v in headers.items())
+    model = ns.model or (Path(ns.tokenizer).name if ns.tokenizer else "default model")
+
+    def run(concurrency: int, requests: int | None):
+        return run_grpc_level(address, prompts, prompt_ids, concurrency, requests, ns.duration, metadata)
+
+    return run, f"grpc://{address}", model

@@ -43,8 +43,11 @@ class ServerProcess:
 
     @classmethod
     def pathserve(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        """`pathserve serve ARGS` on a free port; gRPC off unless ARGS set grpc_port (9000 would
+        collide between servers running at once)."""
         port = free_port()
-        command = [sys.executable, "-m", "serving.cli", "serve", *args, "--port", str(port)]
+        grpc = [] if any(a.startswith("grpc_port=") for a in args) else ["grpc_port=0"]
+        command = [sys.executable, "-m", "serving.cli", "serve", *args, *grpc, "--port", str(port)]
         return cls(command, port, env)
 
     def wait_ready(self, timeout: float = 300) -> ServerProcess:

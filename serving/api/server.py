@@ -1,13 +1,16 @@
-"""`pathserve serve`: the HTTP server in front of one engine, from first byte to graceful exit.
+"""`pathserve serve`: the HTTP and gRPC servers in front of one engine, from first byte to graceful exit.
 
 1. The config is validated before anything else (the CLI did that).
-2. uvicorn starts listening at once, so probes answer while weights load: /healthcheck and
-   /startupz say 503 until the engine is warmed up, then 200.
+2. The gRPC server (JetStream's API on grpc_port, unless 0) binds first: a port in use fails the
+   start at once, exit status 2. Then uvicorn starts listening, so probes answer while weights
+   load: /healthcheck and /startupz say 503 (gRPC HealthCheck `is_live: false`) until the engine is
+   warmed up, then 200.
 3. A loader thread loads the model, builds the engine, compiles every shape (warmup) and starts the
-   orchestrator's device loop; a failure there is printed and the process exits non-zero.
-4. SIGTERM (or Ctrl-C): readiness turns 503 at once, new API requests get 503, requests in flight
-   finish (up to drain_timeout_s), then the server stops and the process exits 0. A second signal
-   stops at once.
+   orchestrator's device loop; a failure there is printed and the process exits non-zero. Both
+   front-ends submit to that one orchestrator.
+4. SIGTERM (or Ctrl-C): readiness turns 503 at once, new API requests get 503 (gRPC: UNAVAILABLE),
+   requests and streams in flight on either front-end finish (up to drain_timeout_s), then both
+   servers stop and the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import uvicorn
 
 from serving.api.app import create_app
 from serving.api.state import ServerState
-from serving.config import ServingConfig
+from serving.config import ConfigError, ServingConfig
 from serving.errors import UserError
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PATHSERVE_API_KEY"
 DRAIN_POLL_S = 0.05
+# After the drain, calls still open on the gRPC server get this long before they are cancelled.
+GRPC_STOP_GRACE_S = 1.0
 
 
 class _Server(uvicorn.Server):
@@ -79,10 +84,17 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
         backlog=4096,
     )
     server = _Server(config, state)
+    try:
+        grpc_server = _start_grpc(state, host, port)
+    except UserError as exc:
+        print(f"pathserve serve: error: {exc}", file=sys.stderr)
+        return 2
     loader = threading.Thread(target=_load, args=(state, server, source), name="loader", daemon=True)
     _say(f"listening on http://{host}:{port} (loading the model; /readyz says when to send requests)")
     loader.start()
     server.run()
+    if grpc_server is not None:
+        grpc_server.stop(0.0 if server.force_exit else GRPC_STOP_GRACE_S)
     orch = state.orchestrator
     if orch is not None:
         orch.stop(timeout=10)
@@ -91,6 +103,20 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
         return 2 if not state.startup_error.startswith("internal:") else 1
     _say("stopped")
     return 0
+
+
+def _start_grpc(state: ServerState, host: str, http_port: int):
+    """JetStream's gRPC API on grpc_port (None when grpc_port=0); raises UserError if it cannot bind."""
+    port = state.cfg.grpc_port
+    if port == 0:
+        return None
+    if port == http_port:
+        raise ConfigError(f"grpc_port={port} is also the HTTP --port; give them different ports")
+    from serving.grpc.server import GrpcServer
+
+    grpc_server = GrpcServer(state, host, port).start()
+    _say(f"gRPC (jetstream_proto.Orchestrator) on {grpc_server.address}")
+    return grpc_server
 
 
 def _load(state: ServerState, server: _Server, source: str | None) -> None:

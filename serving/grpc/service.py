@@ -1,0 +1,118 @@
+"""The two calls of `jetstream_proto.Orchestrator`, answered from the same orchestrator as HTTP.
+
+Decode passes the same checks as an HTTP generation request, in gRPC's terms: the model still
+loading or the server draining -> UNAVAILABLE; a missing or wrong API key (when one is set) ->
+UNAUTHENTICATED; a bad field -> INVALID_ARGUMENT naming it; a full admission queue ->
+RESOURCE_EXHAUSTED (retry later); LoRA adapters and several samples -> UNIMPLEMENTED. A stream
+counts as a request in flight, so a SIGTERM drain waits for it; a client that cancels (or goes
+away) cancels its request, which frees the decode slot at the next step.
+
+HealthCheck's `is_live` is our liveness: true once the engine is warmed up and for as long as the
+device loop keeps making progress (draining included: streams in flight are still being served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from serving.errors import GenerationError, QueueFullError, ShuttingDownError
+from serving.grpc import decode
+from serving.grpc import jetstream_pb2 as pb
+from serving.grpc import jetstream_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from serving.api.state import ServerState
+    from serving.orchestrator import RequestHandle
+
+
+def is_live(state: ServerState) -> bool:
+    """Started, and the device loop has not been stuck with work waiting for liveness_timeout_s."""
+    return state.started and state.stalled_for() <= state.cfg.liveness_timeout_s
+
+
+class OrchestratorService(pb_grpc.OrchestratorServicer):
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeResponse]:
+        state = self.state
+        with state.lock:
+            state.in_flight += 1
+        try:
+            try:
+                handle, prompt = self._submit(request, context)
+            except decode.RequestError as exc:
+                await context.abort(exc.code, exc.message)  # raises: the call ends here
+                return
+            async for response in _responses(handle, prompt):
+                yield response
+        finally:
+            with state.lock:
+                state.in_flight -= 1
+
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
+        return pb.HealthCheckResponse(is_live=is_live(self.state))
+
+    def _submit(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[RequestHandle, decode.Prompt]:
+        """Check the call and the request, then queue it; raises decode.RequestError."""
+        state = self.state
+        if state.api_key and not _authorized(context, state.api_key):
+            raise decode.RequestError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required (metadata authorization: Bearer KEY)",
+            )
+        orchestrator = state.orchestrator
+        if orchestrator is None:
+            raise decode.RequestError(
+                grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when HealthCheck is live"
+            )
+        if state.phase == "draining":
+            raise decode.RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        decode.check_supported(request)
+        prompt = decode.prompt(request, orchestrator.tokenizer)
+        sampling = decode.sampling(request, orchestrator.tokenizer)
+        try:
+            handle = orchestrator.submit(prompt.ids, sampling, loop=asyncio.get_running_loop())
+        except GenerationError as exc:
+            raise decode.refusal(exc, prompt) from None
+        except QueueFullError as exc:
+            raise decode.RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later") from None
+        except ShuttingDownError as exc:
+            raise decode.RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        return handle, prompt
+
+
+async def _responses(handle: RequestHandle, prompt: decode.Prompt) -> AsyncIterator[pb.DecodeResponse]:
+    """One message per delta; token ids that made no text yet (an end-of-sequence token) come last.
+
+    Leaving early (the call was cancelled) closes the stream, which cancels the request.
+    """
+    sent = 0
+    async with contextlib.aclosing(handle.astream()) as deltas:
+        async for delta in deltas:
+            if not prompt.text_out and not delta.token_ids:
+                continue  # text flushed at the end, which a token-content client does not read
+            sent += len(delta.token_ids)
+            yield decode.response(delta.text if prompt.text_out else "", delta.token_ids)
+    completion = handle.completion
+    assert completion is not None  # the stream ended, so the request has its final record
+    if len(completion.token_ids) > sent:
+        yield decode.response("", completion.token_ids[sent:])
+
+
+def _authorized(context: grpc.aio.ServicerContext, api_key: str) -> bool:
+    metadata = dict(context.invocation_metadata() or ())
+    scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
