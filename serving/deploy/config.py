@@ -13,6 +13,9 @@ from serving.deploy.errors import DeployError
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _JAX_TAG = re.compile(r"jax-(\d+\.\d+\.\d+\S*)")
+# The seed's HTTP sidecar: JetStream's /generate and /healthcheck on :8000, as gRPC calls to :9000.
+JETSTREAM_HTTP_IMAGE = "us-docker.pkg.dev/cloud-tpu-images/inference/jetstream-http:v0.2.4"
+JETSTREAM_HTTP_PORT, JETSTREAM_GRPC_PORT = 8000, 9000  # fixed in that image
 
 
 class _Strict(BaseModel):
@@ -26,16 +29,17 @@ class TPU(_Strict):
 
 
 class Images(_Strict):
-    """Container images; every tag must be `jax-<version>` and the versions must agree."""
+    """Container images; the engine's and Pathways' tags must be `jax-<version>` and agree."""
 
     engine: str
     pathways_server: str
     pathways_proxy: str
+    jetstream_http: str = JETSTREAM_HTTP_IMAGE  # the sidecar of `frontend: jetstream-http` (no JAX)
 
     def jax_versions(self) -> dict[str, str]:
         """Image field -> jax version from its tag; names the field whose tag is not jax-<version>."""
         out = {}
-        for field, image in self.model_dump().items():
+        for field, image in self.model_dump(exclude={"jetstream_http"}).items():
             tag = image.rsplit("/", 1)[-1].partition(":")[2]
             match = _JAX_TAG.fullmatch(tag)
             if not match:
@@ -47,8 +51,11 @@ class Images(_Strict):
 
 
 class Ports(_Strict):
-    http: int = Field(default=8000, ge=1, le=65535)
-    grpc: int = Field(default=9000, ge=1, le=65535)
+    http: int = Field(default=8000, ge=1, le=65535)  # the Service's HTTP: the engine, or the sidecar
+    grpc: int = Field(default=9000, ge=1, le=65535)  # JetStream's gRPC API on the engine
+    # With `frontend: jetstream-http` the sidecar takes `http`; the engine's own HTTP (OpenAI
+    # routes, /metrics, /livez) moves here.
+    engine_http: int = Field(default=8001, ge=1, le=65535)
 
 
 class Probes(_Strict):
@@ -67,6 +74,8 @@ class Resources(_Strict):
     engine_memory: str = "32Gi"
     pathways_cpu: str = "4"
     pathways_memory: str = "16Gi"
+    jetstream_http_cpu: str = "1"
+    jetstream_http_memory: str = "2Gi"
 
 
 class Batch(_Strict):
@@ -83,6 +92,9 @@ class DeploymentConfig(_Strict):
     name: str
     namespace: str = "default"
     kind: Literal["serve", "batch"] = "serve"
+    # builtin: the engine serves HTTP on ports.http (and gRPC). jetstream-http: the seed's layout,
+    # the engine serving gRPC on ports.grpc behind the jetstream-http sidecar on ports.http.
+    frontend: Literal["builtin", "jetstream-http"] = "builtin"
     model_name: str
     checkpoint: str
     serving: dict[str, Any] = Field(default_factory=dict)
@@ -115,14 +127,26 @@ class DeploymentConfig(_Strict):
             raise ValueError("kind: batch needs a batch section with input and output")
         return self
 
+    @model_validator(mode="after")
+    def _ports_fit_the_frontend(self) -> DeploymentConfig:
+        ports = self.ports
+        if ports.http == ports.grpc:
+            raise ValueError(f"ports.http and ports.grpc are both {ports.http}")
+        if self.frontend == "jetstream-http":
+            if (ports.http, ports.grpc) != (JETSTREAM_HTTP_PORT, JETSTREAM_GRPC_PORT):
+                raise ValueError(
+                    f"frontend: jetstream-http listens on {JETSTREAM_HTTP_PORT} and calls gRPC on "
+                    f"{JETSTREAM_GRPC_PORT}: ports.http and ports.grpc must be those "
+                    f"(got {ports.http} and {ports.grpc})"
+                )
+            if ports.engine_http in (ports.http, ports.grpc):
+                raise ValueError(f"ports.engine_http ({ports.engine_http}) must differ from http and grpc")
+        return self
+
     def serving_config(self) -> ServingConfig:
         """The engine's ServingConfig: `serving` overrides plus model_name and the checkpoint."""
-        for key in ("model_name", "load_parameters_path"):
-            if key in self.serving:
-                raise DeployError(
-                    f"serving.{key}: set it at the top level ({'checkpoint' if 'path' in key else key})"
-                )
-        values = {**self.serving, "model_name": self.model_name, "load_parameters_path": self.checkpoint}
+        self._check_serving_keys()
+        values = {**self.serving, **self._engine_keys()}
         try:
             return build(ServingConfig, values, source="serving")
         except ConfigError as exc:
@@ -130,8 +154,27 @@ class DeploymentConfig(_Strict):
 
     def serving_args(self) -> list[str]:
         """The engine's MaxText-style key=value arguments."""
-        values = {"model_name": self.model_name, "load_parameters_path": self.checkpoint, **self.serving}
+        self._check_serving_keys()
+        values = {**self._engine_keys(), **self.serving}
         return [f"{key}={_yaml_scalar(value)}" for key, value in values.items()]
+
+    def _engine_keys(self) -> dict[str, Any]:
+        """Serving keys that come from elsewhere in this config."""
+        keys: dict[str, Any] = {"model_name": self.model_name, "load_parameters_path": self.checkpoint}
+        if self.kind == "serve":
+            keys["grpc_port"] = self.ports.grpc
+        return keys
+
+    def _check_serving_keys(self) -> None:
+        for key, instead in (
+            ("model_name", "model_name"),
+            ("load_parameters_path", "checkpoint"),
+            ("grpc_port", "ports.grpc"),
+        ):
+            if key in self.serving:
+                raise DeployError(
+                    f"serving.{key}: set {instead} instead (the rest of the deployment uses it)"
+                )
 
 
 def _yaml_scalar(value: Any) -> str:

@@ -1,7 +1,9 @@
 """Typed builders: DeploymentConfig -> LeaderWorkerSet, Service and PathwaysJob (plain dicts).
 
 The leader pod of each LeaderWorkerSet group holds the Pathways resource manager, the Pathways
-proxy and the engine (which also serves HTTP); the workers run the Pathways server on TPU hosts.
+proxy and the engine; the workers run the Pathways server on TPU hosts. The engine serves HTTP and
+JetStream's gRPC API itself (`frontend: builtin`), or, in the seed's layout (`frontend:
+jetstream-http`), gRPC behind a `jetstream-http` sidecar that answers HTTP, probes included.
 """
 
 from __future__ import annotations
@@ -55,31 +57,63 @@ def _http_probe(path: str, port: int, period: int, failures: int) -> dict[str, A
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
 
 
+def _sidecar(cfg: DeploymentConfig) -> bool:
+    return cfg.frontend == "jetstream-http"
+
+
+def _probes(cfg: DeploymentConfig) -> dict[str, Any]:
+    """Our /startupz, /readyz and /livez; behind the sidecar, its /healthcheck for all three (as in
+    the seed), which asks the engine's gRPC HealthCheck."""
+    p = cfg.probes
+    paths = ("/healthcheck",) * 3 if _sidecar(cfg) else ("/startupz", "/readyz", "/livez")
+    failures = (
+        -(-p.startup_timeout_s // p.period_s),
+        p.readiness_failure_threshold,
+        p.liveness_failure_threshold,
+    )
+    kinds = ("startupProbe", "readinessProbe", "livenessProbe")
+    return {
+        kind: _http_probe(path, cfg.ports.http, p.period_s, n)
+        for kind, path, n in zip(kinds, paths, failures, strict=True)
+    }
+
+
 def engine_container(cfg: DeploymentConfig) -> dict[str, Any]:
     """`pathserve serve` with the config's overrides as key=value arguments, on the Pathways proxy."""
-    p = cfg.probes
+    http = cfg.ports.engine_http if _sidecar(cfg) else cfg.ports.http
     return {
         "name": "engine",
         "image": cfg.images.engine,
         "command": ["pathserve"],
-        "args": ["serve", *cfg.serving_args(), "--host=0.0.0.0", f"--port={cfg.ports.http}"],
+        "args": ["serve", *cfg.serving_args(), "--host=0.0.0.0", f"--port={http}"],
         "env": [
             {"name": "JAX_PLATFORMS", "value": "proxy"},
             {"name": "JAX_BACKEND_TARGET", "value": f"grpc://localhost:{PROXY_PORT}"},
             {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"},
         ],
         "ports": [
-            {"name": "http", "containerPort": cfg.ports.http},
+            {"name": "engine-http" if _sidecar(cfg) else "http", "containerPort": http},
             {"name": "grpc", "containerPort": cfg.ports.grpc},
         ],
-        "startupProbe": _http_probe(
-            "/startupz", cfg.ports.http, p.period_s, -(-p.startup_timeout_s // p.period_s)
-        ),
-        "readinessProbe": _http_probe("/readyz", cfg.ports.http, p.period_s, p.readiness_failure_threshold),
-        "livenessProbe": _http_probe("/livez", cfg.ports.http, p.period_s, p.liveness_failure_threshold),
+        **_probes(cfg),
         "resources": {
             "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
             "limits": {"memory": cfg.resources.engine_memory},
+        },
+    }
+
+
+def jetstream_http_container(cfg: DeploymentConfig) -> dict[str, Any]:
+    """The seed's sidecar: JetStream's /generate and /healthcheck on ports.http, calling the
+    engine's gRPC API on localhost (the pod's containers share one network namespace)."""
+    r = cfg.resources
+    return {
+        "name": "jetstream-http",
+        "image": cfg.images.jetstream_http,
+        "ports": [{"name": "http", "containerPort": cfg.ports.http}],
+        "resources": {
+            "requests": {"cpu": r.jetstream_http_cpu, "memory": r.jetstream_http_memory},
+            "limits": {"memory": r.jetstream_http_memory},
         },
     }
 
@@ -155,6 +189,7 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
                             resource_manager_container(cfg, tpu),
                             proxy_container(cfg),
                             engine_container(cfg),
+                            *([jetstream_http_container(cfg)] if _sidecar(cfg) else []),
                         ],
                     },
                 },
@@ -174,7 +209,11 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
 
 
 def service(cfg: DeploymentConfig) -> Manifest:
-    """ClusterIP Service in front of the leaders' engine (HTTP and gRPC)."""
+    """ClusterIP Service in front of the leaders: HTTP (the engine's or the sidecar's) and gRPC;
+    behind the sidecar also the engine's own HTTP (OpenAI routes, /metrics)."""
+    names = {"http": cfg.ports.http, "grpc": cfg.ports.grpc}
+    if _sidecar(cfg):
+        names["engine-http"] = cfg.ports.engine_http
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -183,8 +222,8 @@ def service(cfg: DeploymentConfig) -> Manifest:
             "type": "ClusterIP",
             "selector": {LWS_NAME_LABEL: cfg.name, LWS_WORKER_INDEX_LABEL: "0"},
             "ports": [
-                {"name": "http", "port": cfg.ports.http, "targetPort": cfg.ports.http, "protocol": "TCP"},
-                {"name": "grpc", "port": cfg.ports.grpc, "targetPort": cfg.ports.grpc, "protocol": "TCP"},
+                {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
+                for name, port in names.items()
             ],
         },
     }

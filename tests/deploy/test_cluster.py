@@ -209,9 +209,10 @@ def test_an_object_the_server_rejects_is_a_clear_error(lws_installed):
 def test_rendered_objects_pass_server_side_validation(lws_installed):
     """The API server's own validation (dry run) of the Service and the LWS: the Kubernetes schema."""
     client = lws_installed
-    for obj in render(load_deployment(CONFIGS / "llama3.1-405b-int8-v6e-16.yml")):
-        resource = client.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
-        client.create(resource, body=obj, namespace="default", dry_run="All")
+    for name in ("llama3.1-405b-int8-v6e-16.yml", "llama3.1-405b-int8-v6e-16-jetstream-http.yml"):
+        for obj in render(load_deployment(CONFIGS / name)):
+            resource = client.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            client.create(resource, body=obj, namespace="default", dry_run="All")
     broken = render(load_deployment(BASE))[1]
     broken["spec"]["ports"][0]["port"] = 70000
     from kubernetes.dynamic.exceptions import UnprocessibleEntityError

@@ -20,6 +20,7 @@ from tests.deploy.conftest import CONFIGS, REPO
 
 DEPLOYMENTS = sorted(CONFIGS.glob("*.yml"))
 V6E_405B = CONFIGS / "llama3.1-405b-int8-v6e-16.yml"
+V6E_405B_SIDECAR = CONFIGS / "llama3.1-405b-int8-v6e-16-jetstream-http.yml"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -98,6 +99,45 @@ def test_leader_worker_set_for_405b_on_v6e_16():
     assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/name"] == "llama-405b"
 
 
+def test_the_builtin_engine_serves_grpc_on_the_declared_port():
+    lws, _ = render(load_deployment(V6E_405B))
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+    engine = next(c for c in leader if c["name"] == "engine")
+    assert "grpc_port=9000" in engine["args"] and "--port=8000" in engine["args"]
+    assert {p["name"]: p["containerPort"] for p in engine["ports"]} == {"http": 8000, "grpc": 9000}
+
+
+def test_jetstream_http_frontend_renders_the_seeds_sidecar_layout():
+    lws, svc = render(load_deployment(V6E_405B_SIDECAR))
+    leader = {
+        c["name"]: c for c in lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+    }
+    assert list(leader) == ["pathways-rm", "pathways-proxy", "engine", "jetstream-http"]
+    engine, sidecar = leader["engine"], leader["jetstream-http"]
+    assert sidecar["image"] == "us-docker.pkg.dev/cloud-tpu-images/inference/jetstream-http:v0.2.4"
+    assert sidecar["ports"] == [{"name": "http", "containerPort": 8000}]
+    # the engine: gRPC on 9000 for the sidecar, its own HTTP moved off the sidecar's port
+    assert "grpc_port=9000" in engine["args"] and "--port=8001" in engine["args"]
+    assert {p["name"]: p["containerPort"] for p in engine["ports"]} == {"engine-http": 8001, "grpc": 9000}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # as in the seed
+        assert engine[probe]["httpGet"] == {"path": "/healthcheck", "port": 8000}
+    assert "startupProbe" not in sidecar
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
+        ("http", 8000),
+        ("grpc", 9000),
+        ("engine-http", 8001),
+    ]
+
+
+def test_the_sidecar_image_is_configurable_and_needs_no_jax_tag(tmp_path):
+    image = "registry.example.com/jetstream-http:v0.2.2"
+    path = _write_variant(tmp_path, V6E_405B_SIDECAR, images__jetstream_http=image)
+    lws, _ = render(load_deployment(path))
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+    assert leader[-1]["image"] == image
+    assert make_plan(load_deployment(path)).chips == 16
+
+
 def test_batch_config_renders_a_colocated_pathways_job():
     (job,) = render(load_deployment(CONFIGS / "llama3.1-8b-batch-v6e-4.yml"))
     assert job["kind"] == "PathwaysJob"
@@ -170,6 +210,11 @@ def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
         ({"serving__weight_dtype": "float64"}, ["weight_dtype", "bfloat16"]),
         ({"scratch": "/tmp/scratch"}, ["scratch", "gs://"]),
         ({"replicaz": 2}, ["replicaz", "did you mean 'replicas'"]),
+        ({"frontend": "envoy"}, ["frontend", "jetstream-http"]),
+        ({"serving__grpc_port": 9100}, ["serving.grpc_port", "ports.grpc"]),
+        ({"ports__grpc": 8000}, ["ports.http and ports.grpc"]),
+        ({"frontend": "jetstream-http", "ports__http": 8080}, ["jetstream-http", "ports.http", "8080"]),
+        ({"frontend": "jetstream-http", "ports__engine_http": 9000}, ["ports.engine_http"]),
     ],
 )
 def test_bad_configs_exit_2_naming_the_field(tmp_path, changes, must_mention):
