@@ -5,6 +5,8 @@ float32 and int8 weights against transformers float32 `generate`, alternating A/
 machine's memory bandwidth and matmul FLOP/s are measured in the same rounds, for a roofline per
 point: rate = min(bandwidth / bytes read per step, FLOP/s / FLOPs per step) x batch, with the best
 bandwidth and FLOP/s measured in that point's rounds (this machine's speed moves over minutes).
+On the int8 weights (what `pathserve serve` runs by default) sampled decoding is measured in the
+same rounds as greedy: temperature=1 with top_p=0.95, and with top_k=50, each as a ratio to greedy.
 Writes results/engine-bench.json and results/engine-bench.png. Not a test: numbers are ratios
 against peers measured here, on a noisy machine.
 """
@@ -33,6 +35,11 @@ WEIGHTS = ("float32", "int8", "w8a8", "float32-xla", "int8-xla")
 PROMPT = (
     "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
 )
+SAMPLED_WEIGHTS = "int8"
+SAMPLED = {  # name -> SamplingParams fields
+    "temperature=1 top_p=0.95": dict(temperature=1.0, top_p=0.95),
+    "temperature=1 top_k=50": dict(temperature=1.0, top_k=50),
+}
 
 
 class Machine:
@@ -62,12 +69,18 @@ class Machine:
 
 
 def engine_decode_rate(
-    engine: Engine, params: dict, prompt_ids: list[int], batch: int, new_tokens: int
+    engine: Engine,
+    params: dict,
+    prompt_ids: list[int],
+    batch: int,
+    new_tokens: int,
+    sampling_fields: dict | None = None,
 ) -> float:
-    """Decode tokens/s with `batch` slots busy: prefill + insert all, then time generate calls."""
+    """Decode tokens/s with `batch` slots busy: prefill + insert all, then time generate calls.
+    Greedy unless `sampling_fields` (SamplingParams fields) say otherwise; a seed per slot."""
     state = engine.init_decode_state()
-    sampling = SamplingParams(max_tokens=new_tokens + 1)
     for slot in range(batch):
+        sampling = SamplingParams(max_tokens=new_tokens + 1, seed=slot, **(sampling_fields or {}))
         prefix, _ = engine.prefill(params, engine.limits.pad(prompt_ids), len(prompt_ids), sampling)
         state = engine.insert(prefix, state, slot)
     jax.block_until_ready(state)
@@ -118,16 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per point (the best counts)")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--weights", default=",".join(WEIGHTS), help="a subset of " + ",".join(WEIGHTS))
     ns = parser.parse_args(argv)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
+    if unknown := set(ns.weights.split(",")) - set(WEIGHTS):
+        parser.error(f"--weights: no such weights {sorted(unknown)}")
     batches = [int(b) for b in ns.batches.split(",")]
     gguf = default_model_path()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    reference = load_reference(gguf) if "float32" in ns.weights.split(",") else None
     machine = Machine()
     bandwidth, flops = machine.measure()
     print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
@@ -136,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_flops": flops,
         "new_tokens": ns.new_tokens,
         "points": [],
+        "sampled": [],  # SAMPLED on SAMPLED_WEIGHTS, next to that batch's greedy point
     }
-    for weights in WEIGHTS:
+    for weights in ns.weights.split(","):
         base = ServingConfig(
             max_prefill_predict_length=64,
             max_target_length=64 + ns.new_tokens + 8,
@@ -149,12 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = model.tokenizer.encode(PROMPT)
         for batch in batches:
             # As many slots as sequences: every slot of an engine is computed at each step.
-            engine = Engine(model, base.model_copy(update={"per_device_batch_size": float(batch)}))
+            engine = Engine(model, base.model_copy(update={"per_device_batch_size": float(batch)}).engine)
             params = engine.load_params()
             engine_decode_rate(engine, params, prompt_ids, batch, 8)  # compile
-            ours, theirs, measured = [], [], []
+            ours, theirs, measured, sampled = [], [], [], {}
             for _ in range(ns.rounds):
                 ours.append(engine_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens))
+                for name, fields in SAMPLED.items() if weights == SAMPLED_WEIGHTS else ():
+                    rate = engine_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens, fields)
+                    sampled.setdefault(name, []).append(rate)
                 if weights == "float32":
                     theirs.append(transformers_rate(reference, prompt_ids, batch, ns.new_tokens))
                 measured.append(machine.measure())
@@ -188,13 +202,25 @@ def main(argv: list[str] | None = None) -> int:
                 point["transformers_tokens_per_s"] = max(theirs)
             results["points"].append(point)
             print(json.dumps(point))
+            for name, rates in sampled.items():
+                results["sampled"].append(
+                    {
+                        "weights": weights,
+                        "batch": batch,
+                        "sampling": name,
+                        "tokens_per_s": max(rates),
+                        "greedy_tokens_per_s": point["tokens_per_s"],
+                        "ratio_vs_greedy": max(rates) / point["tokens_per_s"],
+                    }
+                )
+                print(json.dumps(results["sampled"][-1]))
     baseline = {
         p["batch"]: p["transformers_tokens_per_s"]
         for p in results["points"]
         if "transformers_tokens_per_s" in p
     }
     for p in results["points"]:
-        p["ratio_vs_transformers_f32"] = p["tokens_per_s"] / baseline[p["batch"]]
+        p["ratio_vs_transformers_f32"] = p["tokens_per_s"] / baseline.get(p["batch"], np.nan)
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "engine-bench.json").write_text(json.dumps(results, indent=2))
     plot(results, ns.out / "engine-bench.png")
@@ -209,7 +235,24 @@ def main(argv: list[str] | None = None) -> int:
             f" {p['bandwidth_bytes_per_s'] / 1e9:5.1f} {p['matmul_flops'] / 1e9:7.0f}"
             f" {p['packed_weight_bytes'] / 1e6:7.0f}"
         )
+    print(f"{'weights':8} {'batch':>5} {'sampling':24} {'tok/s':>8} {'greedy':>8} {'ratio':>6}")
+    for p in results["sampled"]:
+        print(
+            f"{p['weights']:8} {p['batch']:5d} {p['sampling']:24} {p['tokens_per_s']:8.1f}"
+            f" {p['greedy_tokens_per_s']:8.1f} {p['ratio_vs_greedy']:6.0%}"
+        )
     return 0
+
+
+def load_reference(gguf: Path):
+    """transformers' float32 model of the same GGUF file, on every core."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
 
 
 def plot(results: dict, path: Path) -> None:
