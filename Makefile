@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean manifests bench bench-engine bench-serve loadtest
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve loadtest
 
 install: $(STAMP)
 
@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 # The HTTP server on the default model (SmolLM2-135M-Instruct, int8): JetStream and OpenAI APIs.
 HOST ?= 127.0.0.1
 PORT ?= 8000
+GRPC_PORT ?= 9000
 serve: install
-	$(BIN)/pathserve serve --host $(HOST) --port $(PORT)
+	$(BIN)/pathserve serve --host $(HOST) --port $(PORT) grpc_port=$(GRPC_PORT)
 
 test: install
 	$(BIN)/ruff check .
@@ -34,6 +35,10 @@ test: install
 test-fast: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests/unit
+
+# Regenerate the checked-in gRPC stubs from serving/grpc/jetstream.proto (a test fails when stale).
+protos: install
+	$(BIN)/python -m serving.grpc.generate
 
 lint: install
 	$(BIN)/ruff check .

@@ -28,12 +28,17 @@ class Server:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "serving.cli", "serve", *args, "--port", str(self.port)],
+            [sys.executable, "-m", "serving.cli", "serve", *args, *self._grpc(args), "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=os.environ.copy(),
         )
         self.log_path = log_path
+
+    @staticmethod
+    def _grpc(args: list[str]) -> list[str]:
+        """gRPC off unless ARGS set grpc_port: 9000 would collide between servers on one machine."""
+        return [] if any(a.startswith("grpc_port=") for a in args) else ["grpc_port=0"]
 
     def wait_ready(self, timeout: float = 900) -> Server:
         deadline = time.monotonic() + timeout

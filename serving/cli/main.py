@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="serve the JetStream and OpenAI HTTP APIs (default: SmolLM2-135M-Instruct, int8)",
+        help="serve the JetStream and OpenAI HTTP APIs, and JetStream's gRPC API on grpc_port "
+        "(default: SmolLM2-135M-Instruct, int8)",
         description="For the default model (no SOURCE, no --config), the keys of "
         "configs/serving/default.yml apply under the key=value overrides.",
     )

@@ -24,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def served():
     port = free_port()
     process = ServerProcess(
-        ["make", "--no-print-directory", "serve", f"PORT={port}"],
+        ["make", "--no-print-directory", "serve", f"PORT={port}", f"GRPC_PORT={free_port()}"],
         port,
         env={"PATHSERVE_API_KEY": KEY, "MAKEFLAGS": ""},
         cwd=REPO,

@@ -57,6 +57,9 @@ NO_JAX = (
     "serving.deploy.kube",
     "serving.deploy.plan",
     "serving.engine.limits",
+    "serving.grpc.server",
+    "serving.grpc.service",
+    "serving.grpc.decode",
     "serving.cli",
 )
 
