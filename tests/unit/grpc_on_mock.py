@@ -1,0 +1,74 @@
+"""Run by tests/unit/test_grpc.py in a process of its own (the server's stubs and the stubs
+tests/grpc generates cannot share one process): JetStream's gRPC API over the mock engine, checked
+with hand-computable answers. Prints "ok" or fails with an AssertionError."""
+
+from __future__ import annotations
+
+import grpc
+
+from serving.api.state import ServerState
+from serving.config import ServingConfig
+from serving.engine.mock import AsciiTokenizer, MockEngine
+from serving.grpc import jetstream_pb2 as pb
+from serving.grpc import jetstream_pb2_grpc as pb_grpc
+from serving.grpc.server import GrpcServer
+from serving.orchestrator import Orchestrator
+from serving.request import SamplingParams
+
+TOKENIZER = AsciiTokenizer()
+
+
+def main() -> None:
+    cfg = ServingConfig(max_queued_requests=1, max_prefill_predict_length=64, max_target_length=256)
+    state = ServerState(cfg=cfg)
+    server = GrpcServer(state, "127.0.0.1", 0).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.OrchestratorStub(channel)
+    try:
+        assert not stub.HealthCheck(pb.HealthCheckRequest()).is_live  # nothing loaded yet
+        _code(stub, pb.DecodeRequest(max_tokens=3, text_content=pb.DecodeRequest.TextContent(text="ab")),
+              grpc.StatusCode.UNAVAILABLE)
+        orchestrator = Orchestrator(MockEngine(slots=2), {}, TOKENIZER, cfg.orchestrator).start()
+        state.set_ready(orchestrator, "mock")
+        assert stub.HealthCheck(pb.HealthCheckRequest()).is_live
+
+        text = pb.DecodeRequest(max_tokens=4, text_content=pb.DecodeRequest.TextContent(text="ab"))
+        samples = [s for r in stub.Decode(text) for s in r.stream_content.samples]
+        assert "".join(s.text for s in samples) == "cdef", samples
+        assert [i for s in samples for i in s.token_ids] == TOKENIZER.encode("cdef")
+
+        tokens = pb.DecodeRequest(max_tokens=3, token_content=pb.DecodeRequest.TokenContent(token_ids=[10, 11]))
+        ids = [i for r in stub.Decode(tokens) for s in r.stream_content.samples for i in s.token_ids]
+        assert ids == [12, 13, 14], ids
+
+        too_long = pb.DecodeRequest(max_tokens=2, token_content=pb.DecodeRequest.TokenContent(token_ids=[1] * 65))
+        _code(stub, too_long, grpc.StatusCode.INVALID_ARGUMENT)
+        _code(stub, pb.DecodeRequest(max_tokens=0, text_content=pb.DecodeRequest.TextContent(text="ab")),
+              grpc.StatusCode.INVALID_ARGUMENT)
+        lora = pb.DecodeRequest(max_tokens=2, text_content=pb.DecodeRequest.TextContent(text="ab"), lora_adapter_id="x")
+        _code(stub, lora, grpc.StatusCode.UNIMPLEMENTED)
+
+        orchestrator.stop(timeout=10)  # nothing drains the queue any more: fill it, then one more
+        idle = Orchestrator(MockEngine(slots=1), {}, TOKENIZER, cfg.orchestrator)
+        state.orchestrator = idle
+        idle.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
+        _code(stub, text, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        state.start_draining()
+        _code(stub, text, grpc.StatusCode.UNAVAILABLE)
+    finally:
+        channel.close()
+        server.stop()
+    print("ok")
+
+
+def _code(stub, request: pb.DecodeRequest, expected: grpc.StatusCode) -> None:
+    try:
+        list(stub.Decode(request))
+    except grpc.RpcError as exc:
+        assert exc.code() == expected, (exc.code(), exc.details())
+        return
+    raise AssertionError(f"expected {expected}, the call succeeded")
+
+
+if __name__ == "__main__":
+    main()
