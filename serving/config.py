@@ -69,6 +69,19 @@ class OrchestratorConfig:
     profiler_port: int = 0  # jax.profiler.start_server when set
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """The front-ends' settings (HTTP and gRPC): probes, drain, limits, auth."""
+
+    max_target_length: int = 2048  # reported by /v1/models, the default room for max_tokens
+    max_queued_requests: int = 256  # readiness fails while the queue is full
+    liveness_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
+    max_request_body_bytes: int = 1 << 20
+    api_key: str = ""
+    grpc_port: int = 9000
+
+
 class ServingConfig(BaseModel):
     """Model choice and serving settings (MaxText flag names)."""
 
@@ -119,6 +132,10 @@ class ServingConfig(BaseModel):
     @property
     def devices(self) -> DevicesConfig:
         return self._part(DevicesConfig)
+
+    @property
+    def server(self) -> ServerConfig:
+        return self._part(ServerConfig)
 
     @property
     def orchestrator(self) -> OrchestratorConfig:

@@ -77,7 +77,7 @@ def create_app(state: ServerState) -> FastAPI:
     def livez() -> JSONResponse:
         """Liveness: the device loop made progress within liveness_timeout_s while work waits."""
         stalled = state.stalled_for()
-        if stalled > state.cfg.liveness_timeout_s:
+        if stalled > state.config.liveness_timeout_s:
             return _probe(False, f"the device loop made no progress for {stalled:.0f} s")
         return _probe(True, "alive")
 
@@ -138,7 +138,7 @@ def create_app(state: ServerState) -> FastAPI:
                     "object": "model",
                     "created": state.created,
                     "owned_by": "pathserve",
-                    "max_model_len": state.cfg.max_target_length,
+                    "max_model_len": state.config.max_target_length,
                 }
             ],
         }
@@ -161,7 +161,7 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
     """Both OpenAI generation routes: submit, then one body or server-sent events."""
     _check_model(state, body.model)
     ids = convert.prompt_ids(body, state.tokenizer)
-    params = convert.openai_sampling(body, state.tokenizer, len(ids), state.cfg.max_target_length)
+    params = convert.openai_sampling(body, state.tokenizer, len(ids), state.config.max_target_length)
     handle = _submit(state, ids, params, body.stop_strings(), convert.prompt_param(body))
     chat = isinstance(body, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

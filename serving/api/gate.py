@@ -88,7 +88,7 @@ class Gate:
 
     async def _bounded_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """Read the body up to max_request_body_bytes (413 beyond), then replay it to the route."""
-        limit = self.state.cfg.max_request_body_bytes
+        limit = self.state.config.max_request_body_bytes
         declared = dict(scope.get("headers", [])).get(b"content-length")
         too_large = (413, f"the request body exceeds {limit} bytes", "request_too_large", {})
         if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -53,14 +53,14 @@ class _Server(uvicorn.Server):
             if self._drain is not None:
                 self.force_exit = True
             return
-        _say(f"received {signal.Signals(sig).name}: draining (up to {self.state.cfg.drain_timeout_s:g} s)")
+        _say(f"received {signal.Signals(sig).name}: draining (up to {self.state.config.drain_timeout_s:g} s)")
         self.state.start_draining()
         self._drain = threading.Thread(target=self._wait_then_exit, name="drain", daemon=True)
         self._drain.start()
 
     def _wait_then_exit(self) -> None:
         state = self.state
-        deadline = time.monotonic() + state.cfg.drain_timeout_s
+        deadline = time.monotonic() + state.config.drain_timeout_s
         while time.monotonic() < deadline:
             orch = state.orchestrator
             if state.in_flight == 0 and (orch is None or not orch.has_work):
@@ -73,7 +73,7 @@ class _Server(uvicorn.Server):
 
 def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
     """Serve until SIGTERM; returns the process exit status (2 when the model cannot be loaded)."""
-    state = ServerState(cfg=cfg, api_key=cfg.api_key or os.environ.get(API_KEY_ENV, ""))
+    state = ServerState(config=cfg.server, api_key=cfg.api_key or os.environ.get(API_KEY_ENV, ""))
     config = uvicorn.Config(
         create_app(state),
         host=host,
@@ -89,7 +89,7 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
     except UserError as exc:
         print(f"pathserve serve: error: {exc}", file=sys.stderr)
         return 2
-    loader = threading.Thread(target=_load, args=(state, server, source), name="loader", daemon=True)
+    loader = threading.Thread(target=_load, args=(cfg, state, server, source), name="loader", daemon=True)
     _say(f"listening on http://{host}:{port} (loading the model; /readyz says when to send requests)")
     loader.start()
     server.run()
@@ -107,7 +107,7 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
 
 def _start_grpc(state: ServerState, host: str, http_port: int):
     """JetStream's gRPC API on grpc_port (None when grpc_port=0); raises UserError if it cannot bind."""
-    port = state.cfg.grpc_port
+    port = state.config.grpc_port
     if port == 0:
         return None
     if port == http_port:
@@ -119,11 +119,11 @@ def _start_grpc(state: ServerState, host: str, http_port: int):
     return grpc_server
 
 
-def _load(state: ServerState, server: _Server, source: str | None) -> None:
+def _load(cfg: ServingConfig, state: ServerState, server: _Server, source: str | None) -> None:
     from serving.launch import launch
 
     try:
-        launched = launch(state.cfg, source)
+        launched = launch(cfg, source)
     except UserError as exc:
         state.startup_error = str(exc)
         server.should_exit = True

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from serving.config import ServingConfig
+from serving.config import ServerConfig
 
 if TYPE_CHECKING:  # the API talks to the orchestrator; it never imports JAX itself
     from serving.orchestrator import Orchestrator
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the API talks to the orchestrator; it never imports JAX its
 
 @dataclass
 class ServerState:
-    cfg: ServingConfig
+    config: ServerConfig
     api_key: str = ""
     phase: str = "starting"
     model_name: str = ""
@@ -54,7 +54,7 @@ class ServerState:
 
     def queue_full(self) -> bool:
         orch = self.orchestrator
-        return orch is not None and orch.metrics.queued >= self.cfg.max_queued_requests
+        return orch is not None and orch.metrics.queued >= self.config.max_queued_requests
 
     def stalled_for(self) -> float:
         """Seconds the device loop has gone without progress while work waits (0 when idle)."""

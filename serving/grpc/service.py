@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def is_live(state: ServerState) -> bool:
     """Started, and the device loop has not been stuck with work waiting for liveness_timeout_s."""
-    return state.started and state.stalled_for() <= state.cfg.liveness_timeout_s
+    return state.started and state.stalled_for() <= state.config.liveness_timeout_s
 
 
 class OrchestratorService(pb_grpc.OrchestratorServicer):

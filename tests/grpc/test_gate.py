@@ -19,7 +19,7 @@ from serving.api.state import ServerState
 from serving.config import ServingConfig
 from serving.grpc.server import GrpcServer
 
-server = GrpcServer(ServerState(cfg=ServingConfig(), api_key={KEY!r}), "127.0.0.1", 0).start()
+server = GrpcServer(ServerState(config=ServingConfig().server, api_key={KEY!r}), "127.0.0.1", 0).start()
 print(server.port, flush=True)
 sys.stdin.read()  # serve until the test closes stdin
 server.stop()

@@ -20,7 +20,7 @@ TOKENIZER = AsciiTokenizer()
 
 def main() -> None:
     cfg = ServingConfig(max_queued_requests=1, max_prefill_predict_length=64, max_target_length=256)
-    state = ServerState(cfg=cfg)
+    state = ServerState(config=cfg.server)
     server = GrpcServer(state, "127.0.0.1", 0).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb_grpc.OrchestratorStub(channel)

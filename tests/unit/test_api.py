@@ -42,7 +42,7 @@ class _Running:
 def _state(queue: int = 16, start: bool = True) -> ServerState:
     cfg = ServingConfig(max_queued_requests=queue, max_prefill_predict_length=64, max_target_length=256)
     orchestrator = Orchestrator(MockEngine(slots=2), {}, TOKENIZER, cfg.orchestrator)
-    state = ServerState(cfg=cfg)
+    state = ServerState(config=cfg.server)
     if start:
         state.set_ready(orchestrator.start(), "mock")
     else:
@@ -64,7 +64,7 @@ def client(server):
 
 
 def test_probes_say_starting_until_the_engine_is_ready():
-    state = ServerState(cfg=ServingConfig())
+    state = ServerState(config=ServingConfig().server)
     running = _Running(state)
     try:
         assert httpx.get(f"{running.url}/healthcheck").status_code == 503
