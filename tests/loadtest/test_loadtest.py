@@ -32,7 +32,7 @@ def server(tiny_model_dir):
 
 def generated_tokens(server: ServerProcess) -> int:
     text = httpx.get(f"{server.url}/metrics").text
-    return int(re.search(r"^pathserve_generation_tokens_total (\d+)$", text, re.M).group(1))
+    return int(float(re.search(r"^pathserve_generation_tokens_total (\S+)$", text, re.M).group(1)))
 
 
 def test_synthetic_dataset_is_reproducible_and_spread():
