@@ -12,12 +12,13 @@ from serving.request import SamplingParams
 def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int) -> dict:
     """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
     compiling): the offline baseline the HTTP server is compared with."""
-    from serving.checkpoints.model_source import load_model
+    from serving.checkpoints.model_source import effective_config, load_model
     from serving.engine.engine import Engine
     from serving.orchestrator.offline import run_to_completion
     from serving.runtime import init_runtime, make_mesh
 
     init_runtime(cfg.devices)
+    cfg = effective_config(source, cfg)
     model = load_model(source, cfg)
     engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
     params = engine.load_params()

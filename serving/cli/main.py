@@ -186,6 +186,13 @@ def _stream(launched: Launched, prompt_ids: list[int], sampling: SamplingParams)
     return handle, handle.stream()
 
 
+def _checked(completion):
+    """The completion, unless the device loop failed under it (its traceback is in the log)."""
+    if completion.finish_reason == "error":
+        raise RuntimeError("the engine failed while generating (see the log above)")
+    return completion
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     if not ns.prompt.strip():
         raise GenerationError("--prompt is empty")
@@ -202,7 +209,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         for delta in deltas:
             if not ns.json:
                 print(delta.text, end="", flush=True)
-        completion = handle.completion
+        completion = _checked(handle.completion)
         if ns.json:
             print(json.dumps({
                 "text": completion.text,
@@ -283,7 +290,7 @@ def _chat(ns: argparse.Namespace, launched: Launched) -> int:
         for delta in deltas:
             print(delta.text, end="", flush=True)
         print()
-        messages.append({"role": "assistant", "content": handle.completion.text})
+        messages.append({"role": "assistant", "content": _checked(handle.completion).text})
 
 
 def _serving_config(

@@ -92,12 +92,12 @@ class Engine:
     """Prefill / insert / generate for one model on one mesh."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, mesh: Mesh | None = None):
-        """`mesh`: the device mesh (serving.runtime.make_mesh); by default one device."""
+        """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone."""
         from serving.runtime import make_mesh
 
         self.model = model
         self.config = config
-        self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig())
+        self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig(), jax.devices()[:1])
         self.ops = backend.select(
             config.cpu_kernels,
             config.quantization,

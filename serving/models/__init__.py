@@ -1,7 +1,7 @@
 """Llama-family model as pure functions over a params pytree.
 
 This package knows nothing of serving and names no compute backend: no engine, orchestrator, HTTP
-or kernel imports (tests/test_boundaries.py checks it). Its names load
+or kernel imports (tests/unit/test_boundaries.py checks it). Its names load
 lazily so that `serving.models.config` can be read (by `serving.deploy`, on a laptop) without JAX.
 """
 

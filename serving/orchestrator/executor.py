@@ -8,20 +8,21 @@ call runs depends on it) and the generate call's tokens. Nothing else is read ba
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from serving.engine.api import EngineAPI
 from serving.engine.limits import finishes_at_first_token
-from serving.orchestrator.scheduler import StepOutcome, StepPlan
+from serving.orchestrator.scheduler import Admission, StepOutcome, StepPlan
 
 
 @dataclass
 class Timings:
     """Seconds the last plan's engine calls took (for the metrics)."""
 
-    prefills: list[float] = field(default_factory=list)
+    prefills: list[float] = field(default_factory=list)  # the prefill calls alone
     generate: float | None = None
 
 
@@ -32,7 +33,11 @@ class Executor:
         self.state = engine.init_decode_state()
         self.timings = Timings()
 
-    def run(self, plan: StepPlan) -> StepOutcome:
+    def run(
+        self, plan: StepPlan, on_first_token: Callable[[Admission, int], None] | None = None
+    ) -> StepOutcome:
+        """Execute `plan`; `on_first_token(admission, token)` is called as soon as each prefill has
+        sampled its first token (before the generate call), so a stream need not wait for it."""
         engine, state, timings = self.engine, self.state, Timings()
         for slot in plan.frees:
             state = engine.free_resource(state, slot)
@@ -42,8 +47,10 @@ class Executor:
             prefix, first = engine.prefill(
                 self.params, admission.padded_tokens, admission.true_length, admission.sampling
             )
-            state = engine.insert(prefix, state, admission.slot)
             timings.prefills.append(time.perf_counter() - started)
+            if on_first_token is not None:
+                on_first_token(admission, first)
+            state = engine.insert(prefix, state, admission.slot)
             first_tokens.append(first)
             active = active or not finishes_at_first_token(first, admission.sampling)
         outcome = StepOutcome(tuple(first_tokens))

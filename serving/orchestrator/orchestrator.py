@@ -30,7 +30,7 @@ from serving.engine.api import EngineAPI
 from serving.errors import QueueFullError, ShuttingDownError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
-from serving.orchestrator.scheduler import Scheduler, StepOutcome, StepPlan, Waiting
+from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
 from serving.orchestrator.streams import END, Completion, Delta, LoopQueue, Request, RequestHandle
 from serving.request import SamplingParams
 from serving.text.tokenizer import Tokenizer
@@ -130,19 +130,32 @@ class Orchestrator:
     # -- the device thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        running: dict[int, Request] = {}  # request id -> request, while it holds a slot
+        try:
+            self._loop(running)
+        except Exception:
+            # The device loop died (an XLA or kernel error, out of memory): end every stream with
+            # "error" instead of leaving its reader waiting; liveness reports the dead loop.
+            log.exception("the device loop failed")
+            self._stopping.set()
+            for request in running.values():
+                self._finish(request, "error")
+            for request in self._take(self._queue.qsize() + 1):
+                self._finish(request, "error")
+
+    def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
         executor = Executor(engine, self.params)
         scheduler = Scheduler(engine.limits, engine.decode_steps_per_call)
-        running: dict[int, Request] = {}  # request id -> request, while it holds a slot
         while not (self._stopping.is_set() and not running and self._queue.empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
             waiting = self._take(scheduler.room(cancelled))
+            running.update((r.request_id, r) for r in waiting)
             plan = scheduler.schedule(
                 [Waiting(r.request_id, tuple(r.prompt_ids), r.sampling) for r in waiting], cancelled
             )
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
-            running.update((r.request_id, r) for r in waiting)
             self.metrics.queued = self._queue.qsize()
             self.metrics.active_slots = len(scheduler.running)
             if plan.empty:
@@ -153,12 +166,16 @@ class Orchestrator:
             slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
             if plan.decode_steps:
                 self._maybe_start_trace()
-            outcome = executor.run(plan)
+            outcome = executor.run(
+                plan, on_first_token=lambda a, token, slots=slots: self._first_token(slots[a.slot], token)
+            )
+            for seconds in executor.timings.prefills:
+                self.metrics.observe("prefill_step", seconds)
             if executor.timings.generate is not None:
                 self.metrics.observe("generate_step", executor.timings.generate)
                 self._maybe_stop_trace()
             self.last_progress = time.monotonic()
-            self._deliver(plan, outcome, slots, executor.timings.prefills)
+            self._deliver(outcome, slots)
             for rid, _slot in scheduler.update(plan, outcome):
                 request = running.pop(rid)
                 self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
@@ -179,15 +196,13 @@ class Orchestrator:
                 taken.append(request)
         return taken
 
-    def _deliver(
-        self, plan: StepPlan, outcome: StepOutcome, slots: dict[int, Request], prefill_seconds: list[float]
-    ) -> None:
-        """Each admission's first token, then each step's tokens, onto their requests' streams."""
-        for admission, first, seconds in zip(plan.admissions, outcome.first_tokens, prefill_seconds, strict=True):
-            request = slots[admission.slot]
-            self.metrics.observe("prefill_step", seconds)
-            request.put(first)
-            self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
+    def _first_token(self, request: Request, token: int) -> None:
+        """A prefill's token onto its stream at once (before the turn's generate call)."""
+        request.put(token)
+        self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
+
+    def _deliver(self, outcome: StepOutcome, slots: dict[int, Request]) -> None:
+        """Each step's tokens of the generate call onto their requests' streams."""
         for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
             for slot, request in slots.items():
                 if step_valid[slot]:

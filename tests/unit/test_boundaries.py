@@ -1,4 +1,4 @@
-"""The boundaries DESIGN.md states, checked on the source: no cycles, a model that names no backend,
+"""The boundaries the design states (../shared/DESIGN.md), checked on the source: no cycles, a model that names no backend,
 front-ends and deploy without JAX. Each check is also shown to fail on a tree that breaks it."""
 
 from __future__ import annotations

@@ -143,3 +143,31 @@ def test_the_orchestrator_on_the_mock_engine_loads_no_jax_torch_or_transformers(
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+def test_the_first_token_is_streamed_before_the_turns_generate_call():
+    orch = _orchestrator(step_seconds=0.5).start()
+    try:
+        started = time.perf_counter()
+        stream = orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=3)).stream()
+        assert next(stream).text == "c"
+        assert time.perf_counter() - started < 0.4  # the generate call sleeps 0.5 s
+        list(stream)
+        assert orch.metrics.time_to_first_token.total < 0.4
+    finally:
+        orch.stop(timeout=10)
+
+
+def test_an_engine_failure_ends_every_stream_with_error_and_the_loop_reports_dead():
+    class Failing(MockEngine):
+        def generate(self, params, decode_state, max_position=None):
+            raise RuntimeError("device lost")
+
+    orch = Orchestrator(Failing(slots=1), {}, TOKENIZER, OrchestratorConfig()).start()
+    running = orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=5))
+    queued = orch.submit(TOKENIZER.encode("b"), SamplingParams(max_tokens=5))
+    assert running.result().finish_reason == "error" and queued.result().finish_reason == "error"
+    orch._thread.join(5)
+    assert not orch.alive
+    with pytest.raises(ShuttingDownError):
+        orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
