@@ -200,9 +200,10 @@ def test_a_rows_token_depends_on_its_own_logits_key_and_parameters_alone(mixed_s
         assert int(alone[0]) == together[row], MIXED[row]
 
 
-def test_only_the_methods_sampling_rows_ask_for_run(monkeypatch):
-    """temperature 0 rows never run the sampling path, whatever their top-k / top-p, and plain
-    temperature sampling runs no cut: counted at run time in the compiled program."""
+def test_only_the_rows_and_methods_that_sample_run(monkeypatch):
+    """temperature 0 rows never run the sampling path, whatever their top-k / top-p; sampling
+    rows are drawn ROWS_PER_CHUNK at a time, each chunk running only the cuts its rows ask for
+    (plain temperature none): counted at run time in the compiled program."""
     calls = []
 
     def counted(name: str):
@@ -217,17 +218,17 @@ def test_only_the_methods_sampling_rows_ask_for_run(monkeypatch):
     for name in ("_draw", "_candidate_cutoff", "_bisection_cutoff"):
         monkeypatch.setattr(sampling, name, counted(name))
     counting = jax.jit(lambda *args: sample(*args))  # traced here, with the counters
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, VOCAB)), jnp.float32)
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    logits, keys, *_ = _mixed_batch()
+    greedy = [(0.0, 0, 1.0), (0.0, 40, 0.5), (0.0, 300, 0.9), (0.0, 5, 1.0)] * 2
+    plain = (1.0, 0, 1.0)
+    assert sampling.ROWS_PER_CHUNK == 4 and len(greedy) == 8
     for rows, runs in [
-        ([(0.0, 0, 1.0), (0.0, 40, 0.5), (0.0, 300, 0.9)], []),
-        ([(0.0, 40, 0.5), (1.0, 0, 1.0), (0.0, 300, 0.9)], ["_draw"]),
-        ([(0.0, 0, 1.0), (1.0, 50, 1.0), (0.0, 300, 0.9)], ["_candidate_cutoff", "_draw"]),
-        ([(0.0, 40, 1.0), (1.0, 0, 0.95), (0.0, 0, 1.0)], ["_bisection_cutoff", "_draw"]),
-        (
-            [(0.5, 40, 1.0), (1.0, 0, 0.95), (0.0, 0, 1.0)],
-            ["_bisection_cutoff", "_candidate_cutoff", "_draw"],
-        ),
+        (greedy, []),
+        ([*greedy[:3], plain, *greedy[4:]], ["_draw"]),
+        ([*greedy[:7], (1.0, 50, 1.0)], ["_candidate_cutoff", "_draw"]),
+        ([(1.0, 0, 0.95), *greedy[1:]], ["_bisection_cutoff", "_draw"]),
+        ([(0.5, 40, 1.0), (1.0, 0, 0.95), *greedy[2:]], ["_bisection_cutoff", "_candidate_cutoff", "_draw"]),
+        ([plain] * 5 + greedy[5:], ["_draw", "_draw"]),  # two chunks
     ]:
         calls.clear()
         jax.block_until_ready(counting(logits, keys, *_params(rows)))

@@ -18,8 +18,11 @@ on the scaled logits, `scaled >= cutoff`, found per row:
   exact): on the count of tokens >= t for the k-th value, on the mass of tokens > t for top-p.
   Each pass is one masked sum over the vocabulary, at most 32 passes.
 The draw is an inverse CDF in vocabulary order (one uniform per row, block sums, then one block),
-not Gumbel-max: a Gumbel per token costs as much as the rest of the sampler on CPU. Each part runs
-only when some sampling row asks for it, and nothing past the argmax runs when no row samples.
+not Gumbel-max: a Gumbel per token costs as much as the rest of the sampler on CPU.
+
+Only rows that sample pay: nothing past the argmax runs when no row samples; the sampling rows are
+gathered and drawn ROWS_PER_CHUNK at a time, and in a chunk each method runs only when one of its
+rows asks for it. A row's token depends on its own logits, key and parameters alone.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ __all__ = ["sample"]
 # bisects. On CPU at batch 32, top_k of 64 / 128 / 256 costs about 3.4 / 4.6 / 11 ms.
 MAX_CANDIDATES = 128
 BLOCK = 256  # vocabulary entries per block of the inverse-CDF draw
-_BISECTION_PASSES = 32  # bits of a float32
+# Sampling rows are gathered and drawn this many at a time: the cost grows with the rows that
+# sample (one chat request among greedy slots pays for one chunk, not the batch), and a chunk's
+# rows stay in cache through the bisection passes (CPU, batch 32, top_p: 14 ms, 23 ms unchunked).
+ROWS_PER_CHUNK = 4
 
 
 def sample(
@@ -49,7 +55,7 @@ def sample(
     sampling = temperature > 0
     return lax.cond(
         jnp.any(sampling),
-        lambda: jnp.where(sampling, _draw(logits, keys, temperature, top_k, top_p), greedy),
+        lambda: _draw_sampling_rows(greedy, sampling, logits, keys, temperature, top_k, top_p),
         lambda: greedy,
     )
 
@@ -68,6 +74,23 @@ def kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax
     scaled, weights = _scale(logits, temperature)
     cutoff = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
     return scaled >= cutoff[:, None]
+
+
+def _draw_sampling_rows(greedy: jax.Array, sampling: jax.Array, *rows: jax.Array) -> jax.Array:
+    """greedy [batch] with the rows where `sampling` drawn by _draw, ROWS_PER_CHUNK at a time;
+    `rows` are sample's arguments."""
+    batch = greedy.shape[0]
+    chunk = min(ROWS_PER_CHUNK, batch)
+    num_sampling = jnp.sum(sampling)
+    # the sampling rows first; a last partial chunk repeats the first of them (same token again)
+    order = jnp.nonzero(sampling, size=-(-batch // chunk) * chunk, fill_value=0)[0]
+    order = jnp.where(jnp.arange(order.shape[0]) < num_sampling, order, order[0])
+
+    def draw_chunk(i: jax.Array, tokens: jax.Array) -> jax.Array:
+        picked = lax.dynamic_slice_in_dim(order, i * chunk, chunk)
+        return tokens.at[picked].set(_draw(*(x[picked] for x in rows)))
+
+    return lax.fori_loop(0, -(-num_sampling // chunk), draw_chunk, greedy)
 
 
 def _draw(
