@@ -86,7 +86,9 @@ def engine_decode_rate(
     jax.block_until_ready(state)
     produced, start = 0, time.perf_counter()
     while produced < batch * new_tokens:
-        state, result = engine.generate(params, state)
+        # every slot advances together: prompt + tokens so far bounds their positions (host side)
+        max_position = len(prompt_ids) + produced // batch
+        state, result = engine.generate(params, state, max_position=max_position)
         produced += int(np.asarray(result.valid).sum())
         if not np.asarray(state.active).any():
             break
