@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve loadtest
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve loadtest browser
 
 install: $(STAMP)
 
@@ -27,9 +27,19 @@ GRPC_PORT ?= 9000
 serve: install
 	$(BIN)/pathserve serve --host $(HOST) --port $(PORT) grpc_port=$(GRPC_PORT)
 
-test: install
+test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The web playground's test (tests/browser/) drives Debian's chromium with playwright; chromium-driver
+# (its WebDriver) comes along for selenium. Installed with apt-get when missing (CI runs as root);
+# where apt-get is missing or fails, the browser test skips and says why.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null \
+	  && apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; } \
+	  || echo "make: chromium could not be installed with apt-get; tests/browser will skip"
 
 # The unit tier: the mock engine, the scheduler, config, boundaries (no model, torch or transformers).
 test-fast: install

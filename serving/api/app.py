@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.api import prometheus
+from serving.api import playground, prometheus
 from serving.api.errors import api_error_handler, error_response, validation_error_handler
 from serving.api.gate import Gate
 from serving.api.state import ServerState
@@ -151,6 +151,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _openai(state, body, request)
 
+    playground.mount(app)  # GET /: the web playground (serving/api/static/)
     return app
 
 
