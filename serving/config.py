@@ -54,6 +54,11 @@ class DevicesConfig:
 
     runtime: str = "auto"
     jax_compilation_cache_dir: str = ""
+    # runtime=multicontroller (serving.runtime): empty / 0 / -1 fall back to the environment.
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    distributed_timeout_s: int = 60
     ici_fsdp_parallelism: int = 1
     ici_autoregressive_parallelism: int = 1
     ici_tensor_parallelism: int = 1
@@ -114,6 +119,15 @@ class ServingConfig(BaseModel):
     decode_steps_per_call: int = Field(default=4, ge=1, le=64)
     max_queued_requests: int = Field(default=256, ge=1)
     jax_compilation_cache_dir: str = ""
+    # runtime=multicontroller: JAX's distributed runtime. Unset, they come from JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID, or on an LWS pod from LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and
+    # LWS_WORKER_INDEX; on TPU VMs with none of them, jax.distributed.initialize() detects them.
+    coordinator_address: str = ""  # host:port of process 0's coordinator
+    num_processes: int = Field(default=0, ge=0)
+    process_id: int = Field(default=-1, ge=-1)
+    # A process missing its heartbeats this long fails the group (and a dead peer's collective fails
+    # at once): process 0's device loop stops, /livez fails and every process exits non-zero.
+    distributed_timeout_s: int = Field(default=60, ge=1)
     profiler_steps: int = Field(default=0, ge=0)  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = ""  # local path or gs://
     profiler_port: int = Field(default=0, ge=0, le=65535)  # jax.profiler.start_server when set

@@ -6,6 +6,7 @@ The one start-up path for everything that serves requests (the HTTP server, the 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,7 +14,11 @@ from serving.checkpoints.model_source import LoadedModel, effective_config, load
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.orchestrator import Orchestrator
+from serving.orchestrator.executor import Executor
+from serving.orchestrator.lockstep import LockstepExecutor, PlanChannel, exit_when_loop_dies, follow
 from serving.runtime import init_runtime, make_mesh
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,13 +43,59 @@ class Launched:
 
 
 def launch(cfg: ServingConfig, source: str | None) -> Launched:
-    """Everything up to a running device loop; raises the loader's errors (ConfigError, CheckpointError, ...)."""
+    """Everything up to a running device loop; raises the loader's errors (ConfigError, CheckpointError, ...).
+
+    On a multi-controller slice this is process 0's path: its executor broadcasts every plan to the
+    followers (`follow_plans`), and the process exits non-zero if the lockstep breaks."""
     started = time.perf_counter()
+    model, engine, params, warmup = _bring_up(cfg, source)
+    make_executor, lockstep = Executor, None
+    if is_multiprocess():
+        if not is_leader():
+            raise RuntimeError("launch() runs on process 0; the other processes run follow_plans()")
+
+        def make_executor(engine, params):
+            nonlocal lockstep
+            lockstep = LockstepExecutor(Executor(engine, params), PlanChannel())
+            return lockstep
+
+    orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator, make_executor).start()
+    if is_multiprocess():
+        exit_when_loop_dies(lambda: orchestrator.alive, lambda: lockstep is not None and lockstep.closed)
+    return Launched(model, engine, orchestrator, warmup, time.perf_counter() - started)
+
+
+def follow_plans(cfg: ServingConfig, source: str | None) -> int:
+    """A follower process of a multi-controller slice: the same bring-up as process 0 (every
+    compiled call is collective), then execute process 0's plans until it stops; returns the
+    number of plans executed. Raises when the leader is gone (a failed collective)."""
+    model, engine, params, _ = _bring_up(cfg, source)
+    log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
+    return follow(Executor(engine, params), PlanChannel())
+
+
+def _bring_up(cfg: ServingConfig, source: str | None):
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     cfg = effective_config(source, cfg)
     model = load_model(source, cfg)
     engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
     params = engine.load_params()
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
-    orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()
-    return Launched(model, engine, orchestrator, warmup, time.perf_counter() - started)
+    return model, engine, params, warmup
+
+
+def is_multiprocess() -> bool:
+    """More than one JAX process drives the mesh (runtime=multicontroller)."""
+    import jax
+
+    return jax.process_count() > 1
+
+
+def is_leader() -> bool:
+    return _process_index() == 0
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()

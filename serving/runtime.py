@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -20,33 +21,131 @@ MESH_AXES = ("fsdp", "autoregressive", "tensor")
 
 
 def init_runtime(cfg: DevicesConfig) -> str:
-    """Bring up the JAX backend the config asks for; returns the runtime chosen."""
+    """Bring up the JAX backend the config asks for; returns the runtime chosen.
+
+    Call it before any other JAX call (pathwaysutils and jax.distributed must come first); a second
+    call in the same process returns the runtime already up."""
+    global _RUNTIME
+    if _RUNTIME:
+        return _RUNTIME
     runtime = cfg.runtime
     if runtime == "auto":
         runtime = "pathways" if os.environ.get("JAX_PLATFORMS", "") == "proxy" else "local"
     if runtime == "pathways":
-        try:
-            import pathwaysutils
-        except ImportError:
-            raise ConfigError("runtime=pathways needs the pathwaysutils package") from None
-        pathwaysutils.initialize()
+        _init_pathways(cfg)
     elif runtime == "multicontroller":
-        import jax
-
-        jax.distributed.initialize()
+        _init_multicontroller(cfg)
     import jax
 
-    if cfg.jax_compilation_cache_dir:
+    if cfg.jax_compilation_cache_dir and runtime != "pathways":
         jax.config.update("jax_compilation_cache_dir", cfg.jax_compilation_cache_dir)
     log.info(
-        "runtime %s: process %d of %d, %d devices: %s",
+        "runtime %s: process %d of %d, %d devices (%d local): %s",
         runtime,
         jax.process_index(),
         jax.process_count(),
         jax.device_count(),
+        jax.local_device_count(),
         ", ".join(str(d) for d in jax.devices()[:8]) + (" ..." if jax.device_count() > 8 else ""),
     )
+    _RUNTIME = runtime
     return runtime
+
+
+_RUNTIME = ""  # the runtime this process brought up (JAX's backends are process-wide too)
+DEFAULT_COORDINATOR_PORT = 8476  # JAX's own default for TPU slices
+
+
+def _init_pathways(cfg: DevicesConfig) -> None:
+    """pathwaysutils first: it registers the IFRT proxy backend (JAX_BACKEND_TARGET), Orbax's
+    Pathways array handler (ENABLE_PATHWAYS_PERSISTENCE=1) and its profiler patches."""
+    try:
+        import pathwaysutils
+    except ImportError:
+        raise ConfigError(
+            "runtime=pathways (or JAX_PLATFORMS=proxy) needs the pathwaysutils package: "
+            "pip install 'pathserve[pathways]'"
+        ) from None
+    import jax
+
+    if "proxy" not in (jax.config.jax_platforms or ""):
+        jax.config.update("jax_platforms", "proxy")
+    pathwaysutils.initialize()
+    log.info("pathwaysutils %s: Pathways backend used: %s", pathwaysutils.__version__,
+             pathwaysutils.is_pathways_backend_used())
+    if cfg.jax_compilation_cache_dir:
+        log.warning(
+            "jax_compilation_cache_dir=%s does not apply on Pathways: pathwaysutils turns JAX's "
+            "persistent compilation cache off; Pathways keeps its own under the proxy's "
+            "--gcs_scratch_location",
+            cfg.jax_compilation_cache_dir,
+        )
+    target = jax.config.read("jax_backend_target") or os.environ.get("JAX_BACKEND_TARGET", "")
+    try:
+        jax.devices()
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"cannot reach the Pathways proxy at JAX_BACKEND_TARGET={target!r} "
+            f"(set it to grpc://HOST:PORT of the pathways-proxy): {exc}"
+        ) from None
+
+
+def distributed_args(cfg: DevicesConfig, env: Mapping[str, str] = os.environ) -> dict:
+    """jax.distributed.initialize's coordinator_address / num_processes / process_id from the config,
+    else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else an LWS pod's
+    LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX; what none gives is left out (JAX then
+    detects it on TPU VMs and GKE)."""
+    lws_leader = env.get("LWS_LEADER_ADDRESS", "")
+    address = (
+        cfg.coordinator_address
+        or env.get("JAX_COORDINATOR_ADDRESS", "")
+        or (f"{lws_leader}:{DEFAULT_COORDINATOR_PORT}" if lws_leader else "")
+    )
+    count = cfg.num_processes or _env_int(env, "JAX_NUM_PROCESSES") or _env_int(env, "LWS_GROUP_SIZE")
+    index = cfg.process_id if cfg.process_id >= 0 else _env_int(env, "JAX_PROCESS_ID", "LWS_WORKER_INDEX")
+    args: dict = {}
+    if address:
+        args["coordinator_address"] = address
+    if count:
+        args["num_processes"] = count
+    if index is not None:
+        args["process_id"] = index
+    if "process_id" in args and "num_processes" in args and not 0 <= args["process_id"] < count:
+        raise ConfigError(f"process_id={args['process_id']} is not below num_processes={count}")
+    return args
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        raw = env.get(name, "")
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    return None
+
+
+def _init_multicontroller(cfg: DevicesConfig) -> None:
+    """JAX's distributed runtime: every process sees the global devices; on CPU the collectives
+    run over gloo (loopback or the pod network)."""
+    import jax
+
+    args = distributed_args(cfg)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU client's; TPUs use ICI
+    log.info("jax.distributed.initialize(%s)", ", ".join(f"{k}={v!r}" for k, v in args.items()))
+    try:
+        jax.distributed.initialize(
+            **args,
+            initialization_timeout=max(cfg.distributed_timeout_s, 60),
+            heartbeat_timeout_seconds=cfg.distributed_timeout_s,
+        )
+    except (ValueError, RuntimeError) as exc:
+        where = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "nothing set"
+        raise ConfigError(
+            f"runtime=multicontroller: jax.distributed.initialize failed ({where}; set coordinator_address, "
+            f"num_processes and process_id or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID): {exc}"
+        ) from None
 
 
 def make_mesh(cfg: DevicesConfig, devices=None):

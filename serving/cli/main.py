@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -313,6 +314,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from serving.api.server import serve
 
     cfg, source = _serving_config(ns)
+    if not _is_leader(cfg):
+        return _follow(ns.command, cfg, source)
     return serve(cfg, source, ns.host, ns.port)
 
 
@@ -320,10 +323,56 @@ def cmd_batch(ns: argparse.Namespace) -> int:
     from serving.batch.runner import run_batch
 
     cfg, source = _serving_config(ns)
-    summary = run_batch(
-        ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart, progress=not ns.quiet
-    )
+    start = None
+    if not _is_leader(cfg):
+        return _follow(ns.command, cfg, source)
+    if cfg.runtime == "multicontroller":
+        # The followers bring the engine up whatever is left to run: so does process 0.
+        from serving.launch import launch
+
+        launched = launch(cfg, source)
+        start = lambda cfg, source: launched  # noqa: E731
+    try:
+        summary = run_batch(
+            ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart,
+            progress=not ns.quiet, start=start,
+        )
+    finally:
+        if start is not None:
+            launched.orchestrator.stop(timeout=30)
     print(summary.to_json())
+    return 0
+
+
+def _is_leader(cfg: ServingConfig) -> bool:
+    """Process 0 (or the only process). runtime=multicontroller brings JAX's distributed runtime up
+    here, before any server starts: only process 0 serves."""
+    if cfg.runtime != "multicontroller":
+        return True
+    import jax
+
+    from serving.runtime import init_runtime
+
+    init_runtime(cfg.devices)
+    return jax.process_index() == 0
+
+
+def _follow(command: str, cfg: ServingConfig, source: str | None) -> int:
+    """A follower of a multi-controller slice: no servers, no reader; execute process 0's plans."""
+    import jax
+
+    from serving.launch import follow_plans
+
+    where = f"process {jax.process_index()} of {jax.process_count()}"
+    print(f"pathserve {command}: {where} follows process 0 (no servers here)", file=sys.stderr, flush=True)
+    try:
+        executed = follow_plans(cfg, source)
+    except UserError:
+        raise
+    except Exception as exc:  # a failed collective: process 0 (or another peer) is gone
+        print(f"pathserve {command}: error: {where} lost the group: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: JAX's shutdown barrier would wait for the dead peer
+    print(f"pathserve {command}: {where}: process 0 stopped after {executed} plans", file=sys.stderr)
     return 0
 
 

@@ -65,3 +65,9 @@ class Executor:
             outcome = StepOutcome(outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist())
         self.state, self.timings = state, timings
         return outcome
+
+    def idle(self) -> None:
+        """An idle turn of the device loop (nothing to do on one host; see lockstep)."""
+
+    def close(self) -> None:
+        """The device loop ended (nothing to release on one host; see lockstep)."""

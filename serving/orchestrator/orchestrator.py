@@ -24,6 +24,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
@@ -45,8 +47,18 @@ IDLE_WAIT_S = 0.05
 class Orchestrator:
     """Owns the engine's device loop; thread-safe `submit`."""
 
-    def __init__(self, engine: EngineAPI, params, tokenizer: Tokenizer, config: OrchestratorConfig):
+    def __init__(
+        self,
+        engine: EngineAPI,
+        params,
+        tokenizer: Tokenizer,
+        config: OrchestratorConfig,
+        make_executor: Callable[[EngineAPI, Any], Executor] = Executor,
+    ):
+        """`make_executor(engine, params)` builds the executor on the device thread (multi-host:
+        serving.orchestrator.lockstep's, which broadcasts each plan first)."""
         self.engine = engine
+        self._make_executor = make_executor
         self.params = params
         self.tokenizer = tokenizer
         self.config = config
@@ -145,7 +157,7 @@ class Orchestrator:
 
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
-        executor = Executor(engine, self.params)
+        executor = self._make_executor(engine, self.params)
         scheduler = Scheduler(engine.limits, engine.decode_steps_per_call)
         while not (self._stopping.is_set() and not running and self._queue.empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
@@ -159,6 +171,7 @@ class Orchestrator:
             self.metrics.queued = self._queue.qsize()
             self.metrics.active_slots = len(scheduler.running)
             if plan.empty:
+                executor.idle()
                 self.last_progress = time.monotonic()
                 self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
@@ -181,6 +194,7 @@ class Orchestrator:
                 self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
             self.metrics.active_slots = len(scheduler.running)
             self.metrics.kv_tokens_used = scheduler.kv_tokens_used()
+        executor.close()
 
     def _take(self, room: int) -> list[Request]:
         """Up to `room` requests from the queue, oldest first; cancelled ones end here."""
