@@ -126,7 +126,8 @@ class Engine:
         self._generate_fn = jax.jit(
             partial(self._generate_impl, static=static),
             donate_argnums=(1,),
-            out_shardings=(state_shardings, None),
+            # Tokens replicated: every process of a multi-host slice reads them (lockstep).
+            out_shardings=(state_shardings, NamedSharding(self.mesh, P())),
             static_argnames=("window",),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
