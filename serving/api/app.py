@@ -29,6 +29,7 @@ from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.openai import convert
 from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from serving.openai.streaming import ChoiceStream
 
 if TYPE_CHECKING:
     from serving.orchestrator import Completion, RequestHandle
@@ -159,34 +160,29 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Request) -> Response:
-    """Both OpenAI generation routes: submit, then one body or server-sent events."""
+    """Both OpenAI generation routes: submit (n choices), then one body or server-sent events."""
     _check_model(state, body.model)
-    ids = convert.prompt_ids(body, state.tokenizer)
-    params = convert.openai_sampling(body, state.tokenizer, len(ids), state.config.max_target_length)
-    handle = _submit(state, ids, params, body.stop_strings(), convert.prompt_param(body))
+    tokenizer = state.tokenizer
+    ids = convert.prompt_ids(body, tokenizer)
+    params = convert.openai_sampling(body, tokenizer, len(ids), state.config.max_target_length)
+    handles = _submit_choices(state, ids, params, body.stop_strings(), convert.prompt_param(body))
     chat = isinstance(body, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), state.model_name
     if not body.stream:
-        return JSONResponse(
-            convert.response_body(body, rid, created, model, await _complete(handle, request))
-        )
+        completions = await _complete_all(handles, request)
+        return JSONResponse(convert.response_body(body, rid, created, model, completions, ids, tokenizer))
+    streams = [ChoiceStream(body, (rid, created, model), tokenizer, ids, h) for h in handles]
 
-    def chunk(text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
-        if chat:
-            delta = {} if text is None else {"content": text}
-            return convert.chat_chunk(rid, created, model, delta, finish_reason)
-        return convert.completion_chunk(rid, created, model, text or "", finish_reason)
-
-    def finals(c: Completion) -> Iterable[dict[str, Any]]:
-        yield chunk(None, c.finish_reason)
+    def usage(completions: list[Completion]) -> Iterable[dict[str, Any]]:
         if body.stream_options and body.stream_options.include_usage:
-            yield chunk(None) | {"choices": [], "usage": convert.usage(c)}
+            record = convert.chat_chunk if chat else convert.completion_chunk
+            yield record(rid, created, model, {} if chat else "", None) | {
+                "choices": [],
+                "usage": convert.usage(completions),
+            }
 
-    first = (
-        convert.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None) if chat else None
-    )
-    return _sse(handle, chunk, finals, first=first)
+    return _sse(streams, usage)
 
 
 def _probe(ok: bool, status: str) -> JSONResponse:
@@ -215,9 +211,20 @@ def _submit(
     stops: tuple[str, ...],
     prompt_param: str,
 ) -> RequestHandle:
+    return _submit_choices(state, prompt_ids, sampling, stops, prompt_param)[0]
+
+
+def _submit_choices(
+    state: ServerState,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    stops: tuple[str, ...],
+    prompt_param: str,
+) -> list[RequestHandle]:
+    """Submit a request of `sampling.n` choices; orchestrator errors become OpenAI errors."""
     assert state.orchestrator is not None  # the gate answers 503 before that
     try:
-        return state.orchestrator.submit(prompt_ids, sampling, stops, loop=asyncio.get_running_loop())
+        return state.orchestrator.submit_choices(prompt_ids, sampling, stops, loop=asyncio.get_running_loop())
     except GenerationError as exc:
         param = prompt_param if exc.field == "prompt" else exc.field  # "prompt" or "messages"
         raise APIError(400, str(exc), param=param, code=exc.code) from None
@@ -236,13 +243,21 @@ async def _reading(handle: RequestHandle):
 
 async def _complete(handle: RequestHandle, request: Request) -> Completion:
     """Wait for the whole completion, cancelling the request if the client disconnects meanwhile."""
+    return (await _complete_all([handle], request))[0]
 
-    async def drain() -> Completion:
+
+async def _complete_all(handles: list[RequestHandle], request: Request) -> list[Completion]:
+    """Every choice's completion, in order; a client that disconnects cancels them all."""
+
+    async def one(handle: RequestHandle) -> Completion:
         async with _reading(handle) as deltas:
             async for _ in deltas:
                 pass
         assert handle.completion is not None
         return handle.completion
+
+    async def drain() -> list[Completion]:
+        return list(await asyncio.gather(*(one(h) for h in handles)))
 
     task = asyncio.ensure_future(drain())
     try:
@@ -260,22 +275,44 @@ async def _complete(handle: RequestHandle, request: Request) -> Completion:
 
 
 def _sse(
-    handle: RequestHandle,
-    chunk: Callable[[str], dict[str, Any]],
-    finals: Callable[[Completion], Iterable[dict[str, Any]]],
-    first: dict[str, Any] | None = None,
+    streams: list[ChoiceStream], usage: Callable[[list[Completion]], Iterable[dict[str, Any]]]
 ) -> StreamingResponse:
-    """OpenAI's server-sent events: one `data:` line per delta, the final chunks, then `[DONE]`."""
+    """OpenAI's server-sent events: each choice's chunks as its tokens arrive (choices interleaved),
+    the usage chunk if asked, then `[DONE]`. A client that goes away cancels every choice."""
 
     async def events() -> AsyncIterator[str]:
-        if first is not None:
-            yield _event(first)
-        async with _reading(handle) as deltas:
-            async for delta in deltas:
-                yield _event(chunk(delta.text))
-        for record in finals(handle.completion):
-            yield _event(record)
-        yield "data: [DONE]\n\n"
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with _reading(streams[i].handle) as deltas:
+                    async for delta in deltas:
+                        await arrived.put((i, delta))
+            finally:
+                arrived.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            for stream in streams:
+                for record in stream.opening():
+                    yield _event(record)
+            remaining = len(streams)
+            while remaining:
+                i, delta = await arrived.get()
+                if delta is None:
+                    remaining -= 1
+                    records = streams[i].final(streams[i].handle.completion)
+                else:
+                    records = streams[i].delta(delta)
+                for record in records:
+                    yield _event(record)
+            for record in usage([s.handle.completion for s in streams]):
+                yield _event(record)
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
 

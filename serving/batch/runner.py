@@ -203,12 +203,12 @@ class _Job:
                 self.cfg.max_target_length,
                 default_seed=zlib.crc32(custom_id.encode()),
             )
-            handle = await self._submit(ids, params, row.body.stop_strings())
-            async for _ in handle.astream():
-                pass
-            completion = handle.completion
-            body = convert.response_body(row.body, record_id, int(time.time()), self.model_name, completion)
-            self._advance(completion.completion_tokens)
+            handles = await self._submit(ids, params, row.body.stop_strings())
+            completions = await asyncio.gather(*(self._drain(h) for h in handles))
+            body = convert.response_body(
+                row.body, record_id, int(time.time()), self.model_name, completions, ids, self.tokenizer
+            )
+            self._advance(sum(c.completion_tokens for c in completions))
             return rows.ok_record(record_id, custom_id, body)
         except rows.RowError as exc:
             self._advance(0)
@@ -220,10 +220,17 @@ class _Job:
         finally:
             self.room.release()
 
+    @staticmethod
+    async def _drain(handle):
+        async for _ in handle.astream():
+            pass
+        return handle.completion
+
     async def _submit(self, ids: list[int], params, stops: tuple[str, ...]):
+        """One handle per choice."""
         while True:  # the room semaphore keeps this rare: only other submitters can fill the queue
             try:
-                return self.orchestrator.submit(ids, params, stops, loop=self.loop)
+                return self.orchestrator.submit_choices(ids, params, stops, loop=self.loop)
             except QueueFullError:
                 await asyncio.sleep(RETRY_FULL_QUEUE_S)
 

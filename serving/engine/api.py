@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol, TypeVar
 from numpy.typing import ArrayLike
 
 from serving.engine.limits import Limits
-from serving.request import SamplingParams
+from serving.request import SamplingParams, TokenLogprob
 
 PrefixT = TypeVar("PrefixT")
 StateT = TypeVar("StateT")
@@ -30,6 +30,21 @@ class ResultTokens(NamedTuple):
     tokens: ArrayLike  # int32: the token each slot produced at each step
     valid: ArrayLike  # bool: the slot was active and `tokens` holds its next token
     done: ArrayLike  # bool: that token finished the slot (a stop id, max_tokens, max_target_length)
+    # Only when some active slot asked for logprobs (else None): the logprob of `tokens` [steps,
+    # slots] float32 and the MAX_LOGPROBS best alternatives, best first ([steps, slots, K] each).
+    logprobs: ArrayLike | None = None
+    top_ids: ArrayLike | None = None
+    top_logprobs: ArrayLike | None = None
+
+
+class PrefillOutputs(NamedTuple):
+    """What a prefill sampled, on the host: one first token per choice (`sampling.n`), their
+    logprobs and the prompt's when the request asked (else None)."""
+
+    first_tokens: tuple[int, ...]
+    first_logprobs: tuple[TokenLogprob, ...] | None = None
+    # [true_length]: None for the first prompt token, then each token given the ones before it
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
@@ -50,28 +65,46 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         ...
 
     def prefill(
-        self, params: ParamsT, padded_tokens: Sequence[int], true_length: int, sampling: SamplingParams
+        self,
+        params: ParamsT,
+        padded_tokens: Sequence[int],
+        true_length: int,
+        sampling: SamplingParams,
+        mask: ArrayLike | None = None,
     ) -> tuple[PrefixT, int]:
         """Run one prompt, padded to a bucket of `limits` (`limits.pad`), from position 0.
 
         Returns the prompt's KV with its sampling state (the prefix) and its first sampled token
-        (on the host). Raises GenerationError for a request `limits.check` refuses."""
+        (choice 0's, on the host). `mask`: int32 [ceil(vocab / 32)] bits of the tokens the first
+        token may be (a grammar's; None: any). Raises GenerationError for a request `limits.check`
+        refuses."""
         ...
 
-    def insert(self, prefix: PrefixT, decode_state: StateT, slot: int) -> StateT:
-        """Write a prefix into `slot`; the slot is active unless its first token already finished it
-        (a stop id, or max_tokens <= 1)."""
+    def prefill_outputs(self, prefix: PrefixT) -> PrefillOutputs:
+        """The prefix's first token of every choice and the logprobs its request asked for (one
+        host read; the executor asks only when a request has n > 1 or wants logprobs)."""
+        ...
+
+    def insert(self, prefix: PrefixT, decode_state: StateT, slot: int, choice: int = 0) -> StateT:
+        """Write a prefix into `slot` as its choice `choice` (its own first token and seed); the slot
+        is active unless that first token already finished it (a stop id, or max_tokens <= 1)."""
         ...
 
     def generate(
-        self, params: ParamsT, decode_state: StateT, max_position: int | None = None
+        self,
+        params: ParamsT,
+        decode_state: StateT,
+        max_position: int | None = None,
+        masks: ArrayLike | None = None,
     ) -> tuple[StateT, ResultTokens]:
         """Advance every active slot by `decode_steps_per_call` tokens; a slot that finishes turns
         inactive at that step.
 
         `max_position`: no active slot's position (prompt + tokens so far) exceeds it; the caller
         keeps these on the host so that the engine can read less of the cache without reading
-        positions back from the device. None: the engine assumes the longest."""
+        positions back from the device. None: the engine assumes the longest.
+        `masks`: int32 [slots, ceil(vocab / 32)] bits of the tokens each slot may take next (grammars);
+        with them the call advances one step, since the next mask depends on the token."""
         ...
 
     def free_resource(self, decode_state: StateT, slot: int) -> StateT:

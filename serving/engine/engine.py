@@ -1,12 +1,16 @@
 """Engine: the model on a device mesh behind JetStream's contract (serving.engine.api.EngineAPI).
 
-- `prefill(params, padded_tokens, true_length, sampling)` runs one prompt (padded to a power-of-two
-  bucket) and samples its first token; it returns a `Prefix` holding the prompt's KV.
-- `insert(prefix, decode_state, slot)` writes that KV into slot `slot` of the preallocated cache.
-- `generate(params, decode_state, max_position)` advances every active slot by
-  `decode_steps_per_call` tokens in one compiled call, attending over the smallest cache window
-  that holds `max_position` plus those steps; a slot stops at a stop id, at its max_tokens, or at
-  max_target_length.
+- `prefill(params, padded_tokens, true_length, sampling, mask)` runs one prompt (padded to a
+  power-of-two bucket) and samples the first token of each of its `sampling.n` choices (within a
+  grammar's `mask`); it returns a `Prefix` holding the prompt's KV, and with `sampling.logprobs` /
+  `prompt_logprobs` the logprobs, computed in the same compiled call (`prefill_outputs` reads them).
+- `insert(prefix, decode_state, slot, choice)` writes that KV into slot `slot` of the preallocated
+  cache, with that choice's first token and seed.
+- `generate(params, decode_state, max_position, masks)` advances every active slot by
+  `decode_steps_per_call` tokens in one compiled call (one, with grammar `masks`), attending over
+  the smallest cache window that holds `max_position` plus those steps; a slot stops at a stop id,
+  at its max_tokens, or at max_target_length. Slots that asked for logprobs get them from the same
+  call: log_softmax of the logits after temperature and the mask, before top-k / top-p.
 - `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
 - `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
 
@@ -29,15 +33,15 @@ from jax.sharding import PartitionSpec as P
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
-from serving.engine.api import ResultTokens
+from serving.engine.api import PrefillOutputs, ResultTokens
 from serving.engine.limits import MAX_STOP_IDS, Limits
-from serving.engine.sampling import sample
+from serving.engine.sampling import apply_mask, sample, token_logprobs
 from serving.engine.sharding import cache_spec, param_shardings
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import unstack_layers
-from serving.request import SamplingParams
+from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +70,26 @@ class SlotSampling(NamedTuple):
     top_p: jax.Array  # float32
     max_tokens: jax.Array  # int32
     stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded
+    logprobs: jax.Array  # bool: the request wants its tokens' logprobs
+
+
+class Logprobs(NamedTuple):
+    """Logprobs of chosen tokens and the best alternatives: [rows] and [rows, MAX_LOGPROBS]."""
+
+    ids: jax.Array  # int32: the chosen tokens
+    chosen: jax.Array  # float32
+    top_ids: jax.Array  # int32, best first
+    top: jax.Array  # float32
 
 
 class Prefix(NamedTuple):
     kv: KVCache  # float [layers, 1, bucket, kv_heads, head_dim]
     length: jax.Array  # int32: true prompt length
-    first_token: jax.Array  # int32
-    sampling: SlotSampling
+    first_tokens: jax.Array  # int32 [choices]
+    keys: jax.Array  # uint32 [choices, 2]: each choice's PRNG key
+    sampling: SlotSampling  # the request's (its key unused: `keys`)
+    first_logprobs: Logprobs | None  # [choices, ...] when the request wants logprobs
+    prompt_logprobs: Logprobs | None  # [bucket - 1, ...]: token i + 1 given tokens 0..i
 
 
 class DecodeState(NamedTuple):
@@ -114,10 +131,12 @@ class Engine:
         self._dtype = jnp.dtype(config.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
         static = dict(cfg=model.config, scan_layers=config.scan_layers, dtype=self._dtype, ops=self.ops)
-        self._prefill_fn = jax.jit(partial(self._prefill_impl, static=static))
+        self._prefill_fn = jax.jit(
+            partial(self._prefill_impl, static=static), static_argnames=("choices", "logprobs", "prompt_logprobs")
+        )
         self._logprobs_fn = jax.jit(partial(self._prompt_logprobs_impl, static=static))
         state_shardings = self._state_shardings()
-        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_shardings)
+        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(4,), out_shardings=state_shardings)
         cache_dtype = jnp.int8 if config.quantize_kvcache else self._dtype
         if self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype):
             self.windows = [config.max_target_length]  # attention reads only each row's positions
@@ -128,7 +147,7 @@ class Engine:
             donate_argnums=(1,),
             # Tokens replicated: every process of a multi-host slice reads them (lockstep).
             out_shardings=(state_shardings, NamedSharding(self.mesh, P())),
-            static_argnames=("window",),
+            static_argnames=("window", "steps"),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
 
@@ -171,22 +190,39 @@ class Engine:
                 top_p=jnp.ones((slots,), jnp.float32),
                 max_tokens=zeros(),
                 stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+                logprobs=jnp.zeros((slots,), bool),
             ),
         )
         return jax.device_put(state, self._state_shardings())
 
     def prefill(
-        self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams
+        self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams, mask=None
     ) -> tuple[Prefix, int]:
-        """KV for one padded prompt and its first sampled token."""
+        """KV for one padded prompt and the first sampled token of each choice (choice 0's returned)."""
         self.limits.check(true_length, sampling)
+        keys = np.stack([np.asarray(jax.random.PRNGKey(sampling.choice_seed(i))) for i in range(sampling.n)])
         prefix = self._prefill_fn(
             params,
             jnp.asarray(padded_tokens, jnp.int32)[None],
             jnp.int32(true_length),
             _slot_sampling(sampling),
+            jnp.asarray(keys),
+            None if mask is None else jnp.asarray(mask, jnp.int32)[None],
+            choices=sampling.n,
+            logprobs=sampling.wants_logprobs,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
         )
-        return prefix, int(prefix.first_token)
+        return prefix, int(prefix.first_tokens[0])
+
+    def prefill_outputs(self, prefix: Prefix) -> PrefillOutputs:
+        """The first tokens and logprobs of a prefix, read back in one transfer."""
+        host = jax.device_get((prefix.first_tokens, prefix.first_logprobs, prefix.prompt_logprobs, prefix.length))
+        first_tokens, first, prompt, length = host
+        first_logprobs = None if first is None else tuple(_host_logprobs(first))
+        prompt_logprobs = None
+        if prompt is not None:
+            prompt_logprobs = (None, *_host_logprobs(prompt)[: int(length) - 1])
+        return PrefillOutputs(tuple(int(t) for t in first_tokens), first_logprobs, prompt_logprobs)
 
     def prompt_logprobs(self, params: dict, padded_tokens, true_length: int) -> np.ndarray:
         """log p(token i | tokens before it) for i in 1..true_length-1 of one padded prompt, float32
@@ -197,24 +233,31 @@ class Engine:
         tokens = jnp.asarray(padded_tokens, jnp.int32)[None]
         return np.asarray(self._logprobs_fn(params, tokens, jnp.int32(true_length)))[: true_length - 1]
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        return self._insert_fn(prefix, decode_state, jnp.int32(slot))
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, choice: int = 0) -> DecodeState:
+        sampling = prefix.sampling._replace(key=prefix.keys[choice])
+        first = prefix.first_tokens[choice]
+        return self._insert_fn(prefix.kv, prefix.length, first, sampling, decode_state, jnp.int32(slot))
 
     @property
     def decode_steps_per_call(self) -> int:
         return self.config.decode_steps_per_call
 
     def generate(
-        self, params: dict, decode_state: DecodeState, max_position: int | None = None
+        self, params: dict, decode_state: DecodeState, max_position: int | None = None, masks=None
     ) -> tuple[DecodeState, ResultTokens]:
-        return self._generate_fn(params, decode_state, window=self.window_for(max_position))
+        steps = self.config.decode_steps_per_call
+        if masks is not None:
+            masks, steps = jnp.asarray(masks, jnp.int32), 1
+        window = self.window_for(max_position, steps)
+        return self._generate_fn(params, decode_state, masks, window=window, steps=steps)
 
-    def window_for(self, max_position: int | None) -> int:
-        """The smallest attention window holding every active slot through one generate call, when
-        no active slot's position exceeds `max_position` (None: the whole cache)."""
+    def window_for(self, max_position: int | None, steps: int | None = None) -> int:
+        """The smallest attention window holding every active slot through one generate call of
+        `steps` (default decode_steps_per_call), when no active slot's position exceeds
+        `max_position` (None: the whole cache)."""
         if max_position is None:
             return self.windows[-1]
-        needed = max_position + self.config.decode_steps_per_call
+        needed = max_position + (steps or self.config.decode_steps_per_call)
         return next((w for w in self.windows if w >= needed), self.windows[-1])
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -230,7 +273,7 @@ class Engine:
             state = self.insert(prefix, state, 0)
         state = self.free_resource(state, 0)
         for window in self.windows:
-            state, _ = self._generate_fn(params, state, window=window)
+            state, _ = self._generate_fn(params, state, None, window=window, steps=self.config.decode_steps_per_call)
         jax.block_until_ready(state)
         seconds = time.perf_counter() - start
         log.info(
@@ -256,34 +299,56 @@ class Engine:
             generated=slots,
             active=slots,
             sampling=SlotSampling(
-                key=rows, temperature=slots, top_k=slots, top_p=slots, max_tokens=slots, stop_ids=rows
+                key=rows,
+                temperature=slots,
+                top_k=slots,
+                top_p=slots,
+                max_tokens=slots,
+                stop_ids=rows,
+                logprobs=slots,
             ),
         )
 
     def _sample(self, logits: jax.Array, keys: jax.Array, sampling: SlotSampling) -> jax.Array:
-        return sample(
-            logits[:, : self._num_decodable], keys, sampling.temperature, sampling.top_k, sampling.top_p
-        )
+        return sample(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p)
 
-    def _prefill_impl(self, params, tokens, true_length, sampling: SlotSampling, static) -> Prefix:
+    def _decodable(self, logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """[batch, vocab] logits of the tokens the tokenizer can decode, -inf where `mask` forbids."""
+        logits = logits[:, : self._num_decodable]
+        return logits if mask is None else apply_mask(logits, mask)
+
+    def _prefill_impl(
+        self, params, tokens, true_length, sampling: SlotSampling, keys, mask, static, choices, logprobs,
+        prompt_logprobs,
+    ) -> Prefix:
         logits, kv = prefill(params, tokens, true_length[None], **static)
         last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
-        batched = jax.tree.map(lambda x: x[None], sampling)
-        first = self._sample(last, jax.random.fold_in(sampling.key, 0)[None], batched)[0]
-        return Prefix(kv=kv, length=true_length, first_token=first, sampling=sampling)
+        last = self._decodable(last, mask)
+        last = jnp.broadcast_to(last, (choices, last.shape[-1]))  # [choices, vocab]
+        batched = jax.tree.map(lambda x: jnp.broadcast_to(x, (choices, *jnp.shape(x))), sampling)
+        first = self._sample(last, jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys), batched)
+        first_logprobs = None
+        if logprobs:
+            first_logprobs = Logprobs(first, *token_logprobs(last, first, batched.temperature))
+        scored = None
+        if prompt_logprobs:  # the prompt as given, over the whole vocabulary: no temperature, no mask
+            raw = logits[0, :-1]
+            nxt = tokens[0, 1:]
+            scored = Logprobs(nxt, *token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32)))
+        return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored)
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
         logits, _ = prefill(params, tokens, true_length[None], **static)
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-        finished = _is_stop(prefix.first_token, prefix.sampling.stop_ids) | (prefix.sampling.max_tokens <= 1)
-        sampling = jax.tree.map(lambda all_, one: all_.at[slot].set(one), state.sampling, prefix.sampling)
+    def _insert_impl(self, kv, length, first, one: SlotSampling, state: DecodeState, slot) -> DecodeState:
+        finished = _is_stop(first, one.stop_ids) | (one.max_tokens <= 1)
+        sampling = jax.tree.map(lambda all_, x: all_.at[slot].set(x), state.sampling, one)
         return DecodeState(
-            cache=store_prefix(state.cache, prefix.kv, slot),
-            tokens=state.tokens.at[slot].set(prefix.first_token),
-            positions=state.positions.at[slot].set(prefix.length),
+            cache=store_prefix(state.cache, kv, slot),
+            tokens=state.tokens.at[slot].set(first),
+            positions=state.positions.at[slot].set(length),
             generated=state.generated.at[slot].set(1),
             active=state.active.at[slot].set(~finished),
             sampling=sampling,
@@ -293,15 +358,33 @@ class Engine:
         return state._replace(active=state.active.at[slot].set(False))
 
     def _generate_impl(
-        self, params, state: DecodeState, static, window: int
+        self, params, state: DecodeState, masks, static, window: int, steps: int
     ) -> tuple[DecodeState, ResultTokens]:
         max_len = self.config.max_target_length
+        num_top = min(MAX_LOGPROBS, self._num_decodable)
+
+        def no_logprobs(logits, token, temperature):
+            slots = token.shape[0]
+            return (
+                jnp.zeros((slots,), jnp.float32),
+                jnp.zeros((slots, num_top), jnp.int32),
+                jnp.zeros((slots, num_top), jnp.float32),
+            )
 
         def step(state: DecodeState, _):
             positions = jnp.minimum(state.positions, max_len - 1)
             logits, cache = decode_step(params, state.tokens, positions, state.cache, **static, window=window)
             keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
-            token = self._sample(logits, keys, state.sampling)
+            # Free and finished slots are not drawn: greedy, whatever their request asked.
+            sampling = state.sampling._replace(
+                temperature=jnp.where(state.active, state.sampling.temperature, 0.0)
+            )
+            logits = self._decodable(logits, masks)
+            token = self._sample(logits, keys, sampling)
+            wants = state.active & state.sampling.logprobs
+            chosen, top_ids, top = jax.lax.cond(
+                jnp.any(wants), token_logprobs, no_logprobs, logits, token, sampling.temperature
+            )
             valid = state.active
             generated = state.generated + valid
             done = valid & (
@@ -317,9 +400,17 @@ class Engine:
                 active=valid & ~done,
                 sampling=state.sampling,
             )
-            return new_state, ResultTokens(token, valid, done)
+            return new_state, ResultTokens(token, valid, done, chosen, top_ids, top)
 
-        return jax.lax.scan(step, state, None, length=self.config.decode_steps_per_call)
+        return jax.lax.scan(step, state, None, length=steps)
+
+
+def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
+    """Host copies ([rows] numpy) as one TokenLogprob per row."""
+    return [
+        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)))
+        for t, c, ids, top in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, strict=True)
+    ]
 
 
 def _slot_sampling(sampling: SamplingParams) -> SlotSampling:
@@ -332,4 +423,5 @@ def _slot_sampling(sampling: SamplingParams) -> SlotSampling:
         top_p=jnp.float32(sampling.top_p),
         max_tokens=jnp.int32(sampling.max_tokens),
         stop_ids=jnp.asarray(stop),
+        logprobs=jnp.bool_(sampling.wants_logprobs),
     )

@@ -66,6 +66,11 @@ class Limits:
                 field="max_tokens",
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
+        if sampling.n > self.max_concurrent_decodes:
+            raise GenerationError(
+                f"n={sampling.n} choices need as many decode slots; this server has {self.max_concurrent_decodes}",
+                field="n",
+            )
         if len(sampling.stop_ids) > MAX_STOP_IDS:
             raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
 

@@ -2,10 +2,14 @@
 batch and gRPC without a model, JAX or a compile (the fast test tier).
 
 Its rule: a prompt's first token is `(last prompt token + 1) % vocab_size`, and every next token is
-the previous one plus one (plus the request's seed when temperature > 0), modulo vocab_size. With
+the previous one plus one (plus the choice's seed when temperature > 0), modulo vocab_size. With
 `AsciiTokenizer` (token i is the character chr(32 + i), vocab 95) the text is as easy: the prompt
 "ab" continues "cdefg...". Stop
-ids, max_tokens and max_target_length end a slot as they do in the real engine. The mock checks its
+ids, max_tokens and max_target_length end a slot as they do in the real engine. Choice i of a
+request with n > 1 draws with `sampling.choice_seed(i)`. A grammar mask makes a token it forbids
+become the smallest allowed token above it (cyclically). Logprobs, when asked: token t has
+logprob -(t % 5) / 4, and its alternatives are t + 1, t + 2, ... with logprob one less each.
+(A prompt token's logprob follows the same rule.) The mock checks its
 own contract: a decode state used after a call replaced it raises (the real engine donates it),
 and `calls` records every call for tests to read.
 """
@@ -18,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import ResultTokens
+from serving.engine.api import PrefillOutputs, ResultTokens
 from serving.engine.limits import Limits, finishes_at_first_token
-from serving.request import SamplingParams
+from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
 
@@ -53,9 +57,28 @@ class AsciiTokenizer(Tokenizer):
 
 @dataclass(frozen=True)
 class MockPrefix:
-    next_token: int  # the token fed at the first decode step (the first sampled token)
+    next_tokens: tuple[int, ...]  # per choice: the token fed at the first decode step
     length: int  # true prompt length
     sampling: SamplingParams
+    prompt_ids: tuple[int, ...] = ()
+
+
+def mock_logprob(token: int, vocab_size: int = 95) -> TokenLogprob:
+    """The mock's logprobs for `token` (the rule in the module docstring)."""
+    base = -(token % 5) / 4
+    top = tuple(((token + i) % vocab_size, base - i) for i in range(min(MAX_LOGPROBS, vocab_size)))
+    return TokenLogprob(token, base, top)
+
+
+def allowed(token: int, mask, vocab_size: int) -> int:
+    """`token` if `mask` (int32 [words] bits) allows it, else the next allowed token, cyclically."""
+    if mask is None:
+        return token
+    for i in range(vocab_size):
+        t = (token + i) % vocab_size
+        if (int(mask[t // 32]) >> (t % 32)) & 1:
+            return t
+    raise AssertionError("a mask that allows no token")
 
 
 @dataclass
@@ -64,6 +87,7 @@ class _Slot:
     position: int  # where `token` is written: prompt length + tokens generated before it
     generated: int
     sampling: SamplingParams
+    choice: int = 0
 
 
 @dataclass
@@ -95,16 +119,19 @@ class MockEngine:
     def max_concurrent_decodes(self) -> int:
         return self.limits.max_concurrent_decodes
 
-    def next_token(self, token: int, sampling: SamplingParams) -> int:
-        """The rule: the token after `token` for a request sampled with `sampling`."""
-        return (token + 1 + (sampling.seed if sampling.temperature > 0 else 0)) % self.vocab_size
+    def next_token(self, token: int, sampling: SamplingParams, choice: int = 0) -> int:
+        """The rule: the token after `token` for choice `choice` of a request sampled with `sampling`."""
+        seed = sampling.choice_seed(choice) if sampling.temperature > 0 else 0
+        return (token + 1 + seed) % self.vocab_size
 
-    def expected(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+    def expected(self, prompt_ids: Sequence[int], sampling: SamplingParams, choice: int = 0) -> list[int]:
         """Every token the mock produces for a request alone (what a test compares with)."""
+        if sampling.max_tokens == 0:
+            return []
         tokens = [(prompt_ids[-1] + 1) % self.vocab_size]
         # the token before the last one was fed at this position
         while not self._finished(tokens[-1], len(tokens), len(prompt_ids) + len(tokens) - 2, sampling):
-            tokens.append(self.next_token(tokens[-1], sampling))
+            tokens.append(self.next_token(tokens[-1], sampling, choice))
         return tokens
 
     def _finished(self, token: int, generated: int, fed_at: int, sampling: SamplingParams) -> bool:
@@ -122,47 +149,77 @@ class MockEngine:
         return MockState()
 
     def prefill(
-        self, params: dict, padded_tokens: Sequence[int], true_length: int, sampling: SamplingParams
+        self,
+        params: dict,
+        padded_tokens: Sequence[int],
+        true_length: int,
+        sampling: SamplingParams,
+        mask=None,
     ) -> tuple[MockPrefix, int]:
         self.limits.check(true_length, sampling)
         if len(padded_tokens) != self.limits.bucket_for(true_length):
             raise ValueError(f"prompt padded to {len(padded_tokens)}, not its bucket")
         self.calls.append(("prefill", tuple(padded_tokens[:true_length])))
-        first = (int(padded_tokens[true_length - 1]) + 1) % self.vocab_size
-        return MockPrefix(first, true_length, sampling), first
+        first = allowed((int(padded_tokens[true_length - 1]) + 1) % self.vocab_size, mask, self.vocab_size)
+        prompt = tuple(int(t) for t in padded_tokens[:true_length])
+        return MockPrefix((first,) * sampling.n, true_length, sampling, prompt), first
 
-    def insert(self, prefix: MockPrefix, decode_state: MockState, slot: int) -> MockState:
+    def prefill_outputs(self, prefix: MockPrefix) -> PrefillOutputs:
+        sampling = prefix.sampling
+        first = None
+        if sampling.wants_logprobs:
+            first = tuple(mock_logprob(t, self.vocab_size) for t in prefix.next_tokens)
+        prompt = None
+        if sampling.prompt_logprobs is not None:
+            prompt = (None, *(mock_logprob(t, self.vocab_size) for t in prefix.prompt_ids[1:]))
+        return PrefillOutputs(prefix.next_tokens, first, prompt)
+
+    def insert(self, prefix: MockPrefix, decode_state: MockState, slot: int, choice: int = 0) -> MockState:
         self._check(decode_state, slot)
         self.calls.append(("insert", slot))
         slots = dict(decode_state.slots)
         slots.pop(slot, None)
-        if not finishes_at_first_token(prefix.next_token, prefix.sampling):
-            slots[slot] = _Slot(prefix.next_token, prefix.length, 1, prefix.sampling)
+        token = prefix.next_tokens[choice]
+        if not finishes_at_first_token(token, prefix.sampling):
+            slots[slot] = _Slot(token, prefix.length, 1, prefix.sampling, choice)
         return self._replace(decode_state, slots)
 
     def generate(
-        self, params: dict, decode_state: MockState, max_position: int | None = None
+        self, params: dict, decode_state: MockState, max_position: int | None = None, masks=None
     ) -> tuple[MockState, ResultTokens]:
         self._check(decode_state)
         positions = [s.position for s in decode_state.slots.values()]
         if max_position is not None and positions and max(positions) > max_position:
             raise AssertionError(f"max_position={max_position} but a slot is at {max(positions)}")
-        self.calls.append(("generate", max_position))
+        self.calls.append(("generate", max_position) if masks is None else ("generate", max_position, "masked"))
         if self.step_seconds:
             time.sleep(self.step_seconds)
-        shape = (self.decode_steps_per_call, self.limits.max_concurrent_decodes)
+        steps = 1 if masks is not None else self.decode_steps_per_call
+        shape = (steps, self.limits.max_concurrent_decodes)
         tokens, valid, done = np.zeros(shape, np.int32), np.zeros(shape, bool), np.zeros(shape, bool)
-        slots = {i: _Slot(s.token, s.position, s.generated, s.sampling) for i, s in decode_state.slots.items()}
-        for step in range(self.decode_steps_per_call):
+        k = min(MAX_LOGPROBS, self.vocab_size)
+        logprobs = np.zeros(shape, np.float32)
+        top_ids, top = np.zeros((*shape, k), np.int32), np.zeros((*shape, k), np.float32)
+        slots = {
+            i: _Slot(s.token, s.position, s.generated, s.sampling, s.choice)
+            for i, s in decode_state.slots.items()
+        }
+        for step in range(steps):
             for index, s in list(slots.items()):
-                s.token = self.next_token(s.token, s.sampling)
+                token = self.next_token(s.token, s.sampling, s.choice)
+                s.token = allowed(token, None if masks is None else masks[index], self.vocab_size)
                 s.generated += 1
                 tokens[step, index], valid[step, index] = s.token, True
+                lp = mock_logprob(s.token, self.vocab_size)
+                logprobs[step, index] = lp.logprob
+                top_ids[step, index] = [t for t, _ in lp.top]
+                top[step, index] = [v for _, v in lp.top]
                 done[step, index] = self._finished(s.token, s.generated, s.position, s.sampling)
                 s.position += 1
                 if done[step, index]:
                     del slots[index]
-        return self._replace(decode_state, slots), ResultTokens(tokens, valid, done)
+        result = ResultTokens(tokens, valid, done, logprobs, top_ids, top)
+        return self._replace(decode_state, slots), result
 
     def free_resource(self, decode_state: MockState, slot: int) -> MockState:
         self._check(decode_state, slot)

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["sample"]
+from serving.request import MAX_LOGPROBS
+
+__all__ = ["apply_mask", "sample", "token_logprobs"]
 
 # top-k up to this k (and a top-p within it) is read from lax.top_k of this size; a larger k
 # bisects. On CPU at batch 32, top_k of 64 / 128 / 256 costs about 3.4 / 4.6 / 11 ms.
@@ -58,6 +60,28 @@ def sample(
         lambda: _draw_sampling_rows(greedy, sampling, logits, keys, temperature, top_k, top_p),
         lambda: greedy,
     )
+
+
+def apply_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [batch, vocab] with -inf where `mask` (int32 [batch, ceil(vocab / 32)], bit i % 32 of
+    word i // 32 for token i, as grammar libraries lay out their token bitmasks) is 0."""
+    index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bits = jnp.right_shift(mask[:, index // 32], index % 32) & 1
+    return jnp.where(bits == 1, logits, -jnp.inf)
+
+
+def token_logprobs(
+    logits: jax.Array, tokens: jax.Array, temperature: jax.Array, num_top: int = MAX_LOGPROBS
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of the distribution each row samples from: log_softmax(logits / temperature)
+    (temperature 0, greedy: of the logits), before top-k and top-p. logits [batch, vocab], tokens
+    and temperature [batch]. Returns the tokens' logprobs [batch] and the `num_top` best tokens
+    with theirs, best first ([batch, num_top] int32 and float32)."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top, top_ids = lax.top_k(logprobs, min(num_top, logits.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top
 
 
 def argmax(logits: jax.Array) -> jax.Array:

@@ -1,15 +1,24 @@
 """From OpenAI-shaped request bodies to what the orchestrator takes, and from its completions back
 to OpenAI's response bodies. Shared by the HTTP routes and the batch runner, so that a batch line
-and an HTTP request with the same body give the same answer."""
+and an HTTP request with the same body give the same answer.
+
+A request with n choices comes back as n completions (one per choice, in order); echo, logprobs
+(serving.openai.logprobs), response_format and tool calls (serving.openai.tool_calls) are decided
+here from the body alone.
+"""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from serving.errors import GenerationError
+from serving.openai import tool_calls
 from serving.openai.errors import APIError
+from serving.openai.logprobs import CompletionLogprobs, chat_logprobs
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
-from serving.request import SamplingParams
+from serving.request import Grammar, SamplingParams
 from serving.text.chat_templates import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -20,9 +29,10 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
 def prompt_ids(body: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids: text, token ids, or chat messages through the chat template."""
+    """The prompt's token ids: text, token ids, or chat messages through the chat template (with
+    the tools, in the model's format, unless tool_choice is "none")."""
     if isinstance(body, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = tool_calls.render(body, tokenizer)
         try:
             return tokenizer.encode_chat(messages)
         except ChatTemplateError as exc:
@@ -61,6 +71,24 @@ def sampling(tokenizer: Tokenizer, ignore_eos: bool, **values: Any) -> SamplingP
         raise APIError(400, str(exc), param=str(exc).split()[0]) from None
 
 
+def grammar(body: OpenAIRequest, tokenizer: Tokenizer) -> Grammar | None:
+    """The constraint the body asks for: response_format, or a tool_choice that must call a tool."""
+    forced = tool_calls.forced_grammar(body, tokenizer) if isinstance(body, ChatCompletionRequest) else None
+    if forced is not None:
+        return forced
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Grammar("json")
+    from serving.structured.grammar import schema_grammar
+
+    try:
+        return schema_grammar(fmt.json_schema.schema_)
+    except GenerationError as exc:
+        raise APIError(400, str(exc), param="response_format") from None
+
+
 def openai_sampling(
     body: OpenAIRequest,
     tokenizer: Tokenizer,
@@ -74,6 +102,13 @@ def openai_sampling(
     if max_tokens is None:
         max_tokens = max(1, max_target_length - prompt_length)
     seed = body.seed if body.seed is not None else default_seed
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = None
+        if body.echo and (logprobs is not None or max_tokens == 0):
+            prompt_logprobs = logprobs or 0
     return sampling(
         tokenizer,
         body.ignore_eos,
@@ -82,28 +117,44 @@ def openai_sampling(
         top_p=body.top_p,
         top_k=body.top_k,
         seed=seed if seed is not None else secrets.randbits(31),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        n=body.n,
+        grammar=grammar(body, tokenizer),
     )
 
 
-def usage(c: Completion) -> dict[str, int]:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
-    }
+def usage(c: Completion | Sequence[Completion]) -> dict[str, int]:
+    """Usage of one completion, or of a request's choices (the prompt counted once)."""
+    choices = [c] if not isinstance(c, Sequence) else list(c)
+    prompt = choices[0].prompt_tokens
+    completion = sum(x.completion_tokens for x in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -113,21 +164,79 @@ def chat_chunk(
     }
 
 
-def response_body(body: OpenAIRequest, rid: str, created: int, model: str, c: Completion) -> dict[str, Any]:
-    """The whole (non-streamed) response: a text completion or a chat completion."""
+def echo_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The prompt as echoed: its tokens decoded (what text_offset counts in)."""
+    return tokenizer.decode(ids)
+
+
+def completion_choice(
+    body: CompletionRequest, c: Completion, ids: Sequence[int], tokenizer: Tokenizer
+) -> dict[str, Any]:
+    """One choice of a text completion: echo and logprobs as asked."""
+    text, logprobs = c.text, None
+    if body.echo:
+        text = echo_text(tokenizer, ids) + text
+    if body.logprobs is not None:
+        builder = CompletionLogprobs(tokenizer, body.logprobs)
+        entries, tokens = list(c.logprobs or []), list(c.token_ids)
+        if body.echo:
+            entries = [*(c.prompt_logprobs or [None] * len(ids)), *entries]
+            tokens = [*ids, *tokens]
+        logprobs = builder.chunk(entries, tokens)
+    return {"index": c.choice, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def chat_choice(
+    body: ChatCompletionRequest, c: Completion, tokenizer: Tokenizer, call_id: str | None = None
+) -> dict[str, Any]:
+    """One choice of a chat completion: content, or tool_calls with finish_reason tool_calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish_reason = c.finish_reason
+    calls = tool_calls.parse(body, tokenizer, c.text)
+    if calls is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls.wire(calls)}
+        finish_reason = "tool_calls"
+    logprobs = None
+    if body.logprobs:
+        logprobs = chat_logprobs(tokenizer, c.logprobs or [], body.top_logprobs or 0)
+    return {"index": c.choice, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response_body(
+    body: OpenAIRequest,
+    rid: str,
+    created: int,
+    model: str,
+    completions: Completion | Sequence[Completion],
+    ids: Sequence[int] = (),
+    tokenizer: Tokenizer | None = None,
+) -> dict[str, Any]:
+    """The whole (non-streamed) response: a text completion or a chat completion, one choice per
+    completion. `ids` (the prompt) and `tokenizer` are needed for echo, logprobs and tool calls."""
+    choices = [completions] if not isinstance(completions, Sequence) else list(completions)
+    if tokenizer is None and (getattr(body, "echo", False) or body.logprobs is not None or _has_tools(body)):
+        raise ValueError("echo, logprobs and tools need the tokenizer")
     if isinstance(body, CompletionRequest):
-        return completion_chunk(rid, created, model, c.text, c.finish_reason) | {"usage": usage(c)}
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": None,
-        "finish_reason": c.finish_reason,
-    }
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [completion_choice(body, c, ids, tokenizer) for c in choices]
+            if tokenizer is not None
+            else [{"index": c.choice, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                  for c in choices],
+            "usage": usage(choices),
+        }
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(c),
+        "choices": [chat_choice(body, c, tokenizer) for c in choices],
+        "usage": usage(choices),
     }
+
+
+def _has_tools(body: OpenAIRequest) -> bool:
+    return isinstance(body, ChatCompletionRequest) and bool(body.tools)

@@ -7,13 +7,16 @@ accepted at their neutral value and rejected clearly otherwise, never silently i
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serving.request import MAX_LOGPROBS
 
 # OpenAI allows up to 4 stop sequences; vLLM more. Keep it bounded: each is searched per token.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_CHOICES = 128  # n; the engine's slot count is the real bound (a 400 past it)
 
 Stop = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -51,10 +54,31 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchema(_Body):
+    name: str = Field(default="schema", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return self
+
+
 class _OpenAI(_Sampling):
     model: str | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
+    response_format: ResponseFormat | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -63,8 +87,6 @@ class _OpenAI(_Sampling):
 
     @model_validator(mode="after")
     def _supported(self) -> _OpenAI:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported (send several requests instead)")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
         if self.logit_bias:
@@ -76,9 +98,9 @@ class CompletionRequest(_OpenAI):
     """OpenAI's POST /v1/completions; one prompt: text or token ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(max_length=1 << 20)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: score the prompt")
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
@@ -87,10 +109,8 @@ class CompletionRequest(_OpenAI):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
             raise ValueError(f"prompt: one prompt per request (got a batch of {len(prompt)})")
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (to score the prompt)")
         if self.best_of not in (None, 1):
             raise ValueError("best_of: only 1 is supported")
         if self.suffix:
@@ -109,15 +129,49 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_OpenAI):
@@ -127,15 +181,31 @@ class ChatCompletionRequest(_OpenAI):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    tools: list[dict] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs is not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool is named {choice.function.name!r} (tools: {names})")
+        if self.tools and choice not in (None, "none") and self.response_format and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with a tool_choice that calls tools")
         return self
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

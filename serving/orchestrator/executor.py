@@ -2,7 +2,8 @@
 it owns the decode state. Every host of a multi-host slice runs the same plans in the same order.
 
 Host syncs: each admission's first token (the plan's stream needs it, and whether the generate
-call runs depends on it) and the generate call's tokens. Nothing else is read back.
+call runs depends on it; with n > 1 choices or logprobs, the prefill's outputs in one read) and the
+generate call's tokens (with their logprobs, when it made them). Nothing else is read back.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import EngineAPI
+from serving.engine.api import EngineAPI, PrefillOutputs
 from serving.engine.limits import finishes_at_first_token
 from serving.orchestrator.scheduler import Admission, StepOutcome, StepPlan
+from serving.request import TokenLogprob
 
 
 @dataclass
@@ -26,6 +28,12 @@ class Timings:
     generate: float | None = None
 
 
+# on_first_token(admission, choice, token, its logprobs, the prompt's logprobs)
+FirstTokenHook = Callable[
+    [Admission, int, int, TokenLogprob | None, tuple[TokenLogprob | None, ...] | None], None
+]
+
+
 class Executor:
     def __init__(self, engine: EngineAPI, params):
         self.engine = engine
@@ -33,36 +41,56 @@ class Executor:
         self.state = engine.init_decode_state()
         self.timings = Timings()
 
-    def run(
-        self, plan: StepPlan, on_first_token: Callable[[Admission, int], None] | None = None
-    ) -> StepOutcome:
-        """Execute `plan`; `on_first_token(admission, token)` is called as soon as each prefill has
-        sampled its first token (before the generate call), so a stream need not wait for it."""
+    def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
+        """Execute `plan`; `on_first_token` is called for each choice of each admission as soon as
+        its prefill has sampled (before the generate call), so a stream need not wait for it."""
         engine, state, timings = self.engine, self.state, Timings()
         for slot in plan.frees:
             state = engine.free_resource(state, slot)
-        first_tokens, active = [], plan.running > 0
+        first_tokens, first_logprobs, prompt_logprobs = [], [], []
+        active = plan.running > 0
         for admission in plan.admissions:
             started = time.perf_counter()
+            sampling = admission.sampling
             prefix, first = engine.prefill(
-                self.params, admission.padded_tokens, admission.true_length, admission.sampling
+                self.params, admission.padded_tokens, admission.true_length, sampling, admission.mask
             )
+            outputs = PrefillOutputs((first,))
+            if sampling.n > 1 or sampling.wants_logprobs or sampling.prompt_logprobs is not None:
+                outputs = engine.prefill_outputs(prefix)
             timings.prefills.append(time.perf_counter() - started)
-            if on_first_token is not None:
-                on_first_token(admission, first)
-            state = engine.insert(prefix, state, admission.slot)
-            first_tokens.append(first)
-            active = active or not finishes_at_first_token(first, admission.sampling)
-        outcome = StepOutcome(tuple(first_tokens))
+            prompt_logprobs.append(outputs.prompt_logprobs)
+            for choice, (slot, token) in enumerate(zip(admission.slots, outputs.first_tokens, strict=True)):
+                logprob = outputs.first_logprobs[choice] if outputs.first_logprobs else None
+                if on_first_token is not None:
+                    on_first_token(admission, choice, token, logprob, outputs.prompt_logprobs)
+                state = engine.insert(prefix, state, slot, choice)
+                first_tokens.append(token)
+                first_logprobs.append(logprob)
+                active = active or not finishes_at_first_token(token, sampling)
+        outcome = StepOutcome(tuple(first_tokens), first_logprobs=tuple(first_logprobs),
+                              prompt_logprobs=tuple(prompt_logprobs))
         if plan.decode_steps and active:
-            if plan.decode_steps != engine.decode_steps_per_call:
-                raise ValueError(f"a plan of {plan.decode_steps} decode steps for an engine of "
-                                 f"{engine.decode_steps_per_call}")
+            expected = 1 if plan.masks is not None else engine.decode_steps_per_call
+            if plan.decode_steps != expected:
+                raise ValueError(f"a plan of {plan.decode_steps} decode steps for a call of {expected}")
             started = time.perf_counter()
-            state, result = engine.generate(self.params, state, max_position=plan.max_position)
-            tokens, valid, done = (np.asarray(x) for x in result)
+            state, result = engine.generate(
+                self.params, state, max_position=plan.max_position, masks=plan.masks
+            )
+            tokens, valid, done = (np.asarray(x) for x in result[:3])
+            extra = {}
+            if result.logprobs is not None:
+                extra = dict(
+                    logprobs=np.asarray(result.logprobs),
+                    top_ids=np.asarray(result.top_ids),
+                    top_logprobs=np.asarray(result.top_logprobs),
+                )
             timings.generate = time.perf_counter() - started
-            outcome = StepOutcome(outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist())
+            outcome = StepOutcome(
+                outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist(),
+                outcome.first_logprobs, outcome.prompt_logprobs, **extra,
+            )
         self.state, self.timings = state, timings
         return outcome
 

@@ -15,6 +15,10 @@
 3. Each request's tokens travel through its own queue to whoever reads `RequestHandle.stream()`
    (serving.orchestrator.streams); detokenization and stop strings happen there, off the device
    thread. A stop string ends the request (the slot is freed like a cancellation).
+4. A request with n > 1 choices is queued as n requests back to back (it counts as n against the
+   queue bound) and admitted whole: one prefill into n slots. A request under a grammar has one
+   matcher per choice (serving.structured), advanced here with each token; their next-token masks
+   go into the plan.
 """
 
 from __future__ import annotations
@@ -33,8 +37,16 @@ from serving.errors import QueueFullError, ShuttingDownError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
-from serving.orchestrator.streams import END, Completion, Delta, LoopQueue, Request, RequestHandle
-from serving.request import SamplingParams
+from serving.orchestrator.streams import (
+    END,
+    Completion,
+    Delta,
+    LoopQueue,
+    PromptLogprobs,
+    Request,
+    RequestHandle,
+)
+from serving.request import SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +78,9 @@ class Orchestrator:
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
         self._queue: queue.Queue[Request] = queue.Queue(maxsize=config.max_queued_requests)
+        self._submit_lock = threading.Lock()  # a request's choices enter the queue together
+        self._held: Request | None = None  # a queue head whose choices did not fit in the free slots
+        self._grammars = None  # serving.structured.GrammarCompiler, made at the first grammar
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.last_progress = time.monotonic()  # for liveness: the loop made progress at this time
@@ -108,7 +123,10 @@ class Orchestrator:
 
     @property
     def has_work(self) -> bool:
-        return not self._queue.empty() or self.metrics.active_slots > 0
+        return not self._queue_empty() or self.metrics.active_slots > 0
+
+    def _queue_empty(self) -> bool:
+        return self._queue.empty() and self._held is None
 
     def submit(
         self,
@@ -121,23 +139,50 @@ class Orchestrator:
 
         With `loop`, the tokens are delivered onto that event loop: read them with `astream()`.
         """
+        if sampling.n != 1:
+            raise ValueError("a request with n > 1 choices goes through submit_choices")
+        return self.submit_choices(prompt_ids, sampling, stop_strings, loop)[0]
+
+    def submit_choices(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stop_strings: tuple[str, ...] = (),
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> list[RequestHandle]:
+        """`submit` for a request of `sampling.n` choices: one handle per choice, in order."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
         self.engine.limits.check(len(prompt_ids), sampling)
-        request = Request(list(prompt_ids), sampling, tuple(s for s in stop_strings if s))
-        if loop is not None:
-            request.tokens = LoopQueue(loop)
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            with self.metrics.lock:
-                self.metrics.requests_rejected += 1
-            raise QueueFullError(
-                f"the admission queue is full ({self._queue.maxsize} requests waiting)"
-            ) from None
+        matchers = self._matchers(sampling)
+        stops = tuple(s for s in stop_strings if s)
+        requests = [
+            Request(list(prompt_ids), sampling, stops, choice=i, grammar=matchers[i]) for i in range(sampling.n)
+        ]
+        for request in requests:
+            if loop is not None:
+                request.tokens = LoopQueue(loop)
+        with self._submit_lock:
+            if self._queue.maxsize and self._queue.qsize() + len(requests) > self._queue.maxsize:
+                with self.metrics.lock:
+                    self.metrics.requests_rejected += 1
+                raise QueueFullError(f"the admission queue is full ({self._queue.maxsize} requests waiting)")
+            for request in requests:
+                self._queue.put_nowait(request)
         self.metrics.queued = self._queue.qsize()
         self._wake.set()
-        return RequestHandle(request, self.tokenizer, self)
+        return [RequestHandle(request, self.tokenizer, self) for request in requests]
+
+    def _matchers(self, sampling: SamplingParams) -> list:
+        """One grammar matcher per choice (None without a grammar); GenerationError for a bad one."""
+        if sampling.grammar is None:
+            return [None] * sampling.n
+        if self._grammars is None:
+            from serving.structured import GrammarCompiler  # imports the grammar library (slow)
+
+            self._grammars = GrammarCompiler(self.tokenizer)
+        compiled = self._grammars.compile(sampling.grammar)
+        return [self._grammars.matcher(compiled) for _ in range(sampling.n)]
 
     # -- the device thread ---------------------------------------------------------------------
 
@@ -152,20 +197,23 @@ class Orchestrator:
             self._stopping.set()
             for request in running.values():
                 self._finish(request, "error")
-            for request in self._take(self._queue.qsize() + 1):
-                self._finish(request, "error")
+            for group in self._take(self._queue.qsize() + 1 + self.engine.limits.max_concurrent_decodes):
+                for request in group:
+                    self._finish(request, "error")
 
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
         executor = self._make_executor(engine, self.params)
         scheduler = Scheduler(engine.limits, engine.decode_steps_per_call)
-        while not (self._stopping.is_set() and not running and self._queue.empty()):
+        while not (self._stopping.is_set() and not running and self._queue_empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
-            waiting = self._take(scheduler.room(cancelled))
-            running.update((r.request_id, r) for r in waiting)
-            plan = scheduler.schedule(
-                [Waiting(r.request_id, tuple(r.prompt_ids), r.sampling) for r in waiting], cancelled
-            )
+            masks = {
+                rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
+            }
+            groups = self._take(scheduler.room(cancelled))
+            for group in groups:
+                running.update((r.request_id, r) for r in group)
+            plan = scheduler.schedule([_waiting(group) for group in groups], cancelled, masks)
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
             self.metrics.queued = self._queue.qsize()
@@ -180,7 +228,10 @@ class Orchestrator:
             if plan.decode_steps:
                 self._maybe_start_trace()
             outcome = executor.run(
-                plan, on_first_token=lambda a, token, slots=slots: self._first_token(slots[a.slot], token)
+                plan,
+                on_first_token=lambda a, choice, *first, slots=slots: self._first_token(
+                    slots[a.slots[choice]], *first
+                ),
             )
             for seconds in executor.timings.prefills:
                 self.metrics.observe("prefill_step", seconds)
@@ -196,31 +247,57 @@ class Orchestrator:
             self.metrics.kv_tokens_used = scheduler.kv_tokens_used()
         executor.close()
 
-    def _take(self, room: int) -> list[Request]:
-        """Up to `room` requests from the queue, oldest first; cancelled ones end here."""
-        taken: list[Request] = []
-        while len(taken) < room:
-            try:
-                request = self._queue.get_nowait()
-            except queue.Empty:
+    def _take(self, room: int) -> list[list[Request]]:
+        """Whole requests (each the list of its choices) from the queue, oldest first, while their
+        choices fit in `room` slots; a head that does not fit waits (held) for the next turn.
+        Cancelled ones end here."""
+        taken: list[list[Request]] = []
+        while True:
+            head, self._held = self._held, None
+            if head is None:
+                try:
+                    head = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if head.sampling.n > room and not head.cancelled.is_set():
+                self._held = head
                 break
-            if request.cancelled.is_set():
-                self._finish(request, "cancelled")
-            else:
-                taken.append(request)
+            group = [head, *(self._queue.get_nowait() for _ in range(head.sampling.n - 1))]
+            if head.cancelled.is_set():
+                for request in group:
+                    self._finish(request, "cancelled")
+                continue
+            taken.append(group)
+            room -= len(group)
         return taken
 
-    def _first_token(self, request: Request, token: int) -> None:
-        """A prefill's token onto its stream at once (before the turn's generate call)."""
-        request.put(token)
+    def _first_token(
+        self,
+        request: Request,
+        token: int,
+        logprob: TokenLogprob | None,
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None,
+    ) -> None:
+        """A prefill's token onto its stream at once (before the turn's generate call); with
+        max_tokens 0 (scoring the prompt) only the prompt's logprobs."""
+        if prompt_logprobs is not None:
+            request.tokens.put(PromptLogprobs(prompt_logprobs))
+        if request.sampling.max_tokens > 0:
+            self._put(request, token, logprob)
         self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
 
     def _deliver(self, outcome: StepOutcome, slots: dict[int, Request]) -> None:
         """Each step's tokens of the generate call onto their requests' streams."""
-        for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
+        for step, (step_tokens, step_valid) in enumerate(zip(outcome.tokens, outcome.valid, strict=True)):
             for slot, request in slots.items():
                 if step_valid[slot]:
-                    request.put(step_tokens[slot])
+                    wanted = request.sampling.wants_logprobs and outcome.logprobs is not None
+                    self._put(request, step_tokens[slot], outcome.token_logprob(step, slot) if wanted else None)
+
+    def _put(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        request.put(token, logprob)
+        if request.grammar is not None and not request.grammar.advance(token):
+            log.warning("request %d: its grammar refused token %d", request.request_id, token)
 
     def _maybe_start_trace(self) -> None:
         with self._profile_lock:
@@ -245,3 +322,11 @@ class Orchestrator:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.tokens.put((END, reason))
+
+
+def _waiting(group: list[Request]) -> Waiting:
+    """The scheduler's view of a request and its choices (all in the same grammar state)."""
+    head = group[0]
+    mask = head.grammar.mask() if head.grammar is not None else None
+    ids = tuple(r.request_id for r in group[1:])
+    return Waiting(head.request_id, tuple(head.prompt_ids), head.sampling, ids, mask)

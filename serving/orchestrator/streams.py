@@ -1,6 +1,8 @@
 """Per-request streams: the device loop puts token ids on a request's queue; whoever reads
 `RequestHandle.stream()` (a thread) or `astream()` (asyncio) gets text deltas, detokenized off the
-device thread, never splitting a UTF-8 character, with stop strings held back and cut.
+device thread, never splitting a UTF-8 character, with stop strings held back and cut. A token
+that comes with its logprobs (a `TokenLogprob`) travels with them into its delta; a request with
+n > 1 choices is n requests (one stream each) admitted together.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from serving.request import SamplingParams
+from serving.request import SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
 
 
 @dataclass
@@ -38,6 +41,16 @@ class Completion:
     completion_tokens: int
     time_to_first_token: float
     token_times: list[float]  # seconds since submission, one per completion token
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # one per prompt token (echo)
+    choice: int = 0  # which of the request's n choices
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The stream item carrying the prompt's logprobs (before any token)."""
+
+    logprobs: tuple[TokenLogprob | None, ...]
 
 
 END = object()
@@ -71,11 +84,13 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: int = field(default_factory=itertools.count().__next__)
     last_token: int | None = None  # the newest token put on the stream (the device loop's)
+    choice: int = 0  # of sampling.n; the choices of one request are queued one after another
+    grammar: Any = None  # a serving.structured matcher, advanced by the device loop
 
-    def put(self, token: int) -> None:
-        """Hand a token to the reader (device loop only)."""
+    def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Hand a token (with its logprobs, if asked) to the reader (device loop only)."""
         self.last_token = token
-        self.tokens.put(token)
+        self.tokens.put(token if logprob is None else logprob)
 
 
 class _Assembler:
@@ -86,6 +101,8 @@ class _Assembler:
         self.decoder = tokenizer.incremental_decoder()
         self.text = ""
         self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if request.sampling.wants_logprobs else None
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self.times: list[float] = []
         self.emitted = 0  # characters of `text` already handed out
         self.emitted_ids = 0
@@ -99,6 +116,13 @@ class _Assembler:
             self.reason = item[1]
             self.text += self.decoder.flush()
             return self._delta(len(self.text))
+        if isinstance(item, PromptLogprobs):
+            self.prompt_logprobs = item.logprobs
+            return None
+        if isinstance(item, TokenLogprob):
+            if self.logprobs is not None:
+                self.logprobs.append(item)
+            item = item.token
         self.ids.append(item)
         self.times.append(time.perf_counter() - request.submitted)
         self.text += self.decoder.push(item)
@@ -111,7 +135,8 @@ class _Assembler:
     def _delta(self, safe: int) -> Delta | None:
         if safe <= self.emitted:
             return None  # nothing new to show yet; its tokens travel with the next delta
-        delta = Delta(self.text[self.emitted : safe], self.ids[self.emitted_ids :])
+        logprobs = None if self.logprobs is None else self.logprobs[self.emitted_ids :]
+        delta = Delta(self.text[self.emitted : safe], self.ids[self.emitted_ids :], logprobs)
         self.emitted, self.emitted_ids = safe, len(self.ids)
         return delta
 
@@ -124,6 +149,9 @@ class _Assembler:
             completion_tokens=len(self.ids),
             time_to_first_token=self.times[0] if self.times else 0.0,
             token_times=self.times,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            choice=self.request.choice,
         )
 
 
@@ -136,6 +164,15 @@ class RequestHandle:
         self._orchestrator = orchestrator
         self._assembler = _Assembler(request, tokenizer)
         self.completion: Completion | None = None
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt's logprobs once they arrived (they come before the first token)."""
+        return self._assembler.prompt_logprobs
+
+    @property
+    def choice(self) -> int:
+        return self._request.choice
 
     def cancel(self) -> None:
         """Stop generating (the client went away); the slot is freed at the next step."""

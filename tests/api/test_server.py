@@ -159,7 +159,7 @@ def test_jetstream_generate_both_modes(server):
     [
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ["greater than"]),
         ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature", ["number"]),
-        ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n", ["n=1"]),
+        ("/v1/completions", {"prompt": PROMPT, "n": SLOTS + 1}, "n", ["decode slots"]),
         ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt", ["one prompt"]),
         ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt", ["vocabulary"]),
         ("/v1/completions", {"prompt": "word " * 400}, "prompt", ["max_prefill_predict_length=64"]),

@@ -25,7 +25,7 @@ def test_admissions_fill_free_slots_in_order_padded_to_their_bucket():
     assert plan.admissions[0].padded_tokens == (1, 2, 3, *([0] * 13))
     assert (plan.decode_steps, plan.running, plan.max_position) == (2, 0, 20)
     assert scheduler.room() == 0
-    with pytest.raises(ValueError, match="1 requests for 0 free slots"):
+    with pytest.raises(ValueError, match="1 slots asked for, 0 free"):
         scheduler.schedule([_waiting(9)])
 
 
