@@ -244,8 +244,11 @@ def test_sharded_on_8_devices_gives_the_single_device_tokens(tiny_model_dir):
     assert "cpu_kernels=on" in on and "one CPU device, not 8 cpu device(s)" in on
     assert sharded["specs"] == {
         "backend_auto": "xla",
-        "wq": [None, "fsdp", "tensor"],
-        "w_down": [None, "tensor", "fsdp"],
-        "cache": [None, "autoregressive", None, None, None],  # 2 kv heads over 4 chips: replicated
-        "tokens": ["autoregressive"],
+        # MaxText's axes (serving.engine.partitioning; every leaf in tests/test_sharding.py): 4 heads
+        # over tensor 4 x autoregressive 2 split over tensor; mlp 112 over both; 2 kv heads in the
+        # cache over autoregressive; slots not split.
+        "wq": [None, None, "tensor"],
+        "w_down": [None, ["tensor", "autoregressive"], None],
+        "cache": [None, None, None, "autoregressive", None],
+        "tokens": [],
     }

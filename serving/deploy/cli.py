@@ -20,12 +20,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions = deploy.add_subparsers(dest="action", required=True)
 
     p = actions.add_parser("render", help="print the manifests (or write them to -o DIR)")
-    p.add_argument("config", type=Path)
+    _add_config_args(p)
     p.add_argument("-o", "--output-dir", type=Path)
     p.set_defaults(handler=cmd_render)
 
     p = actions.add_parser("plan", help="chips, mesh, HBM per chip, KV capacity and a decode roofline")
-    p.add_argument("config", type=Path)
+    _add_config_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_plan)
 
@@ -35,7 +35,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ("delete", cmd_delete, "delete the objects"),
     ):
         p = actions.add_parser(name, help=text)
-        p.add_argument("config", type=Path)
+        if name == "apply":
+            _add_config_args(p)
+        else:
+            p.add_argument("config", type=Path)
         p.add_argument("--kubeconfig", help="default: $KUBECONFIG or ~/.kube/config")
         p.add_argument("--context")
         if name == "apply":
@@ -43,6 +46,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                 "--wait", type=float, metavar="SECONDS", help="wait for the LWS Available condition"
             )
         p.set_defaults(handler=handler)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path)
+    # Named `args` so that the CLI's main() also collects key=value given after the options.
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="key=value",
+        help="overrides of the config's serving: section, as `pathserve serve` takes them",
+    )
+
+
+def _load(ns: argparse.Namespace) -> DeploymentConfig:
+    return load_deployment(ns.config, getattr(ns, "args", ()))
 
 
 def checked_manifests(cfg: DeploymentConfig) -> list[Manifest]:
@@ -62,7 +80,7 @@ def to_yaml(objects: list[Manifest]) -> str:
 
 
 def cmd_render(ns: argparse.Namespace) -> int:
-    text = to_yaml(checked_manifests(load_deployment(ns.config)))
+    text = to_yaml(checked_manifests(_load(ns)))
     if ns.output_dir is None:
         sys.stdout.write(text)
         return 0
@@ -77,7 +95,7 @@ def cmd_render(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    plan = make_plan(load_deployment(ns.config))
+    plan = make_plan(_load(ns))
     print(json.dumps(plan.to_dict(), indent=2) if ns.json else format_plan(plan))
     return 0
 
@@ -91,7 +109,7 @@ def _client(ns: argparse.Namespace):
 def cmd_apply(ns: argparse.Namespace) -> int:
     from serving.deploy.kube import apply, wait_available
 
-    cfg = load_deployment(ns.config)
+    cfg = _load(ns)
     objects = checked_manifests(cfg)
     client = _client(ns)
     for result in apply(client, objects):

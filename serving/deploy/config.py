@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.config import ConfigError, ServingConfig, build, read_yaml
+from serving.config import ConfigError, ServingConfig, build, parse_overrides, read_yaml
 from serving.deploy.errors import DeployError
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -183,9 +184,18 @@ def _yaml_scalar(value: Any) -> str:
     return str(value)
 
 
-def load_deployment(path: str | Path) -> DeploymentConfig:
-    """Read and validate a deployment YAML; errors name the field."""
+def load_deployment(path: str | Path, overrides: Iterable[str] = ()) -> DeploymentConfig:
+    """Read and validate a deployment YAML; errors name the field.
+
+    `overrides` are `key=value` arguments over its `serving:` section, parsed exactly as `pathserve
+    serve` parses its own (serving.config.parse_overrides)."""
     try:
-        return build(DeploymentConfig, read_yaml(Path(path)), source=str(path))
+        data = dict(read_yaml(Path(path)))
+        if overrides:
+            serving = data.get("serving") or {}
+            if not isinstance(serving, dict):
+                raise ConfigError(f"{path}: serving: expected a mapping of serving keys")
+            data["serving"] = {**serving, **parse_overrides(overrides)}
+        return build(DeploymentConfig, data, source=str(path))
     except ConfigError as exc:
         raise DeployError(str(exc)) from None

@@ -13,12 +13,19 @@ from serving.config import ConfigError, ServingConfig, load_model_config
 from serving.deploy.accelerators import tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
+from serving.engine.partitioning import (
+    DTYPE_BYTES,
+    MESH_AXES,
+    SCALE_DTYPE,
+    Numerics,
+    Placement,
+    describe,
+    placement,
+)
 from serving.models.config import ModelConfig
 
 # Share of HBM we let weights and KV cache take; the rest is for activations and XLA's workspace.
 HBM_USABLE_FRACTION = 0.9
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-SCALE_BYTES = 4  # float32 scales of int8 weights and int8 KV
 
 
 @dataclass(frozen=True)
@@ -39,51 +46,61 @@ class Plan:
     kv_heads_per_chip: int
     kv_bytes_per_chip: float
     kv_capacity_tokens: int  # slots x max_target_length
-    kv_tokens_that_fit_per_chip: int
+    kv_tokens_that_fit_per_chip: int  # cache positions (over all slots) the HBM left by the weights holds
     hbm_bytes_per_chip: float
     hbm_usable_per_chip: float
     step_time_s: float
     bound: str  # "memory" or "compute"
     tokens_per_s: float  # per replica, all slots decoding at full context
+    shardings: dict[str, str]  # weight family / "kv cache" -> the mesh axes of each dimension
+    replication: list[str]  # where a dimension does not divide over its axes and is replicated
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def numerics(serving: ServingConfig) -> Numerics:
+    return Numerics(serving.weight_dtype, serving.dtype, serving.quantization, serving.quantize_kvcache)
+
+
 def weight_bytes(model: ModelConfig, serving: ServingConfig) -> float:
-    """Bytes of all weights: int8 matmuls and embedding with float32 per-channel (per-row) scales,
-    norms in weight_dtype; without quantization everything in weight_dtype."""
-    e, d, n = model.embed_dim, model.head_dim, model.num_layers
-    dtype = DTYPE_BYTES[serving.weight_dtype]
-    per_layer_in_out = [
-        (e, model.num_heads * d),
-        (e, model.num_kv_heads * d),
-        (e, model.num_kv_heads * d),
-        (model.num_heads * d, e),
-        (e, model.mlp_dim),
-        (e, model.mlp_dim),
-        (model.mlp_dim, e),
-    ]
-    matmuls = [(i, o) for i, o in per_layer_in_out for _ in range(n)]
-    if not model.tie_embeddings:
-        matmuls.append((e, model.vocab_size))
-    norms = (2 * n + 1) * e * dtype
-    if serving.quantization == "int8":
-        matmul_bytes = sum(i * o + o * SCALE_BYTES for i, o in matmuls)
-        embed = model.vocab_size * (e + SCALE_BYTES)
-    else:
-        matmul_bytes = sum(i * o * dtype for i, o in matmuls)
-        embed = model.vocab_size * e * dtype
-    return float(matmul_bytes + embed + norms)
+    """Bytes of all weights (int8 matmuls and embedding with float32 per-channel or per-row scales,
+    norms in weight_dtype; without quantization everything in weight_dtype), from the leaves the
+    engine places."""
+    where = placement(model, numerics(serving), dict.fromkeys(MESH_AXES, 1), 1, 1)
+    return float(sum(leaf.nbytes for leaf in where.params.values()))
 
 
 def kv_bytes_per_token(model: ModelConfig, serving: ServingConfig, kv_heads: int) -> float:
-    """KV bytes for one token over all layers, for `kv_heads` heads."""
+    """KV bytes for one token over all layers, for `kv_heads` heads (int8 values + a float32 scale)."""
     if serving.quantize_kvcache:
-        per_head = model.head_dim * 1 + SCALE_BYTES
+        per_head = model.head_dim * DTYPE_BYTES["int8"] + DTYPE_BYTES[SCALE_DTYPE]
     else:
         per_head = model.head_dim * DTYPE_BYTES[serving.dtype]
     return float(model.num_layers * 2 * kv_heads * per_head)
+
+
+# The weight families `plan` shows, each by one of its leaves.
+FAMILIES = {
+    "embed [vocab, embed]": ("embed",),
+    "wq [embed, heads]": ("layers", "wq"),
+    "wk, wv [embed, kv_heads]": ("layers", "wk"),
+    "wo [heads, embed]": ("layers", "wo"),
+    "w_gate, w_up [embed, mlp]": ("layers", "w_gate"),
+    "w_down [mlp, embed]": ("layers", "w_down"),
+    "lm_head [embed, vocab]": ("lm_head",),
+}
+
+
+def _shardings(where: Placement) -> dict[str, str]:
+    out = {}
+    for family, path in FAMILIES.items():
+        leaf = where.params.get(path) or where.params.get((*path, "values"))
+        if leaf is not None:
+            out[family] = describe(leaf.spec[-2:])
+    k = where.cache[("k",)]
+    out["kv cache [slots, length, kv_heads, head_dim]"] = describe(k.spec[1:])
+    return out
 
 
 def make_plan(cfg: DeploymentConfig) -> Plan:
@@ -111,43 +128,24 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
             f"{mesh['fsdp']} x {mesh['autoregressive']} x {mesh['tensor']} = {product}, but "
             f"{cfg.tpu.accelerator} {cfg.tpu.topology} x {cfg.tpu.num_slices} slice(s) has {chips} chips"
         )
-    tp = mesh["tensor"]
-    if (
-        model.num_heads % tp
-        or (tp <= model.num_kv_heads and model.num_kv_heads % tp)
-        or (tp > model.num_kv_heads and tp % model.num_kv_heads)
-    ):
-        raise DeployError(
-            f"serving.ici_tensor_parallelism: {tp} does not divide {model.name}'s {model.num_heads} heads "
-            f"and {model.num_kv_heads} kv heads evenly"
-        )
     slots = serving.per_device_batch_size * chips
     if slots < 1 or slots != int(slots):
         raise DeployError(
             f"serving.per_device_batch_size: {serving.per_device_batch_size} x {chips} chips is not a whole number of slots"
         )
     slots = int(slots)
-    if slots % mesh["autoregressive"]:
-        raise DeployError(
-            f"serving.ici_autoregressive_parallelism: {slots} slots do not split {mesh['autoregressive']} ways"
-        )
-
-    weights = weight_bytes(model, serving)
-    weights_per_chip = weights / (tp * mesh["fsdp"])
-    kv_heads_per_chip = max(1, model.num_kv_heads // tp)  # fewer kv heads than chips: replicated
-    kv_token_chip = kv_bytes_per_token(model, serving, kv_heads_per_chip)
-    slots_per_chip = slots // mesh["autoregressive"]
-    kv_per_chip = slots_per_chip * serving.max_target_length * kv_token_chip
+    # The engine's own placement (serving.engine.partitioning): bytes per chip from its specs.
+    where = placement(model, numerics(serving), mesh, slots, serving.max_target_length)
+    weights = float(sum(leaf.nbytes for leaf in where.params.values()))
+    weights_per_chip = float(where.params_bytes_per_chip())
+    kv_per_chip = float(where.cache_bytes_per_chip())
+    k = where.cache[("k",)]
+    kv_heads_per_chip = model.num_kv_heads // k.ways(mesh)
+    kv_token_chip = kv_per_chip / (slots * serving.max_target_length)
     hbm = slice_.accelerator.hbm_bytes
     usable = hbm * HBM_USABLE_FRACTION
     if weights_per_chip + kv_per_chip > usable:
-        raise DeployError(
-            f"{cfg.model_name} does not fit on {cfg.tpu.accelerator} {cfg.tpu.topology}: weights "
-            f"{weights_per_chip / 1e9:.1f} GB + KV cache {kv_per_chip / 1e9:.1f} GB per chip exceed the usable "
-            f"{usable / 1e9:.1f} GB of {hbm / 1e9:.0f} GB HBM; try serving.quantization=int8, "
-            f"serving.quantize_kvcache=true, a smaller serving.max_target_length or "
-            f"serving.per_device_batch_size, or a larger tpu.topology"
-        )
+        raise DeployError(_does_not_fit(cfg, serving, where, weights_per_chip, kv_per_chip, usable, chips))
     memory_time = (weights_per_chip + kv_per_chip) / slice_.accelerator.hbm_bandwidth
     compute_time = 2 * model.num_params * slots / (chips * slice_.accelerator.bf16_flops)
     step = max(memory_time, compute_time)
@@ -174,6 +172,38 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         step_time_s=step,
         bound="memory" if memory_time >= compute_time else "compute",
         tokens_per_s=slots / step,
+        shardings=_shardings(where),
+        replication=list(where.notes),
+    )
+
+
+def _does_not_fit(
+    cfg: DeploymentConfig,
+    serving: ServingConfig,
+    where: Placement,
+    weights: float,
+    kv: float,
+    usable: float,
+    chips: int,
+) -> str:
+    """The refusal: the numbers, what would fit, and the flags that change them."""
+    slots = where.cache[("k",)].shape[1]
+    fitting = int((usable - weights) // (kv / slots)) if usable > weights else 0
+    if fitting:
+        advice = (
+            f"{fitting} slots of {serving.max_target_length} tokens would fit "
+            f"(serving.per_device_batch_size <= {fitting / chips:g}, not {serving.per_device_batch_size:g})"
+        )
+    else:
+        advice = "the weights alone do not fit"
+    replicated = f"; replicated: {'; '.join(where.notes)}" if where.notes else ""
+    return (
+        f"{cfg.model_name} does not fit on {cfg.tpu.accelerator} {cfg.tpu.topology}: weights "
+        f"{weights / 1e9:.1f} GB + KV cache {kv / 1e9:.1f} GB per chip exceed the usable "
+        f"{usable / 1e9:.1f} GB of {usable / HBM_USABLE_FRACTION / 1e9:.0f} GB HBM; {advice}{replicated}; try "
+        f"serving.quantization=int8, serving.quantize_kvcache=true, a smaller serving.max_target_length "
+        f"or serving.per_device_batch_size, other serving.ici_tensor_parallelism / "
+        f"ici_autoregressive_parallelism / ici_fsdp_parallelism, or a larger tpu.topology"
     )
 
 
@@ -203,9 +233,16 @@ def format_plan(plan: Plan) -> str:
             "HBM per chip",
             f"{(plan.weight_bytes_per_chip + plan.kv_bytes_per_chip) / gb:.2f} GB used of {plan.hbm_usable_per_chip / gb:.1f} GB usable ({plan.hbm_bytes_per_chip / gb:.0f} GB)",
         ),
-        ("KV tokens that fit per chip", f"{plan.kv_tokens_that_fit_per_chip}"),
+        (
+            "KV tokens that fit",
+            f"{plan.kv_tokens_that_fit_per_chip} in the HBM the weights leave "
+            f"({plan.kv_tokens_that_fit_per_chip // plan.max_target_length} slots of {plan.max_target_length}; "
+            f"every chip holds every slot)",
+        ),
         ("decode step (roofline)", f"{plan.step_time_s * 1e3:.2f} ms, {plan.bound}-bound"),
         ("decode throughput (roofline)", f"{plan.tokens_per_s:.0f} tokens/s per replica"),
+        *((f"sharding: {family}", axes) for family, axes in plan.shardings.items()),
+        *(("replicated", note) for note in plan.replication),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

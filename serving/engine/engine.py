@@ -28,15 +28,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
 from serving.engine.api import PrefillOutputs, ResultTokens
 from serving.engine.limits import MAX_STOP_IDS, Limits
+from serving.engine.partitioning import Numerics
 from serving.engine.sampling import apply_mask, sample, token_logprobs
-from serving.engine.sharding import cache_spec, param_shardings
+from serving.engine.sharding import (
+    cache_shardings,
+    engine_placement,
+    param_shardings,
+    replicated,
+    unstacked_shardings,
+)
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
@@ -128,6 +134,14 @@ class Engine:
             max_target_length=config.max_target_length,
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
+        # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
+        self.placement = engine_placement(
+            model.config,
+            Numerics(config.weight_dtype, config.dtype, config.quantization, config.quantize_kvcache),
+            self.mesh,
+            self.max_concurrent_decodes,
+            config.max_target_length,
+        )
         self._dtype = jnp.dtype(config.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
         static = dict(cfg=model.config, scan_layers=config.scan_layers, dtype=self._dtype, ops=self.ops)
@@ -146,7 +160,7 @@ class Engine:
             partial(self._generate_impl, static=static),
             donate_argnums=(1,),
             # Tokens replicated: every process of a multi-host slice reads them (lockstep).
-            out_shardings=(state_shardings, NamedSharding(self.mesh, P())),
+            out_shardings=(state_shardings, replicated(self.mesh)),
             static_argnames=("window", "steps"),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
@@ -154,11 +168,15 @@ class Engine:
     # -- the contract --------------------------------------------------------------------------
 
     def load_params(self) -> dict:
-        """The model's params placed on the mesh (weights over `tensor` and `fsdp`), in the
-        backend's layout (`ops.prepare`), layers unstacked when scan_layers=false."""
-        params = jax.device_put(self.model.params, param_shardings(self.model.params, self.mesh))
-        params = self.ops.prepare(params)
-        return params if self.config.scan_layers else jax.jit(unstack_layers)(params)
+        """The model's params placed on the mesh as `self.placement` says (serving.engine.partitioning),
+        in the backend's layout (`ops.prepare`), layers unstacked when scan_layers=false."""
+        shardings = param_shardings(self.model.params, self.mesh, self.placement)
+        params = self.ops.prepare(jax.device_put(self.model.params, shardings))
+        if self.config.scan_layers:
+            return params
+        # A backend's own layout runs on one device only; on a mesh each layer keeps its spec.
+        out = unstacked_shardings(shardings, self.model.config.num_layers) if self.mesh.size > 1 else None
+        return jax.jit(unstack_layers, out_shardings=out)(params)
 
     def summary(self) -> dict[str, str]:
         """What runs: the weights' quantization, the KV cache's format, the compute backend."""
@@ -287,13 +305,10 @@ class Engine:
     # -- compiled bodies -----------------------------------------------------------------------
 
     def _state_shardings(self) -> DecodeState:
-        mesh = self.mesh
-        slots = NamedSharding(mesh, P("autoregressive"))
-        rows = NamedSharding(mesh, P("autoregressive", None))
-        cache = NamedSharding(mesh, cache_spec(self.model.config, mesh))
-        quantized = self.config.quantize_kvcache
+        # Slots are not split (MaxText's cache_batch): per-slot scalars are on every device.
+        slots = rows = replicated(self.mesh)
         return DecodeState(
-            cache=KVCache(cache, cache, cache if quantized else None, cache if quantized else None),
+            cache=cache_shardings(self.mesh, self.placement),
             tokens=slots,
             positions=slots,
             generated=slots,

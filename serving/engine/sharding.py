@@ -1,79 +1,89 @@
-"""Partition specs over the (fsdp, autoregressive, tensor) mesh.
+"""NamedShardings over the (fsdp, autoregressive, tensor) mesh, from serving.engine.partitioning.
 
-Weights shard over `tensor` along heads / MLP hidden (and over `fsdp` along the other matrix axis);
-decode slots shard over `autoregressive`; the KV cache shards its kv heads over `tensor` when they
-divide evenly and is replicated across `tensor` otherwise.
+The specs themselves (MaxText's meaning of the axes, where a dimension is replicated) live in
+`partitioning`, without JAX, so that `pathserve deploy plan` reads the same ones; this module only
+puts them on a `Mesh` and onto the params pytree and the KV cache.
 """
 
 from __future__ import annotations
-
-import logging
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from serving.engine.partitioning import Numerics, Placement, Spec, placement
+from serving.models.cache import KVCache
 from serving.models.config import ModelConfig
 from serving.models.quantization import QuantizedWeight
 
-log = logging.getLogger(__name__)
 
-COLUMN = {"wq", "wk", "wv", "w_gate", "w_up", "lm_head"}  # [.., in, out]: out over tensor
-ROW = {"wo", "w_down"}  # [.., in, out]: in over tensor
-
-
-def _weight_spec(name: str, stacked: bool, is_scales: bool) -> P:
-    lead = (None,) if stacked else ()
-    if name == "embed":  # [vocab, embed] (scales [vocab, 1])
-        return P(None, None) if is_scales else P("fsdp", "tensor")
-    if name in COLUMN:
-        return P(*lead, None, "tensor") if is_scales else P(*lead, "fsdp", "tensor")
-    if name in ROW:
-        return P(*lead, None, "fsdp") if is_scales else P(*lead, "tensor", "fsdp")
-    return P(*lead, None)  # norms
+def mesh_axes(mesh: Mesh) -> dict[str, int]:
+    """The mesh's axis sizes by name."""
+    return {name: int(size) for name, size in mesh.shape.items()}
 
 
-def param_shardings(params: dict, mesh: Mesh) -> dict:
-    """NamedShardings with the params pytree's structure (QuantizedWeight leaves included)."""
+def engine_placement(cfg: ModelConfig, numerics: Numerics, mesh: Mesh, slots: int, length: int) -> Placement:
+    """The partitioning of this engine's params and cache on `mesh` (logs where it replicates)."""
+    return placement(cfg, numerics, mesh_axes(mesh), slots, length)
 
-    def visit(tree: dict, stacked: bool) -> dict:
+
+def partition_spec(spec: Spec) -> P:
+    """partitioning's spec as a PartitionSpec: () -> None, (a,) -> a, (a, b) -> (a, b)."""
+    return P(*(None if not dim else dim[0] if len(dim) == 1 else dim for dim in spec))
+
+
+def param_shardings(params: dict, mesh: Mesh, where: Placement) -> dict:
+    """NamedShardings with the params pytree's structure (layers stacked, QuantizedWeight leaves
+    included); a leaf the placement does not know, or of another shape, is an error."""
+
+    def sharding(path: tuple[str, ...], value) -> NamedSharding:
+        leaf = where.params.get(path)
+        if leaf is None or tuple(value.shape) != leaf.shape:
+            raise ValueError(
+                f"params leaf {'/'.join(path)} {tuple(value.shape)} is not in the placement "
+                f"({leaf.shape if leaf else 'unknown'})"
+            )
+        return NamedSharding(mesh, partition_spec(leaf.spec))
+
+    def visit(tree: dict, prefix: tuple[str, ...]) -> dict:
         out = {}
         for name, value in tree.items():
+            path = (*prefix, name)
             if isinstance(value, dict):
-                out[name] = visit(value, stacked=name == "layers")
+                out[name] = visit(value, path)
             elif isinstance(value, QuantizedWeight):
                 out[name] = QuantizedWeight(
-                    values=NamedSharding(mesh, _weight_spec(name, stacked, False)),
-                    scales=NamedSharding(mesh, _weight_spec(name, stacked, True)),
+                    values=sharding((*path, "values"), value.values),
+                    scales=sharding((*path, "scales"), value.scales),
                     activations=value.activations,
                 )
             else:
-                out[name] = NamedSharding(mesh, _weight_spec(name, stacked, False))
+                out[name] = sharding(path, value)
         return out
 
-    return visit(params, stacked=False)
+    return visit(params, ())
 
 
-def kv_heads_axis(cfg: ModelConfig, mesh: Mesh) -> str | None:
-    tp = mesh.shape["tensor"]
-    if tp > 1 and cfg.num_kv_heads % tp:
-        log.info(
-            "%d kv heads over tensor parallelism %d: the KV cache is replicated across 'tensor'",
-            cfg.num_kv_heads,
-            tp,
+def unstacked_shardings(shardings: dict, num_layers: int) -> dict:
+    """The shardings of `unstack_layers(params)`: each layer's leaves without the layers axis."""
+
+    def drop_layers(s: NamedSharding) -> NamedSharding:
+        return NamedSharding(s.mesh, P(*s.spec[1:]))
+
+    layer = jax.tree.map(drop_layers, shardings["layers"])
+    return {**shardings, "layers": [layer] * num_layers}
+
+
+def cache_shardings(mesh: Mesh, where: Placement) -> KVCache:
+    """KVCache of NamedShardings (None for the scales of a float cache)."""
+    return KVCache(
+        *(
+            NamedSharding(mesh, partition_spec(where.cache[(name,)].spec)) if (name,) in where.cache else None
+            for name in KVCache._fields
         )
-        return None
-    return "tensor"
+    )
 
 
-def cache_spec(cfg: ModelConfig, mesh: Mesh, scales: bool = False) -> P:
-    """[layers, slots, cache, kv_heads, head_dim] (scales: [..., 1])."""
-    return P(None, "autoregressive", None, kv_heads_axis(cfg, mesh), None)
-
-
-def slots_spec() -> P:
-    return P("autoregressive")
-
-
-def shard(tree, shardings):
-    return jax.device_put(tree, shardings)
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array: the decode state's per-slot scalars (slots are not split)."""
+    return NamedSharding(mesh, P())

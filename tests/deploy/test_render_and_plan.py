@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,8 @@ def test_leader_worker_set_for_405b_on_v6e_16():
     assert "--gcs_scratch_location=gs://my-bucket/pathways-scratch" in leader["pathways-proxy"]["args"]
     engine = leader["engine"]
     assert engine["command"] == ["pathserve"] and engine["args"][0] == "serve"
-    assert "quantization=int8" in engine["args"] and "ici_tensor_parallelism=16" in engine["args"]
+    assert "quantization=int8" in engine["args"] and "ici_tensor_parallelism=8" in engine["args"]
+    assert "ici_autoregressive_parallelism=2" in engine["args"]
     assert "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8" in engine["args"]
     assert {"name": "JAX_PLATFORMS", "value": "proxy"} in engine["env"]
     assert {p["containerPort"] for p in engine["ports"]} == {8000, 9000}
@@ -154,29 +156,137 @@ def test_batch_config_renders_a_colocated_pathways_job():
     ]
 
 
+# Llama 3.1 405B: 126 layers, embed 16384, 128 heads / 8 kv heads of 128, mlp 53248, vocab 128256.
+L, E, H, KV, D, MLP, V = 126, 16384, 128, 8, 128, 53248, 128256
+
+
 def test_plan_for_405b_int8_on_v6e_16_matches_a_hand_calculation():
     plan = make_plan(load_deployment(V6E_405B))
-    # Llama 3.1 405B: 126 layers, embed 16384, 128 heads / 8 kv heads of 128, mlp 53248, vocab 128256.
-    per_layer = 2 * 16384 * 16384 + 2 * 16384 * 1024 + 3 * 16384 * 53248  # q, o; k, v; gate, up, down
-    matmul_int8 = 126 * per_layer + 16384 * 128256  # + untied LM head, one byte each
-    scales = 4 * (126 * (16384 + 1024 + 1024 + 16384 + 53248 + 53248 + 16384) + 128256)
-    embed_int8 = 128256 * 16384 + 4 * 128256  # int8 rows with a float32 scale each
-    norms_bf16 = 2 * (2 * 126 + 1) * 16384
+    per_layer = 2 * E * H * D + 2 * E * KV * D + 3 * E * MLP  # q, o; k, v; gate, up, down
+    matmul_int8 = L * per_layer + E * V  # + untied LM head, one byte each
+    scales = 4 * (L * (H * D + KV * D + KV * D + E + MLP + MLP + E) + V)
+    embed_int8 = V * E + 4 * V  # int8 rows with a float32 scale each
+    norms_bf16 = 2 * (2 * L + 1) * E
     weights = matmul_int8 + scales + embed_int8 + norms_bf16
     assert plan.weight_bytes == weights == 405_938_038_784
-    assert (
-        plan.chips == 16 and plan.hosts == 4 and plan.mesh == {"fsdp": 1, "autoregressive": 1, "tensor": 16}
-    )
-    assert plan.weight_bytes_per_chip == weights / 16
-    # 8 kv heads over 16 chips: each chip keeps one (replicated), int8 + a float32 scale per head and token.
-    kv_per_token_chip = 126 * 2 * 1 * (128 + 4)
+    assert plan.chips == 16 and plan.hosts == 4
+    assert plan.mesh == {"fsdp": 1, "autoregressive": 2, "tensor": 8}
+    # MaxText's rules by hand: heads, mlp and vocab split 16 ways (tensor x autoregressive); 8 kv heads
+    # split 8 ways (tensor), so wk / wv are held twice; wo's and w_down's [1, embed] scales, whose
+    # embed dimension only fsdp (1) splits, and the norms are on every chip.
+    kv_weights = 2 * L * (E * KV * D + 4 * KV * D)
+    whole = 4 * L * (E + E) + norms_bf16
+    per_chip = (weights - kv_weights - whole) / 16 + kv_weights / 8 + whole
+    assert plan.weight_bytes_per_chip == pytest.approx(per_chip, rel=1e-12)
+    assert plan.weight_bytes_per_chip == pytest.approx(weights / 16, rel=0.015)  # ~25.7 GB
+    # The KV cache: every chip holds all 44 slots x 2048 positions of one kv head (int8 + a scale).
+    kv_per_token_chip = L * 2 * 1 * (D + 4)
     assert plan.kv_heads_per_chip == 1
-    assert plan.slots == 16 and plan.kv_capacity_tokens == 16 * 2048
-    assert plan.kv_bytes_per_chip == 16 * 2048 * kv_per_token_chip
-    step = (weights / 16 + 16 * 2048 * kv_per_token_chip) / 1.64e12
+    assert plan.slots == 44 and plan.kv_capacity_tokens == 44 * 2048
+    assert plan.kv_bytes_per_chip == 44 * 2048 * kv_per_token_chip
+    assert plan.weight_bytes_per_chip + plan.kv_bytes_per_chip <= 28.8e9 == plan.hbm_usable_per_chip
+    assert plan.kv_tokens_that_fit_per_chip == int((28.8e9 - per_chip) // kv_per_token_chip)
+    step = (per_chip + 44 * 2048 * kv_per_token_chip) / 1.64e12
     assert plan.step_time_s == pytest.approx(step, rel=1e-12) and plan.bound == "memory"
-    assert plan.tokens_per_s == pytest.approx(16 / step, rel=1e-12)
-    assert 980 < plan.tokens_per_s < 995
+    assert plan.tokens_per_s == pytest.approx(44 / step, rel=1e-12)
+    assert plan.shardings["wq [embed, heads]"] == "[-, tensor x autoregressive]"
+    assert plan.shardings["wk, wv [embed, kv_heads]"] == "[-, tensor]"
+    assert plan.shardings["kv cache [slots, length, kv_heads, head_dim]"] == "[-, -, tensor, -]"
+
+
+# The engine flags of the product docs' 405B recipe, as one types them after `serve`.
+SEED_TEXT = """
+model_name=llama3.1-405b max_prefill_predict_length=1024 max_target_length=2048
+ici_fsdp_parallelism=1 ici_autoregressive_parallelism=2 ici_tensor_parallelism=8
+scan_layers=false weight_dtype=bfloat16 per_device_batch_size=10
+quantization=int8 quantize_kvcache=true checkpoint_is_quantized=true enable_model_warmup=true
+"""
+SEED_FLAGS = SEED_TEXT.split()
+
+
+def test_the_seeds_160_slots_are_refused_with_the_numbers_and_what_fits():
+    """With 2048 positions preallocated per slot, 160 slots need 10.9 GB of KV cache per chip (8 kv
+    heads split 8 ways) on top of 25.7 GB of weights: over the usable 28.8 GB, and over 32 GB."""
+    flags = [f for f in SEED_FLAGS if not f.startswith("model_name=")]  # model_name is top-level
+    result = run_cli("deploy", "plan", str(V6E_405B), *flags)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    for text in (
+        "weights 25.7 GB + KV cache 10.9 GB per chip exceed the usable 28.8 GB",
+        "46 slots of 2048 tokens would fit (serving.per_device_batch_size <= 2.875, not 10)",
+        "8 cache_heads do not divide over autoregressive x tensor = 16: split over tensor, replicated 2x",
+        "serving.per_device_batch_size",
+        "serving.max_target_length",
+    ):
+        assert text in result.stderr, result.stderr
+    result = run_cli("deploy", "plan", str(V6E_405B), "model_name=llama3.1-405b")
+    assert result.returncode == 2 and "serving.model_name: set model_name instead" in result.stderr
+
+
+def test_overrides_of_serving_mean_what_they_mean_for_serve(tmp_path):
+    """`deploy plan|render CONFIG key=value ...` = the config with those keys in `serving:`, parsed as
+    `pathserve serve` parses its overrides (YAML scalars)."""
+    overrides = ("per_device_batch_size=1", "max_target_length=4096", "scan_layers=true")
+    variant = _write_variant(
+        tmp_path,
+        V6E_405B,
+        serving__per_device_batch_size=1,
+        serving__max_target_length=4096,
+        serving__scan_layers=True,
+    )
+    assert make_plan(load_deployment(V6E_405B, overrides)) == make_plan(load_deployment(variant))
+    plan = json.loads(run_cli("deploy", "plan", str(V6E_405B), "--json", *overrides).stdout)
+    assert plan["slots"] == 16 and plan["max_target_length"] == 4096
+    result = run_cli("deploy", "render", str(V6E_405B), *overrides)
+    assert result.returncode == 0, result.stderr
+    lws = next(yaml.safe_load_all(result.stdout))
+    validate_object(lws)
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+    args = next(c for c in leader if c["name"] == "engine")["args"]
+    assert {"per_device_batch_size=1", "max_target_length=4096", "scan_layers=true"} <= set(args)
+    assert "per_device_batch_size=2.75" not in args
+    for bad, named in (
+        ("per_device_batch_sise=2", "did you mean 'per_device_batch_size'"),
+        ("scan_layers", "key=value"),
+    ):
+        result = run_cli("deploy", "render", str(V6E_405B), bad)
+        assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+def test_405b_in_bfloat16_on_v6e_16_is_refused_naming_the_numbers_and_the_flags():
+    result = run_cli(
+        "deploy",
+        "plan",
+        str(V6E_405B),
+        "quantization=",
+        "checkpoint_is_quantized=false",
+        "quantize_kvcache=false",
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    for text in (
+        "llama3.1-405b does not fit on tpu-v6e-slice 4x4: weights 51.3 GB + KV cache",
+        "the usable 28.8 GB of 32 GB HBM",
+        "the weights alone do not fit",
+        "serving.quantization=int8",
+        "serving.quantize_kvcache=true",
+        "ici_tensor_parallelism",
+        "a larger tpu.topology",
+    ):
+        assert text in result.stderr, result.stderr
+
+
+def test_a_tensor_16_variant_has_no_reason_to_exist():
+    """tensor=16 alone: 8 kv heads cannot split 16 ways, so wk / wv and the KV cache sit whole on every
+    chip, and even one slot per chip does not fit."""
+    result = run_cli(
+        "deploy",
+        "plan",
+        str(V6E_405B),
+        "ici_tensor_parallelism=16",
+        "ici_autoregressive_parallelism=1",
+        "per_device_batch_size=1",
+    )
+    assert result.returncode == 2
+    assert "weights 29.4 GB" in result.stderr and "replicated 16x" in result.stderr
 
 
 def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
@@ -195,7 +305,7 @@ def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     ("changes", "must_mention"),
     [
-        ({"serving__ici_tensor_parallelism": 8}, ["ici_tensor_parallelism", "= 8", "16 chips"]),
+        ({"serving__ici_tensor_parallelism": 4}, ["ici_tensor_parallelism", "= 8", "16 chips"]),
         (
             {"serving__quantization": "", "serving__checkpoint_is_quantized": False},
             ["does not fit", "serving.quantization=int8"],

@@ -1,0 +1,212 @@
+"""MaxText's meaning of the mesh axes on 16 virtual CPU devices: every params and cache leaf's
+PartitionSpec, greedy tokens equal to one device's (prefill, insert, multi-step generate), and
+`deploy plan`'s bytes per chip equal to what each device really holds.
+
+One subprocess runs every case (tests/sharding_run.py): the device count is fixed when JAX starts.
+Two tiny random Llamas: 16 heads with 8 kv heads (kv heads divide tensor 8, not tensor 16), and with
+2 kv heads (replication kicks in on every mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.deploy.config import load_deployment
+from serving.deploy.plan import make_plan
+from tests.conftest import make_hf_tokenizer
+from tests.deploy.conftest import CONFIGS
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = """name: {name}
+num_layers: 2
+embed_dim: 64
+num_heads: 16
+num_kv_heads: {kv_heads}
+head_dim: 8
+mlp_dim: 128
+vocab_size: 320
+rope_theta: 10000.0
+norm_eps: 1.0e-5
+max_position: 512
+"""
+ONE = {"fsdp": 1, "autoregressive": 1, "tensor": 1}
+AR2_T8 = {"fsdp": 1, "autoregressive": 2, "tensor": 8}
+F2_AR2_T4 = {"fsdp": 2, "autoregressive": 2, "tensor": 4}
+T16 = {"fsdp": 1, "autoregressive": 1, "tensor": 16}
+CASES = [
+    {"model": "tiny-kv8", "mesh": ONE},
+    {"model": "tiny-kv8", "mesh": AR2_T8},
+    {"model": "tiny-kv8", "mesh": F2_AR2_T4},
+    {"model": "tiny-kv8", "mesh": T16, "generate": False},  # placement and bytes only
+    {"model": "tiny-kv2", "mesh": ONE},
+    {"model": "tiny-kv2", "mesh": AR2_T8},
+    {"model": "tiny-kv2", "mesh": F2_AR2_T4},
+]
+
+
+def flags(mesh: dict[str, int]) -> dict:
+    """The engine's flags on `mesh`: 16 slots on any mesh, int8 weights and KV, layers unrolled."""
+    devices = mesh["fsdp"] * mesh["autoregressive"] * mesh["tensor"]
+    return dict(
+        ici_fsdp_parallelism=mesh["fsdp"],
+        ici_autoregressive_parallelism=mesh["autoregressive"],
+        ici_tensor_parallelism=mesh["tensor"],
+        per_device_batch_size=16 / devices,
+        max_prefill_predict_length=32,
+        max_target_length=64,
+        scan_layers=False,  # the seed's flag: every layer's own arrays
+        quantization="int8",
+        quantize_kvcache=True,
+        decode_steps_per_call=4,
+        cpu_kernels="off",
+    )
+
+
+def _key(model: str, mesh: dict) -> tuple:
+    return model, mesh["fsdp"], mesh["autoregressive"], mesh["tensor"]
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory) -> Path:
+    """A config directory with the two tiny presets (PATHSERVE_CONFIG_DIR), and a tokenizer."""
+    root = tmp_path_factory.mktemp("sharding-configs")
+    (root / "models").mkdir()
+    for name, kv_heads in (("tiny-kv8", 8), ("tiny-kv2", 2)):
+        (root / "models" / f"{name}.yml").write_text(MODEL.format(name=name, kv_heads=kv_heads))
+    (root / "tokenizer").mkdir()
+    make_hf_tokenizer(root / "tokenizer", vocab=300)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(config_dir) -> dict[tuple, dict]:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=16",
+        "JAX_PLATFORMS": "cpu",
+        "PATHSERVE_CONFIG_DIR": str(config_dir),
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "sharding_run.py"),
+            str(config_dir / "tokenizer"),
+            json.dumps([{**case, "flags": flags(case["mesh"])} for case in CASES]),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(out) == len(CASES), result.stdout[-2000:]
+    return {_key(r["model"], r["mesh"]): r for r in out}
+
+
+@pytest.mark.parametrize("model", ["tiny-kv8", "tiny-kv2"])
+def test_greedy_tokens_on_16_devices_equal_one_devices(runs, model):
+    one = runs[_key(model, ONE)]
+    assert one["slots"] == 16 and len(one["tokens"]) == 6
+    assert all(len(t) == 12 for t in one["tokens"])  # prefill's token, then 11 from 3 generate calls
+    for mesh in (AR2_T8, F2_AR2_T4):
+        sharded = runs[_key(model, mesh)]
+        assert sharded["slots"] == 16
+        assert sharded["tokens"] == one["tokens"], mesh
+
+
+TA = ["tensor", "autoregressive"]
+
+
+def _weights(embed: list, heads: list, kv: list, mlp: list, vocab: list) -> dict[str, list]:
+    """Expected specs of every params leaf (per layer: scan_layers=false unstacks them), written out:
+    values [in, out]; per-channel scales [1, out]; the embedding's per-row scales [vocab, 1]."""
+    return {
+        "embed/values": [vocab, embed],
+        "embed/scales": [vocab, []],
+        "final_norm": [[]],
+        "layers/attn_norm": [[]],
+        "layers/mlp_norm": [[]],
+        "layers/wq/values": [embed, heads],
+        "layers/wq/scales": [[], heads],
+        "layers/wk/values": [embed, kv],
+        "layers/wk/scales": [[], kv],
+        "layers/wv/values": [embed, kv],
+        "layers/wv/scales": [[], kv],
+        "layers/wo/values": [heads, embed],
+        "layers/wo/scales": [[], embed],
+        "layers/w_gate/values": [embed, mlp],
+        "layers/w_gate/scales": [[], mlp],
+        "layers/w_up/values": [embed, mlp],
+        "layers/w_up/scales": [[], mlp],
+        "layers/w_down/values": [mlp, embed],
+        "layers/w_down/scales": [[], embed],
+        "lm_head/values": [embed, vocab],
+        "lm_head/scales": [[], vocab],
+    }
+
+
+def _cache(heads: list) -> dict[str, list]:
+    """[layers, slots, length, kv_heads, head_dim]: only the kv heads split, never the slots."""
+    return {f"cache/{n}": [[], [], [], heads, []] for n in ("k", "v", "k_scale", "v_scale")}
+
+
+EXPECTED = {
+    # 8 kv heads over tensor 8 x autoregressive 2 = 16: over tensor alone, replicated 2x.
+    _key("tiny-kv8", AR2_T8): {**_weights([], TA, ["tensor"], TA, TA), **_cache(["tensor"])},
+    # Everything divides 8 ways; fsdp splits embed; the cache's heads over (autoregressive, tensor).
+    _key("tiny-kv8", F2_AR2_T4): {
+        **_weights(["fsdp"], TA, TA, TA, TA),
+        **_cache(["autoregressive", "tensor"]),
+    },
+    # 8 kv heads cannot split 16 ways on one axis: wk, wv and the cache are whole on every chip.
+    _key("tiny-kv8", T16): {**_weights([], ["tensor"], [], ["tensor"], ["tensor"]), **_cache([])},
+    # 2 kv heads: over autoregressive (2) only, replicated 8x (and 4x with tensor 4).
+    _key("tiny-kv2", AR2_T8): {**_weights([], TA, ["autoregressive"], TA, TA), **_cache(["autoregressive"])},
+    _key("tiny-kv2", F2_AR2_T4): {
+        **_weights(["fsdp"], TA, ["autoregressive"], TA, TA),
+        **_cache(["autoregressive"]),
+    },
+    _key("tiny-kv8", ONE): {**_weights([], [], [], [], []), **_cache([])},
+}
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=lambda k: f"{k[0]}-f{k[1]}-ar{k[2]}-t{k[3]}")
+def test_every_params_and_cache_leaf_has_maxtexts_partition_spec(runs, key):
+    assert runs[key]["specs"] == EXPECTED[key]
+
+
+def test_replication_is_logged_where_heads_do_not_divide(runs):
+    assert runs[_key("tiny-kv8", F2_AR2_T4)]["placement_notes"] == []
+    assert runs[_key("tiny-kv8", AR2_T8)]["placement_notes"] == [
+        "8 kv_heads do not divide over tensor x autoregressive = 16: split over tensor, replicated 2x",
+        "8 cache_heads do not divide over autoregressive x tensor = 16: split over tensor, replicated 2x",
+    ]
+    assert (
+        "2 kv_heads do not divide over tensor x autoregressive = 16: split over autoregressive, replicated 8x"
+        in (runs[_key("tiny-kv2", AR2_T8)]["placement_notes"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh"),
+    [("tiny-kv8", AR2_T8), ("tiny-kv8", T16), ("tiny-kv8", F2_AR2_T4), ("tiny-kv2", AR2_T8)],
+    ids=["kv8-ar2-t8", "kv8-t16", "kv8-f2-ar2-t4", "kv2-ar2-t8"],
+)
+def test_plan_bytes_per_chip_equal_the_shards_each_device_holds(runs, config_dir, monkeypatch, model, mesh):
+    monkeypatch.setenv("PATHSERVE_CONFIG_DIR", str(config_dir))
+    base = load_deployment(CONFIGS / "llama3.1-405b-int8-v6e-16.yml")  # a v6e 4x4 slice: 16 chips
+    cfg = base.model_copy(update={"model_name": model, "serving": flags(mesh)})
+    plan = make_plan(cfg)
+    run = runs[_key(model, mesh)]
+    assert plan.chips == 16 and plan.slots == run["slots"] == 16
+    assert len(run["param_bytes"]) == len(run["cache_bytes"]) == 16
+    assert set(run["param_bytes"].values()) == {plan.weight_bytes_per_chip}
+    assert set(run["cache_bytes"].values()) == {plan.kv_bytes_per_chip}
