@@ -36,6 +36,10 @@ def schema_grammar(schema: Any) -> Grammar:
     return Grammar("json_schema", json.dumps(schema, sort_keys=True))
 
 
+def _has_control_byte(raw: bytes) -> bool:
+    return any(b < 0x20 for b in raw)
+
+
 class Matcher:
     """One choice's grammar state: `mask()` for the next token, `advance(token)` after it."""
 
@@ -70,8 +74,13 @@ class GrammarCompiler:
         vocab = tokenizer.vocab_size
         stops = set(tokenizer.eos_ids)
         # Special tokens are never grammar text (xgrammar treats empty entries as special); the
-        # end-of-sequence ones end a finished grammar.
-        encoded = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(vocab)]
+        # end-of-sequence ones end a finished grammar. Neither are tokens holding a control byte:
+        # compact JSON has none outside strings, and inside them JSON wants them escaped (xgrammar's
+        # string rule would let all but CR and LF through, which json.loads refuses).
+        encoded = [
+            b"" if tokenizer.is_special(i) or _has_control_byte(tokenizer.token_bytes(i)) else tokenizer.token_bytes(i)
+            for i in range(vocab)
+        ]
         info = xgrammar.TokenizerInfo(
             encoded, xgrammar.VocabType.RAW, vocab_size=vocab, stop_token_ids=sorted(stops) or None
         )
