@@ -1,0 +1,241 @@
+"""logprobs, echo, n > 1, grammar masks in the plan and tool-call text, on the mock engine (its
+logprob rule: token t has -(t % 5) / 4, alternatives t + 1, t + 2, ... one less each) and through
+the real HTTP app with the openai client. No grammar library here (it imports torch): the real
+matchers run in tests/test_structured.py."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from serving.config import ServingConfig
+from serving.engine.limits import Limits
+from serving.engine.mock import AsciiTokenizer, MockEngine, mock_logprob
+from serving.errors import GenerationError, QueueFullError
+from serving.orchestrator import Orchestrator
+from serving.orchestrator.scheduler import Scheduler, Waiting
+from serving.request import Grammar, SamplingParams
+from serving.text.tools import CHATML, LLAMA3, call_schema, parse_calls, render_messages
+from tests.unit.test_api import _Running
+
+TOKENIZER = AsciiTokenizer()
+
+
+def _orchestrator(slots: int = 4, queue: int = 64) -> Orchestrator:
+    cfg = ServingConfig(max_queued_requests=queue, max_prefill_predict_length=64, max_target_length=256)
+    return Orchestrator(MockEngine(slots=slots), {}, TOKENIZER, cfg.orchestrator)
+
+
+@pytest.fixture(scope="module")
+def server():
+    cfg = ServingConfig(max_queued_requests=16, max_prefill_predict_length=64, max_target_length=256)
+    from serving.api.state import ServerState
+
+    state = ServerState(config=cfg.server)
+    state.set_ready(Orchestrator(MockEngine(slots=4), {}, TOKENIZER, cfg.orchestrator).start(), "mock")
+    running = _Running(state)
+    yield running
+    running.stop()
+    state.orchestrator.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def _lp(char: str) -> float:
+    return mock_logprob(ord(char) - 32).logprob
+
+
+# -- the scheduler ------------------------------------------------------------------------------
+
+
+def test_n_choices_take_n_slots_and_grammar_plans_carry_masks():
+    scheduler = Scheduler(Limits(4, 64, 256), decode_steps_per_call=2)
+    grammar = SamplingParams(max_tokens=5, grammar=Grammar("json"))
+    mask = np.full((3,), 7, np.int32)
+    plan = scheduler.schedule([Waiting(0, (1, 2), SamplingParams(max_tokens=5, n=3), (1, 2))])
+    assert plan.admissions[0].slots == (0, 1, 2) and plan.decode_steps == 2 and plan.masks is None
+    assert scheduler.room() == 1
+    with pytest.raises(ValueError, match="2 slots asked for, 1 free"):
+        scheduler.schedule([Waiting(3, (1,), SamplingParams(n=2), (4,))])
+    # a grammar request admitted: no generate call this turn (its mask needs the first token)
+    plan = scheduler.schedule([Waiting(5, (1,), grammar, (), mask)])
+    assert plan.admissions[0].mask is mask and plan.decode_steps == 0
+    # then one-step calls with every slot's mask (all tokens allowed for the others)
+    plan = scheduler.schedule([], masks={5: mask})
+    assert plan.decode_steps == 1 and plan.masks.shape == (4, 3)
+    assert (plan.masks[3] == 7).all() and (plan.masks[:3] == -1).all()
+
+
+# -- the orchestrator ---------------------------------------------------------------------------
+
+
+def test_logprobs_follow_every_token_and_echo_scores_the_prompt():
+    orchestrator = _orchestrator().start()
+    try:
+        sampling = SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=2)
+        c = orchestrator.submit(TOKENIZER.encode("ab"), sampling).result()
+        assert c.text == "cdefgh"
+        assert [e.token for e in c.logprobs] == c.token_ids
+        assert [e.logprob for e in c.logprobs] == [_lp(ch) for ch in "cdefgh"]
+        assert c.logprobs[0].top[:2] == mock_logprob(c.token_ids[0]).top[:2]
+        assert c.prompt_logprobs[0] is None and c.prompt_logprobs[1].token == TOKENIZER.encode("b")[0]
+        scored = orchestrator.submit(TOKENIZER.encode("abc"), SamplingParams(max_tokens=0, prompt_logprobs=0)).result()
+        assert scored.token_ids == [] and scored.finish_reason == "length" and len(scored.prompt_logprobs) == 3
+        with pytest.raises(ValueError, match="max_tokens"):
+            SamplingParams(max_tokens=0)
+    finally:
+        orchestrator.stop(timeout=10)
+
+
+def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue():
+    engine_orchestrator = _orchestrator(slots=4)
+    orchestrator = engine_orchestrator.start()
+    try:
+        sampling = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=3)
+        handles = orchestrator.submit_choices(TOKENIZER.encode("ab"), sampling)
+        results = [h.result() for h in handles]
+        engine = orchestrator.engine
+        assert [r.choice for r in results] == [0, 1, 2]
+        for i, r in enumerate(results):
+            assert r.token_ids == engine.expected(TOKENIZER.encode("ab"), sampling, i)
+        assert len({tuple(r.token_ids) for r in results}) == 3
+        assert sum(call[0] == "prefill" for call in engine.calls) == 1
+        with pytest.raises(GenerationError, match="decode slots"):
+            orchestrator.submit_choices([1], SamplingParams(n=5))
+        with pytest.raises(ValueError, match="submit_choices"):
+            orchestrator.submit([1], sampling)
+    finally:
+        orchestrator.stop(timeout=10)
+    idle = _orchestrator(slots=4, queue=4)  # not started: nothing drains the queue
+    idle.submit_choices([1], SamplingParams(n=3))
+    with pytest.raises(QueueFullError):
+        idle.submit_choices([1], SamplingParams(n=2))
+
+
+def test_a_request_that_does_not_fit_waits_without_being_passed():
+    orchestrator = _orchestrator(slots=4).start()
+    try:
+        first = orchestrator.submit([1], SamplingParams(max_tokens=30))
+        second = orchestrator.submit_choices([2], SamplingParams(max_tokens=3, n=4))
+        third = orchestrator.submit([3], SamplingParams(max_tokens=3))
+        assert [h.result().finish_reason for h in [first, *second, third]] == ["length"] * 6
+        prefills = [call[1] for call in orchestrator.engine.calls if call[0] == "prefill"]
+        assert prefills == [(1,), (2,), (3,)]  # the 4 choices waited for 4 free slots, in order
+    finally:
+        orchestrator.stop(timeout=10)
+
+
+# -- the HTTP API -------------------------------------------------------------------------------
+
+
+def test_completions_logprobs_and_echo_in_openais_shape(client):
+    r = client.completions.create(model="mock", prompt="ab", max_tokens=3, logprobs=2, echo=True, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == "abcde"
+    lp = choice.logprobs
+    assert lp.tokens == list("abcde") and lp.text_offset == [0, 1, 2, 3, 4]
+    assert lp.token_logprobs == [None, _lp("b"), _lp("c"), _lp("d"), _lp("e")]
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[2] == {"c": _lp("c"), "d": _lp("c") - 1}
+    scored = client.completions.create(model="mock", prompt="abc", max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == "abc" and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == [None, _lp("b"), _lp("c")]
+    streamed = list(client.completions.create(model="mock", prompt="ab", max_tokens=3, logprobs=2, echo=True,
+                                              temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == "abcde"
+    offsets = [o for c in streamed if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == [0, 1, 2, 3, 4]
+
+
+def test_chat_logprobs_in_openais_shape(client):
+    r = client.chat.completions.create(
+        model="mock", messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == list(r.choices[0].message.content)
+    assert content[0].bytes == list(content[0].token.encode())
+    assert [t.logprob for t in content[0].top_logprobs] == [content[0].logprob, content[0].logprob - 1]
+
+
+def test_n_choices_over_http_streamed_interleave_by_index(client, server):
+    args = dict(model="mock", prompt="ab", max_tokens=6, temperature=1.0, seed=2, n=3)
+    whole = client.completions.create(**args)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in whole.choices]
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 18
+    chat = list(client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=2, n=2, stream=True))
+    roles = [c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    too_many = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab", "n": 5})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ],
+)
+def test_bad_feature_fields_get_400_naming_them(server, body, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_completions_echo_needs_max_tokens_above_0_without_it(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+# -- tool-call text -----------------------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_tools_render_in_each_format_with_the_follow_up_turns():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": '{"c": 3}', "tool_call_id": "call_1"},
+    ]
+    chatml = render_messages(CHATML, messages, [WEATHER])
+    assert chatml[0]["role"] == "system" and "<tools>" in chatml[0]["content"] and "get_weather" in chatml[0]["content"]
+    assert chatml[2] == {"role": "assistant",
+                         "content": '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>'}
+    assert chatml[3] == {"role": "tool", "content": '<tool_response>{"c": 3}</tool_response>'}
+    llama = render_messages(LLAMA3, messages, [WEATHER])
+    assert llama[0] == {"role": "system", "content": "Environment: ipython"}
+    assert llama[1]["content"].endswith("Weather in Oslo?") and '"parameters"' in llama[1]["content"]
+    assert llama[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert llama[3] == {"role": "ipython", "content": '{"c": 3}'}
+    rendered = TOKENIZER.apply_chat_template([m for m in render_messages(CHATML, messages[:1], None)])
+    assert rendered == "user: Weather in Oslo? | assistant: "
+
+
+def test_replies_parse_into_calls_or_stay_content():
+    assert parse_calls(CHATML, '<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>')[0].arguments == '{"a": 1}'
+    assert parse_calls(CHATML, '{"name": "f", "arguments": {}}')[0].name == "f"
+    two = parse_calls(LLAMA3, '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}')
+    assert [c.name for c in two] == ["f", "g"]
+    assert parse_calls(LLAMA3, "The weather is fine.") is None
+    assert parse_calls(CHATML, "<tool_call>not json</tool_call>") is None
+    schema = call_schema(LLAMA3, [WEATHER])
+    assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "parameters"]
+    assert set(call_schema(CHATML, [WEATHER, {"name": "t"}])) == {"anyOf"}
+    assert json.loads(parse_calls(LLAMA3, '{"name": "f", "parameters": {"x": "é"}}')[0].arguments) == {"x": "é"}
