@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -39,15 +40,16 @@ def init_runtime(cfg: DevicesConfig) -> str:
 
     if cfg.jax_compilation_cache_dir and runtime != "pathways":
         jax.config.update("jax_compilation_cache_dir", cfg.jax_compilation_cache_dir)
-    log.info(
-        "runtime %s: process %d of %d, %d devices (%d local): %s",
-        runtime,
-        jax.process_index(),
-        jax.process_count(),
-        jax.device_count(),
-        jax.local_device_count(),
-        ", ".join(str(d) for d in jax.devices()[:8]) + (" ..." if jax.device_count() > 8 else ""),
+    summary = (
+        f"runtime {runtime}: process {jax.process_index()} of {jax.process_count()}, "
+        f"{jax.device_count()} devices ({jax.local_device_count()} local): "
+        + ", ".join(str(d) for d in jax.devices()[:8])
+        + (" ..." if jax.device_count() > 8 else "")
     )
+    if runtime == "local":
+        log.info(summary)
+    else:  # which process this is, and what it sees, belongs in every multi-host log
+        _say(summary)
     _RUNTIME = runtime
     return runtime
 
@@ -71,14 +73,16 @@ def _init_pathways(cfg: DevicesConfig) -> None:
     if "proxy" not in (jax.config.jax_platforms or ""):
         jax.config.update("jax_platforms", "proxy")
     pathwaysutils.initialize()
-    log.info("pathwaysutils %s: Pathways backend used: %s", pathwaysutils.__version__,
-             pathwaysutils.is_pathways_backend_used())
+    persistence = os.environ.get("ENABLE_PATHWAYS_PERSISTENCE", "") == "1"
+    _say(
+        f"pathwaysutils {pathwaysutils.__version__} initialized: Pathways backend used: "
+        f"{bool(pathwaysutils.is_pathways_backend_used())}; Orbax restores through its handler: {persistence}"
+    )
     if cfg.jax_compilation_cache_dir:
-        log.warning(
-            "jax_compilation_cache_dir=%s does not apply on Pathways: pathwaysutils turns JAX's "
-            "persistent compilation cache off; Pathways keeps its own under the proxy's "
-            "--gcs_scratch_location",
-            cfg.jax_compilation_cache_dir,
+        _say(
+            f"jax_compilation_cache_dir={cfg.jax_compilation_cache_dir} does not apply on Pathways: "
+            "pathwaysutils turns JAX's persistent compilation cache off; Pathways keeps its own under "
+            "the proxy's --gcs_scratch_location"
         )
     target = jax.config.read("jax_backend_target") or os.environ.get("JAX_BACKEND_TARGET", "")
     try:
@@ -88,6 +92,10 @@ def _init_pathways(cfg: DevicesConfig) -> None:
             f"cannot reach the Pathways proxy at JAX_BACKEND_TARGET={target!r} "
             f"(set it to grpc://HOST:PORT of the pathways-proxy): {exc}"
         ) from None
+
+
+def _say(message: str) -> None:
+    print(f"pathserve: {message}", file=sys.stderr, flush=True)
 
 
 def distributed_args(cfg: DevicesConfig, env: Mapping[str, str] = os.environ) -> dict:
@@ -133,7 +141,11 @@ def _init_multicontroller(cfg: DevicesConfig) -> None:
 
     args = distributed_args(cfg)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU client's; TPUs use ICI
-    log.info("jax.distributed.initialize(%s)", ", ".join(f"{k}={v!r}" for k, v in args.items()))
+    # A peer's death must not abort this process from inside JAX's coordination client: process 0
+    # fails its device loop (the next collective errors), answers /livez 503, ends its streams with
+    # an error and then exits non-zero itself (serving.orchestrator.lockstep).
+    jax.config.update("jax_enable_recoverability", True)
+    _say("jax.distributed.initialize(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")")
     try:
         jax.distributed.initialize(
             **args,
