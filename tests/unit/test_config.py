@@ -106,3 +106,48 @@ def test_bad_model_preset_names_the_field(tmp_path, monkeypatch):
     monkeypatch.setenv("PATHSERVE_CONFIG_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="num_kv_heads"):
         load_model_config("odd")
+
+
+def test_deploy_overrides_of_serving_are_parsed_as_serve_parses_them():
+    """`pathserve deploy plan CONFIG key=value` and `pathserve serve key=value`: the same ServingConfig."""
+    from pathlib import Path
+
+    from serving.deploy.config import load_deployment
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "deployments" / "llama3.1-405b-int8-v6e-16.yml"
+    overrides = ["per_device_batch_size=2.5", "scan_layers=true", "cpu_kernels=off", "max_target_length=4096"]
+    deployed = load_deployment(config, overrides).serving_config()
+    served = load_config(
+        overrides=[f"{k}={v}" for k, v in load_deployment(config).serving.items()]
+        + overrides
+        + ["model_name=llama3.1-405b", "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8"]
+    )
+    assert deployed == served.model_copy(update={"grpc_port": 9000})
+    assert (deployed.per_device_batch_size, deployed.scan_layers, deployed.cpu_kernels) == (2.5, True, "off")
+
+
+def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
+    """serving.engine.partitioning (read by deploy plan on a laptop): MaxText's axes, leaf by leaf."""
+    import subprocess
+    import sys
+
+    from serving.engine.partitioning import Numerics, describe, placement
+
+    where = placement(
+        load_model_config("llama3.1-405b"),
+        Numerics("bfloat16", "bfloat16", "int8", True),
+        {"fsdp": 1, "autoregressive": 2, "tensor": 8},
+        slots=160,
+        length=2048,
+    )
+    specs = {"/".join(p): describe(leaf.spec) for p, leaf in where.params.items()}
+    assert specs["layers/wq/values"] == "[-, -, tensor x autoregressive]"
+    assert specs["layers/wk/values"] == specs["layers/wk/scales"] == "[-, -, tensor]"  # 8 kv heads
+    assert specs["layers/w_down/values"] == "[-, tensor x autoregressive, -]"
+    assert specs["layers/w_down/scales"] == "[-, -, -]"  # [1, embed]: fsdp is 1
+    assert specs["embed/values"] == "[tensor x autoregressive, -]" and specs["final_norm"] == "[-]"
+    assert {describe(leaf.spec) for leaf in where.cache.values()} == {"[-, -, -, tensor, -]"}
+    assert where.cache[("k",)].shape == (126, 160, 2048, 8, 128)
+    assert where.cache_bytes_per_chip() == 160 * 2048 * 126 * 2 * (128 + 4)  # one kv head per chip
+    code = "import sys, serving.engine.partitioning; assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
