@@ -96,6 +96,10 @@ class DeploymentConfig(_Strict):
     # builtin: the engine serves HTTP on ports.http (and gRPC). jetstream-http: the seed's layout,
     # the engine serving gRPC on ports.grpc behind the jetstream-http sidecar on ports.http.
     frontend: Literal["builtin", "jetstream-http"] = "builtin"
+    # pathways: a Pathways head on the leader, Pathways servers on the TPU hosts (the default).
+    # multicontroller: JAX's own distributed runtime, `pathserve serve` on every TPU host
+    # (serving.deploy.multicontroller).
+    runtime: Literal["pathways", "multicontroller"] = "pathways"
     model_name: str
     checkpoint: str
     serving: dict[str, Any] = Field(default_factory=dict)

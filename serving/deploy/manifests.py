@@ -29,6 +29,10 @@ Manifest = dict[str, Any]
 
 def render(cfg: DeploymentConfig) -> list[Manifest]:
     """Every object of the deployment, in apply order."""
+    if cfg.runtime == "multicontroller":
+        from serving.deploy import multicontroller
+
+        return [multicontroller.leader_worker_set(cfg), service(cfg)]
     if cfg.kind == "batch":
         return [pathways_job(cfg)]
     return [leader_worker_set(cfg), service(cfg)]
