@@ -20,6 +20,7 @@ from serving.checkpoints.errors import CheckpointError
 from serving.checkpoints.storage import is_gcs, join, kvstore
 
 MAX_CHUNK_BYTES = 16 << 20
+SHARD_SPLITS = 8
 ZARR_DTYPES = {
     np.dtype(np.float32): "<f4",
     np.dtype(ml_dtypes.bfloat16): "bfloat16",
@@ -51,10 +52,15 @@ def leaf_name(path: LeafPath) -> str:
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, stacked: bool) -> list[int]:
-    """One chunk per layer of a stacked array; large dimensions halved until a chunk is small."""
+    """One chunk per layer of a stacked array; each other dimension cut in SHARD_SPLITS pieces where
+    it divides (so that a host of a sharded restore reads the chunks of its shards, not the whole
+    tensor, up to SHARD_SPLITS-way model parallelism); large dimensions halved until a chunk is small."""
     chunks = list(shape)
     if stacked and chunks:
         chunks[0] = 1
+    for axis in range(1 if stacked else 0, len(chunks)):
+        if chunks[axis] % SHARD_SPLITS == 0 and chunks[axis] >= SHARD_SPLITS * 8:
+            chunks[axis] //= SHARD_SPLITS
     while math.prod(chunks) * itemsize > MAX_CHUNK_BYTES:
         axis = max(range(1 if stacked else 0, len(chunks)), key=lambda i: chunks[i])
         if chunks[axis] < 2:

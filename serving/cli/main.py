@@ -372,8 +372,9 @@ def _follow(command: str, cfg: ServingConfig, source: str | None) -> int:
     except Exception as exc:  # a failed collective: process 0 (or another peer) is gone
         print(f"pathserve {command}: error: {where} lost the group: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: JAX's shutdown barrier would wait for the dead peer
-    print(f"pathserve {command}: {where}: process 0 stopped after {executed} plans", file=sys.stderr)
-    return 0
+    print(f"pathserve {command}: {where}: process 0 stopped after {executed} plans", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # see serving.orchestrator.lockstep.meet_at_exit
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

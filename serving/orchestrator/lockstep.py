@@ -16,7 +16,8 @@ order, or the first collective deadlocks. So:
    coordination service's heartbeat timeout catches a stalled one). On process 0 the device loop
    dies: in-flight streams end with an error, /livez fails, and `exit_when_loop_dies` exits the
    process non-zero so that Kubernetes restarts the group. A follower whose leader is gone raises
-   out of `follow()` and exits non-zero too.
+   out of `follow()` and exits non-zero too. A normal stop ends with every process meeting at
+   `meet_at_exit`; then the followers exit 0.
 
 The plan is treated as an opaque picklable object; nothing here depends on its fields.
 """
@@ -131,6 +132,7 @@ class LockstepExecutor:
     def close(self) -> None:
         """The device loop ended normally: the followers return from `follow()`."""
         self.channel.send(STOP)
+        meet_at_exit()
         self.closed = True
         log.info("lockstep: told the followers to stop")
 
@@ -146,12 +148,22 @@ def follow(executor: Executor, channel: PlanChannel) -> int:
     while True:
         message = channel.receive()
         if isinstance(message, _Stop):
+            meet_at_exit()
             log.info("lockstep: process 0 stopped; %d plans executed", executed)
             return executed
         if isinstance(message, _Keepalive):
             continue
         executor.run(message)
         executed += 1
+
+
+def meet_at_exit() -> None:
+    """Every process, once the lockstep has ended: a last collective. After it a follower leaves at
+    once (`os._exit(0)`): JAX's exit-time shutdown would call process 0's coordination service,
+    which may already be gone (multi-controller tasks are recoverable, so process 0 does not wait)."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("pathserve: lockstep stopped")
 
 
 def exit_when_loop_dies(is_alive: Callable[[], bool], closed: Callable[[], bool]) -> threading.Thread:

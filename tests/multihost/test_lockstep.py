@@ -33,8 +33,8 @@ ENGINE = [
     "ici_tensor_parallelism=4",
     "ici_autoregressive_parallelism=2",
     "per_device_batch_size=1",  # 8 slots: the 8 requests run at once
-    "max_prefill_predict_length=32",
-    "max_target_length=256",
+    "max_prefill_predict_length=16",  # one prefill bucket and one attention window to compile
+    "max_target_length=128",
     "cpu_kernels=off",
     "enable_model_warmup=true",
     f"liveness_timeout_s={LIVENESS_TIMEOUT_S}",
@@ -64,7 +64,7 @@ def start_pair(source: Path) -> tuple[ServerProcess, ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir):
+def servers(tiny_model_dir, batch_job):
     """(one process with 8 devices, the pair's leader, the pair's follower), all ready."""
     single = ServerProcess.pathserve(str(tiny_model_dir), *ENGINE, env=devices_env(8))
     leader, follower = start_pair(tiny_model_dir)
@@ -112,31 +112,42 @@ def test_pair_serves_the_same_tokens_as_one_process(servers, reference):
         httpx.get(f"{follower.url}/healthcheck", timeout=2)
 
 
-def test_batch_on_a_pair_writes_the_same_rows(tiny_model_dir, reference, tmp_path):
-    prompts = tmp_path / "in.jsonl"
+@pytest.fixture(scope="module")
+def batch_job(tiny_model_dir, tmp_path_factory):
+    """`pathserve batch` on a pair of processes over the 8 prompts, started before the servers so
+    that both compile at once; yields (directory, the two processes)."""
+    work = tmp_path_factory.mktemp("multihost-batch")
+    prompts = work / "in.jsonl"
     prompts.write_text(
         "".join(json.dumps({"id": f"r{i}", "prompt": p, "max_tokens": MAX_TOKENS}) + "\n" for i, p in enumerate(PROMPTS))
     )
-    out = tmp_path / "out"
     coordinator = free_port()
 
     def batch(process_id: int) -> subprocess.Popen:
         command = [
             sys.executable, "-m", "serving.cli", "batch", str(tiny_model_dir), *ENGINE,
-            *group_args(process_id, coordinator), "--input", str(prompts), "--output", str(out), "--quiet",
+            *group_args(process_id, coordinator), "--input", str(prompts), "--output", str(work / "out"),
+            "--quiet",
         ]
-        log = (tmp_path / f"batch-{process_id}.log").open("w")
+        log = (work / f"batch-{process_id}.log").open("w")
         env = {**os.environ, **devices_env(4)}
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     processes = [batch(1), batch(0)]
     try:
-        codes = [p.wait(timeout=240) for p in processes]
+        yield work, processes
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
-    logs = {i: (tmp_path / f"batch-{i}.log").read_text() for i in (0, 1)}
+                p.wait()
+
+
+def test_batch_on_a_pair_writes_the_same_rows(batch_job, reference):
+    work, processes = batch_job
+    codes = [p.wait(timeout=240) for p in processes]
+    out = work / "out"
+    logs = {i: (work / f"batch-{i}.log").read_text() for i in (0, 1)}
     assert codes == [0, 0], logs
     assert "follows process 0" in logs[1]
     rows = {}
@@ -159,7 +170,7 @@ def test_a_killed_follower_fails_liveness_and_stops_the_leader(servers):
         try:
             last = None
             for chunk in client.completions.create(
-                model=model, prompt=prompt, max_tokens=200, temperature=0, stream=True,
+                model=model, prompt=prompt, max_tokens=100, temperature=0, stream=True,
                 extra_body={"ignore_eos": True},
             ):
                 flowing.set()
