@@ -3,12 +3,13 @@ real `pathserve serve` process on the tiny random model, with an API key set.
 
 The tests run in file order on one page, as a user would: the key prompt (a wrong key shows the
 401), a streamed greedy reply equal to the same request without streaming with its TTFT, tok/s and
-token counts, Regenerate, Stop, a 400 shown as a message, the status strip, a narrow screen, the
-browser's network log (no host but the server), and last the SIGTERM drain's 503.
+token counts, Regenerate, Stop, a 400 shown as a message, the status strip, a full queue's 429, a
+narrow screen, the browser's network log (no host but the server), and last the SIGTERM drain's 503.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -43,10 +44,10 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 KEY = "open-sesame"
-SLOTS = 2
+SLOTS, QUEUE = 2, 4
 OVERRIDES = [
     f"per_device_batch_size={SLOTS}",
-    "max_queued_requests=4",
+    f"max_queued_requests={QUEUE}",
     "max_prefill_predict_length=64",
     "max_target_length=2048",
 ]
@@ -54,6 +55,7 @@ SYSTEM = "Be brief."
 QUESTION = "Tell me about lighthouses and ships."
 MAX_TOKENS = 24
 TIMEOUT_MS = 60_000
+expect.set_options(timeout=TIMEOUT_MS)  # a loaded CI machine can take longer than playwright's 5 s
 CANCELLED = 'pathserve_requests_finished_total{reason="cancelled"}'
 
 
@@ -130,7 +132,9 @@ def test_the_page_asks_for_the_key_and_a_wrong_one_shows_the_401(page, server):
     expect(page.locator("#model")).to_have_text("model: (API key needed)")
     page.fill("#api-key", "not-the-key")
     page.click("#use-key")
-    expect(page.locator("#key-error")).to_contain_text("Error 401 (unauthorized): a valid API key is required")
+    expect(page.locator("#key-error")).to_contain_text(
+        "Error 401 (unauthorized): a valid API key is required"
+    )
     page.fill("#api-key", KEY)
     page.click("#use-key")
     model = authorized(server).get("/v1/models").json()["data"][0]["id"]
@@ -212,6 +216,32 @@ def test_the_status_strip_shows_readiness_slots_and_queue(page):
     expect(page.locator("#status-queue")).to_have_text("queue 0")
 
 
+def test_a_full_queue_shows_the_429_and_the_strip_counts_it(page, server):
+    page.click("#clear")
+    set_sampling(page, "0", MAX_TOKENS)
+    body = {"prompt": QUESTION, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with authorized(server) as client, contextlib.ExitStack() as streams:
+        for admitted in range(1, SLOTS + 1):  # every slot busy, each one in turn
+            streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+            assert wait_for(lambda n=admitted: metric(server, "pathserve_active_slots") == n, timeout=60)
+        for _ in range(QUEUE + 1):  # then the queue, until the server says it is full
+            if streams.enter_context(client.stream("POST", "/v1/completions", json=body)).status_code == 429:
+                break
+        else:
+            pytest.fail(f"the queue of {QUEUE} never filled")
+        ask(page, QUESTION)
+        wait_finished(page)
+        error = last_reply(page).locator(".error-text")
+        expect(error).to_contain_text("Error 429 (too many requests): the admission queue is full")
+        expect(error).to_contain_text("retry in 1 s")  # the Retry-After header
+        expect(page.locator("#status-ready")).to_have_text("not ready: admission queue full")
+        expect(page.locator("#status-slots")).to_have_text(f"slots {SLOTS}/{SLOTS}")
+        expect(page.locator("#status-queue")).to_have_text(f"queue {QUEUE}")
+    # Closing the streams cancels them, queued ones included.
+    idle = ("pathserve_active_slots", "jetstream_prefill_backlog_size")
+    assert wait_for(lambda: all(metric(server, name) == 0 for name in idle), timeout=60)
+
+
 def test_a_narrow_screen_fits_without_sideways_scrolling(browser, server, screenshots):
     context = browser.new_context(viewport={"width": 360, "height": 740}, is_mobile=True)
     narrow = context.new_page()
@@ -276,4 +306,3 @@ def wait_for(condition, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return condition()
-
