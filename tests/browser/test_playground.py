@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 KEY = "open-sesame"
-SLOTS, QUEUE = 2, 4
+SLOTS, QUEUE = 1, 2
 OVERRIDES = [
     f"per_device_batch_size={SLOTS}",
     f"max_queued_requests={QUEUE}",
@@ -216,24 +215,30 @@ def test_the_status_strip_shows_readiness_slots_and_queue(page):
     expect(page.locator("#status-queue")).to_have_text("queue 0")
 
 
+def fill(client: httpx.Client, streams: contextlib.ExitStack, server: ServerProcess) -> None:
+    """Take every slot (each in turn), then every queue place until the server answers 429; the
+    streams are left unread and run until `streams` closes them (the server then cancels them)."""
+    body = {"prompt": QUESTION, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
+    for admitted in range(1, SLOTS + 1):
+        streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        assert wait_for(lambda n=admitted: metric(server, "pathserve_active_slots") == n, timeout=60)
+    for _ in range(QUEUE + 1):
+        if streams.enter_context(client.stream("POST", "/v1/completions", json=body)).status_code == 429:
+            return
+    pytest.fail(f"the queue of {QUEUE} never filled")
+
+
 def test_a_full_queue_shows_the_429_and_the_strip_counts_it(page, server):
     page.click("#clear")
     set_sampling(page, "0", MAX_TOKENS)
-    body = {"prompt": QUESTION, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
     with authorized(server) as client, contextlib.ExitStack() as streams:
-        for admitted in range(1, SLOTS + 1):  # every slot busy, each one in turn
-            streams.enter_context(client.stream("POST", "/v1/completions", json=body))
-            assert wait_for(lambda n=admitted: metric(server, "pathserve_active_slots") == n, timeout=60)
-        for _ in range(QUEUE + 1):  # then the queue, until the server says it is full
-            if streams.enter_context(client.stream("POST", "/v1/completions", json=body)).status_code == 429:
-                break
-        else:
-            pytest.fail(f"the queue of {QUEUE} never filled")
+        fill(client, streams, server)
         ask(page, QUESTION)
         wait_finished(page)
         error = last_reply(page).locator(".error-text")
         expect(error).to_contain_text("Error 429 (too many requests): the admission queue is full")
         expect(error).to_contain_text("retry in 1 s")  # the Retry-After header
+        # The strip refreshes when a reply ends, so it shows the state that refused it.
         expect(page.locator("#status-ready")).to_have_text("not ready: admission queue full")
         expect(page.locator("#status-slots")).to_have_text(f"slots {SLOTS}/{SLOTS}")
         expect(page.locator("#status-queue")).to_have_text(f"queue {QUEUE}")
@@ -264,33 +269,22 @@ def test_the_page_requested_nothing_but_the_server(requested, server):
 
 
 def test_while_draining_a_send_shows_the_503_and_the_strip_says_so(page, server):
-    """Last: SIGTERM with a long request in flight; the page's next send is refused with a 503."""
+    """Last: SIGTERM with long requests in flight; the page's next send is refused with a 503."""
     page.click("#clear")
     set_sampling(page, "0", MAX_TOKENS)
-    cut_off: list[Exception] = []
-
-    def long_request() -> None:
-        body = {"prompt": QUESTION, "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
-        try:
-            authorized(server).post("/v1/completions", json=body)
-        except httpx.HTTPError as exc:  # the second signal below stops the server under it
-            cut_off.append(exc)
-
-    in_flight = threading.Thread(target=long_request, daemon=True)
-    in_flight.start()
-    assert wait_for(lambda: metric(server, "pathserve_active_slots") == 1, timeout=30)
-    server.signal()  # the drain waits for the long request
-    assert wait_for(lambda: httpx.get(server.url + "/readyz").status_code == 503, timeout=10)
-    ask(page, QUESTION)
-    wait_finished(page)
-    expect(last_reply(page).locator(".error-text")).to_have_text(
-        "Error 503 (unavailable): the server is shutting down"
-    )
-    expect(page.locator("#status-ready")).to_have_text("not ready: draining")
-    assert in_flight.is_alive()  # the drain was still under way all along
-    server.signal()  # a second signal stops at once, rather than after the long request
-    server.proc.wait(60)
-    in_flight.join(60)
+    with authorized(server) as client, contextlib.ExitStack() as streams:
+        fill(client, streams, server)
+        server.signal()  # the drain waits for the requests in flight
+        assert wait_for(lambda: httpx.get(server.url + "/readyz").status_code == 503, timeout=10)
+        ask(page, QUESTION)
+        wait_finished(page)
+        expect(last_reply(page).locator(".error-text")).to_have_text(
+            "Error 503 (unavailable): the server is shutting down"
+        )
+        expect(page.locator("#status-ready")).to_have_text("not ready: draining")
+        assert metric(server, "pathserve_active_slots") == SLOTS  # the drain was under way all along
+        server.signal()  # a second signal stops at once, rather than after the long requests
+        server.proc.wait(60)
 
 
 def metric(server: ServerProcess, name: str) -> float:

@@ -193,6 +193,7 @@ async function reply() {
   } finally {
     state.controller = null;
     setBusy(false);
+    refreshStatus();
   }
 }
 
@@ -250,6 +251,6 @@ ui.clear.addEventListener("click", () => {
 
 // On a narrow screen the settings start folded, so the conversation comes first.
 if (window.matchMedia("(max-width: 720px)").matches) $("settings").open = false;
-watch({ ready: $("status-ready"), slots: $("status-slots"), queue: $("status-queue") });
+const refreshStatus = watch({ ready: $("status-ready"), slots: $("status-slots"), queue: $("status-queue") });
 loadModel();
 setBusy(false);

@@ -1,5 +1,6 @@
 // The status strip: readiness from /readyz, slots in use and queue length from /metrics.
-// Both are open routes (no API key); the strip refreshes every POLL_MS while the page is visible.
+// Both are open routes (no API key); the strip refreshes every POLL_MS while the page is visible,
+// and at once when a reply ends (an error such as a 429 or 503 is seen with the state behind it).
 
 const POLL_MS = 2000;
 
@@ -49,11 +50,10 @@ export async function refresh(elements) {
   show(elements.queue, queued === undefined ? "queue –" : `queue ${queued}`, queued ? "busy" : "ok");
 }
 
-/** Refresh now and every POLL_MS (skipped while the tab is hidden). */
+/** Refresh now and every POLL_MS (skipped while the tab is hidden); returns a refresh-now function. */
 export function watch(elements) {
-  const tick = () => {
-    if (document.visibilityState !== "hidden") refresh(elements);
-  };
-  tick();
-  return setInterval(tick, POLL_MS);
+  const now = () => refresh(elements);
+  setInterval(() => document.visibilityState !== "hidden" && now(), POLL_MS);
+  now();
+  return now;
 }
