@@ -9,6 +9,12 @@ On the int8 weights (what `pathserve serve` runs by default) sampled decoding is
 same rounds as greedy: temperature=1 with top_p=0.95, and with top_k=50, each as a ratio to greedy.
 Writes results/engine-bench.json and results/engine-bench.png. Not a test: numbers are ratios
 against peers measured here, on a noisy machine.
+
+`--grammar`: the cost of structured outputs instead. On the int8 weights, greedy decoding at
+batch 1 and 16 with a JSON Schema grammar in every slot (as the device loop runs it: each step the
+host computes every slot's mask, a one-step generate call applies them, the tokens advance the
+matchers) against plain decoding (`decode_steps_per_call` steps per call) and against one-step
+calls with every token allowed (what the one-step calls cost alone); results/grammar-bench.json.
 """
 
 from __future__ import annotations
@@ -95,6 +101,98 @@ def engine_decode_rate(
     return produced / (time.perf_counter() - start)
 
 
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "color", "tags"],
+}
+
+
+def grammar_decode_rate(
+    engine: Engine, params: dict, prompt_ids: list[int], batch: int, new_tokens: int, compiler=None
+) -> tuple[float, float]:
+    """(tokens/s, host mask seconds per token) of greedy decoding with `batch` slots busy, one step
+    per generate call with masks: every slot's grammar mask (GRAMMAR_SCHEMA, restarted when a
+    slot completes it), or with compiler None every token allowed."""
+    from serving.structured.grammar import schema_grammar
+
+    grammar = compiler.compile(schema_grammar(GRAMMAR_SCHEMA)) if compiler is not None else None
+    matchers = [compiler.matcher(grammar) for _ in range(batch)] if compiler is not None else []
+    words = -(-engine.model.tokenizer.vocab_size // 32)
+    open_mask = np.full((engine.max_concurrent_decodes, words), -1, np.int32)
+    state = engine.init_decode_state()
+    for slot in range(batch):
+        sampling = SamplingParams(max_tokens=new_tokens + 2, seed=slot)  # no stop ids: keep going
+        mask = matchers[slot].mask() if matchers else None
+        prefix, first = engine.prefill(params, engine.limits.pad(prompt_ids), len(prompt_ids), sampling, mask)
+        state = engine.insert(prefix, state, slot)
+        if matchers:
+            matchers[slot].advance(first)
+    jax.block_until_ready(state)
+    produced, masking, start = 0, 0.0, time.perf_counter()
+    while produced < batch * new_tokens:
+        started = time.perf_counter()
+        masks = open_mask.copy()
+        for slot, matcher in enumerate(matchers):
+            if matcher.finished:
+                matcher.reset()
+            masks[slot] = matcher.mask()
+        masking += time.perf_counter() - started
+        state, result = engine.generate(params, state, max_position=len(prompt_ids) + produced // batch, masks=masks)
+        tokens, valid = np.asarray(result.tokens)[0], np.asarray(result.valid)[0]
+        started = time.perf_counter()
+        for slot, matcher in enumerate(matchers):
+            matcher.advance(int(tokens[slot]))
+        masking += time.perf_counter() - started
+        produced += int(valid.sum())
+    return produced / (time.perf_counter() - start), masking / max(produced, 1)
+
+
+def grammar_main(ns: argparse.Namespace, gguf: Path) -> int:
+    """--grammar: tok/s with and without grammar masks at each batch (int8 weights, serve's)."""
+    from serving.structured.grammar import GrammarCompiler
+
+    base = ServingConfig(
+        max_prefill_predict_length=64, max_target_length=64 + ns.new_tokens + 8, quantization="int8"
+    )
+    model = load_model(str(gguf), base)
+    prompt_ids = model.tokenizer.encode(PROMPT)
+    compiler = GrammarCompiler(model.tokenizer)
+    points = []
+    for batch in [int(b) for b in ns.batches.split(",")]:
+        engine = Engine(model, base.model_copy(update={"per_device_batch_size": float(batch)}).engine)
+        params = engine.load_params()
+        engine_decode_rate(engine, params, prompt_ids, batch, 8)  # compile
+        grammar_decode_rate(engine, params, prompt_ids, batch, 4, compiler)
+        plain, one_step, masked, mask_s = [], [], [], []
+        for _ in range(ns.rounds):
+            plain.append(engine_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens))
+            one_step.append(grammar_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens)[0])
+            rate, per_token = grammar_decode_rate(engine, params, prompt_ids, batch, ns.new_tokens, compiler)
+            masked.append(rate)
+            mask_s.append(per_token)
+        point = {
+            "batch": batch,
+            "plain_tok_s": max(plain),
+            "one_step_all_allowed_tok_s": max(one_step),
+            "grammar_tok_s": max(masked),
+            "host_mask_us_per_token": 1e6 * min(mask_s),
+            "decode_steps_per_call": engine.decode_steps_per_call,
+        }
+        point["grammar_over_plain"] = point["grammar_tok_s"] / point["plain_tok_s"]
+        points.append(point)
+        print(json.dumps(point), flush=True)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    report = {"model": gguf.name, "weights": "int8", "new_tokens": ns.new_tokens, "points": points}
+    (ns.out / "grammar-bench.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def transformers_rate(model, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
     import torch
 
@@ -134,7 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per point (the best counts)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--weights", default=",".join(WEIGHTS), help="a subset of " + ",".join(WEIGHTS))
+    parser.add_argument("--grammar", action="store_true", help="structured outputs' cost instead (batches 1,16)")
     ns = parser.parse_args(argv)
+    if ns.grammar:
+        if ns.batches == "1,8,32":
+            ns.batches = "1,16"
+        return grammar_main(ns, default_model_path())
     if unknown := set(ns.weights.split(",")) - set(WEIGHTS):
         parser.error(f"--weights: no such weights {sorted(unknown)}")
     batches = [int(b) for b in ns.batches.split(",")]

@@ -58,6 +58,10 @@ class Matcher:
             return False
         return bool(self._matcher.accept_token(token))
 
+    def reset(self) -> None:
+        """Back to the grammar's start (benchmarks run one grammar after another)."""
+        self._matcher.reset()
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and has taken its stop token."""
