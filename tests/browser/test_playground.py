@@ -55,6 +55,8 @@ QUESTION = "Tell me about lighthouses and ships."
 MAX_TOKENS = 24
 TIMEOUT_MS = 60_000
 expect.set_options(timeout=TIMEOUT_MS)  # a loaded CI machine can take longer than playwright's 5 s
+VIOLATIONS_SCRIPT = """window.refused = [];
+document.addEventListener("securitypolicyviolation", (e) => window.refused.push(e.blockedURI));"""
 CANCELLED = 'pathserve_requests_finished_total{reason="cancelled"}'
 
 
@@ -85,6 +87,8 @@ def requested() -> list[str]:
 def page(browser, server, requested) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1200, "height": 900})
     context.on("request", lambda request: requested.append(request.url))
+    # A URL the Content-Security-Policy refuses is never requested: record the refusals too.
+    context.add_init_script(VIOLATIONS_SCRIPT)
     context.set_default_timeout(TIMEOUT_MS)
     opened = context.new_page()
     opened.goto(server.url + "/")
@@ -247,8 +251,9 @@ def test_a_full_queue_shows_the_429_and_the_strip_counts_it(page, server):
     assert wait_for(lambda: all(metric(server, name) == 0 for name in idle), timeout=60)
 
 
-def test_a_narrow_screen_fits_without_sideways_scrolling(browser, server, screenshots):
+def test_a_narrow_screen_fits_without_sideways_scrolling(browser, server, screenshots, requested):
     context = browser.new_context(viewport={"width": 360, "height": 740}, is_mobile=True)
+    context.on("request", lambda request: requested.append(request.url))
     narrow = context.new_page()
     try:
         narrow.goto(server.url + "/")
@@ -261,7 +266,8 @@ def test_a_narrow_screen_fits_without_sideways_scrolling(browser, server, screen
         context.close()
 
 
-def test_the_page_requested_nothing_but_the_server(requested, server):
+def test_the_page_requested_nothing_but_the_server(requested, server, page):
+    assert page.evaluate("() => window.refused") == []  # nor tried to
     assert any(url.endswith("/static/playground.js") for url in requested), requested
     assert any(urlsplit(url).path == "/v1/chat/completions" for url in requested), requested
     hosts = {urlsplit(url).netloc for url in requested}
