@@ -10,81 +10,46 @@ from __future__ import annotations
 
 from typing import Any
 
+from serving.deploy import multicontroller
 from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
+from serving.deploy.pod_parts import (
+    EXCLUSIVE_TOPOLOGY,
+    LEADER,
+    LWS_API,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    Manifest,
+    labels,
+    metadata,
+    probes,
+    sidecar,
+    tpu_node_selector,
+)
 
-LWS_API = "leaderworkerset.x-k8s.io/v1"
 PATHWAYS_JOB_API = "pathways-job.pathways.domain/v1"
 RM_PORT = 38677  # Pathways resource manager
 PROXY_PORT = 38681  # Pathways proxy (the engine's JAX backend)
 WORKER_PORT = 38679  # Pathways server on each TPU host
-LEADER = "$(LWS_LEADER_ADDRESS)"  # injected by the LWS controller into every pod of a group
-EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
-LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-
-Manifest = dict[str, Any]
 
 
 def render(cfg: DeploymentConfig) -> list[Manifest]:
     """Every object of the deployment, in apply order."""
     if cfg.runtime == "multicontroller":
-        from serving.deploy import multicontroller
-
         return [multicontroller.leader_worker_set(cfg), service(cfg)]
     if cfg.kind == "batch":
         return [pathways_job(cfg)]
     return [leader_worker_set(cfg), service(cfg)]
 
 
-def _labels(cfg: DeploymentConfig) -> dict[str, str]:
-    return {"app.kubernetes.io/name": cfg.name, "app.kubernetes.io/managed-by": "pathserve"}
-
-
-def _metadata(cfg: DeploymentConfig, **extra: Any) -> dict[str, Any]:
-    return {"name": cfg.name, "namespace": cfg.namespace, "labels": _labels(cfg), **extra}
-
-
 def _jax_tag(cfg: DeploymentConfig) -> str:
     return "jax-" + next(iter(cfg.images.jax_versions().values()))
 
 
-def _tpu_node_selector(tpu: Slice) -> dict[str, str]:
-    return {
-        "cloud.google.com/gke-tpu-accelerator": tpu.accelerator.gke_name,
-        "cloud.google.com/gke-tpu-topology": tpu.topology,
-    }
-
-
-def _http_probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
-
-
-def _sidecar(cfg: DeploymentConfig) -> bool:
-    return cfg.frontend == "jetstream-http"
-
-
-def _probes(cfg: DeploymentConfig) -> dict[str, Any]:
-    """Our /startupz, /readyz and /livez; behind the sidecar, its /healthcheck for all three (as in
-    the seed), which asks the engine's gRPC HealthCheck."""
-    p = cfg.probes
-    paths = ("/healthcheck",) * 3 if _sidecar(cfg) else ("/startupz", "/readyz", "/livez")
-    failures = (
-        -(-p.startup_timeout_s // p.period_s),
-        p.readiness_failure_threshold,
-        p.liveness_failure_threshold,
-    )
-    kinds = ("startupProbe", "readinessProbe", "livenessProbe")
-    return {
-        kind: _http_probe(path, cfg.ports.http, p.period_s, n)
-        for kind, path, n in zip(kinds, paths, failures, strict=True)
-    }
-
-
 def engine_container(cfg: DeploymentConfig) -> dict[str, Any]:
     """`pathserve serve` with the config's overrides as key=value arguments, on the Pathways proxy."""
-    http = cfg.ports.engine_http if _sidecar(cfg) else cfg.ports.http
+    http = cfg.ports.engine_http if sidecar(cfg) else cfg.ports.http
     return {
         "name": "engine",
         "image": cfg.images.engine,
@@ -96,10 +61,10 @@ def engine_container(cfg: DeploymentConfig) -> dict[str, Any]:
             {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"},
         ],
         "ports": [
-            {"name": "engine-http" if _sidecar(cfg) else "http", "containerPort": http},
+            {"name": "engine-http" if sidecar(cfg) else "http", "containerPort": http},
             {"name": "grpc", "containerPort": cfg.ports.grpc},
         ],
-        **_probes(cfg),
+        **probes(cfg),
         "resources": {
             "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
             "limits": {"memory": cfg.resources.engine_memory},
@@ -179,7 +144,7 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
     return {
         "apiVersion": LWS_API,
         "kind": "LeaderWorkerSet",
-        "metadata": _metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
+        "metadata": metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
         "spec": {
             "replicas": cfg.replicas,
             "startupPolicy": "LeaderCreated",
@@ -187,20 +152,20 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
                 "size": workers + 1,
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": {
-                    "metadata": {"labels": {**_labels(cfg), "role": "leader"}},
+                    "metadata": {"labels": {**labels(cfg), "role": "leader"}},
                     "spec": {
                         "containers": [
                             resource_manager_container(cfg, tpu),
                             proxy_container(cfg),
                             engine_container(cfg),
-                            *([jetstream_http_container(cfg)] if _sidecar(cfg) else []),
+                            *([jetstream_http_container(cfg)] if sidecar(cfg) else []),
                         ],
                     },
                 },
                 "workerTemplate": {
-                    "metadata": {"labels": {**_labels(cfg), "role": "worker"}},
+                    "metadata": {"labels": {**labels(cfg), "role": "worker"}},
                     "spec": {
-                        "nodeSelector": _tpu_node_selector(tpu),
+                        "nodeSelector": tpu_node_selector(tpu),
                         "tolerations": [
                             {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
                         ],
@@ -216,12 +181,12 @@ def service(cfg: DeploymentConfig) -> Manifest:
     """ClusterIP Service in front of the leaders: HTTP (the engine's or the sidecar's) and gRPC;
     behind the sidecar also the engine's own HTTP (OpenAI routes, /metrics)."""
     names = {"http": cfg.ports.http, "grpc": cfg.ports.grpc}
-    if _sidecar(cfg):
+    if sidecar(cfg):
         names["engine-http"] = cfg.ports.engine_http
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(cfg),
+        "metadata": metadata(cfg),
         "spec": {
             "type": "ClusterIP",
             "selector": {LWS_NAME_LABEL: cfg.name, LWS_WORKER_INDEX_LABEL: "0"},
@@ -252,7 +217,7 @@ def pathways_job(cfg: DeploymentConfig) -> Manifest:
     return {
         "apiVersion": PATHWAYS_JOB_API,
         "kind": "PathwaysJob",
-        "metadata": _metadata(cfg),
+        "metadata": metadata(cfg),
         "spec": {
             "maxRestarts": cfg.batch.max_restarts,
             "pathwaysVersion": _jax_tag(cfg),

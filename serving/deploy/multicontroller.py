@@ -16,15 +16,15 @@ from typing import Any
 from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
-from serving.deploy.manifests import (
+from serving.deploy.pod_parts import (
     EXCLUSIVE_TOPOLOGY,
     LEADER,
     LWS_API,
     Manifest,
-    _labels,
-    _metadata,
-    _probes,
-    _tpu_node_selector,
+    labels,
+    metadata,
+    probes,
+    tpu_node_selector,
 )
 from serving.runtime import DEFAULT_COORDINATOR_PORT
 
@@ -49,7 +49,7 @@ def engine_container(cfg: DeploymentConfig, tpu: Slice, leader: bool) -> dict[st
         ],
         "env": [{"name": "JAX_COORDINATOR_ADDRESS", "value": f"{LEADER}:{COORDINATOR_PORT}"}],
         "ports": ports,
-        **(_probes(cfg) if leader else {}),
+        **(probes(cfg) if leader else {}),
         "resources": {
             "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
             "limits": {"memory": cfg.resources.engine_memory, "google.com/tpu": tpu.chips_per_host},
@@ -59,9 +59,9 @@ def engine_container(cfg: DeploymentConfig, tpu: Slice, leader: bool) -> dict[st
 
 def _pod(cfg: DeploymentConfig, tpu: Slice, role: str) -> dict[str, Any]:
     return {
-        "metadata": {"labels": {**_labels(cfg), "role": role}},
+        "metadata": {"labels": {**labels(cfg), "role": role}},
         "spec": {
-            "nodeSelector": _tpu_node_selector(tpu),
+            "nodeSelector": tpu_node_selector(tpu),
             "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [engine_container(cfg, tpu, leader=role == "leader")],
         },
@@ -80,7 +80,7 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
     return {
         "apiVersion": LWS_API,
         "kind": "LeaderWorkerSet",
-        "metadata": _metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
+        "metadata": metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
         "spec": {
             "replicas": cfg.replicas,
             "startupPolicy": "LeaderCreated",

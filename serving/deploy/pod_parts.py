@@ -1,0 +1,57 @@
+"""Pieces every LeaderWorkerSet pod of ours shares, whichever runtime it runs: the LWS names, our
+labels and metadata, TPU node selectors, and the engine's probes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.deploy.accelerators import Slice
+from serving.deploy.config import DeploymentConfig
+
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LEADER = "$(LWS_LEADER_ADDRESS)"  # injected by the LWS controller into every pod of a group
+EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+Manifest = dict[str, Any]
+
+
+def labels(cfg: DeploymentConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": cfg.name, "app.kubernetes.io/managed-by": "pathserve"}
+
+
+def metadata(cfg: DeploymentConfig, **extra: Any) -> dict[str, Any]:
+    return {"name": cfg.name, "namespace": cfg.namespace, "labels": labels(cfg), **extra}
+
+
+def tpu_node_selector(tpu: Slice) -> dict[str, str]:
+    return {
+        "cloud.google.com/gke-tpu-accelerator": tpu.accelerator.gke_name,
+        "cloud.google.com/gke-tpu-topology": tpu.topology,
+    }
+
+
+def http_probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
+
+
+def sidecar(cfg: DeploymentConfig) -> bool:
+    return cfg.frontend == "jetstream-http"
+
+
+def probes(cfg: DeploymentConfig) -> dict[str, Any]:
+    """Our /startupz, /readyz and /livez; behind the sidecar, its /healthcheck for all three (as in
+    the seed), which asks the engine's gRPC HealthCheck."""
+    p = cfg.probes
+    paths = ("/healthcheck",) * 3 if sidecar(cfg) else ("/startupz", "/readyz", "/livez")
+    failures = (
+        -(-p.startup_timeout_s // p.period_s),
+        p.readiness_failure_threshold,
+        p.liveness_failure_threshold,
+    )
+    kinds = ("startupProbe", "readinessProbe", "livenessProbe")
+    return {
+        kind: http_probe(path, cfg.ports.http, p.period_s, n)
+        for kind, path, n in zip(kinds, paths, failures, strict=True)
+    }
