@@ -165,7 +165,11 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
     tokenizer = state.tokenizer
     ids = convert.prompt_ids(body, tokenizer)
     params = convert.openai_sampling(body, tokenizer, len(ids), state.config.max_target_length)
-    handles = _submit_choices(state, ids, params, body.stop_strings(), convert.prompt_param(body))
+    submit = (state, ids, params, body.stop_strings(), convert.prompt_param(body), asyncio.get_running_loop())
+    if params.grammar is not None:  # compiling a grammar (the first time: importing its library) takes a while
+        handles = await asyncio.to_thread(_submit_choices, *submit)
+    else:
+        handles = _submit_choices(*submit)
     chat = isinstance(body, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), state.model_name
@@ -211,7 +215,7 @@ def _submit(
     stops: tuple[str, ...],
     prompt_param: str,
 ) -> RequestHandle:
-    return _submit_choices(state, prompt_ids, sampling, stops, prompt_param)[0]
+    return _submit_choices(state, prompt_ids, sampling, stops, prompt_param, asyncio.get_running_loop())[0]
 
 
 def _submit_choices(
@@ -220,11 +224,13 @@ def _submit_choices(
     sampling: SamplingParams,
     stops: tuple[str, ...],
     prompt_param: str,
+    loop: asyncio.AbstractEventLoop,
 ) -> list[RequestHandle]:
-    """Submit a request of `sampling.n` choices; orchestrator errors become OpenAI errors."""
+    """Submit a request of `sampling.n` choices (delivered onto `loop`); orchestrator errors
+    become OpenAI errors."""
     assert state.orchestrator is not None  # the gate answers 503 before that
     try:
-        return state.orchestrator.submit_choices(prompt_ids, sampling, stops, loop=asyncio.get_running_loop())
+        return state.orchestrator.submit_choices(prompt_ids, sampling, stops, loop=loop)
     except GenerationError as exc:
         param = prompt_param if exc.field == "prompt" else exc.field  # "prompt" or "messages"
         raise APIError(400, str(exc), param=param, code=exc.code) from None
