@@ -239,3 +239,28 @@ def test_replies_parse_into_calls_or_stay_content():
     assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "parameters"]
     assert set(call_schema(CHATML, [WEATHER, {"name": "t"}])) == {"anyOf"}
     assert json.loads(parse_calls(LLAMA3, '{"name": "f", "parameters": {"x": "é"}}')[0].arguments) == {"x": "é"}
+
+
+def test_batch_rows_take_n_logprobs_and_refuse_a_bad_schema(tmp_path):
+    from serving.batch.runner import run_batch
+    from tests.unit.test_batch import _records, _start
+
+    rows = [
+        {"custom_id": "n", "url": "/v1/completions",
+         "body": {"prompt": "ab", "max_tokens": 3, "n": 2, "temperature": 1, "seed": 4, "logprobs": 1}},
+        {"custom_id": "bad", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "x"}],
+                  "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = ServingConfig(max_target_length=128, max_prefill_predict_length=64)
+    summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=_start([]))
+    assert (summary.rows_ok, summary.rows_failed) == (1, 1)
+    records = _records(tmp_path / "out")
+    choices = records["n"]["response"]["body"]["choices"]
+    sampling = SamplingParams(max_tokens=3, temperature=1.0, seed=4, n=2)
+    expected = [TOKENIZER.decode(MockEngine().expected(TOKENIZER.encode("ab"), sampling, i)) for i in range(2)]
+    assert [c["text"] for c in choices] == expected
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [3, 3]
+    assert "response_format" in records["bad"]["error"]["message"]
