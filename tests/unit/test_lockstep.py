@@ -1,0 +1,90 @@
+"""The multi-controller pieces that need no second process: where jax.distributed's arguments come
+from (config, JAX_* variables, an LWS pod's variables), and the plan channel's framing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.config import ConfigError, load_config
+from serving.orchestrator import lockstep
+from serving.orchestrator.scheduler import StepPlan
+from serving.runtime import DEFAULT_COORDINATOR_PORT, distributed_args
+
+
+def devices(*overrides: str):
+    return load_config(None, ["runtime=multicontroller", *overrides]).devices
+
+
+def test_config_keys_win_over_the_environment():
+    env = {"JAX_COORDINATOR_ADDRESS": "env:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    cfg = devices("coordinator_address=leader:1234", "num_processes=2", "process_id=1")
+    assert distributed_args(cfg, env) == {"coordinator_address": "leader:1234", "num_processes": 2, "process_id": 1}
+
+
+def test_jax_variables_then_an_lws_pods_variables():
+    jax_env = {"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
+    assert distributed_args(devices(), jax_env) == {"coordinator_address": "h:9", "num_processes": 4, "process_id": 2}
+    lws_env = {"LWS_LEADER_ADDRESS": "g-0.g", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "3"}
+    assert distributed_args(devices(), lws_env) == {
+        "coordinator_address": f"g-0.g:{DEFAULT_COORDINATOR_PORT}", "num_processes": 4, "process_id": 3,
+    }
+
+
+def test_nothing_set_leaves_it_to_jax_detection():
+    assert distributed_args(devices(), {}) == {}
+
+
+def test_bad_values_name_the_key():
+    with pytest.raises(ConfigError, match="LWS_WORKER_INDEX='x'"):
+        distributed_args(devices(), {"LWS_WORKER_INDEX": "x"})
+    with pytest.raises(ConfigError, match="process_id=2 is not below num_processes=2"):
+        distributed_args(devices("num_processes=2", "process_id=2"), {})
+
+
+class Wire:
+    """broadcast_one_to_all as the leader and a follower see it: frames the leader sends are the
+    frames the follower receives, in order, with the same shapes."""
+
+    def __init__(self, monkeypatch):
+        self.frames: list[np.ndarray] = []
+        self.sending = True
+        monkeypatch.setattr(lockstep, "_broadcast", self.broadcast)
+
+    def broadcast(self, frame: np.ndarray) -> np.ndarray:
+        if self.sending:
+            self.frames.append(frame.copy())
+            return frame
+        sent = self.frames.pop(0)
+        assert sent.shape == frame.shape and sent.dtype == frame.dtype  # one compiled shape each
+        return sent
+
+
+def channel(is_leader: bool) -> lockstep.PlanChannel:
+    ch = lockstep.PlanChannel.__new__(lockstep.PlanChannel)
+    ch.is_leader = is_leader
+    return ch
+
+
+@pytest.mark.parametrize("frees", [1, 2000], ids=["one-frame", "two-frames"])
+def test_a_plan_arrives_whole_in_fixed_shape_frames(monkeypatch, frees):
+    wire = Wire(monkeypatch)
+    plan = StepPlan(frees=tuple(range(frees)), decode_steps=4, running=1, max_position=21)
+    channel(True).send(plan)
+    assert wire.frames[0].shape == (lockstep.FRAME_BYTES,)
+    assert len(wire.frames) == (1 if frees == 1 else 2)
+    if len(wire.frames) == 2:
+        size = wire.frames[1].size
+        assert size & (size - 1) == 0  # padded to a power of two: few shapes to compile
+    channel(True).send(lockstep.STOP)
+    wire.sending = False
+    follower = channel(False)
+    assert follower.receive() == plan
+    assert isinstance(follower.receive(), type(lockstep.STOP))
+    assert wire.frames == []
+
+
+def test_only_process_0_sends(monkeypatch):
+    Wire(monkeypatch)
+    with pytest.raises(RuntimeError, match="only process 0"):
+        channel(False).send(lockstep.KEEPALIVE)
