@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.server_process import REPO, free_port
 
 BOOT = Path(__file__).with_name("proxy_boot.py")
@@ -26,29 +24,38 @@ PROMPT = ["--prompt", "the number one", "--max-tokens", "10", "--json"]
 
 
 def run(command: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    merged = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run(
-        command, cwd=REPO, env={**merged, **env}, capture_output=True, text=True, timeout=timeout
-    )
+    return start(command, env).communicate_completed(timeout)
 
 
-@pytest.fixture(scope="module")
-def local_tokens(tiny_model_dir) -> list[int]:
-    result = run(
+class start(subprocess.Popen):
+    """A process with the test's environment less XLA_FLAGS / JAX_PLATFORMS, plus `env`."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        merged = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        super().__init__(command, cwd=REPO, env={**merged, **env}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        self.command = command
+
+    def communicate_completed(self, timeout: float = 240) -> subprocess.CompletedProcess:
+        out, err = self.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(self.command, self.returncode, out, err)
+
+
+def test_pathways_start_up_serves_the_local_runtimes_tokens(tiny_model_dir):
+    target = f"grpc://127.0.0.1:{free_port()}"
+    # Both at once: the local runtime on 8 CPU devices, and the Pathways path onto a substituted
+    # proxy client of 8 CPU devices.
+    local = start(
         [sys.executable, "-m", "serving.cli", "generate", str(tiny_model_dir), *PROMPT, *ENGINE],
         {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)["token_ids"]
-
-
-def test_pathways_start_up_serves_the_local_runtimes_tokens(tiny_model_dir, local_tokens):
-    target = f"grpc://127.0.0.1:{free_port()}"
-    result = run(
+    proxy = start(
         [sys.executable, str(BOOT), "generate", str(tiny_model_dir), *PROMPT, *ENGINE,
          "jax_compilation_cache_dir=/tmp/unused-jax-cache"],
         {"JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": target, "ENABLE_PATHWAYS_PERSISTENCE": "1"},
     )
+    result, reference = proxy.communicate_completed(), local.communicate_completed()
+    assert reference.returncode == 0, reference.stderr[-3000:]
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stderr
     # pathwaysutils initialised, its factory asked our substitute for the configured target, and
@@ -57,7 +64,7 @@ def test_pathways_start_up_serves_the_local_runtimes_tokens(tiny_model_dir, loca
     assert f"ifrt_proxy.get_client({target!r})" in log
     assert "runtime pathways: process 0 of 1, 8 devices" in log
     assert "jax_compilation_cache_dir=/tmp/unused-jax-cache does not apply on Pathways" in log
-    assert json.loads(result.stdout)["token_ids"] == local_tokens
+    assert json.loads(result.stdout)["token_ids"] == json.loads(reference.stdout)["token_ids"]
 
 
 def test_persistence_registers_pathwaysutils_orbax_handler(tmp_path):
