@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve loadtest browser
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers loadtest browser
 
 install: $(STAMP)
 
@@ -72,6 +72,13 @@ bench-engine: install
 bench-serve: install
 	$(BIN)/pathserve bench overhead
 	$(BIN)/pathserve bench serve --concurrency 1,4,16,32
+
+# pathserve against vLLM's CPU build (its own venv, .venv-vllm/, installed on first use) on the same
+# weights (the default model exported to safetensors), identical request sets in alternating rounds:
+# results/peers-bench.{json,png}. PEERS_ARGS narrows it, e.g. PEERS_ARGS="--concurrency 1,8 --sets short".
+PEERS_ARGS ?=
+bench-peers: install
+	$(BIN)/python -m loadtest.peers $(PEERS_ARGS)
 
 # A headless locust session against the default model's server (results/locust_*.csv, locust.png).
 loadtest: install

