@@ -3,8 +3,9 @@ real `pathserve serve` process on the tiny random model, with an API key set.
 
 The tests run in file order on one page, as a user would: the key prompt (a wrong key shows the
 401), a streamed greedy reply equal to the same request without streaming with its TTFT, tok/s and
-token counts, Regenerate, Stop, a 400 shown as a message, the status strip, a full queue's 429, a
-narrow screen, the browser's network log (no host but the server), and last the SIGTERM drain's 503.
+token counts, Regenerate, the sampling controls, Stop, a 400 shown as a message, the status strip,
+a full queue's 429, a narrow screen, the browser's network log (no host but the server), and last
+the SIGTERM drain's 503.
 """
 
 from __future__ import annotations
@@ -177,6 +178,28 @@ def test_regenerate_replaces_the_reply_with_the_same_greedy_text(page):
     expect(page.locator("#messages li.assistant")).to_have_count(1)
     assert last_reply(page).get_attribute("data-state") == "done"
     assert last_reply(page).locator(".content").text_content() == before
+
+
+def test_the_sampling_controls_reach_the_server(page, server):
+    """temperature, top_p, max tokens and seed as typed: the same seeded request gives the same text."""
+    page.click("#clear")
+    set_sampling(page, "0.9", 12)
+    page.fill("#top-p", "0.95")
+    page.fill("#seed", "7")
+    ask(page, QUESTION)
+    wait_finished(page)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    sampled = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 12}
+    same, other = (
+        authorized(server)
+        .post("/v1/chat/completions", json={"messages": messages, **sampled, "seed": seed})
+        .json()
+        for seed in (7, 8)
+    )
+    text = last_reply(page).locator(".content").text_content()
+    assert text == same["choices"][0]["message"]["content"]
+    assert text != other["choices"][0]["message"]["content"]  # so the seed did matter
+    assert last_reply(page).get_attribute("data-completion-tokens") == str(same["usage"]["completion_tokens"])
 
 
 def test_stop_ends_the_stream_and_frees_the_slot(page, server):
