@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     import httpx
 
     from loadtest.server import Server
-    from loadtest.vllm_peer import PeerError, VLLMServer, ensure_venv
+    from loadtest.vllm_peer import PeerError, VLLMServer, ensure_venv, server_env
     from serving.text.tokenizer import load_tokenizer
 
     parser = build_parser(prog)
@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "model_dir": str(model_dir),
         "pathserve_args": None if ns.pathserve_url else pathserve_args(ns),
         "vllm_args": {"dtype": "bfloat16", "max_model_len": ns.max_model_len, "kv_cache_gib": ns.kv_cache_gib, "extra": ns.vllm_arg},
+        # vLLM's CPU settings as its server saw them (VLLM_CPU_OMP_THREADS_BIND etc. pass through from
+        # this environment; unset, vLLM 0.32 binds its threads to all cores but one, kept for its frontend)
+        "vllm_env": None if ns.vllm_url else {k: v for k, v in server_env(ns.kv_cache_gib).items() if k.startswith("VLLM_")},
         "prompt_tokens": {name: {"min": ls[0], "median": ls[len(ls) // 2], "max": ls[-1]} for name, ls in lengths.items()},
         "args": {k: str(v) for k, v in vars(ns).items()},
         "cells": report_cells,

@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -29,11 +30,13 @@ def test_request_sets_have_the_asked_lengths_and_repeat(count, tiny_model_dir):
     from serving.text.tokenizer import load_tokenizer
 
     encode = load_tokenizer(tiny_model_dir).encode_prompt
-    for name in peers.SETS:
+    for name in ("short", "system"):
         a = peers.request_set(name, 12, count, seed=1)
         assert a == peers.request_set(name, 12, count, seed=1) != peers.request_set(name, 12, count, seed=2)
         assert len(a) == 12 and {p.max_tokens for p in a} == {64}
-    long = [count(p.text) for p in peers.request_set("long", 12, count)]
+    long_set = peers.request_set("long", 12, count)
+    assert long_set[:3] == peers.request_set("long", 3, count) and {p.max_tokens for p in long_set} == {64}
+    long = [count(p.text) for p in long_set]
     assert all(1024 <= n <= 1976 + 8 for n in long) and max(long) - min(long) > 200  # spread over 1-2k
     system = [encode(p.text) for p in peers.request_set("system", 12, count)]
     prefix = peers.words_to_tokens(
@@ -146,8 +149,22 @@ def test_missing_vllm_without_install_says_how_to_install(tmp_path):
         (["--rounds", "0"], "--rounds"),
     ],
 )
-def test_bad_flags_exit_2_naming_the_flag(args, message):
+def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        peers.main(args)  # refused before any model or server is touched
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_module_runs_as_make_bench_peers_runs_it():
     done = subprocess.run(
-        [sys.executable, "-m", "loadtest.peers", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "loadtest.peers", "--sets", "tiny"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert done.returncode == 2 and "python -m loadtest.peers: error: --sets: tiny" in done.stderr, done.stderr
+
+
+def test_a_peer_that_dies_at_start_up_is_named_with_its_log(tmp_path):
+    # this venv has no vllm: the real start-up command fails as a broken peer install would
+    server = vllm_peer.VLLMServer(Path(sys.executable), tmp_path / "model", tmp_path / "vllm.log")
+    with server, pytest.raises(vllm_peer.PeerError, match=r"exited \(1\) before it was ready(.|\n)*No module named 'vllm'"):
+        server.wait_ready(timeout=60)
+    assert server.process.returncode == 1
