@@ -350,6 +350,10 @@ class Engine:
             raw = logits[0, :-1]
             nxt = tokens[0, 1:]
             scored = Logprobs(nxt, *token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32)))
+        # What the host reads back, replicated: every process of a multi-host slice reads it.
+        first, first_logprobs, scored = jax.lax.with_sharding_constraint(
+            (first, first_logprobs, scored), replicated(self.mesh)
+        )
         return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored)
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
