@@ -80,11 +80,12 @@ def test_sampled_logprobs_are_after_temperature(tiny):
 def test_n_choices_equal_one_request_per_choice_seed(tiny):
     model, engine, params = tiny
     prompt = model.tokenizer.encode(TEXT)[20:27]
-    sampling = SamplingParams(max_tokens=7, temperature=1.0, seed=5, n=3)
+    # logprobs=0 throughout: one compiled prefill variant for the module (its logprobs are unused here)
+    sampling = SamplingParams(max_tokens=7, temperature=1.0, seed=5, n=3, logprobs=0)
     together, outputs, _, _ = _run(engine, params, prompt, sampling, slots=(0, 1, 2))
     assert len(outputs.first_tokens) == 3
     for choice, slot in enumerate((0, 1, 2)):
-        alone = SamplingParams(max_tokens=7, temperature=1.0, seed=sampling.choice_seed(choice))
+        alone = SamplingParams(max_tokens=7, temperature=1.0, seed=sampling.choice_seed(choice), logprobs=0)
         assert _run(engine, params, prompt, alone, slots=(3,))[0][3] == together[slot]
     assert len({tuple(t) for t in together.values()}) > 1
 
@@ -118,7 +119,7 @@ def test_finished_and_free_slots_are_not_sampled(tiny):
     padded = engine.limits.pad(prompt)
 
     def finished(seed):  # top_k 3: a first token that seeds share often; done at insert
-        return SamplingParams(max_tokens=1, temperature=1.0, top_k=3, seed=seed)
+        return SamplingParams(max_tokens=1, temperature=1.0, top_k=3, seed=seed, logprobs=0)
 
     firsts = {seed: engine.prefill(params, padded, len(prompt), finished(seed))[1] for seed in range(12)}
     token = max(set(firsts.values()), key=list(firsts.values()).count)
@@ -128,7 +129,7 @@ def test_finished_and_free_slots_are_not_sampled(tiny):
     for seed in seeds:
         prefix, _ = engine.prefill(params, padded, len(prompt), finished(seed))
         state = engine.insert(prefix, engine.init_decode_state(), 0)
-        _, _, results, _ = _run(engine, params, prompt[:5], SamplingParams(max_tokens=20), slots=(1,),
+        _, _, results, _ = _run(engine, params, prompt[:5], SamplingParams(max_tokens=20, logprobs=0), slots=(1,),
                                 state=state, calls=4)
         assert not any(np.asarray(r.valid)[:, 0].any() for r in results)
         stale.append([np.asarray(r.tokens)[:, 0].tolist() for r in results])

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,9 +17,10 @@ import openai
 import pytest
 
 from serving.checkpoints.model_source import load_model
+from serving.cli import main as cli_main
 from serving.config import ServingConfig
 from serving.models import prefill
-from tests.server_process import REPO, ServerProcess
+from tests.server_process import ServerProcess
 
 SLOTS = 20
 OVERRIDES = [
@@ -37,10 +36,10 @@ PROMPT = "The history of the lighthouse is closely tied to"
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
     },
     "required": ["name", "age", "color", "tags"],
     "additionalProperties": False,
@@ -84,7 +83,9 @@ def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir), ServingConfig(max_prefill_predict_length=1024))
 
 
-def test_echo_logprobs_score_the_prompt_as_the_model_and_the_perplexity_command(client, tiny, tiny_model_dir, tmp_path):
+def test_echo_logprobs_score_the_prompt_as_the_model_and_the_perplexity_command(
+    client, tiny, tiny_model_dir, tmp_path, capsys
+):
     response = client.completions.create(model="", prompt=TEXT, max_tokens=0, echo=True, logprobs=5)
     choice = response.choices[0]
     ids = tiny.tokenizer.encode_prompt(TEXT)
@@ -104,12 +105,11 @@ def test_echo_logprobs_score_the_prompt_as_the_model_and_the_perplexity_command(
         best = np.sort(expected[position])[::-1][:5]
         np.testing.assert_allclose(sorted(top.values(), reverse=True)[:5], best, atol=1e-4)
     (tmp_path / "text.txt").write_text(TEXT)
-    out = subprocess.run(
-        [sys.executable, "-m", "serving.cli", "perplexity", str(tiny_model_dir), "--text-file",
-         str(tmp_path / "text.txt"), "cpu_kernels=off", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
-    )
-    perplexity = json.loads(out.stdout.strip().splitlines()[-1])
+    # the perplexity command, in this process (its own code path; no second JAX start-up)
+    capsys.readouterr()
+    argv = ["perplexity", str(tiny_model_dir), "--text-file", str(tmp_path / "text.txt"), "cpu_kernels=off", "--json"]
+    assert cli_main(argv) == 0
+    perplexity = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert perplexity["tokens"] == len(ids) - 1
     assert math.exp(-sum(lp.token_logprobs[1:]) / (len(ids) - 1)) == pytest.approx(perplexity["perplexity"], rel=1e-4)
 
@@ -219,26 +219,29 @@ def test_json_object_and_bad_schemas(client, server):
 
 def test_named_tool_call_parses_and_validates_and_none_gives_text(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    response = client.chat.completions.create(
-        model="", messages=messages, tools=[WEATHER, TIME], max_tokens=120, temperature=1.0, seed=11,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    common = dict(model="", messages=messages, max_tokens=120, temperature=1.0)
+
+    def stream():
+        chunks = client.chat.completions.create(**common, tools=[WEATHER], seed=11, tool_choice=named, stream=True)
+        return [c.choices[0] for c in chunks if c.choices]
+
+    with ThreadPoolExecutor(3) as pool:  # together, in one batch of slots
+        jobs = [
+            pool.submit(client.chat.completions.create, **common, tools=[WEATHER, TIME], seed=11, tool_choice=named),
+            pool.submit(client.chat.completions.create, **common, tools=[WEATHER, TIME], seed=12,
+                        tool_choice="required"),
+            pool.submit(stream),
+        ]
+        response, required, chunks = (job.result() for job in jobs)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    required = client.chat.completions.create(
-        model="", messages=messages, tools=[WEATHER, TIME], max_tokens=120, temperature=1.0, seed=12,
-        tool_choice="required",
-    )
     assert required.choices[0].finish_reason == "tool_calls"
     assert required.choices[0].message.tool_calls[0].function.name in {"get_weather", "get_time"}
     # streamed: one tool_calls delta, then finish_reason tool_calls
-    chunks = [c.choices[0] for c in client.chat.completions.create(
-        model="", messages=messages, tools=[WEATHER], max_tokens=120, temperature=1.0, seed=11,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
-    ) if c.choices]
     deltas = [d for c in chunks for d in (c.delta.tool_calls or [])]
     assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
     assert chunks[-1].finish_reason == "tool_calls"
