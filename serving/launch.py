@@ -7,9 +7,11 @@ The one start-up path for everything that serves requests (the HTTP server, the 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
+from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
 from serving.checkpoints.model_source import LoadedModel, effective_config, load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
@@ -61,7 +63,12 @@ def launch(cfg: ServingConfig, source: str | None) -> Launched:
 
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator, make_executor).start()
     if is_multiprocess():
-        exit_when_loop_dies(lambda: orchestrator.alive, lambda: lockstep is not None and lockstep.closed)
+        exit_when_loop_dies(
+            lambda: orchestrator.alive,
+            lambda: lockstep is not None and lockstep.closed,
+            lambda: time.monotonic() - orchestrator.last_progress if orchestrator.has_work else 0.0,
+            max_stall_s=cfg.liveness_timeout_s + cfg.distributed_timeout_s,
+        )
     return Launched(model, engine, orchestrator, warmup, time.perf_counter() - started)
 
 
@@ -77,11 +84,37 @@ def follow_plans(cfg: ServingConfig, source: str | None) -> int:
 def _bring_up(cfg: ServingConfig, source: str | None):
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     cfg = effective_config(source, cfg)
-    model = load_model(source, cfg)
-    engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
+    mesh = make_mesh(cfg.devices)
+    shardings = restore_shardings(source or cfg.load_parameters_path, cfg, mesh) if is_multiprocess() else None
+    if shardings is not None:
+        print(f"pathserve: process {_process_index()} restores only the shards its devices hold",
+              file=sys.stderr, flush=True)
+    model = load_model(source, cfg, shardings=shardings)
+    engine = Engine(model, cfg.engine, mesh)
     params = engine.load_params()
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
     return model, engine, params, warmup
+
+
+def restore_shardings(source: str | None, cfg: ServingConfig, mesh) -> dict | None:
+    """For a converted checkpoint restored as stored (no quantization on load): each params leaf's
+    NamedSharding on `mesh`, as the engine will place it, so that every process reads only the
+    chunks of its own shards. None where the weights are built on the host instead."""
+    if not source or not is_checkpoint(source):
+        return None
+    metadata = read_metadata(source)
+    if metadata.quantization != cfg.quantization or cfg.quantize_activations:
+        return None  # quantized while loading: the whole tensor is needed on the host
+    from jax.sharding import NamedSharding
+
+    from serving.engine.partitioning import Numerics
+    from serving.engine.sharding import engine_placement, partition_spec
+
+    e = cfg.engine
+    slots = max(1, int(e.per_device_batch_size * mesh.size))
+    numerics = Numerics(e.weight_dtype, e.dtype, e.quantization, e.quantize_kvcache)
+    where = engine_placement(metadata.config, numerics, mesh, slots, e.max_target_length)
+    return {path: NamedSharding(mesh, partition_spec(leaf.spec)) for path, leaf in where.params.items()}
 
 
 def is_multiprocess() -> bool:

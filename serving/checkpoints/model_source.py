@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,15 +98,18 @@ def effective_config(source: str | None, cfg: ServingConfig) -> ServingConfig:
     return cfg.model_copy(update={"quantization": "int8", "checkpoint_is_quantized": True})
 
 
-def load_converted(path: str, cfg: ServingConfig) -> LoadedModel:
-    """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for."""
+def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
+    """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for.
+
+    `shardings` (runtime leaf path -> jax sharding): restore each array onto its devices, each
+    process reading only its shards (serving.launch passes them on a multi-controller slice)."""
     from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
 
     cfg = effective_config(path, cfg)
     metadata = read_metadata(path)
     if cfg.checkpoint_is_quantized and metadata.quantization != "int8":
         raise ConfigError(f"checkpoint_is_quantized=true, but {path} holds {metadata.dtype} weights")
-    params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype)
+    params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype, shardings=shardings)
     if cfg.quantization == "int8" and metadata.quantization != "int8":
         params = quantize_params(params)
     tokenizer = load_checkpoint_tokenizer(path, metadata)
@@ -114,11 +118,12 @@ def load_converted(path: str, cfg: ServingConfig) -> LoadedModel:
     )
 
 
-def load_model(source: str | None, cfg: ServingConfig) -> LoadedModel:
-    """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks."""
+def load_model(source: str | None, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
+    """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks; `shardings`
+    apply to a converted checkpoint (see load_converted)."""
     source = source or cfg.load_parameters_path or default_checkpoint()
     if is_checkpoint(source):
-        return load_converted(source, cfg)
+        return load_converted(source, cfg, shardings)
     path = Path(source)
     opened = open_source(path, config=_default_config(path) if _is_default_model(path) else None)
     params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 FRAME_BYTES = 4096  # one collective carries a plan up to this size (8 of them are the length)
 KEEPALIVE_S = 1.0
 EXIT_GRACE_S = 3.0  # after the device loop dies: /livez answers 503 and error bodies flush meanwhile
+WATCH_S = 0.2
 _HEADER = 8
 
 
@@ -166,24 +167,31 @@ def meet_at_exit() -> None:
     multihost_utils.sync_global_devices("pathserve: lockstep stopped")
 
 
-def exit_when_loop_dies(is_alive: Callable[[], bool], closed: Callable[[], bool]) -> threading.Thread:
+def exit_when_loop_dies(
+    is_alive: Callable[[], bool],
+    closed: Callable[[], bool],
+    stalled_for: Callable[[], float] = lambda: 0.0,
+    max_stall_s: float = float("inf"),
+) -> threading.Thread:
     """Process 0: once the device loop has ended without the lockstep executor's `close()` (a
-    collective or the loop failed), wait EXIT_GRACE_S and exit with status 1; the group's peers
+    collective or the loop failed), or has made no progress for `max_stall_s` while work waits (a
+    peer stalled inside a collective), wait EXIT_GRACE_S and exit with status 1; the group's peers
     cannot continue without it, nor it without them."""
 
     def watch() -> None:
-        while is_alive():
-            time.sleep(0.2)
-        if closed():
+        while is_alive() and stalled_for() <= max_stall_s:
+            time.sleep(WATCH_S)
+        if not is_alive() and closed():
             return
+        what = "failed" if not is_alive() else f"made no progress for {max_stall_s:g} s"
         print(
-            "pathserve: the lockstep device loop failed (a peer process died or stalled); "
+            f"pathserve: the lockstep device loop {what} (a peer process died or stalled); "
             f"exiting with status 1 in {EXIT_GRACE_S:g} s",
             file=sys.stderr,
             flush=True,
         )
         time.sleep(EXIT_GRACE_S)
-        os._exit(1)  # not sys.exit: JAX's shutdown barrier would wait for the dead peer
+        os._exit(1)  # not sys.exit: JAX's shutdown would wait for the dead peer
 
     thread = threading.Thread(target=watch, name="lockstep-watch", daemon=True)
     thread.start()

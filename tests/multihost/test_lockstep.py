@@ -64,10 +64,10 @@ def start_pair(source: Path) -> tuple[ServerProcess, ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir, batch_job):
+def servers(tiny_checkpoint, batch_job):
     """(one process with 8 devices, the pair's leader, the pair's follower), all ready."""
-    single = ServerProcess.pathserve(str(tiny_model_dir), *ENGINE, env=devices_env(8))
-    leader, follower = start_pair(tiny_model_dir)
+    single = ServerProcess.pathserve(str(tiny_checkpoint), *ENGINE, env=devices_env(8))
+    leader, follower = start_pair(tiny_checkpoint)
     try:
         single.wait_ready()
         leader.wait_ready()
@@ -107,13 +107,25 @@ def test_pair_serves_the_same_tokens_as_one_process(servers, reference):
     assert all(reason != "error" for _, reason, _ in got)
     # Only process 0 serves; process 1 says that it follows and opens no port.
     assert "follows process 0 (no servers here)" in follower.output()
+    for process in (leader, follower):
+        assert "restores only the shards its devices hold" in process.output()
     assert "listening on" not in follower.output()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{follower.url}/healthcheck", timeout=2)
 
 
 @pytest.fixture(scope="module")
-def batch_job(tiny_model_dir, tmp_path_factory):
+def tiny_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model converted: the pair restores it sharded, each process its own shards."""
+    from serving.checkpoints.convert import convert
+
+    path = tmp_path_factory.mktemp("multihost-ckpt") / "tiny"
+    convert(tiny_model_dir, str(path), progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batch_job(tiny_checkpoint, tmp_path_factory):
     """`pathserve batch` on a pair of processes over the 8 prompts, started before the servers so
     that both compile at once; yields (directory, the two processes)."""
     work = tmp_path_factory.mktemp("multihost-batch")
@@ -125,7 +137,7 @@ def batch_job(tiny_model_dir, tmp_path_factory):
 
     def batch(process_id: int) -> subprocess.Popen:
         command = [
-            sys.executable, "-m", "serving.cli", "batch", str(tiny_model_dir), *ENGINE,
+            sys.executable, "-m", "serving.cli", "batch", str(tiny_checkpoint), *ENGINE,
             *group_args(process_id, coordinator), "--input", str(prompts), "--output", str(work / "out"),
             "--quiet",
         ]
@@ -150,6 +162,7 @@ def test_batch_on_a_pair_writes_the_same_rows(batch_job, reference):
     logs = {i: (work / f"batch-{i}.log").read_text() for i in (0, 1)}
     assert codes == [0, 0], logs
     assert "follows process 0" in logs[1]
+    assert all("restores only the shards its devices hold" in log for log in logs.values())
     rows = {}
     for results in sorted(out.glob("results-*.jsonl")):
         for line in results.read_text().splitlines():

@@ -88,3 +88,25 @@ def test_only_process_0_sends(monkeypatch):
     Wire(monkeypatch)
     with pytest.raises(RuntimeError, match="only process 0"):
         channel(False).send(lockstep.KEEPALIVE)
+
+
+@pytest.fixture
+def exits(monkeypatch) -> list[int]:
+    codes: list[int] = []
+    monkeypatch.setattr(lockstep, "EXIT_GRACE_S", 0.0)
+    monkeypatch.setattr(lockstep, "WATCH_S", 0.01)
+    monkeypatch.setattr(lockstep.os, "_exit", codes.append)
+    return codes
+
+
+def test_a_failed_loop_exits_1_and_a_stopped_one_does_not(exits):
+    lockstep.exit_when_loop_dies(lambda: False, lambda: True).join(5)
+    assert exits == []
+    lockstep.exit_when_loop_dies(lambda: False, lambda: False).join(5)
+    assert exits == [1]
+
+
+def test_a_stalled_loop_exits_1(exits):
+    stalls = iter([0.0, 5.0, 61.0])
+    lockstep.exit_when_loop_dies(lambda: True, lambda: False, lambda: next(stalls), max_stall_s=60).join(5)
+    assert exits == [1]
