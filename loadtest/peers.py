@@ -309,6 +309,9 @@ def build_parser(prog: str = "python -m loadtest.peers") -> argparse.ArgumentPar
         "--serve-arg", action="append", default=[], help="key=value for the pathserve server (after max_target_length=--max-model-len)"
     )
     parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's api_server")
+    parser.add_argument(
+        "--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for vLLM's server only"
+    )
     parser.add_argument("--vllm-venv", type=Path, default=Path(".venv-vllm"))
     parser.add_argument("--no-install", action="store_true", help="fail instead of installing vLLM when it is missing")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
@@ -337,6 +340,8 @@ def _parse(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lis
         parser.error("--concurrency: every level must be >= 1")
     if ns.rounds < 1 or (ns.requests is not None and ns.requests < 1) or ns.max_tokens < 2:
         parser.error("--rounds and --requests must be >= 1, --max-tokens >= 2")
+    if any("=" not in item for item in ns.vllm_env):
+        parser.error(f"--vllm-env: KEY=VALUE, got {next(i for i in ns.vllm_env if '=' not in i)!r}")
     return names(ns.sets, SETS, "--sets"), names(ns.sampling, tuple(SAMPLING), "--sampling"), levels
 
 
@@ -381,13 +386,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     for name, ls in lengths.items():
         print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
     urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
+    vllm_env = dict(item.split("=", 1) for item in ns.vllm_env)
     with ExitStack() as stack:
         try:
             if not ns.vllm_url:
                 python = ensure_venv(ns.vllm_venv, ns.out / "peers-vllm-install.log", install=not ns.no_install)
                 vllm = stack.enter_context(
                     VLLMServer(python, model_dir, ns.out / "peers-vllm-server.log", max_model_len=ns.max_model_len,
-                               kv_cache_gib=ns.kv_cache_gib, extra=ns.vllm_arg)
+                               kv_cache_gib=ns.kv_cache_gib, extra=ns.vllm_arg, env=vllm_env)
                 )
                 print(f"starting vLLM at {vllm.url} (log: {vllm.log_path}) ...", flush=True)
                 urls["vllm"] = vllm.url
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "vllm_args": {"dtype": "bfloat16", "max_model_len": ns.max_model_len, "kv_cache_gib": ns.kv_cache_gib, "extra": ns.vllm_arg},
         # vLLM's CPU settings as its server saw them (VLLM_CPU_OMP_THREADS_BIND etc. pass through from
         # this environment; unset, vLLM 0.32 binds its threads to all cores but one, kept for its frontend)
-        "vllm_env": None if ns.vllm_url else {k: v for k, v in server_env(ns.kv_cache_gib).items() if k.startswith("VLLM_")},
+        "vllm_env": None if ns.vllm_url else {k: v for k, v in server_env(ns.kv_cache_gib, vllm_env).items() if k.startswith("VLLM_") or k in vllm_env},
         "prompt_tokens": {name: {"min": ls[0], "median": ls[len(ls) // 2], "max": ls[-1]} for name, ls in lengths.items()},
         "args": {k: str(v) for k, v in vars(ns).items()},
         "cells": report_cells,

@@ -109,8 +109,10 @@ def server_command(python: Path, model_dir: Path, name: str, port: int, max_mode
     ]
 
 
-def server_env(kv_cache_gib: float) -> dict[str, str]:
-    """The server's environment: offline, no usage reports, a bounded CPU KV cache."""
+def server_env(kv_cache_gib: float, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: offline, no usage reports, a bounded CPU KV cache, then `extra`
+    (vLLM's own knobs such as VLLM_CPU_OMP_THREADS_BIND, or the LD_PRELOAD of the venv's
+    lib/libiomp5.so that vLLM's CPU guide recommends), which reaches this server only."""
     env = os.environ.copy()
     env.update(
         HF_HUB_OFFLINE="1",
@@ -120,6 +122,7 @@ def server_env(kv_cache_gib: float) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE=f"{kv_cache_gib:g}",
     )
     env.pop("VIRTUAL_ENV", None)
+    env.update(extra or {})
     return env
 
 
@@ -135,6 +138,7 @@ class VLLMServer:
         max_model_len: int = 2048,
         kv_cache_gib: float = 4,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -143,7 +147,7 @@ class VLLMServer:
         self.log_path = log_path
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(kv_cache_gib), start_new_session=True
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(kv_cache_gib, env), start_new_session=True
         )
 
     def wait_ready(self, timeout: float = 1200) -> VLLMServer:

@@ -5,6 +5,7 @@ not installed by the tests: the benchmark itself is `make bench-peers`.)"""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -138,6 +139,9 @@ def test_missing_vllm_without_install_says_how_to_install(tmp_path):
     command = vllm_peer.server_command(tmp_path / "python", tmp_path / "model", "m", 8123, 2048, ["--x"])
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and command[-1] == "--x"
     assert command[command.index("--host") + 1] == "127.0.0.1" and "bfloat16" in command
+    env = vllm_peer.server_env(2.5, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2.5" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
 
 
 @pytest.mark.parametrize(
@@ -147,6 +151,7 @@ def test_missing_vllm_without_install_says_how_to_install(tmp_path):
         (["--sampling", "beam"], "--sampling: beam"),
         (["--concurrency", "1,x"], "--concurrency"),
         (["--rounds", "0"], "--rounds"),
+        (["--vllm-env", "LD_PRELOAD"], "--vllm-env: KEY=VALUE"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
