@@ -306,7 +306,7 @@ def build_parser(prog: str = "python -m loadtest.peers") -> argparse.ArgumentPar
     parser.add_argument("--pathserve-url", help="a running pathserve server (default: start one here)")
     parser.add_argument("--vllm-url", help="a running vLLM server (default: start one here)")
     parser.add_argument(
-        "--serve-arg", action="append", default=[], help="key=value for the pathserve server (after max_target_length=--max-model-len)"
+        "--serve-arg", action="append", default=[], help="key=value for the pathserve server (last: overrides)"
     )
     parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's api_server")
     parser.add_argument(
@@ -345,10 +345,13 @@ def _parse(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lis
     return names(ns.sets, SETS, "--sets"), names(ns.sampling, tuple(SAMPLING), "--sampling"), levels
 
 
-def pathserve_args(ns: argparse.Namespace) -> list[str]:
-    """The pathserve server's key=value arguments: the default model's config with the same context
-    as vLLM's --max-model-len, then --serve-arg (which may override it)."""
-    return [f"max_target_length={ns.max_model_len}", *ns.serve_arg]
+def pathserve_args(ns: argparse.Namespace, sets: Sequence[str]) -> list[str]:
+    """The pathserve server's key=value arguments: its default config (`make serve`'s), with vLLM's
+    context (--max-model-len) as max_target_length only when the long set runs (the default 1024
+    cannot hold its prompts, and a longer KV cache costs every decode step of the other sets),
+    then --serve-arg (which may override either)."""
+    context = [f"max_target_length={ns.max_model_len}"] if "long" in sets else []
+    return [*context, *ns.serve_arg]
 
 
 def default_model_dir() -> Path:
@@ -398,7 +401,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
                 print(f"starting vLLM at {vllm.url} (log: {vllm.log_path}) ...", flush=True)
                 urls["vllm"] = vllm.url
             if not ns.pathserve_url:
-                args = pathserve_args(ns)
+                args = pathserve_args(ns, sets)
                 ours = stack.enter_context(Server(args, ns.out / "peers-pathserve-server.log"))
                 print(f"starting pathserve at {ours.url} (log: {ours.log_path}) ...", flush=True)
                 urls["pathserve"] = ours.url
@@ -425,7 +428,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "urls": urls,
         "models": models,
         "model_dir": str(model_dir),
-        "pathserve_args": None if ns.pathserve_url else pathserve_args(ns),
+        "pathserve_args": None if ns.pathserve_url else pathserve_args(ns, sets),
         "vllm_args": {"dtype": "bfloat16", "max_model_len": ns.max_model_len, "kv_cache_gib": ns.kv_cache_gib, "extra": ns.vllm_arg},
         # vLLM's CPU settings as its server saw them (VLLM_CPU_OMP_THREADS_BIND etc. pass through from
         # this environment; unset, vLLM 0.32 binds its threads to all cores but one, kept for its frontend)

@@ -173,3 +173,9 @@ def test_a_peer_that_dies_at_start_up_is_named_with_its_log(tmp_path):
     with server, pytest.raises(vllm_peer.PeerError, match=r"exited \(1\) before it was ready(.|\n)*No module named 'vllm'"):
         server.wait_ready(timeout=60)
     assert server.process.returncode == 1
+
+
+def test_pathserve_gets_a_2048_context_only_when_the_long_set_runs():
+    ns = peers.build_parser().parse_args(["--serve-arg", "per_device_batch_size=8"])
+    assert peers.pathserve_args(ns, ["short", "system"]) == ["per_device_batch_size=8"]
+    assert peers.pathserve_args(ns, ["short", "long"]) == ["max_target_length=2048", "per_device_batch_size=8"]
