@@ -33,7 +33,7 @@ from typing import Any
 
 from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
-from serving.errors import QueueFullError, ShuttingDownError
+from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
@@ -154,6 +154,12 @@ class Orchestrator:
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
         self.engine.limits.check(len(prompt_ids), sampling)
+        if self._queue.maxsize and sampling.n > self._queue.maxsize:
+            raise GenerationError(
+                f"n={sampling.n} choices wait in the admission queue as {sampling.n} requests; "
+                f"it holds {self._queue.maxsize} (max_queued_requests)",
+                field="n",
+            )
         matchers = self._matchers(sampling)
         stops = tuple(s for s in stop_strings if s)
         requests = [
@@ -262,7 +268,8 @@ class Orchestrator:
             if head.sampling.n > room and not head.cancelled.is_set():
                 self._held = head
                 break
-            group = [head, *(self._queue.get_nowait() for _ in range(head.sampling.n - 1))]
+            with self._submit_lock:  # a request's choices are put under this lock: wait for the last
+                group = [head, *(self._queue.get_nowait() for _ in range(head.sampling.n - 1))]
             if head.cancelled.is_set():
                 for request in group:
                     self._finish(request, "cancelled")

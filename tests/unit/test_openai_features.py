@@ -18,6 +18,7 @@ from serving.engine.mock import AsciiTokenizer, MockEngine, mock_logprob
 from serving.errors import GenerationError, QueueFullError
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.scheduler import Scheduler, Waiting
+from serving.orchestrator.streams import Request
 from serving.request import Grammar, SamplingParams
 from serving.text.tools import CHATML, LLAMA3, call_schema, parse_calls, render_messages
 from tests.unit.test_api import _Running
@@ -117,6 +118,33 @@ def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue():
     idle.submit_choices([1], SamplingParams(n=3))
     with pytest.raises(QueueFullError):
         idle.submit_choices([1], SamplingParams(n=2))
+
+
+def test_n_above_the_queue_bound_is_a_400_naming_n_not_a_429_forever():
+    idle = _orchestrator(slots=4, queue=2)
+    with pytest.raises(GenerationError, match="max_queued_requests") as raised:
+        idle.submit_choices([1], SamplingParams(n=3))
+    assert raised.value.field == "n"
+
+
+def test_the_device_loop_waits_for_a_request_s_last_choice_being_put():
+    """submit_choices puts a request's choices one by one under its lock; the device loop may take
+    the first before the last is there, and must wait for it instead of failing on an empty queue."""
+    import threading
+
+    orchestrator = _orchestrator(slots=4)
+    sampling = SamplingParams(max_tokens=2, n=2)
+    first, second = (Request([1], sampling, (), choice=i) for i in range(2))
+    taken: list = []
+    with orchestrator._submit_lock:
+        orchestrator._queue.put_nowait(first)
+        taker = threading.Thread(target=lambda: taken.append(orchestrator._take(room=4)))
+        taker.start()
+        taker.join(0.2)
+        assert taker.is_alive()  # waiting for the submitter, not raising queue.Empty
+        orchestrator._queue.put_nowait(second)
+    taker.join(5)
+    assert taken == [[[first, second]]]
 
 
 def test_a_request_that_does_not_fit_waits_without_being_passed():
