@@ -91,6 +91,10 @@ class _OpenAI(_Sampling):
             raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("ignore_eos: cannot be combined with response_format (its grammar ends at end of sequence)")
         return self
 
 
@@ -197,8 +201,14 @@ class ChatCompletionRequest(_OpenAI):
             names = [t.function.name for t in self.tools or []]
             if choice.function.name not in names:
                 raise ValueError(f"tool_choice: no tool is named {choice.function.name!r} (tools: {names})")
-        if self.tools and choice not in (None, "none") and self.response_format and self.response_format.type != "text":
-            raise ValueError("response_format: cannot be combined with a tool_choice that calls tools")
+        calls_tools = self.effective_tool_choice() != "none"
+        if calls_tools and self.response_format and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with tools unless tool_choice is none")
+        if self.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            if self.ignore_eos:
+                raise ValueError("ignore_eos: cannot be combined with a tool_choice that must call a tool")
+            if self.stop_strings():
+                raise ValueError("stop: cannot be combined with a tool_choice that must call a tool (it could cut the arguments)")
         return self
 
     def effective_tool_choice(self) -> str | NamedToolChoice:

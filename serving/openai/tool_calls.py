@@ -67,7 +67,7 @@ def parse(body: ChatCompletionRequest, tokenizer: Tokenizer | None, text: str) -
     names = {t.function.name for t in body.tools or []}
     if calls is None or any(c.name not in names for c in calls):
         return None
-    return calls
+    return calls[:1] if body.parallel_tool_calls is False else calls
 
 
 def wire(calls: list[ToolCallText]) -> list[dict[str, Any]]:

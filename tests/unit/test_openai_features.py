@@ -218,6 +218,14 @@ def test_n_choices_over_http_streamed_interleave_by_index(client, server):
         ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+         "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "stop": ["}"]},
+         "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "ignore_eos": True},
+         "ignore_eos"),
     ],
 )
 def test_bad_feature_fields_get_400_naming_them(server, body, param):
@@ -267,6 +275,18 @@ def test_replies_parse_into_calls_or_stay_content():
     assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "parameters"]
     assert set(call_schema(CHATML, [WEATHER, {"name": "t"}])) == {"anyOf"}
     assert json.loads(parse_calls(LLAMA3, '{"name": "f", "parameters": {"x": "é"}}')[0].arguments) == {"x": "é"}
+
+
+def test_parallel_tool_calls_false_keeps_one_call():
+    from serving.openai.protocol import ChatCompletionRequest
+    from serving.openai.tool_calls import parse
+
+    tools = [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    reply = '<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]</tool_call>'
+    messages = [{"role": "user", "content": "x"}]
+    both = parse(ChatCompletionRequest(messages=messages, tools=tools), TOKENIZER, reply)
+    one = parse(ChatCompletionRequest(messages=messages, tools=tools, parallel_tool_calls=False), TOKENIZER, reply)
+    assert [c.name for c in both] == ["f", "g"] and [c.name for c in one] == ["f"]
 
 
 def test_batch_rows_take_n_logprobs_and_refuse_a_bad_schema(tmp_path):
