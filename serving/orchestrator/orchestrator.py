@@ -128,6 +128,12 @@ class Orchestrator:
     def _queue_empty(self) -> bool:
         return self._queue.empty() and self._held is None
 
+    def _waiting(self) -> int:
+        """Requests waiting for a slot: the queue's, and the head the device loop holds back
+        (it left the queue but still counts against max_queued_requests)."""
+        held = self._held
+        return self._queue.qsize() + (held.sampling.n if held is not None else 0)
+
     def submit(
         self,
         prompt_ids: list[int],
@@ -169,13 +175,13 @@ class Orchestrator:
             if loop is not None:
                 request.tokens = LoopQueue(loop)
         with self._submit_lock:
-            if self._queue.maxsize and self._queue.qsize() + len(requests) > self._queue.maxsize:
+            if self._queue.maxsize and self._waiting() + len(requests) > self._queue.maxsize:
                 with self.metrics.lock:
                     self.metrics.requests_rejected += 1
                 raise QueueFullError(f"the admission queue is full ({self._queue.maxsize} requests waiting)")
             for request in requests:
                 self._queue.put_nowait(request)
-        self.metrics.queued = self._queue.qsize()
+        self.metrics.queued = self._waiting()
         self._wake.set()
         return [RequestHandle(request, self.tokenizer, self) for request in requests]
 
@@ -222,7 +228,7 @@ class Orchestrator:
             plan = scheduler.schedule([_waiting(group) for group in groups], cancelled, masks)
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
-            self.metrics.queued = self._queue.qsize()
+            self.metrics.queued = self._waiting()
             self.metrics.active_slots = len(scheduler.running)
             if plan.empty:
                 executor.idle()
@@ -256,26 +262,29 @@ class Orchestrator:
     def _take(self, room: int) -> list[list[Request]]:
         """Whole requests (each the list of its choices) from the queue, oldest first, while their
         choices fit in `room` slots; a head that does not fit waits (held) for the next turn.
-        Cancelled ones end here."""
+        Cancelled ones end here. Under the submitters' lock: a request's choices are all there, and
+        a submitter never sees a head that is neither queued nor held."""
         taken: list[list[Request]] = []
-        while True:
-            head, self._held = self._held, None
-            if head is None:
-                try:
-                    head = self._queue.get_nowait()
-                except queue.Empty:
+        cancelled: list[Request] = []
+        with self._submit_lock:
+            while True:
+                head, self._held = self._held, None
+                if head is None:
+                    try:
+                        head = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if head.sampling.n > room and not head.cancelled.is_set():
+                    self._held = head
                     break
-            if head.sampling.n > room and not head.cancelled.is_set():
-                self._held = head
-                break
-            with self._submit_lock:  # a request's choices are put under this lock: wait for the last
                 group = [head, *(self._queue.get_nowait() for _ in range(head.sampling.n - 1))]
-            if head.cancelled.is_set():
-                for request in group:
-                    self._finish(request, "cancelled")
-                continue
-            taken.append(group)
-            room -= len(group)
+                if head.cancelled.is_set():
+                    cancelled.extend(group)
+                    continue
+                taken.append(group)
+                room -= len(group)
+        for request in cancelled:
+            self._finish(request, "cancelled")
         return taken
 
     def _first_token(

@@ -127,6 +127,16 @@ def test_n_above_the_queue_bound_is_a_400_naming_n_not_a_429_forever():
     assert raised.value.field == "n"
 
 
+def test_a_head_held_back_for_want_of_slots_still_counts_against_the_queue_bound():
+    idle = _orchestrator(slots=4, queue=2)  # not started: the test plays the device loop's turn
+    idle.submit([1], SamplingParams(max_tokens=2))
+    idle.submit([2], SamplingParams(max_tokens=2))
+    assert idle._take(room=0) == []  # no free slot: the head leaves the queue, held for the next turn
+    with pytest.raises(QueueFullError):
+        idle.submit([3], SamplingParams(max_tokens=2))
+    assert idle._waiting() == 2
+
+
 def test_the_device_loop_waits_for_a_request_s_last_choice_being_put():
     """submit_choices puts a request's choices one by one under its lock; the device loop may take
     the first before the last is there, and must wait for it instead of failing on an empty queue."""
