@@ -20,6 +20,7 @@ from serving.checkpoints.model_source import load_model
 from serving.cli import main as cli_main
 from serving.config import ServingConfig
 from serving.models import prefill
+from serving.text.tools import render_messages, tool_format
 from tests.server_process import ServerProcess
 
 SLOTS = 20
@@ -217,7 +218,7 @@ def test_json_object_and_bad_schemas(client, server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
 
 
-def test_named_tool_call_parses_and_validates_and_none_gives_text(client):
+def test_named_tool_call_parses_and_validates_and_none_gives_text(client, tiny):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     common = dict(model="", messages=messages, max_tokens=120, temperature=1.0)
@@ -261,3 +262,12 @@ def test_named_tool_call_parses_and_validates_and_none_gives_text(client):
         tools=[WEATHER], max_tokens=8, temperature=0,
     )
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # what the model read: the call as the text it would have written, the result in the format's turn
+    fmt = tool_format(tiny.tokenizer)
+    turns = render_messages(fmt, [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "content": '{"temperature": 21}'},
+    ], [WEATHER["function"]])
+    assert '{"temperature": 21}' in turns[-1]["content"] and "get_weather" in turns[-2]["content"]
+    assert follow.usage.prompt_tokens == len(tiny.tokenizer.encode_chat(turns))
