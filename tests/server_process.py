@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,3 +83,20 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def metric(server: ServerProcess, name: str, labels: str = "") -> float:
+    """One sample of the server's /metrics (0 when absent); `labels` as written, e.g. '{code="200"}'."""
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_for(condition, timeout: float, interval: float = 0.02) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

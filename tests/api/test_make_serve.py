@@ -5,7 +5,6 @@ the SIGTERM drain that loses no in-flight request. The tests run in file order; 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import threading
 import time
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import REPO, ServerProcess, free_port
+from tests.server_process import REPO, ServerProcess, free_port, metric, wait_for
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -43,19 +42,6 @@ def serve_pid(process: ServerProcess) -> int:
     return pids[0]
 
 
-def metric(process: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{process.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_make_serve_answers_a_chat_request(served):

@@ -19,7 +19,7 @@ from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.request import SamplingParams
 from tests.reference import ReferenceDecoder
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port, metric
 
 SLOTS, QUEUE = 4, 4
 OVERRIDES = [
@@ -56,11 +56,6 @@ def tiny(tiny_model_dir):
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=2048)
     return load_model(str(tiny_model_dir), cfg), cfg
 
-
-def metric(server: ServerProcess, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_healthcheck_is_503_until_ready_then_200(server):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, metric, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
@@ -315,17 +314,3 @@ def test_while_draining_a_send_shows_the_503_and_the_strip_says_so(page, server)
         server.signal()  # a second signal stops at once, rather than after the long requests
         server.proc.wait(60)
 
-
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from serving.text.tokenizer import load_tokenizer
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port, metric, wait_for
 
 SLOTS, QUEUE = 4, 4
 MAX_PREFILL, MAX_TARGET = 64, 2048
@@ -109,19 +108,6 @@ def http_generate(server, prompt: str, max_tokens: int) -> dict:
     return reply.json()
 
 
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_health_check_is_false_until_ready_then_true(server, stub, stubs):
