@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serving.deploy.errors import DeployError
-from serving.deploy.manifests import LWS_API, Manifest
+from serving.deploy.manifests import Manifest
+from serving.deploy.pod_parts import LWS_API
 
 FIELD_MANAGER = "pathserve"
 INSTALL_HINT = {

@@ -15,9 +15,7 @@ from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.deploy.pod_parts import (
-    EXCLUSIVE_TOPOLOGY,
     LEADER,
-    LWS_API,
     LWS_NAME_LABEL,
     LWS_WORKER_INDEX_LABEL,
     Manifest,
@@ -27,6 +25,7 @@ from serving.deploy.pod_parts import (
     sidecar,
     tpu_node_selector,
 )
+from serving.deploy.pod_parts import leader_worker_set as lws_manifest
 
 PATHWAYS_JOB_API = "pathways-job.pathways.domain/v1"
 RM_PORT = 38677  # Pathways resource manager
@@ -140,41 +139,26 @@ def worker_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
 def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
     """One group per replica: a leader (RM, proxy, engine) plus one worker pod per TPU host."""
     tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
-    workers = tpu.hosts * cfg.tpu.num_slices
-    return {
-        "apiVersion": LWS_API,
-        "kind": "LeaderWorkerSet",
-        "metadata": metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
+    leader = {
+        "metadata": {"labels": {**labels(cfg), "role": "leader"}},
         "spec": {
-            "replicas": cfg.replicas,
-            "startupPolicy": "LeaderCreated",
-            "leaderWorkerTemplate": {
-                "size": workers + 1,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": {
-                    "metadata": {"labels": {**labels(cfg), "role": "leader"}},
-                    "spec": {
-                        "containers": [
-                            resource_manager_container(cfg, tpu),
-                            proxy_container(cfg),
-                            engine_container(cfg),
-                            *([jetstream_http_container(cfg)] if sidecar(cfg) else []),
-                        ],
-                    },
-                },
-                "workerTemplate": {
-                    "metadata": {"labels": {**labels(cfg), "role": "worker"}},
-                    "spec": {
-                        "nodeSelector": tpu_node_selector(tpu),
-                        "tolerations": [
-                            {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
-                        ],
-                        "containers": [worker_container(cfg, tpu)],
-                    },
-                },
-            },
+            "containers": [
+                resource_manager_container(cfg, tpu),
+                proxy_container(cfg),
+                engine_container(cfg),
+                *([jetstream_http_container(cfg)] if sidecar(cfg) else []),
+            ],
         },
     }
+    worker = {
+        "metadata": {"labels": {**labels(cfg), "role": "worker"}},
+        "spec": {
+            "nodeSelector": tpu_node_selector(tpu),
+            "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [worker_container(cfg, tpu)],
+        },
+    }
+    return lws_manifest(cfg, tpu.hosts * cfg.tpu.num_slices + 1, leader, worker)
 
 
 def service(cfg: DeploymentConfig) -> Manifest:

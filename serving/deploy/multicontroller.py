@@ -17,14 +17,14 @@ from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.deploy.pod_parts import (
-    EXCLUSIVE_TOPOLOGY,
     LEADER,
-    LWS_API,
     Manifest,
     labels,
-    metadata,
     probes,
     tpu_node_selector,
+)
+from serving.deploy.pod_parts import (
+    leader_worker_set as lws_manifest,
 )
 from serving.runtime import DEFAULT_COORDINATOR_PORT
 
@@ -77,18 +77,4 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
     tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
     if cfg.tpu.num_slices != 1:
         raise DeployError("tpu.num_slices: runtime: multicontroller serves one slice (Pathways spans several)")
-    return {
-        "apiVersion": LWS_API,
-        "kind": "LeaderWorkerSet",
-        "metadata": metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
-        "spec": {
-            "replicas": cfg.replicas,
-            "startupPolicy": "LeaderCreated",
-            "leaderWorkerTemplate": {
-                "size": tpu.hosts,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": _pod(cfg, tpu, "leader"),
-                "workerTemplate": _pod(cfg, tpu, "worker"),
-            },
-        },
-    }
+    return lws_manifest(cfg, tpu.hosts, _pod(cfg, tpu, "leader"), _pod(cfg, tpu, "worker"))

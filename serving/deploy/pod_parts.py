@@ -55,3 +55,23 @@ def probes(cfg: DeploymentConfig) -> dict[str, Any]:
         kind: http_probe(path, cfg.ports.http, p.period_s, n)
         for kind, path, n in zip(kinds, paths, failures, strict=True)
     }
+
+
+def leader_worker_set(cfg: DeploymentConfig, size: int, leader: dict[str, Any], worker: dict[str, Any]) -> Manifest:
+    """The LeaderWorkerSet both layouts share: `replicas` groups of `size` pods, one topology per
+    node pool, the whole group recreated when a pod restarts; `leader` and `worker` pod templates."""
+    return {
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
+        "spec": {
+            "replicas": cfg.replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": size,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": leader,
+                "workerTemplate": worker,
+            },
+        },
+    }
