@@ -46,6 +46,11 @@ class EngineConfig:
     quantize_activations: bool = False
     cpu_kernels: str = "auto"
     decode_steps_per_call: int = 4
+    prefill_chunk_size: int = 0
+    max_prefill_batch: int = 8
+    prefill_batch_tokens: int = 0
+    prefix_block_size: int = 64
+    decode_slot_buckets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class OrchestratorConfig:
     """The device loop's settings."""
 
     max_queued_requests: int = 256
+    prefix_cache: str = "on"
+    prefix_cache_bytes: int = 256 << 20
     profiler_steps: int = 0  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = ""
     profiler_port: int = 0  # jax.profiler.start_server when set
@@ -117,6 +124,22 @@ class ServingConfig(BaseModel):
     # Engine and runtime (not MaxText flags).
     runtime: Literal["auto", "local", "pathways", "multicontroller"] = "auto"
     decode_steps_per_call: int = Field(default=4, ge=1, le=64)
+    # Slot counts generate is compiled for; each call runs the smallest holding the active slots
+    # (empty: powers of two up to the slots).
+    decode_slot_buckets: list[int] = Field(default_factory=list)
+    # Chunked prefill (MaxText's use_chunked_prefill): prompts enter their slots in chunks of at most
+    # this many tokens (0: max_prefill_predict_length), between decode calls, so running streams keep
+    # flowing; a prompt may be as long as max_target_length - max_tokens.
+    prefill_chunk_size: int = Field(default=0, ge=0)
+    # Batched prefill: up to this many prompts (chunks) in one compiled call, padded to a shared
+    # length bucket, at most prefill_batch_tokens padded tokens in all (0: max_prefill_predict_length).
+    max_prefill_batch: int = Field(default=8, ge=1)
+    prefill_batch_tokens: int = Field(default=0, ge=0)
+    # Prefix cache: KV of prompt prefixes in blocks of prefix_block_size tokens, keyed by their token
+    # ids, kept up to prefix_cache_bytes (least recently used evicted) and reused by later prompts.
+    prefix_cache: Literal["on", "off"] = "on"
+    prefix_cache_bytes: int = Field(default=256 << 20, ge=0)
+    prefix_block_size: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
     jax_compilation_cache_dir: str = ""
     # runtime=multicontroller: JAX's distributed runtime. Unset, they come from JAX_COORDINATOR_ADDRESS,
@@ -141,7 +164,8 @@ class ServingConfig(BaseModel):
 
     @property
     def engine(self) -> EngineConfig:
-        return self._part(EngineConfig)
+        part = self._part(EngineConfig)
+        return EngineConfig(**{**part.__dict__, "decode_slot_buckets": tuple(self.decode_slot_buckets)})
 
     @property
     def devices(self) -> DevicesConfig:
@@ -158,7 +182,7 @@ class ServingConfig(BaseModel):
     def _part(self, cls: type[_Part]) -> _Part:
         return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
-    @field_validator("cpu_kernels", mode="before")
+    @field_validator("cpu_kernels", "prefix_cache", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: object) -> object:
         """YAML reads a bare on/off as a boolean."""
@@ -173,6 +197,13 @@ class ServingConfig(BaseModel):
                 f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
                 f"max_target_length ({self.max_target_length})"
             )
+        if self.prefill_chunk_size > self.max_prefill_predict_length:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) must not exceed "
+                f"max_prefill_predict_length ({self.max_prefill_predict_length})"
+            )
+        if any(b < 1 for b in self.decode_slot_buckets):
+            raise ValueError(f"decode_slot_buckets must be positive slot counts, got {self.decode_slot_buckets}")
         if self.quantize_activations and self.quantization != "int8":
             raise ValueError("quantize_activations=true requires quantization=int8")
         unsupported = weights_unsupported(self.quantization, self.weight_dtype, self.quantize_activations)

@@ -4,6 +4,11 @@ An engine owns a fixed pool of `limits.max_concurrent_decodes` decode slots and 
 never keeps itself: every call takes the state and returns the new one (the real engine donates
 the old buffers). One thread calls an engine at a time (the orchestrator's device loop).
 
+Beside JetStream's whole-prompt `prefill` + `insert`, an engine prefills prompts straight into
+their slots in chunks (`prefill_slots`, several prompts per call), keeps copies of prompt-prefix KV
+blocks for a prefix cache (`save_block` / `load_blocks`; the scheduler decides which, so every host
+of a slice keeps the same ones), and runs `generate` over the first `num_slots` slots only.
+
 Two engines implement it: `serving.engine.engine.Engine` (the model on a device mesh) and
 `serving.engine.mock.MockEngine` (outputs computable by hand, for tests of everything above it).
 Plain Python, no JAX: the types an engine uses for its prefixes and states are its own.
@@ -20,6 +25,7 @@ from serving.engine.limits import Limits
 from serving.request import SamplingParams, TokenLogprob
 
 PrefixT = TypeVar("PrefixT")
+BlockT = TypeVar("BlockT")
 StateT = TypeVar("StateT")
 ParamsT = TypeVar("ParamsT", contravariant=True)
 
@@ -45,6 +51,16 @@ class PrefillOutputs(NamedTuple):
     first_logprobs: tuple[TokenLogprob, ...] | None = None
     # [true_length]: None for the first prompt token, then each token given the ones before it
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+class PrefillRow(NamedTuple):
+    """One row of a `prefill_slots` call: the next chunk of one prompt, written into its slot."""
+
+    slot: int
+    tokens: tuple[int, ...]  # this chunk of the prompt: 1..limits.prefill_chunk_size tokens, unpadded
+    start: int  # the position of tokens[0]: the slot's cache already holds positions [0, start)
+    final: bool  # the prompt's last chunk: sample the first token and make the slot active
+    sampling: SamplingParams  # read by a final row (a request `limits.prefills_whole` turns away)
 
 
 class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
@@ -90,16 +106,46 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         is active unless that first token already finished it (a stop id, or max_tokens <= 1)."""
         ...
 
+    def prefill_slots(
+        self, params: ParamsT, decode_state: StateT, rows: Sequence[PrefillRow]
+    ) -> tuple[StateT, tuple[int | None, ...]]:
+        """Prefill every row's chunk into its slot in one compiled call (rows padded to a shared
+        length bucket, `limits.bucket_for` of the longest; at most `limits.max_prefill_batch` rows).
+
+        A chunk attends to its slot's positions [0, start) and to itself, and its KV is written at
+        [start, start + len(tokens)). A non-final row leaves its slot inactive; a final row samples
+        the first token (with the PRNG key and rule of `prefill`, so the tokens are the same) and
+        makes the slot active unless that token finished it. Returns the state and, per row, its
+        first token (None for a non-final row), on the host."""
+        ...
+
+    @property
+    def prefix_block_bytes(self) -> int:
+        """Device bytes of one `save_block` copy (the prefix cache's budget counts these)."""
+        ...
+
+    def save_block(self, decode_state: StateT, slot: int, start: int) -> BlockT:
+        """A copy of `slot`'s KV at positions [start, start + limits.prefix_block)."""
+        ...
+
+    def load_blocks(self, decode_state: StateT, slot: int, blocks: Sequence[BlockT]) -> StateT:
+        """Write `blocks` into `slot` back to back from position 0 (block i at i * prefix_block);
+        the slot is left inactive, ready for `prefill_slots` from len(blocks) * prefix_block."""
+        ...
+
     def generate(
         self,
         params: ParamsT,
         decode_state: StateT,
         max_position: int | None = None,
         masks: ArrayLike | None = None,
+        num_slots: int | None = None,
     ) -> tuple[StateT, ResultTokens]:
         """Advance every active slot by `decode_steps_per_call` tokens; a slot that finishes turns
         inactive at that step.
 
+        `num_slots`: a bucket of `limits.decode_buckets`; no slot at or past it is active, and only
+        slots [0, num_slots) are computed (None: all). The results still have every slot's column.
         `max_position`: no active slot's position (prompt + tokens so far) exceeds it; the caller
         keeps these on the host so that the engine can read less of the cache without reading
         positions back from the device. None: the engine assumes the longest.

@@ -132,6 +132,11 @@ class Engine:
             max_concurrent_decodes=max(1, int(config.per_device_batch_size * self.mesh.size)),
             max_prefill_length=config.max_prefill_predict_length,
             max_target_length=config.max_target_length,
+            prefill_chunk_size=config.prefill_chunk_size,
+            max_prefill_batch=config.max_prefill_batch,
+            prefill_batch_tokens=config.prefill_batch_tokens,
+            prefix_block=config.prefix_block_size,
+            decode_buckets=config.decode_slot_buckets,
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.

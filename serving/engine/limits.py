@@ -1,8 +1,16 @@
 """What an engine can take, in plain Python (no JAX): the one place requests are checked against
 its shapes, by the orchestrator at submit time, by the offline driver and by the engine itself.
 
-Prompts are padded to power-of-two length buckets from MIN_BUCKET up to max_prefill_predict_length;
-each bucket is one compiled prefill shape.
+Two ways into a slot:
+- whole: one `prefill` of the prompt padded to a power-of-two length bucket from MIN_BUCKET up to
+  max_prefill_predict_length (MaxText's meaning: the largest single prefill), then `insert`. Requests
+  that need the prefill's own outputs take it: n > 1 choices, logprobs, prompt logprobs, a grammar.
+- chunked: `prefill_slots` writes the prompt into its slot in chunks of at most
+  `prefill_chunk_size` tokens, several prompts per compiled call; a prompt may then be as long as
+  max_target_length - max_tokens. Every other request takes it.
+
+Decode runs over the first `decode_slots(n)` slots only: generate is compiled for a few slot-count
+buckets, so that a lone request does not pay for every slot.
 """
 
 from __future__ import annotations
@@ -17,13 +25,25 @@ MAX_STOP_IDS = 8
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 
 
-def prefill_buckets(max_prefill_length: int) -> list[int]:
-    """Power-of-two prompt lengths from MIN_BUCKET up to (and including) the limit."""
-    buckets, n = [], MIN_BUCKET
+def prefill_buckets(max_prefill_length: int, extra: tuple[int, ...] = ()) -> list[int]:
+    """Power-of-two prompt lengths from MIN_BUCKET up to (and including) the limit, and `extra`
+    lengths (a chunk size that is not a power of two) below it."""
+    buckets, n = set(), MIN_BUCKET
     while n < max_prefill_length:
-        buckets.append(n)
+        buckets.add(n)
         n *= 2
-    return [*buckets, max_prefill_length]
+    return sorted({*buckets, max_prefill_length, *(e for e in extra if 0 < e < max_prefill_length)})
+
+
+def slot_buckets(slots: int, buckets: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The slot counts generate is compiled for: `buckets` (empty: powers of two) below `slots`,
+    and `slots` itself."""
+    chosen, n = set(buckets), 1
+    if not buckets:
+        while n < slots:
+            chosen.add(n)
+            n *= 2
+    return tuple(sorted({*(b for b in chosen if 0 < b < slots), slots}))
 
 
 def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
@@ -32,20 +52,43 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
     return token in sampling.stop_ids or sampling.max_tokens <= 1
 
 
+def prefills_whole(sampling: SamplingParams) -> bool:
+    """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
+    several choices, logprobs, the prompt's logprobs, a grammar's first mask) instead of chunks."""
+    return (
+        sampling.n > 1
+        or sampling.wants_logprobs
+        or sampling.prompt_logprobs is not None
+        or sampling.grammar is not None
+        or sampling.max_tokens < 1
+    )
+
+
 @dataclass(frozen=True)
 class Limits:
-    """An engine's fixed shapes: decode slots, the longest prompt, the longest sequence."""
+    """An engine's fixed shapes: decode slots, prefill buckets and chunks, the longest sequence."""
 
     max_concurrent_decodes: int  # decode slots
     max_prefill_length: int  # MaxText's max_prefill_predict_length: the largest prefill bucket
     max_target_length: int  # prompt + generated tokens of one sequence
+    prefill_chunk_size: int = 0  # the longest chunk of a chunked prefill (0: max_prefill_length)
+    max_prefill_batch: int = 8  # prompts (rows) in one prefill_slots call
+    prefill_batch_tokens: int = 0  # padded tokens (rows x bucket) of one call (0: max_prefill_length)
+    prefix_block: int = 64  # the prefix cache's unit: KV of this many prompt tokens
+    decode_buckets: tuple[int, ...] = ()  # slot counts generate is compiled for (empty: powers of two)
     buckets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "buckets", tuple(prefill_buckets(self.max_prefill_length)))
+        chunk = self.prefill_chunk_size or self.max_prefill_length
+        if not 0 < chunk <= self.max_prefill_length:
+            raise ValueError(f"prefill_chunk_size={chunk} must be in 1..max_prefill_predict_length")
+        object.__setattr__(self, "prefill_chunk_size", chunk)
+        object.__setattr__(self, "prefill_batch_tokens", max(self.prefill_batch_tokens or self.max_prefill_length, 1))
+        object.__setattr__(self, "buckets", tuple(prefill_buckets(self.max_prefill_length, (chunk,))))
+        object.__setattr__(self, "decode_buckets", slot_buckets(self.max_concurrent_decodes, self.decode_buckets))
 
     def bucket_for(self, length: int) -> int:
-        """The padded length a prompt of `length` tokens is prefilled at."""
+        """The padded length a prompt (or chunk) of `length` tokens is prefilled at."""
         if length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
         if length > self.max_prefill_length:
@@ -56,9 +99,16 @@ class Limits:
             )
         return next(b for b in self.buckets if b >= length)
 
+    def decode_slots(self, used: int) -> int:
+        """The smallest slot-count bucket holding slots [0, used)."""
+        return next(b for b in self.decode_buckets if b >= used)
+
     def check(self, prompt_length: int, sampling: SamplingParams) -> None:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""
-        self.bucket_for(prompt_length)
+        if prompt_length <= 0:
+            raise GenerationError("the prompt is empty", field="prompt")
+        if prefills_whole(sampling):
+            self.bucket_for(prompt_length)
         if prompt_length + sampling.max_tokens > self.max_target_length:
             raise GenerationError(
                 f"prompt ({prompt_length} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
@@ -75,5 +125,5 @@ class Limits:
             raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
 
     def pad(self, prompt_ids: list[int]) -> list[int]:
-        """The prompt zero-padded to its bucket."""
+        """The prompt (or chunk) zero-padded to its bucket."""
         return [*prompt_ids, *([0] * (self.bucket_for(len(prompt_ids)) - len(prompt_ids)))]
