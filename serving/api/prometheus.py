@@ -51,6 +51,8 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
         ("pathserve_total_slots", "decode slots", m.total_slots),
         ("pathserve_kv_cache_usage_ratio", "fraction of KV cache positions in use", kv_used),
         ("pathserve_kv_cache_tokens_used", "KV cache positions in use", m.kv_tokens_used),
+        ("pathserve_prefix_cache_bytes", "bytes of prompt-prefix KV blocks the prefix cache holds",
+         m.prefix_cache_bytes),
     ):
         yield GaugeMetricFamily(name, help_text, value=value)
     finished = dict(m.requests_finished)
@@ -66,12 +68,16 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
         ("pathserve_prompt_tokens", "prompt tokens of finished requests", m.prompt_tokens),
         ("pathserve_generation_tokens", "tokens generated for finished requests", m.generation_tokens),
         ("pathserve_requests_rejected", "requests refused because the queue was full", m.requests_rejected),
+        ("pathserve_prefix_cache_hits", "prompt blocks found in the prefix cache", m.prefix_cache_hits),
+        ("pathserve_prefix_cache_misses", "prompt blocks looked up in the prefix cache and not found",
+         m.prefix_cache_misses),
     ):
         yield CounterMetricFamily(name, help_text, value=value)
     for name, help_text, histogram in (
         ("jetstream_time_to_first_token", "seconds from submission to the first token", m.time_to_first_token),
         ("jetstream_time_per_output_token", "seconds per output token after the first", m.time_per_output_token),
-        ("pathserve_prefill_step_seconds", "seconds per prefill call (one prompt)", m.prefill_step),
+        ("pathserve_prefill_step_seconds", "seconds per prefill call (one prompt, or a batch of chunks)",
+         m.prefill_step),
         ("pathserve_generate_step_seconds", "seconds per generate call (k decode steps)", m.generate_step),
     ):
         yield _histogram(name, help_text, histogram)

@@ -9,9 +9,19 @@ ids, max_tokens and max_target_length end a slot as they do in the real engine. 
 request with n > 1 draws with `sampling.choice_seed(i)`. A grammar mask makes a token it forbids
 become the smallest allowed token above it (cyclically). Logprobs, when asked: token t has
 logprob -(t % 5) / 4, and its alternatives are t + 1, t + 2, ... with logprob one less each.
-(A prompt token's logprob follows the same rule.) The mock checks its
-own contract: a decode state used after a call replaced it raises (the real engine donates it),
-and `calls` records every call for tests to read.
+(A prompt token's logprob follows the same rule.)
+
+Chunked prefill and the prefix cache follow the same rule: a slot remembers the prompt tokens its
+cache holds (inserted, or blocks loaded then chunks written), a `save_block` copy is those tokens,
+and a final row's first token is the one `prefill` gives. A prompt being prefilled (blocks loaded
+or chunks written since the slot was last inserted, freed or finished its prompt) must go on where
+it stopped; any other slot takes a first chunk only.
+
+The mock checks its own contract (AssertionError): a decode state used after a call replaced it
+(the real engine donates it), a chunk that does not start where its slot's prompt ends, a call of
+more rows or padded tokens than the limits allow, rows that mix first chunks with later ones, a
+generate call whose `num_slots` is no bucket or leaves out an active slot. `calls` records every
+call for tests to read.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import PrefillOutputs, ResultTokens
+from serving.engine.api import PrefillOutputs, PrefillRow, ResultTokens
 from serving.engine.limits import Limits, finishes_at_first_token
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
@@ -93,6 +103,8 @@ class _Slot:
 @dataclass
 class MockState:
     slots: dict[int, _Slot] = field(default_factory=dict)  # active slots only
+    prompts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> the prompt tokens its cache holds
+    partial: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> a prompt prefilled so far
     replaced: bool = False
 
 
@@ -108,8 +120,25 @@ class MockEngine:
         vocab_size: int = 95,
         decode_steps_per_call: int = 2,
         step_seconds: float = 0.0,
+        *,
+        prefill_chunk_size: int = 0,
+        max_prefill_batch: int = 8,
+        prefill_batch_tokens: int = 0,
+        prefix_block: int = 64,
+        decode_buckets: tuple[int, ...] = (),
+        block_bytes: int = 1000,
     ):
-        self.limits = Limits(slots, max_prefill_length, max_target_length)
+        self.limits = Limits(
+            slots,
+            max_prefill_length,
+            max_target_length,
+            prefill_chunk_size=prefill_chunk_size,
+            max_prefill_batch=max_prefill_batch,
+            prefill_batch_tokens=prefill_batch_tokens,
+            prefix_block=prefix_block,
+            decode_buckets=decode_buckets,
+        )
+        self.block_bytes = block_bytes
         self.vocab_size = vocab_size
         self.decode_steps_per_call = decode_steps_per_call
         self.step_seconds = step_seconds
@@ -182,16 +211,97 @@ class MockEngine:
         token = prefix.next_tokens[choice]
         if not finishes_at_first_token(token, prefix.sampling):
             slots[slot] = _Slot(token, prefix.length, 1, prefix.sampling, choice)
-        return self._replace(decode_state, slots)
+        prompts = {**decode_state.prompts, slot: prefix.prompt_ids}
+        partial = {i: p for i, p in decode_state.partial.items() if i != slot}
+        return self._replace(decode_state, slots, prompts, partial)
+
+    def prefill_slots(
+        self, params: dict, decode_state: MockState, rows: Sequence[PrefillRow]
+    ) -> tuple[MockState, tuple[int | None, ...]]:
+        self._check(decode_state)
+        self._check_rows(decode_state, rows)
+        self.calls.append(("prefill_slots", tuple((r.slot, r.start, len(r.tokens), r.final) for r in rows)))
+        slots, prompts, partial = dict(decode_state.slots), dict(decode_state.prompts), dict(decode_state.partial)
+        firsts: list[int | None] = []
+        for row in rows:
+            prompt = partial.pop(row.slot, ()) + tuple(int(t) for t in row.tokens)
+            prompts[row.slot] = prompt
+            if not row.final:
+                partial[row.slot] = prompt
+                firsts.append(None)
+                continue
+            self.limits.check(len(prompt), row.sampling)
+            first = (prompt[-1] + 1) % self.vocab_size
+            if not finishes_at_first_token(first, row.sampling):
+                slots[row.slot] = _Slot(first, len(prompt), 1, row.sampling)
+            firsts.append(first)
+        return self._replace(decode_state, slots, prompts, partial), tuple(firsts)
+
+    def _check_rows(self, state: MockState, rows: Sequence[PrefillRow]) -> None:
+        limits = self.limits
+        if not 0 < len(rows) <= limits.max_prefill_batch:
+            raise AssertionError(f"{len(rows)} rows in a prefill_slots call (1..{limits.max_prefill_batch})")
+        if len({r.slot for r in rows}) != len(rows):
+            raise AssertionError("two rows of one prefill_slots call write the same slot")
+        if len({r.start == 0 for r in rows}) != 1:
+            raise AssertionError("a prefill_slots call mixes first chunks with later ones")
+        for row in rows:
+            self._check(state, row.slot)
+            if row.slot in state.slots:
+                raise AssertionError(f"a chunk prefilled into slot {row.slot}, which is decoding")
+            if not 0 < len(row.tokens) <= limits.prefill_chunk_size:
+                raise AssertionError(f"a chunk of {len(row.tokens)} tokens (1..{limits.prefill_chunk_size})")
+            if row.start != len(state.partial.get(row.slot, ())):
+                raise AssertionError(
+                    f"slot {row.slot} holds {len(state.partial.get(row.slot, ()))} tokens of the prompt "
+                    f"it is prefilling, a chunk starts at {row.start}"
+                )
+        padded = len(rows) * limits.bucket_for(max(len(r.tokens) for r in rows))
+        if len(rows) > 1 and padded > limits.prefill_batch_tokens:
+            raise AssertionError(f"{padded} padded tokens in a prefill_slots call ({limits.prefill_batch_tokens})")
+
+    @property
+    def prefix_block_bytes(self) -> int:
+        return self.block_bytes
+
+    def save_block(self, decode_state: MockState, slot: int, start: int) -> tuple[int, ...]:
+        self._check(decode_state, slot)
+        block = self.limits.prefix_block
+        held = decode_state.prompts.get(slot, ())
+        if start % block or start + block > len(held):
+            raise AssertionError(f"save_block at {start}: slot {slot} holds {len(held)} prompt tokens")
+        self.calls.append(("save_block", slot, start))
+        return held[start : start + block]
+
+    def load_blocks(self, decode_state: MockState, slot: int, blocks: Sequence[tuple[int, ...]]) -> MockState:
+        self._check(decode_state, slot)
+        if not blocks or any(len(b) != self.limits.prefix_block for b in blocks):
+            raise AssertionError(f"load_blocks of {[len(b) for b in blocks]} tokens (blocks of {self.limits.prefix_block})")
+        self.calls.append(("load_blocks", slot, len(blocks)))
+        slots = {i: s for i, s in decode_state.slots.items() if i != slot}
+        prompt = tuple(t for b in blocks for t in b)
+        prompts, partial = {**decode_state.prompts, slot: prompt}, {**decode_state.partial, slot: prompt}
+        return self._replace(decode_state, slots, prompts, partial)
 
     def generate(
-        self, params: dict, decode_state: MockState, max_position: int | None = None, masks=None
+        self,
+        params: dict,
+        decode_state: MockState,
+        max_position: int | None = None,
+        masks=None,
+        num_slots: int | None = None,
     ) -> tuple[MockState, ResultTokens]:
         self._check(decode_state)
         positions = [s.position for s in decode_state.slots.values()]
         if max_position is not None and positions and max(positions) > max_position:
             raise AssertionError(f"max_position={max_position} but a slot is at {max(positions)}")
-        self.calls.append(("generate", max_position) if masks is None else ("generate", max_position, "masked"))
+        if num_slots is not None:
+            if num_slots not in self.limits.decode_buckets:
+                raise AssertionError(f"num_slots={num_slots} is not one of {self.limits.decode_buckets}")
+            if any(slot >= num_slots for slot in decode_state.slots):
+                raise AssertionError(f"num_slots={num_slots} but slot {max(decode_state.slots)} is active")
+        call = ("generate", max_position, num_slots)
+        self.calls.append(call if masks is None else (*call, "masked"))
         if self.step_seconds:
             time.sleep(self.step_seconds)
         steps = 1 if masks is not None else self.decode_steps_per_call
@@ -219,12 +329,15 @@ class MockEngine:
                 if done[step, index]:
                     del slots[index]
         result = ResultTokens(tokens, valid, done, logprobs, top_ids, top)
-        return self._replace(decode_state, slots), result
+        return self._replace(decode_state, slots, decode_state.prompts, decode_state.partial), result
 
     def free_resource(self, decode_state: MockState, slot: int) -> MockState:
         self._check(decode_state, slot)
         self.calls.append(("free_resource", slot))
-        return self._replace(decode_state, {i: s for i, s in decode_state.slots.items() if i != slot})
+        slots = {i: s for i, s in decode_state.slots.items() if i != slot}
+        prompts = {i: p for i, p in decode_state.prompts.items() if i != slot}
+        partial = {i: p for i, p in decode_state.partial.items() if i != slot}
+        return self._replace(decode_state, slots, prompts, partial)
 
     # -- contract checks -----------------------------------------------------------------------
 
@@ -235,6 +348,11 @@ class MockEngine:
             raise AssertionError(f"slot {slot} out of range")
 
     @staticmethod
-    def _replace(state: MockState, slots: dict[int, _Slot]) -> MockState:
+    def _replace(
+        state: MockState,
+        slots: dict[int, _Slot],
+        prompts: dict[int, tuple[int, ...]],
+        partial: dict[int, tuple[int, ...]],
+    ) -> MockState:
         state.replaced = True
-        return MockState(slots)
+        return MockState(slots, prompts, partial)

@@ -1,9 +1,15 @@
 """Execute: run a `StepPlan` on an engine. The only code that calls the engine (and so the device);
-it owns the decode state. Every host of a multi-host slice runs the same plans in the same order.
+it owns the decode state and the prefix cache's blocks (key -> the engine's copy; the scheduler's
+index decides which keys, so every host of a multi-host slice keeps the same ones). Every host runs
+the same plans in the same order.
 
-Host syncs: each admission's first token (the plan's stream needs it, and whether the generate
-call runs depends on it; with n > 1 choices or logprobs, the prefill's outputs in one read) and the
-generate call's tokens (with their logprobs, when it made them). Nothing else is read back.
+Order within a plan: frees, prefix loads, whole admissions (prefill + insert each), the
+`prefill_slots` call, evictions, stores, the generate call (over the plan's `num_slots`).
+
+Host syncs: each first token (the plan's stream needs it, and whether the generate call runs
+depends on it; with n > 1 choices or logprobs, the prefill's outputs in one read; a
+`prefill_slots` call's final rows in one read) and the generate call's tokens (with their
+logprobs, when it made them). Nothing else is read back.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 
 from serving.engine.api import EngineAPI, PrefillOutputs
 from serving.engine.limits import finishes_at_first_token
-from serving.orchestrator.scheduler import Admission, StepOutcome, StepPlan
+from serving.orchestrator.plan import Admission, StepOutcome, StepPlan
 from serving.request import TokenLogprob
 
 
@@ -24,14 +30,22 @@ from serving.request import TokenLogprob
 class Timings:
     """Seconds the last plan's engine calls took (for the metrics)."""
 
-    prefills: list[float] = field(default_factory=list)  # the prefill calls alone
+    prefills: list[float] = field(default_factory=list)  # the prefill calls alone (whole or chunked)
     generate: float | None = None
 
 
-# on_first_token(admission, choice, token, its logprobs, the prompt's logprobs)
-FirstTokenHook = Callable[
-    [Admission, int, int, TokenLogprob | None, tuple[TokenLogprob | None, ...] | None], None
-]
+# on_first_token(slot, token, its logprobs, the prompt's logprobs): once per slot of the plan's
+# `first_token_slots`, in that order, before the generate call
+FirstTokenHook = Callable[[int, int, TokenLogprob | None, tuple[TokenLogprob | None, ...] | None], None]
+
+
+@dataclass
+class _Firsts:
+    """The plan's first tokens as they come, in `first_token_slots` order."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[tuple[TokenLogprob | None, ...] | None] = field(default_factory=list)
 
 
 class Executor:
@@ -39,60 +53,88 @@ class Executor:
         self.engine = engine
         self.params = params
         self.state = engine.init_decode_state()
+        self.blocks: dict[bytes, object] = {}  # the prefix cache: key -> the engine's block
         self.timings = Timings()
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
-        """Execute `plan`; `on_first_token` is called for each choice of each admission as soon as
-        its prefill has sampled (before the generate call), so a stream need not wait for it."""
-        engine, state, timings = self.engine, self.state, Timings()
+        """Execute `plan`; `on_first_token` is called for each slot that samples its first token
+        as soon as its prefill has (before the generate call), so a stream need not wait for it."""
+        engine, self.timings = self.engine, Timings()
         for slot in plan.frees:
-            state = engine.free_resource(state, slot)
-        first_tokens, first_logprobs, prompt_logprobs = [], [], []
-        active = plan.running > 0
+            self.state = engine.free_resource(self.state, slot)
+        for load in plan.loads:
+            self.state = engine.load_blocks(self.state, load.slot, [self.blocks[key] for key in load.keys])
+        firsts = _Firsts()
         for admission in plan.admissions:
+            self._admit(admission, firsts, on_first_token)
+        if plan.rows:
             started = time.perf_counter()
-            sampling = admission.sampling
-            prefix, first = engine.prefill(
-                self.params, admission.padded_tokens, admission.true_length, sampling, admission.mask
-            )
-            outputs = PrefillOutputs((first,))
-            if sampling.n > 1 or sampling.wants_logprobs or sampling.prompt_logprobs is not None:
-                outputs = engine.prefill_outputs(prefix)
-            timings.prefills.append(time.perf_counter() - started)
-            prompt_logprobs.append(outputs.prompt_logprobs)
-            for choice, (slot, token) in enumerate(zip(admission.slots, outputs.first_tokens, strict=True)):
-                logprob = outputs.first_logprobs[choice] if outputs.first_logprobs else None
-                if on_first_token is not None:
-                    on_first_token(admission, choice, token, logprob, outputs.prompt_logprobs)
-                state = engine.insert(prefix, state, slot, choice)
-                first_tokens.append(token)
-                first_logprobs.append(logprob)
-                active = active or not finishes_at_first_token(token, sampling)
-        outcome = StepOutcome(tuple(first_tokens), first_logprobs=tuple(first_logprobs),
-                              prompt_logprobs=tuple(prompt_logprobs))
+            self.state, tokens = engine.prefill_slots(self.params, self.state, plan.rows)
+            self.timings.prefills.append(time.perf_counter() - started)
+            for row, token in zip(plan.rows, tokens, strict=True):
+                if row.final:
+                    token = int(token)
+                    if on_first_token is not None:
+                        on_first_token(row.slot, token, None, None)
+                    firsts.tokens.append(token)
+                    firsts.logprobs.append(None)
+        for key in plan.evictions:
+            del self.blocks[key]
+        for store in plan.stores:
+            self.blocks[store.key] = engine.save_block(self.state, store.slot, store.start)
+        outcome = StepOutcome(tuple(firsts.tokens), first_logprobs=tuple(firsts.logprobs),
+                              prompt_logprobs=tuple(firsts.prompt_logprobs))
+        samplings = plan.first_token_samplings
+        active = plan.running > 0 or any(
+            not finishes_at_first_token(t, s) for t, s in zip(firsts.tokens, samplings, strict=True)
+        )
         if plan.decode_steps and active:
-            expected = 1 if plan.masks is not None else engine.decode_steps_per_call
-            if plan.decode_steps != expected:
-                raise ValueError(f"a plan of {plan.decode_steps} decode steps for a call of {expected}")
-            started = time.perf_counter()
-            state, result = engine.generate(
-                self.params, state, max_position=plan.max_position, masks=plan.masks
-            )
-            tokens, valid, done = (np.asarray(x) for x in result[:3])
-            extra = {}
-            if result.logprobs is not None:
-                extra = dict(
-                    logprobs=np.asarray(result.logprobs),
-                    top_ids=np.asarray(result.top_ids),
-                    top_logprobs=np.asarray(result.top_logprobs),
-                )
-            timings.generate = time.perf_counter() - started
-            outcome = StepOutcome(
-                outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist(),
-                outcome.first_logprobs, outcome.prompt_logprobs, **extra,
-            )
-        self.state, self.timings = state, timings
+            outcome = self._generate(plan, outcome)
         return outcome
+
+    def _admit(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> None:
+        """The whole path: one prefill, inserted into each of the admission's slots."""
+        engine, sampling = self.engine, admission.sampling
+        started = time.perf_counter()
+        prefix, first = engine.prefill(
+            self.params, admission.padded_tokens, admission.true_length, sampling, admission.mask
+        )
+        outputs = PrefillOutputs((first,))
+        if sampling.n > 1 or sampling.wants_logprobs or sampling.prompt_logprobs is not None:
+            outputs = engine.prefill_outputs(prefix)
+        self.timings.prefills.append(time.perf_counter() - started)
+        firsts.prompt_logprobs.append(outputs.prompt_logprobs)
+        for choice, (slot, token) in enumerate(zip(admission.slots, outputs.first_tokens, strict=True)):
+            logprob = outputs.first_logprobs[choice] if outputs.first_logprobs else None
+            if on_first_token is not None:
+                on_first_token(slot, token, logprob, outputs.prompt_logprobs)
+            self.state = engine.insert(prefix, self.state, slot, choice)
+            firsts.tokens.append(token)
+            firsts.logprobs.append(logprob)
+
+    def _generate(self, plan: StepPlan, outcome: StepOutcome) -> StepOutcome:
+        """The plan's generate call, its tokens (and logprobs) read back into the outcome."""
+        engine = self.engine
+        expected = 1 if plan.masks is not None else engine.decode_steps_per_call
+        if plan.decode_steps != expected:
+            raise ValueError(f"a plan of {plan.decode_steps} decode steps for a call of {expected}")
+        started = time.perf_counter()
+        self.state, result = engine.generate(
+            self.params, self.state, max_position=plan.max_position, masks=plan.masks, num_slots=plan.num_slots
+        )
+        tokens, valid, done = (np.asarray(x) for x in result[:3])
+        extra = {}
+        if result.logprobs is not None:
+            extra = dict(
+                logprobs=np.asarray(result.logprobs),
+                top_ids=np.asarray(result.top_ids),
+                top_logprobs=np.asarray(result.top_logprobs),
+            )
+        self.timings.generate = time.perf_counter() - started
+        return StepOutcome(
+            outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist(),
+            outcome.first_logprobs, outcome.prompt_logprobs, **extra,
+        )
 
     def idle(self) -> None:
         """An idle turn of the device loop (nothing to do on one host; see lockstep)."""

@@ -55,6 +55,9 @@ class EngineMetrics:
     kv_tokens_capacity: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     requests_rejected: int = 0
+    prefix_cache_hits: int = 0  # prompt blocks found in the prefix cache at admission
+    prefix_cache_misses: int = 0  # prompt blocks looked up and not found
+    prefix_cache_bytes: int = 0  # bytes of the blocks the prefix cache holds
     prompt_tokens: int = 0  # over finished requests (cancelled ones included)
     generation_tokens: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)

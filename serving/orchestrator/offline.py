@@ -41,8 +41,8 @@ def run_to_completion(
         plan = scheduler.schedule([Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit])
         slots = {slot: results[r.request_id] for slot, r in scheduler.running.items()}
         outcome = executor.run(plan)
-        for admission, first in zip(plan.admissions, outcome.first_tokens, strict=True):
-            slots[admission.slot].token_ids.append(first)
+        for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
+            slots[slot].token_ids.append(first)
         for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
             for slot, result in slots.items():
                 if step_valid[slot]:

@@ -5,13 +5,16 @@
    `QueueFullError`, so callers can answer "busy" instead of waiting.
 2. The device thread loops, each turn deciding, then executing:
    a. decide (serving.orchestrator.scheduler, plain Python): the slots of cancelled requests are
-      freed, queued requests take the free slots, a generate call runs if any slot is active;
-      the result is a `StepPlan`;
-   b. execute (serving.orchestrator.executor): free_resource, prefill + insert per admission,
-      then generate for all active slots (k steps per call), on the engine;
-   c. deliver: each admission's first token and each slot's new tokens go to their request's
-      stream; finished slots are free for (a) on the next turn, so a waiting request starts
-      within one generate call of a slot freeing.
+      freed (decoding or still prefilling), queued requests take the lowest free slots, the next
+      prompt chunks are picked for one batched prefill (prefix-cache blocks reused and kept), a
+      generate call runs over the smallest slot bucket if any slot decodes; the result is a
+      `StepPlan`;
+   b. execute (serving.orchestrator.executor): free_resource, load_blocks, prefill + insert per
+      whole admission, one prefill_slots call, save_block per store, then generate (k steps per
+      call), on the engine;
+   c. deliver: each first token (at once, before the generate call) and each slot's new tokens go
+      to their request's stream; finished slots are free for (a) on the next turn, so a waiting
+      request starts within one generate call of a slot freeing.
 3. Each request's tokens travel through its own queue to whoever reads `RequestHandle.stream()`
    (serving.orchestrator.streams); detokenization and stop strings happen there, off the device
    thread. A stop string ends the request (the slot is freed like a cancellation).
@@ -36,6 +39,7 @@ from serving.engine.api import EngineAPI
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
+from serving.orchestrator.prefix_cache import PrefixCache
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
 from serving.orchestrator.streams import (
     END,
@@ -216,7 +220,7 @@ class Orchestrator:
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
         executor = self._make_executor(engine, self.params)
-        scheduler = Scheduler(engine.limits, engine.decode_steps_per_call)
+        scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, self._prefix_cache())
         while not (self._stopping.is_set() and not running and self._queue_empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
             masks = {
@@ -229,7 +233,7 @@ class Orchestrator:
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
             self.metrics.queued = self._waiting()
-            self.metrics.active_slots = len(scheduler.running)
+            self.metrics.active_slots = scheduler.num_used
             if plan.empty:
                 executor.idle()
                 self.last_progress = time.monotonic()
@@ -240,10 +244,7 @@ class Orchestrator:
             if plan.decode_steps:
                 self._maybe_start_trace()
             outcome = executor.run(
-                plan,
-                on_first_token=lambda a, choice, *first, slots=slots: self._first_token(
-                    slots[a.slots[choice]], *first
-                ),
+                plan, on_first_token=lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)
             )
             for seconds in executor.timings.prefills:
                 self.metrics.observe("prefill_step", seconds)
@@ -255,9 +256,26 @@ class Orchestrator:
             for rid, _slot in scheduler.update(plan, outcome):
                 request = running.pop(rid)
                 self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
-            self.metrics.active_slots = len(scheduler.running)
-            self.metrics.kv_tokens_used = scheduler.kv_tokens_used()
+            self._record(scheduler)
         executor.close()
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache's index (None with prefix_cache=off): blocks of the engine's size,
+        within prefix_cache_bytes of the engine's copies."""
+        if self.config.prefix_cache != "on":
+            return None
+        limits = self.engine.limits
+        return PrefixCache(limits.prefix_block, self.engine.prefix_block_bytes, self.config.prefix_cache_bytes)
+
+    def _record(self, scheduler: Scheduler) -> None:
+        """The scheduler's slots and prefix cache into the metrics, after a turn."""
+        metrics, cache = self.metrics, scheduler.prefix_cache
+        with metrics.lock:
+            metrics.active_slots = scheduler.num_used
+            metrics.kv_tokens_used = scheduler.kv_tokens_used()
+            if cache is not None:
+                metrics.prefix_cache_hits, metrics.prefix_cache_misses = cache.hits, cache.misses
+                metrics.prefix_cache_bytes = cache.bytes_used
 
     def _take(self, room: int) -> list[list[Request]]:
         """Whole requests (each the list of its choices) from the queue, oldest first, while their

@@ -1,12 +1,27 @@
-"""Decide, in plain Python: which waiting request goes into which slot, which slots to free, whether
-to decode. The device loop asks for a `StepPlan` each turn and hands it to the executor; on a
+"""Decide, in plain Python: which waiting request goes into which slot, which prompt chunks to
+prefill, which prefix blocks to reuse and keep, which slots to free, and what to decode. The device
+loop asks for a `StepPlan` (serving.orchestrator.plan) each turn and hands it to the executor; on a
 multi-host slice that plan is what the leader sends to every host.
 
-The scheduler keeps the host mirror of every running slot's position, so that no decision (nor
-the attention window the engine reads) needs a value read back from the device.
+Each turn:
+a. the slots of cancelled requests are freed (running or still prefilling);
+b. waiting requests take free slots, the lowest first (so the decode buckets stay small). A request
+   that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
+   one prefill, inserted into its n slots. Every other one becomes a prefilling slot; with the
+   prefix cache on, the longest run of its prompt's blocks found cached is loaded into the slot
+   first (leaving at least one prompt token to compute, whose logits give the first token);
+c. one `prefill_slots` call: the next chunk of each prefilling slot, oldest admission first, while
+   the rows fit `max_prefill_batch` and rows x bucket of the longest chunk fits
+   `prefill_batch_tokens` (the oldest always goes); rows start all at 0 or all after it, as the
+   first row does. A row that reaches its prompt's end is final: its slot decodes from this turn;
+d. prefix cache: every block wholly computed and not cached yet is stored, evicting the least
+   recently used blocks to stay within the budget;
+e. one generate call over the smallest slot bucket holding every decoding slot.
 
-A request with `sampling.n` choices takes n slots at once (one prefill, inserted n times). A
-request under a grammar brings its first token's mask; while any running slot has one, each
+The scheduler keeps the host mirror of every slot's position, so that no decision (nor the
+attention window the engine reads) needs a value read back from the device.
+
+A request under a grammar brings its first token's mask; while any running slot has one, each
 generate call is one step with every slot's mask in the plan (plain numpy, computed by the device
 loop from the grammars' states), and a turn that admits such a request runs no generate call (its
 next mask depends on the first token).
@@ -14,89 +29,19 @@ next mask depends on the first token).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.limits import Limits, finishes_at_first_token
-from serving.request import SamplingParams, TokenLogprob
+from serving.engine.api import PrefillRow
+from serving.engine.limits import Limits, finishes_at_first_token, prefills_whole
+from serving.orchestrator.plan import Admission, PrefixLoad, PrefixStore, StepOutcome, StepPlan, Waiting
+from serving.orchestrator.prefix_cache import PrefixCache, block_keys
+from serving.request import SamplingParams
 
-
-@dataclass(frozen=True)
-class Waiting:
-    """A request at the head of the admission queue."""
-
-    request_id: int
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    choice_ids: tuple[int, ...] = ()  # request ids of choices 1..n-1 (sampling.n > 1)
-    mask: np.ndarray | None = None  # int32 [words]: a grammar's mask for the first token
-
-    @property
-    def num_slots(self) -> int:
-        return 1 + len(self.choice_ids)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Prefill a prompt (padded to its bucket) and insert it into `slot` (choice 0) and
-    `choice_slots` (choices 1..n-1)."""
-
-    request_id: int
-    slot: int
-    padded_tokens: tuple[int, ...]
-    true_length: int
-    sampling: SamplingParams
-    choice_slots: tuple[int, ...] = ()
-    mask: np.ndarray | None = None
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        return (self.slot, *self.choice_slots)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One turn of the device loop, executed in this order: frees, admissions, one generate call.
-
-    `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped
-    when no slot is active after the admissions (`running` slots were active before them, and
-    an admission whose first token finished it never becomes active). `max_position` bounds every
-    active slot's position at that call. `masks` (int32 [slots, words], or None): the grammar masks
-    of that call, which is then one step.
-    """
-
-    frees: tuple[int, ...] = ()
-    admissions: tuple[Admission, ...] = ()
-    decode_steps: int = 0
-    running: int = 0
-    max_position: int = 0
-    masks: np.ndarray | None = None
-
-    @property
-    def empty(self) -> bool:
-        return not (self.frees or self.admissions or self.decode_steps)
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What executing a plan produced, on the host."""
-
-    first_tokens: tuple[int, ...] = ()  # one per admitted slot, in order of admissions and their slots
-    tokens: Sequence[Sequence[int]] = ()  # [steps][slots] of the generate call (empty: none ran)
-    valid: Sequence[Sequence[bool]] = ()
-    done: Sequence[Sequence[bool]] = ()
-    first_logprobs: tuple[TokenLogprob | None, ...] = ()  # like first_tokens (empty: none asked)
-    prompt_logprobs: tuple[tuple[TokenLogprob | None, ...] | None, ...] = ()  # one per admission
-    logprobs: np.ndarray | None = None  # [steps, slots] float32, when the generate call made them
-    top_ids: np.ndarray | None = None  # [steps, slots, K]
-    top_logprobs: np.ndarray | None = None
-
-    def token_logprob(self, step: int, slot: int) -> TokenLogprob:
-        """The generate call's logprobs of `slot`'s token at `step`."""
-        top = zip(self.top_ids[step, slot].tolist(), self.top_logprobs[step, slot].tolist(), strict=True)
-        return TokenLogprob(int(self.tokens[step][slot]), float(self.logprobs[step, slot]), tuple(top))
+__all__ = ["Admission", "PrefixLoad", "PrefixStore", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
 
 
 @dataclass
@@ -107,28 +52,52 @@ class _Running:
 
 
 @dataclass
+class _Prefilling:
+    """A slot whose prompt enters chunk by chunk (not decoding yet)."""
+
+    request_id: int
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    computed: int = 0  # prompt positions the slot holds: blocks loaded, then chunks written
+    keys: tuple[bytes, ...] = ()  # the prompt's block keys (prefix cache on)
+    checked: int = 0  # blocks below this one were loaded, stored, or found cached
+
+
+@dataclass
 class Scheduler:
-    """Slots and their requests, first come first served."""
+    """Slots and their requests, first come first served. `prefix_cache`: the index of kept
+    prompt blocks (None: the prefix cache is off, no lookups nor stores)."""
 
     limits: Limits
     decode_steps_per_call: int
-    running: dict[int, _Running] = field(default_factory=dict)  # slot -> its request
-    _free: list[int] = field(default_factory=list)
+    prefix_cache: PrefixCache | None = None
+    running: dict[int, _Running] = field(default_factory=dict)  # slot -> its request, decoding
+    prefilling: dict[int, _Prefilling] = field(default_factory=dict)  # slot -> its request, in admission order
+    _free: list[int] = field(default_factory=list)  # a heap: the lowest free slot first
 
     def __post_init__(self) -> None:
-        self._free = list(range(self.limits.max_concurrent_decodes))[::-1]  # slot 0 first
+        self._free = list(range(self.limits.max_concurrent_decodes))
+        cache = self.prefix_cache
+        if cache is not None and cache.block != self.limits.prefix_block:
+            raise ValueError(f"prefix cache blocks of {cache.block} tokens, the engine's are {self.limits.prefix_block}")
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_used(self) -> int:
+        """Slots held by a request (decoding or prefilling)."""
+        return len(self.running) + len(self.prefilling)
+
     def slot_of(self, request_id: int) -> int | None:
-        return next((s for s, r in self.running.items() if r.request_id == request_id), None)
+        held = [*self.running.items(), *self.prefilling.items()]
+        return next((s for s, r in held if r.request_id == request_id), None)
 
     def room(self, cancelled: Collection[int] = ()) -> int:
         """How many slots the next `schedule` can fill, once `cancelled` are freed (a waiting
         request takes `num_slots` of them)."""
-        return len(self._free) + sum(r.request_id in cancelled for r in self.running.values())
+        return len(self._free) + len(self._cancelled_slots(cancelled))
 
     def schedule(
         self,
@@ -137,45 +106,133 @@ class Scheduler:
         masks: Mapping[int, np.ndarray] | None = None,
     ) -> StepPlan:
         """The next turn: free the slots of `cancelled` request ids, admit every `waiting` request
-        (at most `room(cancelled)` slots in all) into free slots in order, then decode if anything
-        runs. `masks`: request id -> int32 [words], the next-token mask of every running request
-        under a grammar."""
+        (at most `room(cancelled)` slots in all) into the lowest free slots in order, prefill the
+        next chunks, then decode if anything runs. `masks`: request id -> int32 [words], the
+        next-token mask of every running request under a grammar."""
         needed = sum(w.num_slots for w in waiting)
         if needed > self.room(cancelled):
             raise ValueError(f"{needed} slots asked for, {self.room(cancelled)} free")
-        frees = tuple(sorted(s for s, r in self.running.items() if r.request_id in cancelled))
+        frees = self._cancelled_slots(cancelled)
         for slot in frees:
             self._release(slot)
-        admissions = []
+        running_before = len(self.running)
+        loads, admissions = [], []
         for request in waiting:
-            slots = [self._free.pop() for _ in range(request.num_slots)]
-            admissions.append(
-                Admission(
-                    request.request_id,
-                    slots[0],
-                    tuple(self.limits.pad(list(request.prompt_ids))),
-                    len(request.prompt_ids),
-                    request.sampling,
-                    tuple(slots[1:]),
-                    request.mask,
-                )
-            )
-            constrained = request.sampling.grammar is not None
-            for slot, rid in zip(slots, (request.request_id, *request.choice_ids), strict=True):
-                self.running[slot] = _Running(rid, len(request.prompt_ids), constrained)
-        running_before = len(self.running) - sum(len(a.slots) for a in admissions)
+            if prefills_whole(request.sampling):
+                admissions.append(self._admit_whole(request))
+            elif (load := self._admit_chunked(request)) is not None:
+                loads.append(load)
+        rows = self._rows()
+        evictions, stores = self._advance(rows)
         steps, plan_masks = self.decode_steps_per_call if self.running else 0, None
         if any(r.constrained for r in self.running.values()):
             steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
             plan_masks = self._masks(masks or {}) if steps else None
         return StepPlan(
             frees=frees,
+            loads=tuple(loads),
             admissions=tuple(admissions),
+            rows=tuple(rows),
+            evictions=evictions,
+            stores=stores,
             decode_steps=steps,
             running=running_before,
             max_position=max((r.position for r in self.running.values()), default=0),
+            num_slots=self.limits.decode_slots(max(self.running) + 1) if steps else None,
             masks=plan_masks,
         )
+
+    def _cancelled_slots(self, cancelled: Collection[int]) -> tuple[int, ...]:
+        held = [*self.running.items(), *self.prefilling.items()]
+        return tuple(sorted(s for s, r in held if r.request_id in cancelled))
+
+    def _admit_whole(self, request: Waiting) -> Admission:
+        """Prefill + insert: the request's n slots decode from this turn."""
+        slots = [heapq.heappop(self._free) for _ in range(request.num_slots)]
+        constrained = request.sampling.grammar is not None
+        for slot, rid in zip(slots, (request.request_id, *request.choice_ids), strict=True):
+            self.running[slot] = _Running(rid, len(request.prompt_ids), constrained)
+        return Admission(
+            request.request_id,
+            slots[0],
+            tuple(self.limits.pad(list(request.prompt_ids))),
+            len(request.prompt_ids),
+            request.sampling,
+            tuple(slots[1:]),
+            request.mask,
+        )
+
+    def _admit_chunked(self, request: Waiting) -> PrefixLoad | None:
+        """A prefilling slot; the load of its prompt's cached blocks, if any are."""
+        if request.choice_ids or request.mask is not None:
+            raise ValueError("a request with choices or a grammar takes the whole prefill")
+        slot = heapq.heappop(self._free)
+        entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling)
+        self.prefilling[slot] = entry
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        entry.keys = block_keys(request.prompt_ids, cache.block)
+        reusable = entry.keys[: (len(request.prompt_ids) - 1) // cache.block]  # one token is left to compute
+        found = cache.lookup(reusable)
+        entry.computed, entry.checked = found * cache.block, found
+        return PrefixLoad(slot, reusable[:found]) if found else None
+
+    def _rows(self) -> list[PrefillRow]:
+        """This turn's `prefill_slots` rows: each prefilling slot's next chunk, oldest first, within
+        the call's row and padded-token budgets, all starting at 0 or all after it."""
+        limits = self.limits
+        rows: list[PrefillRow] = []
+        longest, fresh = 0, None
+        for slot, entry in self.prefilling.items():
+            if len(rows) == limits.max_prefill_batch:
+                break
+            if fresh is None:
+                fresh = entry.computed == 0
+            elif (entry.computed == 0) != fresh:
+                continue
+            start = entry.computed
+            chunk = entry.prompt_ids[start : start + limits.prefill_chunk_size]
+            bucket = limits.bucket_for(max(longest, len(chunk)))
+            if rows and (len(rows) + 1) * bucket > limits.prefill_batch_tokens:
+                continue
+            rows.append(PrefillRow(slot, chunk, start, start + len(chunk) == len(entry.prompt_ids), entry.sampling))
+            longest = max(longest, len(chunk))
+        return rows
+
+    def _advance(self, rows: Sequence[PrefillRow]) -> tuple[tuple[bytes, ...], tuple[PrefixStore, ...]]:
+        """Record the rows as computed (a final row's slot decodes from now); returns the prefix
+        cache's evictions and stores they bring."""
+        evictions: list[bytes] = []
+        stores: dict[bytes, PrefixStore] = {}
+        for row in rows:
+            entry = self.prefilling[row.slot]
+            entry.computed += len(row.tokens)
+            if self.prefix_cache is not None:
+                self._plan_stores(row.slot, entry, evictions, stores)
+            if row.final:
+                del self.prefilling[row.slot]
+                self.running[row.slot] = _Running(entry.request_id, entry.computed)
+        return tuple(evictions), tuple(stores.values())
+
+    def _plan_stores(
+        self, slot: int, entry: _Prefilling, evictions: list[bytes], stores: dict[bytes, PrefixStore]
+    ) -> None:
+        """Store each block of `slot` now wholly computed and not cached; evicting a block stored
+        earlier this turn drops that store instead (the executor evicts before it stores)."""
+        cache = self.prefix_cache
+        while entry.checked < len(entry.keys) and (entry.checked + 1) * cache.block <= entry.computed:
+            key, start = entry.keys[entry.checked], entry.checked * cache.block
+            entry.checked += 1
+            if key in cache:
+                continue
+            evicted = cache.add(key)
+            if evicted is None:
+                return  # a budget of less than one block keeps nothing
+            for old in evicted:
+                if stores.pop(old, None) is None:
+                    evictions.append(old)
+            stores[key] = PrefixStore(key, slot, start)
 
     def _masks(self, masks: Mapping[int, np.ndarray]) -> np.ndarray:
         """[slots, words]: each constrained slot's mask, every token allowed elsewhere."""
@@ -191,8 +248,8 @@ class Scheduler:
     def update(self, plan: StepPlan, outcome: StepOutcome) -> list[tuple[int, int]]:
         """Record what the plan did; returns (request_id, slot) of every slot that finished."""
         finished = []
-        slots = [(slot, a.sampling) for a in plan.admissions for slot in a.slots]
-        for (slot, sampling), first in zip(slots, outcome.first_tokens, strict=True):
+        firsts = zip(plan.first_token_slots, plan.first_token_samplings, outcome.first_tokens, strict=True)
+        for slot, sampling, first in firsts:
             if finishes_at_first_token(first, sampling):
                 finished.append((self.running[slot].request_id, slot))
                 self._release(slot)
@@ -207,8 +264,9 @@ class Scheduler:
 
     def kv_tokens_used(self) -> int:
         """Cache positions holding live sequences (for the metrics; no device read)."""
-        return sum(r.position for r in self.running.values())
+        return sum(r.position for r in self.running.values()) + sum(p.computed for p in self.prefilling.values())
 
     def _release(self, slot: int) -> None:
-        del self.running[slot]
-        self._free.append(slot)
+        if self.running.pop(slot, None) is None:
+            del self.prefilling[slot]
+        heapq.heappush(self._free, slot)

@@ -41,7 +41,11 @@ def main() -> None:
         ids = [i for r in stub.Decode(tokens) for s in r.stream_content.samples for i in s.token_ids]
         assert ids == [12, 13, 14], ids
 
-        too_long = pb.DecodeRequest(max_tokens=2, token_content=pb.DecodeRequest.TokenContent(token_ids=[1] * 65))
+        # longer than max_prefill_predict_length: prefilled in chunks
+        chunked = pb.DecodeRequest(max_tokens=2, token_content=pb.DecodeRequest.TokenContent(token_ids=[1] * 65))
+        ids = [i for r in stub.Decode(chunked) for s in r.stream_content.samples for i in s.token_ids]
+        assert ids == [2, 3], ids
+        too_long = pb.DecodeRequest(max_tokens=2, token_content=pb.DecodeRequest.TokenContent(token_ids=[1] * 255))
         _code(stub, too_long, grpc.StatusCode.INVALID_ARGUMENT)
         _code(stub, pb.DecodeRequest(max_tokens=0, text_content=pb.DecodeRequest.TextContent(text="ab")),
               grpc.StatusCode.INVALID_ARGUMENT)

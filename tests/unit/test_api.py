@@ -103,8 +103,10 @@ def test_stop_strings_and_jetstream_generate(server):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "a" * 65, "max_tokens": 2}, "prompt"),
+        # logprobs take the whole prefill, at most max_prefill_predict_length (64) tokens
+        ({"prompt": "a" * 65, "max_tokens": 2, "logprobs": 1}, "prompt"),
         ({"prompt": "ab", "max_tokens": 255}, "max_tokens"),
+        ({"prompt": "a" * 255, "max_tokens": 2}, "max_tokens"),
         ({"prompt": "ab", "max_tokens": 2, "temperature": -1}, "temperature"),
     ],
 )
@@ -112,6 +114,14 @@ def test_requests_the_engine_cannot_take_get_400_naming_the_field(server, body, 
     response = httpx.post(f"{server.url}/v1/completions", json={**body, "model": "mock"})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_prompt_longer_than_the_largest_prefill_is_served_in_chunks(server):
+    body = {"model": "mock", "prompt": "a" * 200 + "b", "max_tokens": 3, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "cde"
+    assert response.json()["usage"]["prompt_tokens"] == 201
 
 
 def test_a_full_queue_answers_429_at_once():

@@ -108,12 +108,22 @@ def test_a_full_queue_fails_fast_and_is_counted():
 
 
 def test_requests_the_engine_cannot_take_fail_at_submit_naming_the_field(orchestrator):
-    with pytest.raises(GenerationError) as err:
-        orchestrator.submit(list(range(65)), SamplingParams(max_tokens=2))
+    with pytest.raises(GenerationError) as err:  # logprobs take the whole prefill: at most 64 tokens
+        orchestrator.submit(list(range(65)), SamplingParams(max_tokens=2, logprobs=1))
     assert err.value.field == "prompt" and err.value.code == "context_length_exceeded"
     with pytest.raises(GenerationError) as err:
         orchestrator.submit([1, 2], SamplingParams(max_tokens=255))
     assert err.value.field == "max_tokens"
+    with pytest.raises(GenerationError) as err:
+        orchestrator.submit([1] * 255, SamplingParams(max_tokens=2))
+    assert err.value.field == "max_tokens" and err.value.code == "context_length_exceeded"
+
+
+def test_a_prompt_longer_than_the_largest_prefill_enters_its_slot_in_chunks(orchestrator):
+    prompt, sampling = list(range(90)) * 2, SamplingParams(max_tokens=3)  # 180 tokens, buckets up to 64
+    assert orchestrator.submit(prompt, sampling).result().token_ids == orchestrator.engine.expected(prompt, sampling)
+    chunks = [call[1] for call in orchestrator.engine.calls if call[0] == "prefill_slots"]
+    assert [row[1:] for rows in chunks for row in rows] == [(0, 64, False), (64, 64, False), (128, 52, True)]
 
 
 def test_stop_finishes_what_is_running_and_refuses_new_requests():
@@ -160,7 +170,7 @@ def test_the_first_token_is_streamed_before_the_turns_generate_call():
 
 def test_an_engine_failure_ends_every_stream_with_error_and_the_loop_reports_dead():
     class Failing(MockEngine):
-        def generate(self, params, decode_state, max_position=None):
+        def generate(self, params, decode_state, max_position=None, masks=None, num_slots=None):
             raise RuntimeError("device lost")
 
     orch = Orchestrator(Failing(slots=1), {}, TOKENIZER, OrchestratorConfig()).start()

@@ -15,18 +15,30 @@ def _waiting(request_id: int, length: int = 3, max_tokens: int = 4, **kw) -> Wai
     return Waiting(request_id, tuple(range(1, length + 1)), SamplingParams(max_tokens=max_tokens, **kw))
 
 
-def test_admissions_fill_free_slots_in_order_padded_to_their_bucket():
+def test_whole_admissions_fill_free_slots_in_order_padded_to_their_bucket():
     scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
-    plan = scheduler.schedule([_waiting(7, length=3), _waiting(8, length=20)])
+    plan = scheduler.schedule([_waiting(7, length=3, logprobs=1), _waiting(8, length=20, logprobs=0)])
     assert [(a.request_id, a.slot, a.true_length, len(a.padded_tokens)) for a in plan.admissions] == [
         (7, 0, 3, 16),
         (8, 1, 20, 32),
     ]
     assert plan.admissions[0].padded_tokens == (1, 2, 3, *([0] * 13))
-    assert (plan.decode_steps, plan.running, plan.max_position) == (2, 0, 20)
-    assert scheduler.room() == 0
+    assert (plan.decode_steps, plan.running, plan.max_position, plan.num_slots) == (2, 0, 20, 2)
+    assert plan.rows == () and scheduler.room() == 0
     with pytest.raises(ValueError, match="1 slots asked for, 0 free"):
         scheduler.schedule([_waiting(9)])
+
+
+def test_plain_requests_enter_their_slots_as_rows_of_one_prefill_call():
+    scheduler = Scheduler(Limits(2, 32, 64, prefill_batch_tokens=64), decode_steps_per_call=2)
+    plan = scheduler.schedule([_waiting(7, length=3), _waiting(8, length=20)])
+    assert plan.admissions == ()
+    assert [(r.slot, r.tokens, r.start, r.final) for r in plan.rows] == [
+        (0, (1, 2, 3), 0, True),
+        (1, tuple(range(1, 21)), 0, True),
+    ]
+    assert (plan.decode_steps, plan.running, plan.max_position, plan.num_slots) == (2, 0, 20, 2)
+    assert plan.first_token_slots == (0, 1) and scheduler.room() == 0
 
 
 def test_positions_are_mirrored_on_the_host_and_finished_slots_come_back():
@@ -51,7 +63,7 @@ def test_cancelled_requests_free_their_slot_before_admissions_take_it():
     scheduler.schedule([_waiting(1)])
     assert scheduler.room(cancelled={1}) == 1
     plan = scheduler.schedule([_waiting(2)], cancelled={1})
-    assert plan.frees == (0,) and [a.slot for a in plan.admissions] == [0] and plan.running == 0
+    assert plan.frees == (0,) and [r.slot for r in plan.rows] == [0] and plan.running == 0
 
 
 def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
@@ -61,10 +73,13 @@ def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
     plan = scheduler.schedule([only_one_token])
     outcome = executor.run(plan)
     assert outcome.first_tokens == (5,) and outcome.tokens == ()
-    assert [c[0] for c in engine.calls] == ["init_decode_state", "prefill", "insert"]
+    assert [c[0] for c in engine.calls] == ["init_decode_state", "prefill_slots"]
     assert scheduler.update(plan, outcome) == [(1, 0)]
     plan = scheduler.schedule([Waiting(2, (4,), SamplingParams(max_tokens=3))])
     outcome = executor.run(plan)
     assert outcome.first_tokens == (5,) and [row[0] for row in outcome.tokens] == [6, 7]
-    assert engine.calls[-1] == ("generate", 1)  # the host mirror: position 1, nothing read back
+    assert engine.calls[-1] == ("generate", 1, 1)  # the host mirror: position 1, nothing read back; 1 slot
     assert scheduler.update(plan, outcome) == [(2, 0)]
+    plan = scheduler.schedule([Waiting(3, (4,), SamplingParams(max_tokens=1, logprobs=0))])  # the whole path
+    assert executor.run(plan).first_tokens == (5,)
+    assert [c[0] for c in engine.calls[-2:]] == ["prefill", "insert"]

@@ -1,0 +1,130 @@
+"""The device loop's decisions and their results as plain data: what the scheduler plans for one
+turn (`StepPlan`), what the executor reads back (`StepOutcome`), and their parts.
+
+A plan is pickled and broadcast to every host of a multi-controller slice, so it holds only plain
+values (ints, tuples, token ids, `SamplingParams`, numpy masks): no engine objects, nothing that
+differs between processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving.engine.api import PrefillRow
+from serving.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A request at the head of the admission queue."""
+
+    request_id: int
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    choice_ids: tuple[int, ...] = ()  # request ids of choices 1..n-1 (sampling.n > 1)
+    mask: np.ndarray | None = None  # int32 [words]: a grammar's mask for the first token
+
+    @property
+    def num_slots(self) -> int:
+        return 1 + len(self.choice_ids)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The whole path: prefill a prompt (padded to its bucket) and insert it into `slot` (choice 0)
+    and `choice_slots` (choices 1..n-1)."""
+
+    request_id: int
+    slot: int
+    padded_tokens: tuple[int, ...]
+    true_length: int
+    sampling: SamplingParams
+    choice_slots: tuple[int, ...] = ()
+    mask: np.ndarray | None = None
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return (self.slot, *self.choice_slots)
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """Write the cached blocks `keys` (block i: prompt positions [i * block, (i + 1) * block)) into
+    `slot` from position 0; its prompt's first chunk then starts after them."""
+
+    slot: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class PrefixStore:
+    """Keep a copy of `slot`'s KV at [start, start + block) under `key` (after the turn's prefill)."""
+
+    key: bytes
+    slot: int
+    start: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One turn of the device loop, executed in this order: frees, prefix loads, whole admissions,
+    one `prefill_slots` call (`rows`), prefix-cache evictions, then stores, one generate call.
+
+    `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped when
+    no slot is active after the prefills (`running` slots were active before them, and a slot whose
+    first token finished it never becomes active). It runs over the first `num_slots` slots, and
+    `max_position` bounds every active slot's position at that call. `masks` (int32 [slots, words],
+    or None): the grammar masks of that call, which is then one step.
+    """
+
+    frees: tuple[int, ...] = ()
+    loads: tuple[PrefixLoad, ...] = ()
+    admissions: tuple[Admission, ...] = ()
+    rows: tuple[PrefillRow, ...] = ()
+    evictions: tuple[bytes, ...] = ()
+    stores: tuple[PrefixStore, ...] = ()
+    decode_steps: int = 0
+    running: int = 0
+    max_position: int = 0
+    num_slots: int | None = None
+    masks: np.ndarray | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.frees or self.loads or self.admissions or self.rows or self.decode_steps)
+
+    @property
+    def first_token_slots(self) -> tuple[int, ...]:
+        """The slots that sample their first token this turn, in the order of
+        `StepOutcome.first_tokens`: each whole admission's slots (choice order), then the final rows."""
+        whole = tuple(slot for a in self.admissions for slot in a.slots)
+        return whole + tuple(row.slot for row in self.rows if row.final)
+
+    @property
+    def first_token_samplings(self) -> tuple[SamplingParams, ...]:
+        """The sampling of each slot of `first_token_slots`, in that order."""
+        whole = tuple(a.sampling for a in self.admissions for _ in a.slots)
+        return whole + tuple(row.sampling for row in self.rows if row.final)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What executing a plan produced, on the host."""
+
+    first_tokens: tuple[int, ...] = ()  # one per slot of the plan's `first_token_slots`, in that order
+    tokens: Sequence[Sequence[int]] = ()  # [steps][slots] of the generate call (empty: none ran)
+    valid: Sequence[Sequence[bool]] = ()
+    done: Sequence[Sequence[bool]] = ()
+    first_logprobs: tuple[TokenLogprob | None, ...] = ()  # like first_tokens (None: not asked)
+    prompt_logprobs: tuple[tuple[TokenLogprob | None, ...] | None, ...] = ()  # one per whole admission
+    logprobs: np.ndarray | None = None  # [steps, slots] float32, when the generate call made them
+    top_ids: np.ndarray | None = None  # [steps, slots, K]
+    top_logprobs: np.ndarray | None = None
+
+    def token_logprob(self, step: int, slot: int) -> TokenLogprob:
+        """The generate call's logprobs of `slot`'s token at `step`."""
+        top = zip(self.top_ids[step, slot].tolist(), self.top_logprobs[step, slot].tolist(), strict=True)
+        return TokenLogprob(int(self.tokens[step][slot]), float(self.logprobs[step, slot]), tuple(top))

@@ -1,0 +1,82 @@
+"""The prefix cache's index, in plain Python: which prompt-prefix KV blocks are kept, under which
+keys, and which to evict (least recently used first) so that they fit a byte budget.
+
+A block is the KV of `block` prompt tokens, block i covering positions [i * block, (i + 1) * block).
+Its key is a chained digest of every token id through the block's end (blake2b over the previous
+block's key and this block's ids), so equal keys mean equal prefixes, and the keys are the same in
+every process of a slice (Python's `hash()` is salted per process; a digest is not).
+
+The index only decides; the executor keeps the blocks themselves (key -> the engine's copy), and
+executes the scheduler's stores and evictions in plan order, so index and store hold the same keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+KEY_BYTES = 16
+
+
+def block_keys(prompt_ids: Sequence[int], block: int) -> tuple[bytes, ...]:
+    """The key of every whole block of `prompt_ids` (a trailing partial block has none)."""
+    keys, previous = [], b""
+    for start in range(0, len(prompt_ids) - block + 1, block):
+        ids = prompt_ids[start : start + block]
+        digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
+        digest.update(struct.pack(f"<{block}q", *ids))
+        previous = digest.digest()
+        keys.append(previous)
+    return tuple(keys)
+
+
+class PrefixCache:
+    """Keys of the blocks kept, least recently used first, within `budget_bytes` (each block
+    `block_bytes`); hit and miss counts for the metrics."""
+
+    def __init__(self, block: int, block_bytes: int, budget_bytes: int):
+        if block < 1 or block_bytes < 1:
+            raise ValueError(f"prefix cache: block={block} tokens of {block_bytes} bytes")
+        self.block = block
+        self.block_bytes = block_bytes
+        self.capacity = max(budget_bytes, 0) // block_bytes  # blocks
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self.hits = 0  # blocks found at a lookup
+        self.misses = 0  # blocks looked up and not found
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._keys) * self.block_bytes
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` (a prompt's blocks that could be reused, in order) are cached as one
+        run from the first; those become the most recently used. Every key counts: the run as hits,
+        the rest as misses."""
+        found = 0
+        while found < len(keys) and keys[found] in self._keys:
+            self._keys.move_to_end(keys[found])
+            found += 1
+        self.hits += found
+        self.misses += len(keys) - found
+        return found
+
+    def add(self, key: bytes) -> tuple[bytes, ...] | None:
+        """Index `key` as the most recently used; returns the keys evicted to make room for it
+        (oldest first), or None when the budget holds no block at all (nothing is kept)."""
+        if key in self._keys:
+            raise ValueError("prefix cache: a block added twice")
+        if self.capacity < 1:
+            return None
+        evicted = []
+        while len(self._keys) >= self.capacity:
+            evicted.append(self._keys.popitem(last=False)[0])
+        self._keys[key] = None
+        return tuple(evicted)
