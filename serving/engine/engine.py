@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from jax.sharding import Mesh
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
 from serving.engine.api import PrefillOutputs, ResultTokens
+from serving.engine.chunked import ChunkedPrefill
 from serving.engine.limits import MAX_STOP_IDS, Limits
 from serving.engine.partitioning import Numerics
 from serving.engine.sampling import apply_mask, sample, token_logprobs
@@ -43,9 +43,10 @@ from serving.engine.sharding import (
     replicated,
     unstacked_shardings,
 )
+from serving.engine.state import DecodeState, Logprobs, Prefix, SlotSampling, is_stop, slot_sampling
 from serving.errors import GenerationError
 from serving.kernels import backend
-from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.models import decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import unstack_layers
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -67,52 +68,9 @@ def attention_windows(max_target_length: int) -> list[int]:
     return [*windows, max_target_length]
 
 
-class SlotSampling(NamedTuple):
-    """Per-request sampling state; scalars in a Prefix, [slots, ...] in the decode state."""
-
-    key: jax.Array  # uint32 [2] PRNG key of the request's seed
-    temperature: jax.Array  # float32
-    top_k: jax.Array  # int32
-    top_p: jax.Array  # float32
-    max_tokens: jax.Array  # int32
-    stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded
-    logprobs: jax.Array  # bool: the request wants its tokens' logprobs
-
-
-class Logprobs(NamedTuple):
-    """Logprobs of chosen tokens and the best alternatives: [rows] and [rows, MAX_LOGPROBS]."""
-
-    ids: jax.Array  # int32: the chosen tokens
-    chosen: jax.Array  # float32
-    top_ids: jax.Array  # int32, best first
-    top: jax.Array  # float32
-
-
-class Prefix(NamedTuple):
-    kv: KVCache  # float [layers, 1, bucket, kv_heads, head_dim]
-    length: jax.Array  # int32: true prompt length
-    first_tokens: jax.Array  # int32 [choices]
-    keys: jax.Array  # uint32 [choices, 2]: each choice's PRNG key
-    sampling: SlotSampling  # the request's (its key unused: `keys`)
-    first_logprobs: Logprobs | None  # [choices, ...] when the request wants logprobs
-    prompt_logprobs: Logprobs | None  # [bucket - 1, ...]: token i + 1 given tokens 0..i
-
-
-class DecodeState(NamedTuple):
-    cache: KVCache  # [layers, slots, max_target_length, kv_heads, head_dim]
-    tokens: jax.Array  # int32 [slots]: last token, fed at the next step
-    positions: jax.Array  # int32 [slots]: where `tokens` is written at the next step
-    generated: jax.Array  # int32 [slots]: tokens produced so far (the first one included)
-    active: jax.Array  # bool [slots]
-    sampling: SlotSampling  # [slots, ...]
-
-
-def _is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    return jnp.any(token[..., None] == stop_ids, axis=-1)
-
-
-class Engine:
-    """Prefill / insert / generate for one model on one mesh."""
+class Engine(ChunkedPrefill):
+    """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
+    prefilled in chunks straight into their slots, and prefix blocks)."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, mesh: Mesh | None = None):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone."""
@@ -166,9 +124,11 @@ class Engine:
             donate_argnums=(1,),
             # Tokens replicated: every process of a multi-host slice reads them (lockstep).
             out_shardings=(state_shardings, replicated(self.mesh)),
-            static_argnames=("window", "steps"),
+            static_argnames=("window", "steps", "num_slots"),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
+        self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
+        self._init_chunked(static)
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -228,7 +188,7 @@ class Engine:
             params,
             jnp.asarray(padded_tokens, jnp.int32)[None],
             jnp.int32(true_length),
-            _slot_sampling(sampling),
+            slot_sampling(sampling),
             jnp.asarray(keys),
             None if mask is None else jnp.asarray(mask, jnp.int32)[None],
             choices=sampling.n,
@@ -266,13 +226,17 @@ class Engine:
         return self.config.decode_steps_per_call
 
     def generate(
-        self, params: dict, decode_state: DecodeState, max_position: int | None = None, masks=None
+        self, params: dict, decode_state: DecodeState, max_position: int | None = None, masks=None,
+        num_slots: int | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         steps = self.config.decode_steps_per_call
         if masks is not None:
             masks, steps = jnp.asarray(masks, jnp.int32), 1
+        slots = self.max_concurrent_decodes if num_slots is None else num_slots
+        if slots not in self.limits.decode_buckets:
+            raise ValueError(f"num_slots={num_slots} is not one of the decode buckets {self.limits.decode_buckets}")
         window = self.window_for(max_position, steps)
-        return self._generate_fn(params, decode_state, masks, window=window, steps=steps)
+        return self._generate_fn(params, decode_state, masks, window=window, steps=steps, num_slots=slots)
 
     def window_for(self, max_position: int | None, steps: int | None = None) -> int:
         """The smallest attention window holding every active slot through one generate call of
@@ -341,7 +305,7 @@ class Engine:
         self, params, tokens, true_length, sampling: SlotSampling, keys, mask, static, choices, logprobs,
         prompt_logprobs,
     ) -> Prefix:
-        logits, kv = prefill(params, tokens, true_length[None], **static)
+        logits, kv = prefill(params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache)
         last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
         last = self._decodable(last, mask)
         last = jnp.broadcast_to(last, (choices, last.shape[-1]))  # [choices, vocab]
@@ -362,12 +326,12 @@ class Engine:
         return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored)
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
-        logits, _ = prefill(params, tokens, true_length[None], **static)
+        logits, _ = prefill(params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache)
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 
     def _insert_impl(self, kv, length, first, one: SlotSampling, state: DecodeState, slot) -> DecodeState:
-        finished = _is_stop(first, one.stop_ids) | (one.max_tokens <= 1)
+        finished = is_stop(first, one.stop_ids) | (one.max_tokens <= 1)
         sampling = jax.tree.map(lambda all_, x: all_.at[slot].set(x), state.sampling, one)
         return DecodeState(
             cache=store_prefix(state.cache, kv, slot),
@@ -382,9 +346,25 @@ class Engine:
         return state._replace(active=state.active.at[slot].set(False))
 
     def _generate_impl(
-        self, params, state: DecodeState, masks, static, window: int, steps: int
+        self, params, full: DecodeState, masks, static, window: int, steps: int, num_slots: int
     ) -> tuple[DecodeState, ResultTokens]:
+        """Decode slots [0, num_slots) (the cache stays whole: rows past them are neither read nor
+        written); the results are widened to every slot, the rest never valid."""
         max_len = self.config.max_target_length
+        total = self.max_concurrent_decodes
+
+        def first(x):
+            return x[:num_slots]
+
+        state = full._replace(
+            tokens=first(full.tokens),
+            positions=first(full.positions),
+            generated=first(full.generated),
+            active=first(full.active),
+            sampling=jax.tree.map(first, full.sampling),
+        )
+        if masks is not None:
+            masks = masks[:num_slots]
         num_top = min(MAX_LOGPROBS, self._num_decodable)
 
         def no_logprobs(logits, token, temperature):
@@ -412,7 +392,7 @@ class Engine:
             valid = state.active
             generated = state.generated + valid
             done = valid & (
-                _is_stop(token, state.sampling.stop_ids)
+                is_stop(token, state.sampling.stop_ids)
                 | (generated >= state.sampling.max_tokens)
                 | (positions + 1 >= max_len)
             )
@@ -426,7 +406,23 @@ class Engine:
             )
             return new_state, ResultTokens(token, valid, done, chosen, top_ids, top)
 
-        return jax.lax.scan(step, state, None, length=steps)
+        state, result = jax.lax.scan(step, state, None, length=steps)
+
+        def widen(x):  # [steps, num_slots, ...] -> [steps, total, ...], zero (not valid) past them
+            return jnp.zeros((steps, total, *x.shape[2:]), x.dtype).at[:, :num_slots].set(x)
+
+        def back(whole, part):
+            return whole.at[:num_slots].set(part)
+
+        full = DecodeState(
+            cache=state.cache,
+            tokens=back(full.tokens, state.tokens),
+            positions=back(full.positions, state.positions),
+            generated=back(full.generated, state.generated),
+            active=back(full.active, state.active),
+            sampling=full.sampling,
+        )
+        return full, ResultTokens(*(widen(x) for x in result))
 
 
 def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
@@ -435,17 +431,3 @@ def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
         TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)))
         for t, c, ids, top in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, strict=True)
     ]
-
-
-def _slot_sampling(sampling: SamplingParams) -> SlotSampling:
-    stop = np.full((MAX_STOP_IDS,), -1, np.int32)
-    stop[: len(sampling.stop_ids)] = sampling.stop_ids
-    return SlotSampling(
-        key=jax.random.PRNGKey(sampling.seed),
-        temperature=jnp.float32(sampling.temperature),
-        top_k=jnp.int32(sampling.top_k),
-        top_p=jnp.float32(sampling.top_p),
-        max_tokens=jnp.int32(sampling.max_tokens),
-        stop_ids=jnp.asarray(stop),
-        logprobs=jnp.bool_(sampling.wants_logprobs),
-    )

@@ -7,8 +7,9 @@
 // lie, and only the positions before the token: lengths[b] of them, then the token's own key and
 // value (not yet in the cache).
 //
-// Layout: q [B, kv_heads, groups, head_dim]; cache [layers, B, T, kv_heads, head_dim] float32, or
-// int8 with scales [layers, B, T, kv_heads, 1]; k_new, v_new [B, kv_heads, head_dim]; out like q.
+// Layout: q [B, kv_heads, groups, head_dim]; cache [layers, S, T, kv_heads, head_dim] float32, or
+// int8 with scales [layers, S, T, kv_heads, 1], S >= B (query b reads cache row b: a decode over
+// the first B slots); k_new, v_new [B, kv_heads, head_dim]; out like q.
 // head_dim is a multiple of 16 and groups at most kMaxGroups (checked in Python and here).
 
 #include <immintrin.h>
@@ -57,9 +58,9 @@ PATHSERVE_AVX512 inline __m512 Load16(const int8_t* p) {
 template <typename T>
 struct Problem {
   const float* q;
-  const T* k;            // this layer: [B, T, kv, hd]
+  const T* k;            // this layer: [S, T, kv, hd], rows [0, B) read
   const T* v;
-  const float* k_scale;  // this layer: [B, T, kv] (int8 only)
+  const float* k_scale;  // this layer: [S, T, kv] (int8 only)
   const float* v_scale;
   const int32_t* lengths;
   const float* k_new;
@@ -161,14 +162,14 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto cd = k.dimensions();
-  if (qd.size() != 4 || cd.size() != 5 || !std::equal(cd.begin(), cd.end(), v.dimensions().begin(), v.dimensions().end()) || cd[1] != qd[0] || cd[3] != qd[1] ||
+  if (qd.size() != 4 || cd.size() != 5 || !std::equal(cd.begin(), cd.end(), v.dimensions().begin(), v.dimensions().end()) || cd[1] < qd[0] || cd[3] != qd[1] ||
       cd[4] != qd[3] || qd[3] % 16 != 0 || !SupportedGroups(qd[2]) ||
       static_cast<int64_t>(lengths.element_count()) != qd[0] ||
       static_cast<int64_t>(k_new.element_count()) != qd[0] * qd[1] * qd[3] ||
       static_cast<int64_t>(v_new.element_count()) != qd[0] * qd[1] * qd[3]) {
     return ffi::Error::InvalidArgument(
         "decode_attention: expected q[B, kv, groups, head_dim] with head_dim a multiple of 16, cache "
-        "[layers, B, T, kv, head_dim], lengths[B], k_new and v_new [B, kv, head_dim]");
+        "[layers, >= B, T, kv, head_dim], lengths[B], k_new and v_new [B, kv, head_dim]");
   }
   const int64_t index = layer.typed_data()[0];
   if (index < 0 || index >= cd[0]) {
@@ -176,8 +177,9 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                                        std::to_string(cd[0]));
   }
   const int64_t batch = qd[0], kv = qd[1], groups = qd[2], hd = qd[3], capacity = cd[2];
-  const int64_t per_layer = batch * capacity * kv * hd;
-  const int64_t scales_per_layer = batch * capacity * kv;
+  // The cache may hold more rows than the query (decode over the first B slots): layers are cd[1] rows apart.
+  const int64_t per_layer = cd[1] * capacity * kv * hd;
+  const int64_t scales_per_layer = cd[1] * capacity * kv;
   const Problem<T> problem{q.typed_data(),
                            k.typed_data() + index * per_layer,
                            v.typed_data() + index * per_layer,

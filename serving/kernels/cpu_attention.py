@@ -30,8 +30,8 @@ def decode_attention(
     v_new: jax.Array,
 ) -> jax.Array:
     """Attention of q [batch, kv_heads, groups, head_dim] over layer `layer` of the cache
-    k, v [layers, batch, cache, kv_heads, head_dim] (int8 with scales [..., 1], or float32),
-    positions [0, lengths[b]) of each row, then the token's own k_new, v_new [batch, kv_heads,
+    k, v [layers, rows >= batch, cache, kv_heads, head_dim] (int8 with scales [..., 1], or
+    float32), positions [0, lengths[b]) of cache row b for b < batch, then the token's own k_new, v_new [batch, kv_heads,
     head_dim]. float32 [batch, kv_heads, groups, head_dim]; the cache is read in place."""
     library.require()
     result = jax.ShapeDtypeStruct(q.shape, jnp.float32)

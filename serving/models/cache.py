@@ -51,6 +51,43 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return values, scale
 
 
+def store_chunks(cache: KVCache, chunk: KVCache, rows: jax.Array, starts: jax.Array) -> KVCache:
+    """Write chunks' float KV [layers, batch, seq, kv_heads, head_dim] into cache rows `rows`
+    [batch] at positions starts[b] + 0..seq-1. A row index or position past the cache is dropped
+    (padding rows of a batch carry an out-of-range row)."""
+    seq = chunk.k.shape[2]
+    where = (rows[:, None], starts[:, None] + jnp.arange(seq)[None, :])  # [batch, seq] each
+    if cache.quantized:
+        (kq, ks), (vq, vs) = quantize_kv(chunk.k), quantize_kv(chunk.v)
+        values = (kq, vq, ks, vs)
+    else:
+        values = (chunk.k, chunk.v, None, None)
+    return KVCache(
+        *(
+            None if c is None else c.at[:, where[0], where[1]].set(x.astype(c.dtype), mode="drop")
+            for c, x in zip(cache, values, strict=True)
+        )
+    )
+
+
+def gather_history(cache: KVCache, rows: jax.Array, window: int) -> KVCache:
+    """Cache rows `rows` [batch] at positions [0, window), as stored: [layers, batch, window, ...]."""
+    safe = jnp.clip(rows, 0, cache.k.shape[1] - 1)
+    return KVCache(*(None if c is None else c[:, safe, :window] for c in cache))
+
+
+def read_history(history: KVCache, index: jax.Array | int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Layer `index` of gathered history, keys and values [batch, window, kv_heads, head_dim] in
+    the compute dtype."""
+
+    def layer(x: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False).astype(dtype)
+
+    if not history.quantized:
+        return layer(history.k), layer(history.v)
+    return layer(history.k) * layer(history.k_scale), layer(history.v) * layer(history.v_scale)
+
+
 def store_prefix(cache: KVCache, prefix: KVCache, row: int | jax.Array) -> KVCache:
     """Write a prompt's float KV [layers, 1, seq, kv_heads, head_dim] into `row` at positions 0..seq-1."""
     start = (0, row, 0, 0, 0)
@@ -77,13 +114,15 @@ def write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache) -> KVCa
 
 
 def read_layer(
-    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int
+    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, rows: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Layer `index` keys and values [batch, window, kv_heads, head_dim] in the compute dtype."""
+    """Layer `index` keys and values [rows, window, kv_heads, head_dim] in the compute dtype: the
+    first `rows` rows of the cache (None: all)."""
+    rows = cache.k.shape[1] if rows is None else rows
 
     def layer(x: jax.Array) -> jax.Array:
         start = (index,) + (0,) * (x.ndim - 1)
-        return jax.lax.dynamic_slice(x, start, (1, x.shape[1], window, *x.shape[3:]))[0].astype(dtype)
+        return jax.lax.dynamic_slice(x, start, (1, rows, window, *x.shape[3:]))[0].astype(dtype)
 
     if not cache.quantized:
         return layer(cache.k), layer(cache.v)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from serving.models.cache import KVCache, quantize_kv, write_new_tokens
+from serving.models.cache import KVCache, quantize_kv, read_history, write_new_tokens
 from serving.models.config import ModelConfig
 from serving.models.layers import apply_rope, attention, rms_norm, rope_frequencies, rope_tables
 from serving.models.ops import XLA, XlaOps
@@ -159,24 +159,46 @@ def prefill(
     scan_layers: bool = True,
     dtype: jnp.dtype = jnp.float32,
     ops: XlaOps = XLA,
+    starts: jax.Array | None = None,
+    history: KVCache | None = None,
+    quantized_kv: bool = False,
 ) -> tuple[jax.Array, KVCache]:
-    """Run a padded prompt from position 0.
+    """Run a padded prompt, or a chunk of one, for every row.
 
-    tokens [batch, seq] (padded), true_lengths [batch]. Returns logits [batch, seq, vocab]
-    (rows past a sequence's true length are meaningless) and the prompt's float KV
-    [layers, batch, seq, kv_heads, head_dim].
+    tokens [batch, seq] (padded), true_lengths [batch] (the tokens of each row that count).
+    Without `starts` the rows start at position 0. With them, row b's tokens sit at positions
+    starts[b] + 0..seq-1 and also attend to `history`, the row's cached KV
+    [layers, batch, window, kv_heads, head_dim] (float, or int8 with scales), of which positions
+    [0, starts[b]) count. `quantized_kv`: attend to the chunk's keys and values as an int8 cache
+    will hold them (so that a prompt reads the same numbers whether prefilled whole, in chunks or
+    from cached blocks).
+
+    Returns logits [batch, seq, vocab] (rows past a sequence's true length are meaningless) and the
+    chunk's float KV [layers, batch, seq, kv_heads, head_dim].
     """
     batch, seq = tokens.shape
     x = _embed(params, tokens, dtype)
-    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    offsets = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    positions = offsets if starts is None else offsets + starts[:, None]
     cos, sin = rope_tables(positions, rope_frequencies(cfg))
-    causal = positions[:, :, None] >= positions[:, None, :]
-    mask = causal & (positions[:, None, :] < true_lengths[:, None, None])  # [batch, seq, cache]
+    causal = offsets[:, :, None] >= offsets[:, None, :]
+    mask = causal & (offsets[:, None, :] < true_lengths[:, None, None])  # [batch, seq, seq]
+    if history is not None:
+        window = history.k.shape[2]
+        earlier = jnp.arange(window)[None, None, :] < starts[:, None, None]  # [batch, 1, window]
+        mask = jnp.concatenate([jnp.broadcast_to(earlier, (batch, seq, window)), mask], axis=-1)
 
     def body(x, layer_and_index):
-        layer, _ = layer_and_index
+        layer, index = layer_and_index
         q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin)
-        return _attention_out_and_mlp(cfg, ops, layer, x, attention(q, k, v, mask)), (k, v)
+        keys, values = k, v
+        if quantized_kv:
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            keys, values = kq.astype(k.dtype) * ks.astype(k.dtype), vq.astype(v.dtype) * vs.astype(v.dtype)
+        if history is not None:
+            old_k, old_v = read_history(history, index, k.dtype)
+            keys, values = jnp.concatenate([old_k, keys], axis=1), jnp.concatenate([old_v, values], axis=1)
+        return _attention_out_and_mlp(cfg, ops, layer, x, attention(q, keys, values, mask)), (k, v)
 
     x, (ks, vs) = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
     return _logits(params, cfg, x, ops), KVCache(ks, vs)
