@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.api import EngineAPI
 from serving.orchestrator.executor import Executor
+from serving.orchestrator.prefix_cache import PrefixCache
 from serving.orchestrator.scheduler import Scheduler, Waiting
 from serving.request import SamplingParams
 
@@ -26,17 +27,21 @@ class OfflineResult:
 
 
 def run_to_completion(
-    engine: EngineAPI, params, requests: list[tuple[list[int], SamplingParams]]
+    engine: EngineAPI,
+    params,
+    requests: list[tuple[list[int], SamplingParams]],
+    prefix_cache: PrefixCache | None = None,
 ) -> list[OfflineResult]:
     """Every request's tokens, in request order: the device loop's scheduler and executor, driven
-    synchronously, without threads or streams."""
+    synchronously, without threads or streams. `prefix_cache`: an index to reuse prompt blocks
+    with (None: off)."""
     results = [OfflineResult(list(p), s) for p, s in requests]
     for r in results:
         engine.limits.check(len(r.prompt_ids), r.sampling)
     waiting = deque(range(len(results)))
-    scheduler = Scheduler(engine.limits, engine.decode_steps_per_call)
+    scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, prefix_cache)
     executor = Executor(engine, params)
-    while waiting or scheduler.running:
+    while waiting or scheduler.num_used:
         admit = [waiting.popleft() for _ in range(min(scheduler.room(), len(waiting)))]
         plan = scheduler.schedule([Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit])
         slots = {slot: results[r.request_id] for slot, r in scheduler.running.items()}

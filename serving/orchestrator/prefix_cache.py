@@ -6,6 +6,10 @@ Its key is a chained digest of every token id through the block's end (blake2b o
 block's key and this block's ids), so equal keys mean equal prefixes, and the keys are the same in
 every process of a slice (Python's `hash()` is salted per process; a digest is not).
 
+Recency is kept per chain: a lookup's hits and a store's ancestors become the most recently used
+with the first block newest, so a prompt's deepest blocks go first and a chain is never cut at its
+root while its tail is kept (a block whose ancestors are gone could never be found again).
+
 The index only decides; the executor keeps the blocks themselves (key -> the engine's copy), and
 executes the scheduler's stores and evictions in plan order, so index and store hold the same keys.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 KEY_BYTES = 16
 
@@ -52,6 +56,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def __iter__(self) -> Iterator[bytes]:
+        """The keys, least recently used first."""
+        return iter(list(self._keys))
+
     @property
     def bytes_used(self) -> int:
         return len(self._keys) * self.block_bytes
@@ -62,21 +70,29 @@ class PrefixCache:
         the rest as misses."""
         found = 0
         while found < len(keys) and keys[found] in self._keys:
-            self._keys.move_to_end(keys[found])
             found += 1
+        self._refresh(keys[:found])
         self.hits += found
         self.misses += len(keys) - found
         return found
 
-    def add(self, key: bytes) -> tuple[bytes, ...] | None:
-        """Index `key` as the most recently used; returns the keys evicted to make room for it
-        (oldest first), or None when the budget holds no block at all (nothing is kept)."""
+    def add(self, key: bytes, ancestors: Sequence[bytes]) -> tuple[bytes, ...] | None:
+        """Index `key`, the block after `ancestors` (its prompt's blocks before it, in order);
+        returns the keys evicted to make room (least recently used first), or None when it is not
+        kept: an ancestor is gone, or the budget cannot hold the chain."""
         if key in self._keys:
             raise ValueError("prefix cache: a block added twice")
-        if self.capacity < 1:
+        if len(ancestors) >= self.capacity or any(a not in self._keys for a in ancestors):
             return None
+        self._refresh(ancestors)  # the newest now: fewer than the capacity, never evicted below
         evicted = []
         while len(self._keys) >= self.capacity:
             evicted.append(self._keys.popitem(last=False)[0])
         self._keys[key] = None
+        self._refresh(ancestors)  # newer than `key`: a chain loses its deepest block first
         return tuple(evicted)
+
+    def _refresh(self, chain: Sequence[bytes]) -> None:
+        """Make `chain` the most recently used, its first block newest."""
+        for key in reversed(chain):
+            self._keys.move_to_end(key)

@@ -226,9 +226,10 @@ class Scheduler:
             entry.checked += 1
             if key in cache:
                 continue
-            evicted = cache.add(key)
+            evicted = cache.add(key, entry.keys[: entry.checked - 1])
             if evicted is None:
-                return  # a budget of less than one block keeps nothing
+                entry.checked = len(entry.keys)  # the chain is cut: nothing after it could be found
+                return
             for old in evicted:
                 if stores.pop(old, None) is None:
                     evictions.append(old)

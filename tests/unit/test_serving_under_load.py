@@ -1,0 +1,148 @@
+"""Serving under load on the mock engine, through the orchestrator's threads: batched and chunked
+prefill, the prefix cache, decode slot buckets switching as requests come and go. The tokens are
+the mock's hand-computable ones whatever the plans."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from serving.api.prometheus import registry, render
+from serving.config import OrchestratorConfig
+from serving.engine.mock import AsciiTokenizer, MockEngine
+from serving.orchestrator import Orchestrator
+from serving.request import SamplingParams
+
+TOKENIZER = AsciiTokenizer()
+SYSTEM = [(7 * i) % 90 for i in range(40)]  # a shared "system prompt": 2 whole blocks of 16 and a half
+
+
+def _orchestrator(cache: str = "on", cache_bytes: int = 1 << 20, **engine) -> Orchestrator:
+    engine = {"slots": 4, "max_prefill_length": 64, "max_target_length": 512, "prefix_block": 16, **engine}
+    config = OrchestratorConfig(max_queued_requests=64, prefix_cache=cache, prefix_cache_bytes=cache_bytes)
+    return Orchestrator(MockEngine(**engine), {}, TOKENIZER, config)
+
+
+def _mixed_requests() -> list[tuple[list[int], SamplingParams]]:
+    """16 prompts of 1..200 tokens, half of them behind the shared system prompt."""
+    lengths = [1, 5, 17, 33, 64, 65, 90, 130, 200, 3, 48, 100, 12, 70, 16, 150]
+    prompts = [[(i * 11 + j) % 95 for j in range(n)] for i, n in enumerate(lengths)]
+    prompts = [SYSTEM + p if i % 2 else p for i, p in enumerate(prompts)]
+    return [(p, SamplingParams(max_tokens=3 + i % 5)) for i, p in enumerate(prompts)]
+
+
+def _serve_together(orchestrator: Orchestrator, requests) -> list[list[int]]:
+    handles = [orchestrator.submit(p, s) for p, s in requests]
+    return [h.result().token_ids for h in handles]
+
+
+def _rows(engine: MockEngine) -> list[tuple]:
+    return [call[1] for call in engine.calls if call[0] == "prefill_slots"]
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_sixteen_mixed_requests_together_get_the_same_tokens_whatever_the_prefill_plan(chunk, batch, cache):
+    orch = _orchestrator(cache, prefill_chunk_size=chunk, max_prefill_batch=batch, prefill_batch_tokens=256)
+    requests = _mixed_requests()
+    handles = [orch.submit(p, s) for p, s in requests]  # all queued before the device loop starts
+    orch.start()
+    try:
+        got = [h.result().token_ids for h in handles]
+    finally:
+        orch.stop(timeout=10)
+    engine = orch.engine
+    assert got == [engine.expected(p, s) for p, s in requests]
+    calls = _rows(engine)
+    assert max(len(rows) for rows in calls) == (1 if batch == 1 else 4)  # batched: every free slot in a call
+    chunks_of_200 = [row for rows in calls for row in rows if row[3] and row[1] + row[2] == 200]
+    assert chunks_of_200 and chunks_of_200[0][1] > 0  # the 200-token prompt (> 64) came in several chunks
+    assert all(row[2] <= chunk for rows in calls for row in rows)
+    loads = [call for call in engine.calls if call[0] == "load_blocks"]
+    assert bool(loads) == (cache == "on") and (orch.metrics.prefix_cache_hits > 0) == (cache == "on")
+
+
+def test_decode_buckets_switch_as_requests_come_and_go_without_losing_or_reordering_a_token():
+    orch = _orchestrator("off", slots=8, step_seconds=0.004, prefill_chunk_size=16).start()
+    prompts = [[(5 * i + j) % 95 for j in range(1 + 9 * i)] for i in range(12)]
+    samplings = [SamplingParams(max_tokens=4 + (7 * i) % 23) for i in range(12)]
+    streamed: list = [None] * 12
+
+    def client(i: int) -> None:
+        time.sleep(0.015 * i)  # arrivals spread over the others' decoding
+        handle = orch.submit(prompts[i], samplings[i])
+        streamed[i] = [t for delta in handle.stream() for t in delta.token_ids]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    finally:
+        orch.stop(timeout=10)
+    engine = orch.engine
+    for prompt, sampling, tokens in zip(prompts, samplings, streamed, strict=True):
+        assert tokens == engine.expected(prompt, sampling)
+    num_slots = [call[2] for call in engine.calls if call[0] == "generate"]
+    assert len(set(num_slots)) >= 3 and set(num_slots) <= set(engine.limits.decode_buckets)
+    assert any(a > b for a, b in itertools.pairwise(num_slots))  # it shrank again too
+
+
+def test_a_shared_prefix_is_loaded_from_the_cache_and_counted_in_metrics():
+    orch = _orchestrator(prefill_chunk_size=32).start()
+    try:
+        requests = [([*SYSTEM, i, i + 1], SamplingParams(max_tokens=4)) for i in range(5)]
+        first = _serve_together(orch, requests[:1])
+        rest = _serve_together(orch, requests[1:])
+        text = render(registry(lambda: (orch.metrics, {})))
+    finally:
+        orch.stop(timeout=10)
+    engine = orch.engine
+    assert first + rest == [engine.expected(p, s) for p, s in requests]
+    assert [c[2] for c in engine.calls if c[0] == "load_blocks"] == [2] * 4  # 2 blocks of 16 tokens each
+    metrics = orch.metrics
+    assert (metrics.prefix_cache_hits, metrics.prefix_cache_misses) == (8, 2)
+    assert metrics.prefix_cache_bytes == 2 * engine.prefix_block_bytes
+    for line in ("pathserve_prefix_cache_hits_total 8.0", "pathserve_prefix_cache_misses_total 2.0",
+                 "pathserve_prefix_cache_bytes 2000.0"):
+        assert line in text
+
+
+def test_eviction_under_a_budget_of_two_blocks_keeps_the_tokens_and_the_bytes_within_it():
+    results, caches = {}, {}
+    for cache, budget in (("off", 0), ("on", 2500)):
+        orch = _orchestrator(cache, cache_bytes=budget, prefill_chunk_size=16).start()
+        try:
+            requests = _mixed_requests()
+            results[cache] = _serve_together(orch, requests[:8]) + _serve_together(orch, requests[8:])
+        finally:
+            orch.stop(timeout=10)
+        caches[cache] = orch
+    on = caches["on"]
+    assert results["on"] == results["off"] == [on.engine.expected(p, s) for p, s in _mixed_requests()]
+    assert 0 < on.metrics.prefix_cache_bytes <= 2500 and on.metrics.prefix_cache_hits > 0
+    assert not any(c[0] in ("load_blocks", "save_block") for c in caches["off"].engine.calls)
+
+
+def test_a_request_cancelled_while_its_prompt_is_prefilling_frees_its_slot():
+    orch = _orchestrator("off", slots=2, step_seconds=0.01, prefill_chunk_size=16).start()
+    try:
+        running = orch.submit([1], SamplingParams(max_tokens=400))
+        long = orch.submit([3] * 480, SamplingParams(max_tokens=2))  # 30 chunks, one per turn
+        while not any(rows[0][0] == 1 for rows in _rows(orch.engine)):
+            time.sleep(0.005)
+        long.cancel()
+        assert long.result().finish_reason == "cancelled" and long.completion.completion_tokens == 0
+        after = orch.submit([5], SamplingParams(max_tokens=2))
+        assert after.result().token_ids == [6, 7]
+        running.cancel()
+    finally:
+        orch.stop(timeout=10)
+    calls = orch.engine.calls
+    assert ("free_resource", 1) in calls
+    assert sum(rows[0][0] == 1 and rows[0][1] > 0 for rows in _rows(orch.engine)) < 29  # it stopped part-way
