@@ -13,6 +13,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The default model is converted into $PATHSERVE_HOME on first use: a fresh one per test session,
 # removed when the session ends (it holds ~340 MB of checkpoints and compiled kernels).
 os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
+# JAX's persistent compilation cache, in that same home (so removed with it, and cold in every
+# session): the suite starts dozens of `pathserve` processes (serve, batch, generate, convert,
+# bench) on the same few models and shapes, and each would otherwise compile its programs again
+# (about 3/4 of a tiny-model process's CPU time). Inherited by every subprocess through the
+# environment; programs with host callbacks are never cached, so run-time counters still run.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["PATHSERVE_HOME"], "jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest
 
