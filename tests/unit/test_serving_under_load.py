@@ -134,8 +134,9 @@ def test_a_request_cancelled_while_its_prompt_is_prefilling_frees_its_slot():
     try:
         running = orch.submit([1], SamplingParams(max_tokens=400))
         long = orch.submit([3] * 480, SamplingParams(max_tokens=2))  # 30 chunks, one per turn
-        while not any(rows[0][0] == 1 for rows in _rows(orch.engine)):
+        while orch.metrics.kv_tokens_used < 1 + 32:  # two chunks in, the running slot at 1+
             time.sleep(0.005)
+        assert orch.metrics.active_slots == 2  # a prefilling slot is in use
         long.cancel()
         assert long.result().finish_reason == "cancelled" and long.completion.completion_tokens == 0
         after = orch.submit([5], SamplingParams(max_tokens=2))
