@@ -161,19 +161,16 @@ def test_int8_smollm2_checkpoint_quality_and_size(smollm2_checkpoints):
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
 
-    ids = jnp.asarray(
-        [
-            load_model(str(smollm2_checkpoints / "bf16"), ServingConfig()).tokenizer.encode(
-                (DATA / "english.txt").read_text()
-            )[:257]
-        ]
-    )
+    models = {  # each checkpoint restored once; the bf16 one also gives the tokenizer
+        name: load_model(str(smollm2_checkpoints / name), ServingConfig(**overrides))
+        for name, overrides in (
+            ("bf16", {}),
+            ("int8", {"quantization": "int8", "checkpoint_is_quantized": True}),
+        )
+    }
+    ids = jnp.asarray([models["bf16"].tokenizer.encode((DATA / "english.txt").read_text())[:257]])
     results = {}
-    for name, overrides in (
-        ("bf16", {}),
-        ("int8", {"quantization": "int8", "checkpoint_is_quantized": True}),
-    ):
-        model = load_model(str(smollm2_checkpoints / name), ServingConfig(**overrides))
+    for name, model in models.items():
         out, _ = prefill(model.params, ids, jnp.array([ids.shape[1]]), model.config)
         logprobs = np.asarray(jnp.take_along_axis(jax_log_softmax(out[0, :-1]), ids[0, 1:, None], axis=-1))
         results[name] = (np.argmax(np.asarray(out[0, :-1]), -1), float(np.exp(-logprobs.mean())))
