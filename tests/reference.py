@@ -53,7 +53,8 @@ class ReferenceDecoder:
             self.params = jax.jit(unstack_layers)(self.params)
         dtype = jnp.dtype(cfg.dtype)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype, ops=ops)
-        self._prefill = jax.jit(partial(prefill, **static))
+        # The prompt attends to its keys and values as the cache holds them (int8 when quantized).
+        self._prefill = jax.jit(partial(prefill, **static, quantized_kv=cfg.quantize_kvcache))
         self._decode = jax.jit(partial(decode_step, **static), donate_argnums=(3,))
         self._sample = jax.jit(sample)
         # A model's vocabulary may be padded past the tokenizer's; never sample an id it can't decode.

@@ -21,7 +21,6 @@ The compute backend (XLA's ops or the CPU kernels) is chosen once here, with its
 from __future__ import annotations
 
 import logging
-import time
 from functools import partial
 
 import jax
@@ -251,25 +250,10 @@ class Engine(ChunkedPrefill):
         return self._free_fn(decode_state, jnp.int32(slot))
 
     def warmup(self, params: dict) -> float:
-        """Compile every prefill bucket, insert and generate; returns the seconds spent."""
-        start = time.perf_counter()
-        state = self.init_decode_state()
-        probe = SamplingParams(max_tokens=1)
-        for bucket in self.limits.buckets:
-            prefix, _ = self.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
-            state = self.insert(prefix, state, 0)
-        state = self.free_resource(state, 0)
-        for window in self.windows:
-            state, _ = self._generate_fn(params, state, None, window=window, steps=self.config.decode_steps_per_call)
-        jax.block_until_ready(state)
-        seconds = time.perf_counter() - start
-        log.info(
-            "warmup: compiled %d prefill buckets, insert and %d generate windows in %.1f s",
-            len(self.limits.buckets),
-            len(self.windows),
-            seconds,
-        )
-        return seconds
+        """Compile every shape serving runs (serving.engine.warmup); returns the seconds spent."""
+        from serving.engine.warmup import warmup
+
+        return warmup(self, params)
 
     # -- compiled bodies -----------------------------------------------------------------------
 
