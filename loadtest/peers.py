@@ -14,6 +14,9 @@ Request sets (prompt token counts are counted with the model's own tokenizer, wh
 - system: one shared 400-token system prompt before a short question, what a prefix cache serves.
 Sampling: greedy (temperature 0) and sampled (temperature 1, top_p 1).
 
+With --prefix-cache-off a second pathserve server (prefix_cache=off) runs the system set too, in the
+same rotation, for the prefix cache's effect on TTFT.
+
 Reported per cell: output tokens/s, TTFT and TPOT (median, p90, p99) of each server, the ratio
 pathserve / vLLM of each, and the issue's targets, met or not. Writes results/peers-bench.json and
 results/peers-bench.png.
@@ -32,24 +35,15 @@ from pathlib import Path
 from loadtest import dataset
 from loadtest.bench import run_level, summarize
 from loadtest.client import Result
+from loadtest.peers_report import METRICS, NOCACHE, PEERS, cell_report, plot, table, targets
+
+__all__ = ["METRICS", "NOCACHE", "PEERS", "cell_report", "plot", "table", "targets"]
 
 SETS = ("short", "long", "system")
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sampled": {"temperature": 1.0, "top_p": 1.0}}
-PEERS = ("pathserve", "vllm")
 LONG_TOKENS = (1024, 1976)  # + a word's overshoot + 64 output tokens fits 2048
 SYSTEM_TOKENS = 400
 SHORT_WORDS = (30, 100)  # (median, max) words of the short set
-# Ratios are pathserve / vLLM: above 1 is better for throughput, below 1 is better for latency.
-METRICS = (
-    ("output_tokens_per_s", None),
-    ("ttft_ms", "median"),
-    ("ttft_ms", "p90"),
-    ("ttft_ms", "p99"),
-    ("tpot_ms", "median"),
-    ("tpot_ms", "p90"),
-    ("tpot_ms", "p99"),
-)
-
 Counter = Callable[[str], int]
 
 
@@ -106,154 +100,21 @@ def cells(sets: Sequence[str], sampling: Sequence[str], levels: Sequence[int]) -
     return [Cell(s, m, c) for s in sets for m in sampling for c in levels]
 
 
-def schedule(all_cells: Sequence[Cell], rounds: int, peers: Sequence[str] = PEERS) -> list[tuple[int, Cell, str]]:
-    """(round, cell, peer) in run order: every cell against both peers back to back, round after
-    round, the first peer alternating from one (round, cell) to the next."""
+def schedule(
+    all_cells: Sequence[Cell], rounds: int, peers: Sequence[str] = PEERS, system_peers: Sequence[str] = ()
+) -> list[tuple[int, Cell, str]]:
+    """(round, cell, peer) in run order: every cell against every peer back to back, round after
+    round, the order reversing from one (round, cell) to the next. `system_peers` also run the
+    shared-system-prompt cells (pathserve with the prefix cache off)."""
     out = []
     turn = 0
     for r in range(rounds):
         for cell in all_cells:
-            order = list(peers) if turn % 2 == 0 else list(reversed(peers))
+            these = [*peers, *(system_peers if cell.set == "system" else ())]
+            order = these if turn % 2 == 0 else these[::-1]
             out.extend((r, cell, peer) for peer in order)
             turn += 1
     return out
-
-
-def short_outputs(results: Sequence[Result], max_tokens: int) -> int:
-    """Completed requests that did not generate all `max_tokens` (ignore_eos should prevent any)."""
-    return sum(1 for r in results if r.ok and r.output_tokens != max_tokens)
-
-
-def ratio(ours: float, theirs: float) -> float | None:
-    return ours / theirs if theirs else None
-
-
-def metric(summary: dict, name: str, stat: str | None) -> float:
-    return summary[name] if stat is None else summary[name][stat]
-
-
-def cell_report(cell: Cell, runs: dict[str, list[tuple[list[Result], float]]], max_tokens: int) -> dict:
-    """One cell's figures: each peer's rounds pooled (results joined, wall times added), each
-    round's throughput and TTFT median, and pathserve / vLLM ratios of every metric."""
-    out: dict = {"set": cell.set, "sampling": cell.sampling, "concurrency": cell.concurrency}
-    for peer, rounds in runs.items():
-        pooled = summarize([r for results, _ in rounds for r in results], sum(w for _, w in rounds), cell.concurrency)
-        pooled["not_full_length"] = short_outputs([r for results, _ in rounds for r in results], max_tokens)
-        pooled["rounds"] = [
-            {
-                "output_tokens_per_s": (s := summarize(results, wall, cell.concurrency))["output_tokens_per_s"],
-                "ttft_ms_median": s["ttft_ms"]["median"],
-                "errors": s["errors"],
-            }
-            for results, wall in rounds
-        ]
-        out[peer] = pooled
-    if all(peer in out for peer in PEERS):
-        ours, theirs = out["pathserve"], out["vllm"]
-        out["ratios"] = {
-            (name if stat is None else f"{name}.{stat}"): (
-                ratio(metric(ours, name, stat), metric(theirs, name, stat))
-                if ours["completed"] and theirs["completed"]
-                else None
-            )
-            for name, stat in METRICS
-        }
-    return out
-
-
-def targets(report_cells: Sequence[dict]) -> list[dict]:
-    """The issue's targets that this run measures, each with its figure and whether it is met
-    (None when its cell was not run or a server completed nothing there)."""
-    by_key = {(c["set"], c["sampling"], c["concurrency"]): c for c in report_cells}
-
-    def figure(cell: tuple[str, str, int], key: str) -> float | None:
-        found = by_key.get(cell)
-        return (found.get("ratios") or {}).get(key) if found else None
-
-    def check(name: str, cell: tuple[str, str, int], key: str, bound: float, above: bool) -> dict:
-        value = figure(cell, key)
-        met = None if value is None else (value >= bound if above else value <= bound)
-        return {"target": name, "cell": "/".join(map(str, cell)), "ratio": key, "value": value, "met": met}
-
-    out = [
-        check("32 concurrent short: output tok/s >= 2.0x vLLM", ("short", "greedy", 32), "output_tokens_per_s", 2.0, True),
-        check("32 concurrent short: TTFT median <= vLLM's", ("short", "greedy", 32), "ttft_ms.median", 1.0, False),
-        check("one request alone: output tok/s >= 3x vLLM", ("short", "greedy", 1), "output_tokens_per_s", 3.0, True),
-    ]
-    for c in (1, 8, 32, 64):
-        if ("long", "greedy", c) in by_key:
-            out.append(check(f"long prompts, {c} concurrent: TTFT median <= vLLM's", ("long", "greedy", c), "ttft_ms.median", 1.0, False))
-    long_cells = [c for c in report_cells if c["set"] == "long" and "pathserve" in c]
-    if long_cells:
-        refused = sum(c["pathserve"]["errors"] for c in long_cells)
-        out.append({"target": "long prompts: no request refused", "value": refused, "met": refused == 0})
-    out.append(
-        {
-            "target": "shared system prompt: TTFT median >= 3x lower with the prefix cache than without",
-            "value": None,
-            "met": None,
-            "note": "needs a pathserve run with prefix_cache=off next to one with it on (the prefix cache is not built yet)",
-        }
-    )
-    return out
-
-
-def table(report_cells: Sequence[dict]) -> str:
-    head = (
-        f"{'cell':<22} {'err ps/vl':>9} {'tok/s ps':>9} {'vllm':>7} {'ratio':>6} "
-        f"{'TTFT50 ps':>10} {'vllm':>8} {'ratio':>6} {'TPOT50 ps':>10} {'vllm':>7} {'ratio':>6}"
-    )
-    rows = [head]
-
-    def r(value: float | None) -> str:
-        return f"{value:6.2f}" if value is not None else f"{'-':>6}"
-
-    for c in report_cells:
-        ps, vl, ratios = c.get("pathserve"), c.get("vllm"), c.get("ratios") or {}
-        if ps is None or vl is None:
-            continue
-        rows.append(
-            f"{c['set'] + '/' + c['sampling'] + '/c' + str(c['concurrency']):<22} "
-            f"{str(ps['errors']) + '/' + str(vl['errors']):>9} "
-            f"{ps['output_tokens_per_s']:9.1f} {vl['output_tokens_per_s']:7.1f} {r(ratios.get('output_tokens_per_s'))} "
-            f"{ps['ttft_ms']['median']:10.1f} {vl['ttft_ms']['median']:8.1f} {r(ratios.get('ttft_ms.median'))} "
-            f"{ps['tpot_ms']['median']:10.1f} {vl['tpot_ms']['median']:7.1f} {r(ratios.get('tpot_ms.median'))}"
-        )
-    return "\n".join(rows)
-
-
-def plot(report_cells: Sequence[dict], path: Path) -> Path:
-    """One row per (set, sampling), columns: output tok/s, TTFT median and TPOT median against
-    concurrency, pathserve and vLLM as two lines (p90 dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = sorted({(c["set"], c["sampling"]) for c in report_cells})
-    fig, axes = plt.subplots(len(groups), 3, figsize=(13, 3.2 * len(groups)), squeeze=False)
-    for row, (name, sampling) in zip(axes, groups, strict=True):
-        points = sorted((c for c in report_cells if (c["set"], c["sampling"]) == (name, sampling)), key=lambda c: c["concurrency"])
-        xs = [c["concurrency"] for c in points]
-        for peer, color in (("pathserve", "tab:blue"), ("vllm", "tab:orange")):
-            if not all(peer in c for c in points):
-                continue
-            row[0].plot(xs, [c[peer]["output_tokens_per_s"] for c in points], "o-", color=color, label=peer)
-            for ax, key in ((row[1], "ttft_ms"), (row[2], "tpot_ms")):
-                ax.plot(xs, [c[peer][key]["median"] for c in points], "o-", color=color, label=f"{peer} median")
-                ax.plot(xs, [c[peer][key]["p90"] for c in points], "s--", color=color, alpha=0.6, label=f"{peer} p90")
-        for ax, title in zip(row, ("output tokens/s", "TTFT (ms)", "TPOT (ms)"), strict=True):
-            ax.set_title(f"{name} / {sampling}: {title}", fontsize=9)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs])
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-        row[0].set_xlabel("concurrent requests")
-    fig.suptitle("pathserve vs vLLM (CPU build), same weights, same requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def measure(
@@ -318,6 +179,11 @@ def build_parser(prog: str = "python -m loadtest.peers") -> argparse.ArgumentPar
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's context (pathserve: max_target_length)")
     parser.add_argument(
         "--model-dir", type=Path, help="the default model as Hugging Face safetensors (default: exported into $PATHSERVE_HOME once)"
+    )
+    parser.add_argument(
+        "--prefix-cache-off",
+        action="store_true",
+        help="also start pathserve with prefix_cache=off and run the system set against it (the prefix cache's effect)",
     )
     parser.add_argument("--out", type=Path, default=Path("results"))
     return parser
@@ -405,10 +271,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
                 ours = stack.enter_context(Server(args, ns.out / "peers-pathserve-server.log"))
                 print(f"starting pathserve at {ours.url} (log: {ours.log_path}) ...", flush=True)
                 urls["pathserve"] = ours.url
+            nocache = None
+            if ns.prefix_cache_off and "system" in sets:
+                args = [*pathserve_args(ns, sets), "prefix_cache=off"]
+                nocache = stack.enter_context(Server(args, ns.out / "peers-pathserve-nocache-server.log"))
+                print(f"starting pathserve (prefix_cache=off) at {nocache.url} ...", flush=True)
+                urls[NOCACHE] = nocache.url
             if not ns.vllm_url:
                 vllm.wait_ready()  # first: the peer is the one more likely to fail, and says why
             if not ns.pathserve_url:
                 ours.wait_ready()
+            if nocache is not None:
+                nocache.wait_ready()
         except (PeerError, RuntimeError, TimeoutError) as exc:
             raise SystemExit(f"{prog}: error: {exc}") from None
         models = {}
@@ -417,9 +291,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
                 models[peer] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
                 raise SystemExit(f"{prog}: error: {peer} at {url}: cannot list models: {exc}") from None
-        for peer in PEERS:  # a warm-up request each, not measured
+        for peer in urls:  # a warm-up request each, not measured
             asyncio.run(run_level(urls[peer], "completions", prompt_sets[sets[0]], 1, 2, None, models[peer], True, {}))
-        plan = schedule(cells(sets, sampling, levels), ns.rounds)
+        plan = schedule(cells(sets, sampling, levels), ns.rounds, system_peers=(NOCACHE,) if NOCACHE in urls else ())
         report_cells = measure(
             urls, models, prompt_sets, plan, lambda c: ns.requests or max(8, 2 * c), ns.max_tokens
         )

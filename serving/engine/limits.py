@@ -109,6 +109,13 @@ class Limits:
             raise GenerationError("the prompt is empty", field="prompt")
         if prefills_whole(sampling):
             self.bucket_for(prompt_length)
+        if prompt_length >= self.max_target_length:
+            raise GenerationError(
+                f"the prompt has {prompt_length} tokens; max_target_length={self.max_target_length} "
+                "leaves no room for a generated token",
+                field="prompt",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
         if prompt_length + sampling.max_tokens > self.max_target_length:
             raise GenerationError(
                 f"prompt ({prompt_length} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
