@@ -133,7 +133,9 @@ def test_empty_prompt():
     assert_usage_error(run_cli("generate", "--prompt", "   "), "prompt is empty")
 
 
-def test_prompt_longer_than_the_prefill_limit(tiny_model_dir):
+def test_prompt_longer_than_the_context(tiny_model_dir):
+    """Past max_prefill_predict_length a prompt is prefilled in chunks; past max_target_length (no
+    room left for a token) it is refused, naming the limit."""
     long_prompt = "the lighthouse " * 40
     result = run_cli(
         "generate",
@@ -143,7 +145,7 @@ def test_prompt_longer_than_the_prefill_limit(tiny_model_dir):
         "max_prefill_predict_length=16",
         "max_target_length=64",
     )
-    assert_usage_error(result, "max_prefill_predict_length=16")
+    assert_usage_error(result, "max_target_length=64")
 
 
 def test_missing_text_file(tmp_path):

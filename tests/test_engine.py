@@ -158,18 +158,23 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     padded = np.zeros((1, 32), np.int32)
     padded[0, : len(ids)] = ids
     logits, kv = prefill(model.params, jnp.asarray(padded), jnp.array([len(ids)]), model.config)
-    step = jax.jit(
-        lambda params, token, position, cache: decode_step(params, token, position, cache, model.config),
-        donate_argnums=(3,),
-    )
+    fed = jnp.asarray(continuation[:-1], jnp.int32)
+    positions = len(ids) + jnp.arange(len(continuation) - 1, dtype=jnp.int32)
+
+    @jax.jit
+    def forced(params, cache):  # every step of the teacher-forced run in one compiled scan
+        def step(cache, token_and_position):
+            token, position = token_and_position
+            step_logits, cache = decode_step(params, token[None], position[None], cache, model.config)
+            return cache, jnp.argmax(step_logits[0])
+
+        return jax.lax.scan(step, cache, (fed, positions))[1]
+
     predictions = {}
     for quantized in (False, True):
         cache = store_prefix(init_cache(model.config, 1, 384, quantized=quantized), kv, 0)
-        out = [int(jnp.argmax(logits[0, len(ids) - 1]))]
-        for i, token in enumerate(continuation[:-1]):
-            step_logits, cache = step(model.params, jnp.array([token]), jnp.array([len(ids) + i]), cache)
-            out.append(int(jnp.argmax(step_logits[0])))
-        predictions[quantized] = np.array(out)
+        first = int(jnp.argmax(logits[0, len(ids) - 1]))
+        predictions[quantized] = np.array([first, *np.asarray(forced(model.params, cache)).tolist()])
     assert list(predictions[False]) == continuation  # the float cache reproduces the engine's run
     agreement = np.mean(predictions[True] == predictions[False])
     assert agreement >= 0.95, agreement

@@ -55,7 +55,7 @@ def test_make_serve_answers_a_chat_request(served):
     )
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens <= 32
-    assert "quantization=int8" in served.output() and "16 slots" in served.output()
+    assert "quantization=int8" in served.output() and "64 slots" in served.output()
 
 
 def test_api_key_guards_the_api_not_the_probes(served):

@@ -157,7 +157,9 @@ def test_jetstream_generate_both_modes(server):
         ("/v1/completions", {"prompt": PROMPT, "n": SLOTS + 1}, "n", ["decode slots"]),
         ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, "prompt", ["one prompt"]),
         ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt", ["vocabulary"]),
-        ("/v1/completions", {"prompt": "word " * 400}, "prompt", ["max_prefill_predict_length=64"]),
+        # past max_prefill_predict_length a prompt is served in chunks; past the context it is refused
+        ("/v1/completions", {"prompt": "word " * 2100}, "prompt", ["max_target_length=2048"]),
+        ("/v1/completions", {"prompt": "word " * 400, "logprobs": 1}, "prompt", ["max_prefill_predict_length=64"]),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens", ["max_target_length=2048"]),
         ("/v1/completions", {"max_tokens": 5}, "prompt", ["required"]),
         ("/v1/chat/completions", {"messages": []}, "messages", ["at least 1"]),
