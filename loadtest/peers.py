@@ -14,6 +14,12 @@ Request sets (prompt token counts are counted with the model's own tokenizer, wh
 - system: one shared 400-token system prompt before a short question, what a prefix cache serves.
 Sampling: greedy (temperature 0) and sampled (temperature 1, top_p 1).
 
+Every (round, cell) draws prompts of its own (both servers get the same ones, one after the other),
+so no cell is served from KV a server's prefix cache kept from an earlier cell: a long prompt is
+prefilled cold, and the system set's shared prefix is shared within its cell only. (With one set for
+every cell, the long set's 8 prompts at 8 concurrent were the 8 the 1-concurrent cell had just sent,
+which vLLM's prefix cache, sized by --kv-cache-gib, still held.)
+
 With --prefix-cache-off a second pathserve server (prefix_cache=off) runs the system set too, in the
 same rotation, for the prefix cache's effect on TTFT.
 
@@ -117,22 +123,35 @@ def schedule(
     return out
 
 
+def prompt_sets(
+    plan: Sequence[tuple[int, Cell, str]], requests: Callable[[int], int], count: Counter, seed: int, max_tokens: int
+) -> dict[tuple[int, Cell], list[dataset.Prompt]]:
+    """The prompts of every (round, cell) of `plan`: `requests(concurrency)` of the cell's set, each
+    (round, cell) with a seed of its own (see the module docstring)."""
+    out: dict[tuple[int, Cell], list[dataset.Prompt]] = {}
+    for r, cell, _peer in plan:
+        if (r, cell) not in out:
+            out[r, cell] = request_set(cell.set, requests(cell.concurrency), count, seed * 10_000 + len(out), max_tokens)
+    return out
+
+
 def measure(
     urls: dict[str, str],
     models: dict[str, str],
-    prompt_sets: dict[str, list[dataset.Prompt]],
+    prompts: dict[tuple[int, Cell], list[dataset.Prompt]],
     plan: Sequence[tuple[int, Cell, str]],
     requests: Callable[[int], int],
     max_tokens: int,
 ) -> list[dict]:
-    """Run `plan` and return one `cell_report` per cell, in the plan's first-seen order."""
+    """Run `plan` and return one `cell_report` per cell, in the plan's first-seen order; `prompts`
+    as `prompt_sets` makes them."""
     runs: dict[Cell, dict[str, list[tuple[list[Result], float]]]] = {}
     for r, cell, peer in plan:
         results, wall = asyncio.run(
             run_level(
                 urls[peer],
                 "completions",
-                prompt_sets[cell.set],
+                prompts[r, cell],
                 cell.concurrency,
                 requests(cell.concurrency),
                 None,
@@ -249,9 +268,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     model_dir = ns.model_dir or default_model_dir()
     tokenizer = load_tokenizer(model_dir)
     count: Counter = lambda text: len(tokenizer.encode_prompt(text))  # noqa: E731
-    most = max(max(8, 2 * c) if ns.requests is None else ns.requests for c in levels)
-    prompt_sets = {name: request_set(name, most, count, ns.seed, ns.max_tokens) for name in sets}
-    lengths = {name: sorted(count(p.text) for p in prompts) for name, prompts in prompt_sets.items()}
+    requests: Callable[[int], int] = lambda c: ns.requests or max(8, 2 * c)  # noqa: E731
+    plan = schedule(cells(sets, sampling, levels), ns.rounds, system_peers=(NOCACHE,) if ns.prefix_cache_off else ())
+    prompts = prompt_sets(plan, requests, count, ns.seed, ns.max_tokens)
+    lengths: dict[str, list[int]] = {}
+    for (_r, cell), cell_prompts in prompts.items():
+        lengths.setdefault(cell.set, []).extend(count(p.text) for p in cell_prompts)
+    lengths = {name: sorted(ls) for name, ls in lengths.items()}
     for name, ls in lengths.items():
         print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
     urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
@@ -291,12 +314,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
                 models[peer] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
                 raise SystemExit(f"{prog}: error: {peer} at {url}: cannot list models: {exc}") from None
+        warmup = request_set("short", 2, count, -1, ns.max_tokens)
         for peer in urls:  # a warm-up request each, not measured
-            asyncio.run(run_level(urls[peer], "completions", prompt_sets[sets[0]], 1, 2, None, models[peer], True, {}))
-        plan = schedule(cells(sets, sampling, levels), ns.rounds, system_peers=(NOCACHE,) if NOCACHE in urls else ())
-        report_cells = measure(
-            urls, models, prompt_sets, plan, lambda c: ns.requests or max(8, 2 * c), ns.max_tokens
-        )
+            asyncio.run(run_level(urls[peer], "completions", warmup, 1, 2, None, models[peer], True, {}))
+        report_cells = measure(urls, models, prompts, plan, requests, ns.max_tokens)
     report = {
         "ratio": "pathserve / vllm (above 1 is better for output_tokens_per_s, below 1 for latencies)",
         "urls": urls,

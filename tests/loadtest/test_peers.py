@@ -51,6 +51,22 @@ def test_request_sets_have_the_asked_lengths_and_repeat(count, tiny_model_dir):
     assert all(len(p.text.split()) <= 110 for p in peers.request_set("short", 12, count))
 
 
+def test_every_round_and_cell_has_prompts_of_its_own(count):
+    """No cell reuses an earlier cell's prompts (a server's prefix cache would serve them), and a
+    cell's prompts are the same for every peer it runs against."""
+    cells = peers.cells(["long", "system"], ["greedy"], [1, 8])
+    plan = peers.schedule(cells, rounds=2, system_peers=(peers.NOCACHE,))
+    prompts = peers.prompt_sets(plan, lambda c: 2 * c, count, seed=0, max_tokens=64)
+    assert sorted(prompts, key=str) == sorted({(r, cell) for r, cell, _ in plan}, key=str)
+    assert all(len(ps) == 2 * cell.concurrency for (_r, cell), ps in prompts.items())
+    texts = [p.text for ps in prompts.values() for p in ps]
+    assert len(set(texts)) == len(texts)
+    systems = {(r, cell): {p.text.split("\n\nUser:")[0] for p in ps} for (r, cell), ps in prompts.items() if cell.set == "system"}
+    assert all(len(s) == 1 for s in systems.values())  # one shared prefix within a cell ...
+    assert len({next(iter(s)) for s in systems.values()}) == len(systems)  # ... and a new one in each
+    assert prompts == peers.prompt_sets(plan, lambda c: 2 * c, count, seed=0, max_tokens=64)
+
+
 def test_schedule_runs_every_cell_against_both_peers_alternating_first():
     cells = peers.cells(["short", "long"], ["greedy"], [1, 8])
     plan = peers.schedule(cells, rounds=2)
