@@ -9,7 +9,10 @@ b. waiting requests take free slots, the lowest first (so the decode buckets sta
    that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
    one prefill, inserted into its n slots. Every other one becomes a prefilling slot; with the
    prefix cache on, the longest run of its prompt's blocks found cached is loaded into the slot
-   first (leaving at least one prompt token to compute, whose logits give the first token);
+   first (leaving at least one prompt token to compute, whose logits give the first token). A
+   request whose next uncached block another prefilling slot is about to compute and store (the
+   same system prompt, sent by several clients at once) waits in its slot, computing nothing, until
+   that block is stored or no longer coming; then it loads what is cached and goes on;
 c. one `prefill_slots` call: the next chunk of each prefilling slot, oldest admission first, while
    the rows fit `max_prefill_batch` and rows x bucket of the longest chunk fits
    `prefill_batch_tokens` (the oldest always goes); rows start all at 0 or all after it, as the
@@ -61,6 +64,7 @@ class _Prefilling:
     computed: int = 0  # prompt positions the slot holds: blocks loaded, then chunks written
     keys: tuple[bytes, ...] = ()  # the prompt's block keys (prefix cache on)
     checked: int = 0  # blocks below this one were loaded, stored, or found cached
+    waits: bool = False  # for a block another prefilling slot will store (nothing loaded yet)
 
 
 @dataclass
@@ -117,6 +121,9 @@ class Scheduler:
             self._release(slot)
         running_before = len(self.running)
         loads, admissions = [], []
+        for slot, entry in self.prefilling.items():
+            if entry.waits and (load := self._load(slot, entry)) is not None:
+                loads.append(load)
         for request in waiting:
             if prefills_whole(request.sampling):
                 admissions.append(self._admit_whole(request))
@@ -168,15 +175,33 @@ class Scheduler:
             raise ValueError("a request with choices or a grammar takes the whole prefill")
         slot = heapq.heappop(self._free)
         entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling)
+        if self.prefix_cache is not None:
+            entry.keys = block_keys(request.prompt_ids, self.prefix_cache.block)
+        load = self._load(slot, entry)
         self.prefilling[slot] = entry
+        return load
+
+    def _load(self, slot: int, entry: _Prefilling) -> PrefixLoad | None:
+        """Load the cached run of a fresh slot's reusable blocks, or have it wait (`entry.waits`)
+        while the first block past that run is on its way: another prefilling slot holds it, not
+        computed or not stored yet. Counted as hits and misses once, when it loads."""
         cache = self.prefix_cache
         if cache is None:
             return None
-        entry.keys = block_keys(request.prompt_ids, cache.block)
-        reusable = entry.keys[: (len(request.prompt_ids) - 1) // cache.block]  # one token is left to compute
+        reusable = entry.keys[: (len(entry.prompt_ids) - 1) // cache.block]  # one token is left to compute
+        cached = next((i for i, key in enumerate(reusable) if key not in cache), len(reusable))
+        entry.waits = cached < len(reusable) and self._coming(reusable[cached], cached)
+        if entry.waits:
+            return None
         found = cache.lookup(reusable)
         entry.computed, entry.checked = found * cache.block, found
         return PrefixLoad(slot, reusable[:found]) if found else None
+
+    def _coming(self, key: bytes, index: int) -> bool:
+        """Whether a prefilling slot (not waiting itself) will store block `index` under `key`."""
+        return any(
+            not e.waits and e.checked <= index < len(e.keys) and e.keys[index] == key for e in self.prefilling.values()
+        )
 
     def _rows(self) -> list[PrefillRow]:
         """This turn's `prefill_slots` rows: each prefilling slot's next chunk, oldest first, within
@@ -187,6 +212,8 @@ class Scheduler:
         for slot, entry in self.prefilling.items():
             if len(rows) == limits.max_prefill_batch:
                 break
+            if entry.waits:
+                continue
             if fresh is None:
                 fresh = entry.computed == 0
             elif (entry.computed == 0) != fresh:

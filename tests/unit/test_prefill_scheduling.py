@@ -105,6 +105,35 @@ def test_computed_blocks_are_stored_and_a_shared_prefix_is_loaded_leaving_one_to
     pickle.loads(pickle.dumps(plan))  # a plan is broadcast to the followers of a slice
 
 
+def test_requests_sharing_a_prefix_admitted_together_wait_for_its_blocks_and_compute_it_once():
+    scheduler = _cached(blocks=16, prefill_chunk_size=8)
+    system = tuple(range(1, 13))  # 3 whole blocks of 4
+    prompts = [system + (50 + i, 60 + i) for i in range(4)]
+    keys = block_keys(prompts[0], 4)
+    plan = scheduler.schedule([_waiting(i, p) for i, p in enumerate(prompts)])
+    assert _rows(plan) == [(0, 0, 8, False)] and plan.loads == ()  # slots 1-3 wait for slot 0's blocks
+    plan = scheduler.schedule([])
+    assert _rows(plan) == [(0, 8, 6, True)] and plan.loads == ()  # blocks 0-1 stored, block 2 still coming
+    plan = scheduler.schedule([])
+    assert plan.loads == tuple(PrefixLoad(slot, keys) for slot in (1, 2, 3))
+    assert _rows(plan) == [(1, 12, 2, True), (2, 12, 2, True), (3, 12, 2, True)]
+    assert (scheduler.prefix_cache.hits, scheduler.prefix_cache.misses) == (9, 3)  # counted once, at the load
+
+
+def test_a_waiting_slot_goes_on_when_the_slot_computing_its_blocks_is_cancelled():
+    scheduler = _cached(blocks=16, prefill_chunk_size=8)
+    system = tuple(range(1, 13))
+    prompts = [system + (50 + i, 60 + i) for i in range(3)]
+    keys = block_keys(prompts[0], 4)
+    scheduler.schedule([_waiting(i, p) for i, p in enumerate(prompts)])  # slot 0 stores blocks 0-1
+    plan = scheduler.schedule([], cancelled={0})
+    # slot 1 loads what is cached and computes block 2 itself; slot 2 now waits for slot 1's
+    assert plan.frees == (0,) and plan.loads == (PrefixLoad(1, keys[:2]),)
+    assert _rows(plan) == [(1, 8, 6, True)] and [s.key for s in plan.stores] == [keys[2]]
+    plan = scheduler.schedule([])
+    assert plan.loads == (PrefixLoad(2, keys),) and _rows(plan) == [(2, 12, 2, True)]
+
+
 def test_rows_of_one_call_start_all_at_zero_or_all_after_it():
     scheduler = _cached(blocks=8)
     prompt = tuple(range(1, 10))

@@ -58,7 +58,8 @@ def test_sixteen_mixed_requests_together_get_the_same_tokens_whatever_the_prefil
     engine = orch.engine
     assert got == [engine.expected(p, s) for p, s in requests]
     calls = _rows(engine)
-    assert max(len(rows) for rows in calls) == (1 if batch == 1 else 4)  # batched: every free slot in a call
+    # batched: every free slot in a call (cache on: a slot may wait for another's shared blocks)
+    assert max(len(rows) for rows in calls) in ({1} if batch == 1 else {4} if cache == "off" else {3, 4})
     chunks_of_200 = [row for rows in calls for row in rows if row[3] and row[1] + row[2] == 200]
     assert chunks_of_200 and chunks_of_200[0][1] > 0  # the 200-token prompt (> 64) came in several chunks
     assert all(row[2] <= chunk for rows in calls for row in rows)
