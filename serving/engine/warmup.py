@@ -22,8 +22,8 @@ log = logging.getLogger("serving.engine.engine")
 def warmup(engine: Engine, params: dict) -> float:
         """Compile what serving runs: every whole-prefill bucket and insert; every prefill_slots
         shape of fresh prompts (rows x length within the per-call budget) and, for one row of a
-        full chunk, every history window (long prompts); generate for every slot bucket and
-        attention window. Returns the seconds spent. (A prefix hit's shorter continuation, or a
+        full chunk, every history window (long prompts); a prefix block's save and load; generate
+        for every slot bucket and attention window. Returns the seconds spent. (A prefix hit's shorter continuation, or a
         batch of them, compiles at first use.)"""
         start = time.perf_counter()
         limits = engine.limits
@@ -46,6 +46,8 @@ def warmup(engine: Engine, params: dict) -> float:
             if at > 0 and engine.history_window(at) == window:
                 state, _ = engine.prefill_slots(params, state, [PrefillRow(0, (1,) * chunk, at, True, probe)])
                 shapes += 1
+        if limits.prefix_block <= limits.max_target_length:  # a prefix block kept, then loaded back
+            state = engine.load_blocks(state, 0, [engine.save_block(state, 0, 0)])
         for slot in range(limits.max_concurrent_decodes):
             state = engine.free_resource(state, slot)
         steps = engine.config.decode_steps_per_call

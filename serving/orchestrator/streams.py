@@ -67,8 +67,13 @@ class LoopQueue:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-    async def get_async(self):
-        return await self._queue.get()
+    async def get_ready(self) -> list:
+        """The next item and every other one already there (a generate call's tokens arrive
+        together: one delta, one wake-up of the reader, for all of them)."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
 
 
 @dataclass
@@ -109,8 +114,23 @@ class _Assembler:
         self.hold = max((len(s) for s in request.stop_strings), default=1) - 1
         self.reason = ""
 
-    def feed(self, item) -> Delta | None:
-        """The delta this item makes available (if any); sets `reason` when the request ended."""
+    def feed(self, items: list) -> Delta | None:
+        """The one delta these items make available (if any): the deltas they would make one by
+        one, joined, so that each still ends on a whole character; sets `reason` when the request
+        ended (items after a stop string are dropped)."""
+        deltas = []
+        for item in items:
+            if self.reason:
+                break
+            if (delta := self._take(item)) is not None:
+                deltas.append(delta)
+        if len(deltas) < 2:
+            return deltas[0] if deltas else None
+        logprobs = None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs]
+        return Delta("".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids], logprobs)
+
+    def _take(self, item) -> Delta | None:
+        """The delta one item makes available (if any)."""
         request = self.request
         if isinstance(item, tuple) and item[0] is END:
             self.reason = item[1]
@@ -180,12 +200,16 @@ class RequestHandle:
         self._orchestrator.wake()
 
     def stream(self) -> Iterator[Delta]:
-        """Text deltas as tokens arrive; never splits a UTF-8 character; honours stop strings."""
+        """Text deltas as tokens arrive (the tokens already there in one delta); never splits a
+        UTF-8 character; honours stop strings."""
         tokens = self._request.tokens
         if not isinstance(tokens, queue.SimpleQueue):
             raise TypeError("this request was submitted for asyncio: read it with astream()")
         while not self._assembler.reason:
-            delta = self._assembler.feed(tokens.get())
+            items = [tokens.get()]
+            while not tokens.empty():
+                items.append(tokens.get_nowait())
+            delta = self._assembler.feed(items)
             if delta is not None:
                 yield delta
         self._finish()
@@ -197,7 +221,7 @@ class RequestHandle:
             raise TypeError("this request was not submitted with loop=: read it with stream()")
         try:
             while not self._assembler.reason:
-                delta = self._assembler.feed(await tokens.get_async())
+                delta = self._assembler.feed(await tokens.get_ready())
                 if delta is not None:
                     yield delta
         finally:

@@ -14,6 +14,7 @@ from serving.config import OrchestratorConfig
 from serving.engine.mock import AsciiTokenizer, MockEngine
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.orchestrator import Orchestrator
+from serving.orchestrator.streams import Delta
 from serving.request import SamplingParams
 
 TOKENIZER = AsciiTokenizer()
@@ -77,6 +78,58 @@ def test_asyncio_readers_get_the_same_stream():
         assert asyncio.run(read()) == "lmn"
     finally:
         orch.stop(timeout=10)
+
+
+def test_tokens_already_queued_come_out_as_one_delta_and_a_stop_string_drops_the_rest():
+    """A generate call's tokens reach a stream together: one delta (one SSE event, one wake-up of
+    the reader) for all of them, threads and asyncio alike; a stop string among them still cuts."""
+    from serving.orchestrator.streams import END, LoopQueue, Request, RequestHandle
+
+    orch = _orchestrator()
+
+    def queued(tokens=None) -> Request:
+        request = Request(TOKENIZER.encode("a"), SamplingParams(max_tokens=8), ("de",))
+        if tokens is not None:
+            request.tokens = tokens
+        for token in TOKENIZER.encode("bcdefg"):
+            request.put(token)
+        request.tokens.put((END, "length"))
+        return request
+
+    handle = RequestHandle(queued(), TOKENIZER, orch)
+    assert [(d.text, d.token_ids) for d in handle.stream()] == [("bc", TOKENIZER.encode("bcd"))]  # as one by one
+    assert handle.completion.finish_reason == "stop"
+
+    async def read():
+        handle = RequestHandle(queued(LoopQueue(asyncio.get_running_loop())), TOKENIZER, orch)
+        return [d.text async for d in handle.astream()], handle.completion
+
+    texts, completion = asyncio.run(read())
+    assert texts == ["bc"] and (completion.text, completion.finish_reason) == ("bc", "stop")
+
+
+def test_a_joined_delta_still_ends_on_a_whole_character_its_ids_decoding_to_its_text():
+    from serving.orchestrator.streams import END, Request, RequestHandle
+
+    class Bytes(AsciiTokenizer):  # token i <-> the byte i: a character may take several tokens
+        @property
+        def vocab_size(self) -> int:
+            return 256
+
+        def token_bytes(self, token_id: int) -> bytes:
+            return bytes([token_id])
+
+    tokenizer, orch = Bytes(), _orchestrator()
+    request = Request([1], SamplingParams(max_tokens=8), ())
+    handle = RequestHandle(request, tokenizer, orch)
+    a, e1, e2, b = b"a\xc3\xa9b"
+    for token in (a, e1):  # "a" and the first byte of "é" arrive together
+        request.put(token)
+    deltas = handle.stream()
+    assert next(deltas) == Delta("a", [a])  # the partial character's token waits for the next delta
+    for item in (e2, b, (END, "length")):
+        request.tokens.put(item)
+    assert list(deltas) == [Delta("éb", [e1, e2, b])]
 
 
 def test_cancellation_frees_the_slot_for_the_next_request():
