@@ -13,12 +13,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The default model is converted into $PATHSERVE_HOME on first use: a fresh one per test session,
 # removed when the session ends (it holds ~340 MB of checkpoints and compiled kernels).
 os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
-# JAX's persistent compilation cache, in that same home (so removed with it, and cold in every
-# session): the suite starts dozens of `pathserve` processes (serve, batch, generate, convert,
-# bench) on the same few models and shapes, and each would otherwise compile its programs again
-# (about 3/4 of a tiny-model process's CPU time). Inherited by every subprocess through the
+# JAX's persistent compilation cache, kept between sessions in this machine's cache directory
+# (like pip's): the suite starts dozens of `pathserve` processes (serve, batch, generate, convert,
+# bench) on the same few models and shapes, each of which would otherwise compile its programs
+# again (about 3/4 of a tiny-model process's CPU time; every server's warmup compiles dozens of
+# shapes). An entry is keyed by the program, the jax/jaxlib versions and the XLA flags, so a changed
+# model or engine compiles afresh; a warm machine loads the rest. Bounded (least recently used
+# entries go first); `make clean` removes it. Inherited by every subprocess through the
 # environment; programs with host callbacks are never cached, so run-time counters still run.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["PATHSERVE_HOME"], "jax-cache"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pathserve", "tests-jax-cache"),
+)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest
