@@ -18,14 +18,15 @@ os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
 # bench) on the same few models and shapes, each of which would otherwise compile its programs
 # again (about 3/4 of a tiny-model process's CPU time; every server's warmup compiles dozens of
 # shapes). An entry is keyed by the program, the jax/jaxlib versions and the XLA flags, so a changed
-# model or engine compiles afresh; a warm machine loads the rest. Bounded (least recently used
-# entries go first); `make clean` removes it. Inherited by every subprocess through the
-# environment; programs with host callbacks are never cached, so run-time counters still run.
+# model or engine compiles afresh; a warm machine loads the rest. JAX's own size bound is left off
+# (it takes a directory-wide file lock and scans every entry on each write, dozens of processes
+# at once); instead the oldest entries are pruned at the end of a session (TEST_JAX_CACHE_BYTES).
+# `make clean` removes it. Inherited by every subprocess through the environment; programs with
+# host callbacks are never cached, so run-time counters still run.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pathserve", "tests-jax-cache"),
 )
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest
@@ -34,8 +35,26 @@ DATA = Path(__file__).parent / "data"
 SESSION_HOME = os.environ["PATHSERVE_HOME"]
 
 
+TEST_JAX_CACHE_BYTES = 4 << 30
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
+    prune_oldest(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]), TEST_JAX_CACHE_BYTES)
+
+
+def prune_oldest(directory: Path, budget: int) -> None:
+    """Remove the least recently written files of `directory` until the rest fit `budget` bytes."""
+    try:
+        files = sorted((f.stat().st_mtime, f.stat().st_size, f) for f in directory.iterdir() if f.is_file())
+    except OSError:
+        return
+    total = sum(size for _, size, _ in files)
+    for _, size, path in files:
+        if total <= budget:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
 
 
 def make_hf_llama(
