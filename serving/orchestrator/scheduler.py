@@ -198,8 +198,9 @@ class Scheduler:
         return PrefixLoad(slot, reusable[:found]) if found else None
 
     def _coming(self, key: bytes, index: int) -> bool:
-        """Whether a prefilling slot (not waiting itself) will store block `index` under `key`."""
-        return any(
+        """Whether a prefilling slot (not waiting itself) will store block `index` under `key` (never
+        past the budget's capacity: its chain would not fit)."""
+        return index < self.prefix_cache.capacity and any(
             not e.waits and e.checked <= index < len(e.keys) and e.keys[index] == key for e in self.prefilling.values()
         )
 

@@ -108,7 +108,7 @@ def test_computed_blocks_are_stored_and_a_shared_prefix_is_loaded_leaving_one_to
 def test_requests_sharing_a_prefix_admitted_together_wait_for_its_blocks_and_compute_it_once():
     scheduler = _cached(blocks=16, prefill_chunk_size=8)
     system = tuple(range(1, 13))  # 3 whole blocks of 4
-    prompts = [system + (50 + i, 60 + i) for i in range(4)]
+    prompts = [(*system, 50 + i, 60 + i) for i in range(4)]
     keys = block_keys(prompts[0], 4)
     plan = scheduler.schedule([_waiting(i, p) for i, p in enumerate(prompts)])
     assert _rows(plan) == [(0, 0, 8, False)] and plan.loads == ()  # slots 1-3 wait for slot 0's blocks
@@ -123,7 +123,7 @@ def test_requests_sharing_a_prefix_admitted_together_wait_for_its_blocks_and_com
 def test_a_waiting_slot_goes_on_when_the_slot_computing_its_blocks_is_cancelled():
     scheduler = _cached(blocks=16, prefill_chunk_size=8)
     system = tuple(range(1, 13))
-    prompts = [system + (50 + i, 60 + i) for i in range(3)]
+    prompts = [(*system, 50 + i, 60 + i) for i in range(3)]
     keys = block_keys(prompts[0], 4)
     scheduler.schedule([_waiting(i, p) for i, p in enumerate(prompts)])  # slot 0 stores blocks 0-1
     plan = scheduler.schedule([], cancelled={0})
@@ -132,6 +132,16 @@ def test_a_waiting_slot_goes_on_when_the_slot_computing_its_blocks_is_cancelled(
     assert _rows(plan) == [(1, 8, 6, True)] and [s.key for s in plan.stores] == [keys[2]]
     plan = scheduler.schedule([])
     assert plan.loads == (PrefixLoad(2, keys),) and _rows(plan) == [(2, 12, 2, True)]
+
+
+def test_a_slot_does_not_wait_for_a_block_past_the_budget_s_capacity():
+    scheduler = _cached(blocks=2, prefill_chunk_size=8)  # room for 2 blocks of 4
+    prompt = tuple(range(1, 14))  # 3 reusable blocks: the third can never be kept
+    keys = block_keys(prompt, 4)
+    scheduler.schedule([_waiting(0, prompt), _waiting(1, prompt)])  # slot 0 stores blocks 0-1
+    plan = scheduler.schedule([])
+    assert plan.loads == (PrefixLoad(1, keys[:2]),)  # not waiting for block 2
+    assert _rows(plan) == [(0, 8, 5, True), (1, 8, 5, True)]  # it computes block 2's tokens itself
 
 
 def test_rows_of_one_call_start_all_at_zero_or_all_after_it():
