@@ -220,17 +220,16 @@ def test_prompt_past_max_prefill_is_served_and_one_past_max_target_refused(model
         orchestrator.stop(timeout=60)
 
 
-def test_after_warmup_serving_compiles_no_prefill_shape(model):
-    """Warmup compiles every prefill_slots (rows, length) of continuing prompts at the largest
-    history window; a prefix hit's continuation or a long prompt's last chunk then reads the
-    smallest compiled window that holds it (more positions, masked) instead of compiling while
-    requests wait, and gets the same tokens."""
+
+def test_after_warmup_long_prompts_together_compile_no_prefill_shape(model):
+    """Warmup compiles full chunks of every row count the budget allows at every history window:
+    two long prompts going in side by side, one chunk each per call, read their slots' history
+    through windows 128, 256 and 512 without a compile while they wait, and get the plain loop's
+    tokens."""
     target = 512  # history windows 128, 256, 512
-    cfg = _config(max_target_length=target, prefill_chunk_size=32, max_prefill_batch=4, prefix_cache="on")
+    cfg = _config(max_target_length=target, prefill_chunk_size=32, max_prefill_batch=2, prefix_cache="off")
     ids = model.tokenizer.encode((DATA / "english.txt").read_text()) * 8
-    shared = ids[50:250]  # a 200-token system prompt: continuations start at 192 (window 256)
-    prompts = [shared + ids[300 + 31 * i : 300 + 31 * i + 5 + 3 * i] for i in range(6)]
-    prompts.append(ids[1000:1300])  # its last chunk starts at 288 (window 512)
+    prompts = [ids[100:388], ids[500:788]]  # 288 tokens: 9 full chunks, the last from 256
     sampling = SamplingParams(max_tokens=5)
     plain = ReferenceDecoder(model, _config(max_prefill_predict_length=target, max_target_length=target))
     want = [plain.generate(p, sampling).token_ids for p in prompts]
@@ -238,13 +237,13 @@ def test_after_warmup_serving_compiles_no_prefill_shape(model):
     params = engine.load_params()
     engine.warmup(params)
     compiled = engine._prefill_slots_fn._cache_size()
+    spy = _Spy(engine)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()
     try:
-        first = orchestrator.submit(prompts[0], sampling).result().token_ids  # stores the shared blocks
-        handles = [orchestrator.submit(p, sampling) for p in prompts[1:]]
-        results = [first, *(h.result().token_ids for h in handles)]
+        handles = [orchestrator.submit(p, sampling) for p in prompts]
+        results = [h.result().token_ids for h in handles]
     finally:
         orchestrator.stop(timeout=60)
     assert results == want
-    assert orchestrator.metrics.prefix_cache_hits > 0
+    assert 2 in spy.rows and max(spy.starts) == 256
     assert engine._prefill_slots_fn._cache_size() == compiled

@@ -5,11 +5,7 @@ tokens [rows, bucket] at positions start + 0..bucket-1 of their slot, attending 
 cached positions [0, start) (gathered from the decode state's cache: [layers, rows, window, ...],
 the smallest history window holding every row's start) and to themselves. Their KV is written into
 the slots; a final row samples its first token (the PRNG key and rule of the whole `prefill`) and
-makes its slot active. Compiled once per (rows bucket, length bucket, history window); a call reads
-the smallest history window already compiled for its rows and length that holds its starts (the
-positions past a row's start are masked, so a larger window gives the same tokens), and compiles a
-new shape only when none does: a few hundred milliseconds of extra reads instead of seconds of XLA
-while requests wait. Every process of a slice runs the same calls, so they pick the same windows.
+makes its slot active. Compiled once per (rows bucket, length bucket, history window).
 
 A prefix block is a copy of one slot's KV at [start, start + prefix_block): `save_block` slices it
 out, `load_blocks` writes blocks back to back into a slot. They stay on the device, sharded as the
@@ -49,7 +45,6 @@ class ChunkedPrefill:
     def _init_chunked(self, static: dict) -> None:
         state_shardings = self._state_shardings()
         self.row_buckets = row_buckets(self.limits.max_prefill_batch)
-        self._compiled_windows: dict[tuple[int, int], set[int]] = {}  # (rows, length) -> windows run
         self._prefill_slots_fn = jax.jit(
             partial(self._prefill_slots_impl, static=static),
             donate_argnums=(1,),
@@ -85,7 +80,7 @@ class ChunkedPrefill:
             slots[i], starts[i], lengths[i], final[i] = row.slot, row.start, len(row.tokens), row.final
         sampling = stacked_sampling([r.sampling for r in rows], count)
         keys = sampling.key  # the request's own seed: choice 0's key, as `prefill` draws it
-        window = self._window_to_run(count, bucket, self.history_window(int(starts.max())))
+        window = self.history_window(int(starts.max()))
         state, first = self._prefill_slots_fn(
             params, decode_state, tokens, slots, starts, lengths, final, keys, sampling, window=window
         )
@@ -98,16 +93,6 @@ class ChunkedPrefill:
         if start == 0:
             return 0
         return next(w for w in self.history_windows if w >= start)
-
-    def _window_to_run(self, rows: int, length: int, needed: int) -> int:
-        """The history window a (rows, length) call reads: the smallest it has run with (so compiled)
-        that holds `needed` positions, else `needed` itself (compiled now). 0: no history."""
-        if needed == 0:
-            return 0
-        compiled = self._compiled_windows.setdefault((rows, length), set())
-        window = min((w for w in compiled if w >= needed), default=needed)
-        compiled.add(window)
-        return window
 
     @property
     def prefix_block_bytes(self) -> int:

@@ -20,12 +20,12 @@ log = logging.getLogger("serving.engine.engine")
 
 
 def warmup(engine: Engine, params: dict) -> float:
-    """Compile what serving runs: every whole-prefill bucket and insert; every prefill_slots shape
-    (rows x length within the per-call budget) of fresh prompts and of continuing ones at the largest
-    history window (a prefix hit's continuation, a long prompt's last chunk: a call reads the smallest
-    compiled window that holds it), and one row of a full chunk at every history window (long
-    prompts); a prefix block's save and load; generate for every slot bucket and attention window.
-    Returns the seconds spent."""
+    """Compile what serving runs: every whole-prefill bucket and insert; every prefill_slots shape of
+    fresh prompts (rows x length within the per-call budget) and, for every row count whose full
+    chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
+    at once); a prefix block's save and load; generate for every slot bucket and attention window.
+    Returns the seconds spent. (A partial chunk after cached positions, a prefix hit's rest or a
+    long prompt's last chunk, compiles at first use: the whole grid of those would take minutes.)"""
     start = time.perf_counter()
     limits = engine.limits
     state = engine.init_decode_state()
@@ -35,21 +35,20 @@ def warmup(engine: Engine, params: dict) -> float:
         state = engine.insert(prefix, state, 0)
     state = engine.free_resource(state, 0)
     shapes, chunk = 0, limits.prefill_chunk_size
-    # Smallest first: a call runs the smallest window compiled for its shape that holds its start.
-    for window in engine.history_windows[:-1]:
+    full = [rows for rows in engine.row_buckets if rows == 1 or rows * chunk <= limits.prefill_batch_tokens]
+    for window in engine.history_windows:
         at = min(window, limits.max_target_length - chunk)
         if at > 0 and engine.history_window(at) == window:
-            state, _ = engine.prefill_slots(params, state, [PrefillRow(0, (1,) * chunk, at, True, probe)])
-            shapes += 1
-    largest = engine.history_windows[-1]
+            for rows in full:  # long prompts' middle chunks: full ones, read through their own window
+                batch = [PrefillRow(i, (1,) * chunk, at, True, probe) for i in range(rows)]
+                state, _ = engine.prefill_slots(params, state, batch)
+                shapes += 1
     for length in (b for b in limits.buckets if b <= limits.prefill_chunk_size):
         for rows in engine.row_buckets:
             if rows == 1 or rows * length <= limits.prefill_batch_tokens:
-                at = limits.max_target_length - length  # continuing: a start read through `largest`
-                for begin in (0, at) if engine.history_window(at) == largest else (0,):
-                    batch = [PrefillRow(i, (1,) * length, begin, True, probe) for i in range(rows)]
-                    state, _ = engine.prefill_slots(params, state, batch)
-                    shapes += 1
+                batch = [PrefillRow(i, (1,) * length, 0, True, probe) for i in range(rows)]
+                state, _ = engine.prefill_slots(params, state, batch)
+                shapes += 1
     if limits.prefix_block <= limits.max_target_length:  # a prefix block kept, then loaded back
         state = engine.load_blocks(state, 0, [engine.save_block(state, 0, 0)])
     for slot in range(limits.max_concurrent_decodes):
