@@ -220,7 +220,6 @@ def test_prompt_past_max_prefill_is_served_and_one_past_max_target_refused(model
         orchestrator.stop(timeout=60)
 
 
-
 def test_after_warmup_long_prompts_together_compile_no_prefill_shape(model):
     """Warmup compiles full chunks of every row count the budget allows at every history window:
     two long prompts going in side by side, one chunk each per call, read their slots' history

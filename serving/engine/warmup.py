@@ -35,18 +35,20 @@ def warmup(engine: Engine, params: dict) -> float:
         state = engine.insert(prefix, state, 0)
     state = engine.free_resource(state, 0)
     shapes, chunk = 0, limits.prefill_chunk_size
-    full = [rows for rows in engine.row_buckets if rows == 1 or rows * chunk <= limits.prefill_batch_tokens]
+
+    def fits(rows: int, length: int) -> bool:  # one row always goes; several within the budget
+        return rows == 1 or rows * length <= limits.prefill_batch_tokens
+
+    for length in (b for b in limits.buckets if b <= chunk):
+        for rows in (r for r in engine.row_buckets if fits(r, length)):
+            batch = [PrefillRow(i, (1,) * length, 0, True, probe) for i in range(rows)]
+            state, _ = engine.prefill_slots(params, state, batch)
+            shapes += 1
     for window in engine.history_windows:
         at = min(window, limits.max_target_length - chunk)
         if at > 0 and engine.history_window(at) == window:
-            for rows in full:  # long prompts' middle chunks: full ones, read through their own window
+            for rows in (r for r in engine.row_buckets if fits(r, chunk)):  # long prompts' middle chunks
                 batch = [PrefillRow(i, (1,) * chunk, at, True, probe) for i in range(rows)]
-                state, _ = engine.prefill_slots(params, state, batch)
-                shapes += 1
-    for length in (b for b in limits.buckets if b <= limits.prefill_chunk_size):
-        for rows in engine.row_buckets:
-            if rows == 1 or rows * length <= limits.prefill_batch_tokens:
-                batch = [PrefillRow(i, (1,) * length, 0, True, probe) for i in range(rows)]
                 state, _ = engine.prefill_slots(params, state, batch)
                 shapes += 1
     if limits.prefix_block <= limits.max_target_length:  # a prefix block kept, then loaded back
