@@ -41,17 +41,26 @@ class Server:
         return [] if any(a.startswith("grpc_port=") for a in args) else ["grpc_port=0"]
 
     def wait_ready(self, timeout: float = 900) -> Server:
+        """Until /readyz says ready and the background warmup has compiled its last shape (a
+        benchmark measures a settled server, not one still compiling beside its requests)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.process.returncode}); see {self.log_path}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200 and not self._compiling():
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"the server was not ready after {timeout} s; see {self.log_path}")
+
+    def _compiling(self) -> bool:
+        """Whether /metrics reports shapes the background warmup has yet to compile."""
+        for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("pathserve_warmup_shapes_pending "):
+                return float(line.split()[1]) > 0
+        return False
 
     def stop(self) -> None:
         if self.process.poll() is None:

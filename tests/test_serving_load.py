@@ -246,3 +246,32 @@ def test_after_warmup_long_prompts_together_compile_no_prefill_shape(model):
     assert results == want
     assert 2 in spy.rows and max(spy.starts) == 256
     assert engine._prefill_slots_fn._cache_size() == compiled
+
+
+def test_after_background_warmup_a_prefix_hits_rest_compiles_nothing(model):
+    """The warmup's background thread compiles the partial chunks after cached positions: a prompt
+    whose first blocks are cached (a system prompt another request brought) runs the rest of its
+    prompt through that ahead-of-time executable, not a compile at first use, and gets the plain
+    loop's tokens."""
+    cfg = _config(prefill_chunk_size=32)
+    ids = model.tokenizer.encode((DATA / "english.txt").read_text())
+    shared = ids[200:240]
+    prompts = [shared + ids[300:308], shared + ids[400:403]]  # the second: 32 cached, 11 to compute
+    sampling = SamplingParams(max_tokens=5)
+    plain = ReferenceDecoder(model, _config(max_prefill_predict_length=MAX_TARGET))
+    want = [plain.generate(p, sampling).token_ids for p in prompts]
+    engine = Engine(model, cfg.engine)
+    params = engine.load_params()
+    engine.warmup(params)
+    engine.background_warmup.join(timeout=600)
+    assert not engine.background_warmup.is_alive()
+    compiled = engine._prefill_slots_fn._cache_size()
+    spy = _Spy(engine)
+    orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()
+    try:
+        results = [orchestrator.submit(p, sampling).result().token_ids for p in prompts]
+    finally:
+        orchestrator.stop(timeout=60)
+    assert results == want
+    assert 32 in spy.starts and orchestrator.metrics.prefix_cache_hits == 2
+    assert engine._prefill_slots_fn._cache_size() == compiled

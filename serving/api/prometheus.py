@@ -53,6 +53,8 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
         ("pathserve_kv_cache_tokens_used", "KV cache positions in use", m.kv_tokens_used),
         ("pathserve_prefix_cache_bytes", "bytes of prompt-prefix KV blocks the prefix cache holds",
          m.prefix_cache_bytes),
+        ("pathserve_warmup_shapes_pending", "prefill shapes the background warmup has yet to compile",
+         m.warmup_shapes_pending),
     ):
         yield GaugeMetricFamily(name, help_text, value=value)
     finished = dict(m.requests_finished)

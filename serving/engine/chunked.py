@@ -5,7 +5,9 @@ tokens [rows, bucket] at positions start + 0..bucket-1 of their slot, attending 
 cached positions [0, start) (gathered from the decode state's cache: [layers, rows, window, ...],
 the smallest history window holding every row's start) and to themselves. Their KV is written into
 the slots; a final row samples its first token (the PRNG key and rule of the whole `prefill`) and
-makes its slot active. Compiled once per (rows bucket, length bucket, history window).
+makes its slot active. Compiled once per (rows bucket, length bucket, history window): by the jit
+at first use, or ahead of time by `precompile_prefill_slots` (the warmup's background thread), whose
+executables a call of that shape then runs.
 
 A prefix block is a copy of one slot's KV at [start, start + prefix_block): `save_block` slices it
 out, `load_blocks` writes blocks back to back into a slot. They stay on the device, sharded as the
@@ -16,8 +18,10 @@ Mixed into `serving.engine.engine.Engine`, whose sampling, shardings and limits 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +58,13 @@ class ChunkedPrefill:
         block = self.limits.prefix_block
         self._save_block_fn = jax.jit(partial(_save_block, block=block))
         self._load_block_fn = jax.jit(self._load_block_impl, donate_argnums=(0,), out_shardings=state_shardings)
+        # (rows bucket, length bucket, history window) -> an executable compiled ahead of time, and
+        # the shapes the jit compiled at first use (no need to compile those again)
+        self._precompiled: dict[tuple[int, int, int], Any] = {}
+        self._jit_shapes: set[tuple[int, int, int]] = set()
+        self._shapes_lock = threading.Lock()
+        self.background_warmup: threading.Thread | None = None  # started by the warmup
+        self.background_pending = 0  # shapes it has yet to compile (the metrics' warmup gauge)
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -62,6 +73,22 @@ class ChunkedPrefill:
     ) -> tuple[DecodeState, tuple[int | None, ...]]:
         if not rows:
             return decode_state, ()
+        inputs, shape = self._slot_inputs(rows)
+        with self._shapes_lock:
+            compiled = self._precompiled.get(shape)
+            if compiled is None:
+                self._jit_shapes.add(shape)
+        if compiled is not None:
+            state, first = compiled(params, decode_state, *inputs)
+        else:
+            state, first = self._prefill_slots_fn(params, decode_state, *inputs, window=shape[2])
+        first = np.asarray(first)
+        return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows))
+
+    def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
+        """The compiled call's host inputs for `rows` (tokens [count, bucket]; slots, starts,
+        lengths, final [count]; keys [count, 2]; sampling [count, ...]; padding rows dropped) and
+        its shape (count, bucket, history window)."""
         limits = self.limits
         if len(rows) > limits.max_prefill_batch:
             raise ValueError(f"{len(rows)} rows in one prefill_slots call, at most {limits.max_prefill_batch}")
@@ -80,12 +107,21 @@ class ChunkedPrefill:
             slots[i], starts[i], lengths[i], final[i] = row.slot, row.start, len(row.tokens), row.final
         sampling = stacked_sampling([r.sampling for r in rows], count)
         keys = sampling.key  # the request's own seed: choice 0's key, as `prefill` draws it
-        window = self.history_window(int(starts.max()))
-        state, first = self._prefill_slots_fn(
-            params, decode_state, tokens, slots, starts, lengths, final, keys, sampling, window=window
-        )
-        first = np.asarray(first)
-        return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows))
+        inputs = (tokens, slots, starts, lengths, final, keys, sampling)
+        return inputs, (count, bucket, self.history_window(int(starts.max())))
+
+    def precompile_prefill_slots(self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]) -> bool:
+        """Compile, ahead of time and from any thread, the prefill_slots call `rows` make (a decode
+        state shaped and placed as `state_spec`, e.g. `jax.ShapeDtypeStruct`s): later calls of that
+        shape run it instead of compiling. False when that shape was compiled already."""
+        inputs, shape = self._slot_inputs(rows)
+        with self._shapes_lock:
+            if shape in self._precompiled or shape in self._jit_shapes:
+                return False
+        compiled = self._prefill_slots_fn.lower(params, state_spec, *inputs, window=shape[2]).compile()
+        with self._shapes_lock:
+            self._precompiled.setdefault(shape, compiled)
+        return True
 
     def history_window(self, start: int) -> int:
         """Cached positions a chunk starting at `start` reads: 0 (none) or the smallest attention

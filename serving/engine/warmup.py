@@ -1,9 +1,13 @@
 """Warmup: compile, before the server says ready, every shape serving runs, so that no request
-waits for XLA."""
+waits for XLA; then, on a background thread at the lowest CPU priority, the partial chunks after
+cached positions (a prefix hit's rest), too many to compile before ready."""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -24,8 +28,10 @@ def warmup(engine: Engine, params: dict) -> float:
     fresh prompts (rows x length within the per-call budget) and, for every row count whose full
     chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
     at once); a prefix block's save and load; generate for every slot bucket and attention window.
-    Returns the seconds spent. (A partial chunk after cached positions, a prefix hit's rest or a
-    long prompt's last chunk, compiles at first use: the whole grid of those would take minutes.)"""
+    Returns the seconds spent. Then starts `engine.background_warmup`: a thread that compiles the
+    partial chunks after cached positions (a prefix hit's rest, a long prompt's last chunk: rows x
+    length at every history window, minutes of compiling in all) at the lowest CPU priority, so
+    that serving keeps the CPU; a call that comes before its shape is done compiles it then."""
     start = time.perf_counter()
     limits = engine.limits
     state = engine.init_decode_state()
@@ -60,6 +66,20 @@ def warmup(engine: Engine, params: dict) -> float:
         for window in engine.windows:
             state, _ = engine._generate_fn(params, state, None, window=window, steps=steps, num_slots=num_slots)
     jax.block_until_ready(state)
+    rest = [  # the shortest rests first: a prefix hit's is usually a short question
+        (rows, length, window)
+        for length in limits.buckets
+        if length < chunk
+        for window in engine.history_windows
+        for rows in engine.row_buckets
+        if fits(rows, length)
+    ]
+    engine.background_pending = len(rest)
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    engine.background_warmup = threading.Thread(
+        target=_compile_continuing, args=(engine, params, spec, rest), name="background-warmup", daemon=True
+    )
+    engine.background_warmup.start()
     seconds = time.perf_counter() - start
     log.info(
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
@@ -72,3 +92,27 @@ def warmup(engine: Engine, params: dict) -> float:
         seconds,
     )
     return seconds
+
+
+def _compile_continuing(engine: Engine, params: dict, spec, shapes: list[tuple[int, int, int]]) -> None:
+    """Compile prefill_slots for each (rows, length, history window) of `shapes`: rows starting
+    after cached positions that read that window. At the lowest CPU priority (Linux: this thread's
+    nice value, which the threads it starts inherit)."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    started, compiled = time.perf_counter(), 0
+    limits, probe = engine.limits, SamplingParams(max_tokens=1)
+    for left, (rows, length, window) in enumerate(shapes):
+        at = min(window, limits.max_target_length - length)
+        if at > 0 and engine.history_window(at) == window:
+            batch = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
+            try:
+                compiled += engine.precompile_prefill_slots(params, spec, batch)
+            except Exception:  # never the device loop's problem: that shape compiles at first use
+                log.exception("background warmup: prefill_slots (%d rows x %d at window %d)", rows, length, window)
+        engine.background_pending = len(shapes) - left - 1
+    log.info(
+        "background warmup: compiled %d prefill shapes after cached positions in %.1f s",
+        compiled,
+        time.perf_counter() - started,
+    )

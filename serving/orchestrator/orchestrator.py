@@ -234,6 +234,8 @@ class Orchestrator:
                 self._finish(running.pop(rid), "cancelled")
             self.metrics.queued = self._waiting()
             self.metrics.active_slots = scheduler.num_used
+            # an engine without a background warmup (the mock, a follower's) has nothing pending
+            self.metrics.warmup_shapes_pending = getattr(engine, "background_pending", 0)
             if plan.empty:
                 executor.idle()
                 self.last_progress = time.monotonic()

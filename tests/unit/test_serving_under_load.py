@@ -114,6 +114,24 @@ def test_a_shared_prefix_is_loaded_from_the_cache_and_counted_in_metrics():
         assert line in text
 
 
+def test_the_engines_pending_background_warmup_shapes_are_a_gauge():
+    orch = _orchestrator()
+    orch.engine.background_pending = 3
+    orch.start()
+    try:
+        deadline = time.monotonic() + 10
+        while orch.metrics.warmup_shapes_pending != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "pathserve_warmup_shapes_pending 3.0" in render(registry(lambda: (orch.metrics, {})))
+        orch.engine.background_pending = 0  # the last shape compiled: the next idle turn says so
+        deadline = time.monotonic() + 10
+        while orch.metrics.warmup_shapes_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "pathserve_warmup_shapes_pending 0.0" in render(registry(lambda: (orch.metrics, {})))
+    finally:
+        orch.stop(timeout=10)
+
+
 def test_eviction_under_a_budget_of_two_blocks_keeps_the_tokens_and_the_bytes_within_it():
     results, caches = {}, {}
     for cache, budget in (("off", 0), ("on", 2500)):
