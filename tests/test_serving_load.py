@@ -263,8 +263,7 @@ def test_after_background_warmup_a_prefix_hits_rest_compiles_nothing(model):
     engine = Engine(model, cfg.engine)
     params = engine.load_params()
     engine.warmup(params)
-    engine.background_warmup.join(timeout=600)
-    assert not engine.background_warmup.is_alive()
+    assert engine.background_warmup.wait(timeout=600) and engine.background_warmup.pending == 0
     compiled = engine._prefill_slots_fn._cache_size()
     spy = _Spy(engine)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()

@@ -60,7 +60,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/startupz", tags=["probes"])
     def startupz() -> JSONResponse:
-        """Startup probe: weights loaded and every shape compiled."""
+        """Startup probe: weights loaded and the warmup's shapes compiled (the background ones may still be compiling)."""
         return _probe(state.started, "starting" if not state.startup_error else state.startup_error)
 
     @app.get("/readyz", tags=["probes"])

@@ -44,7 +44,7 @@ class ServerState:
 
     @property
     def started(self) -> bool:
-        """Weights loaded and every shape compiled (stays true while draining)."""
+        """Weights loaded and the warmup's shapes compiled (stays true while draining)."""
         return self.orchestrator is not None
 
     @property

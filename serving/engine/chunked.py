@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, is_stop, stacked_sampling
 from serving.models import KVCache, prefill
 from serving.models.cache import gather_history, store_chunks
+
+if TYPE_CHECKING:
+    from serving.engine.warmup import BackgroundWarmup
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
@@ -63,8 +66,7 @@ class ChunkedPrefill:
         self._precompiled: dict[tuple[int, int, int], Any] = {}
         self._jit_shapes: set[tuple[int, int, int]] = set()
         self._shapes_lock = threading.Lock()
-        self.background_warmup: threading.Thread | None = None  # started by the warmup
-        self.background_pending = 0  # shapes it has yet to compile (the metrics' warmup gauge)
+        self.background_warmup: BackgroundWarmup | None = None  # started by the warmup
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -120,6 +122,8 @@ class ChunkedPrefill:
                 return False
         compiled = self._prefill_slots_fn.lower(params, state_spec, *inputs, window=shape[2]).compile()
         with self._shapes_lock:
+            if shape in self._jit_shapes:  # the jit compiled it meanwhile: keep one executable per shape
+                return False
             self._precompiled.setdefault(shape, compiled)
         return True
 

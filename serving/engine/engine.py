@@ -250,7 +250,8 @@ class Engine(ChunkedPrefill):
         return self._free_fn(decode_state, jnp.int32(slot))
 
     def warmup(self, params: dict) -> float:
-        """Compile every shape serving runs (serving.engine.warmup); returns the seconds spent."""
+        """Compile every shape serving runs (serving.engine.warmup; a prefix hit's partial chunks on
+        `background_warmup`, after it returns); returns the seconds spent in the foreground."""
         from serving.engine.warmup import warmup
 
         return warmup(self, params)

@@ -28,10 +28,10 @@ def warmup(engine: Engine, params: dict) -> float:
     fresh prompts (rows x length within the per-call budget) and, for every row count whose full
     chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
     at once); a prefix block's save and load; generate for every slot bucket and attention window.
-    Returns the seconds spent. Then starts `engine.background_warmup`: a thread that compiles the
-    partial chunks after cached positions (a prefix hit's rest, a long prompt's last chunk: rows x
-    length at every history window, minutes of compiling in all) at the lowest CPU priority, so
-    that serving keeps the CPU; a call that comes before its shape is done compiles it then."""
+    Returns the seconds spent. Then starts `engine.background_warmup` (`BackgroundWarmup`), which
+    compiles the partial chunks after cached positions (a prefix hit's rest, a long prompt's last
+    chunk: rows x length at every history window, minutes of compiling in all) at the lowest CPU
+    priority while the server serves; a call that comes before its shape is done compiles it then."""
     start = time.perf_counter()
     limits = engine.limits
     state = engine.init_decode_state()
@@ -74,12 +74,8 @@ def warmup(engine: Engine, params: dict) -> float:
         for rows in engine.row_buckets
         if fits(rows, length)
     ]
-    engine.background_pending = len(rest)
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    engine.background_warmup = threading.Thread(
-        target=_compile_continuing, args=(engine, params, spec, rest), name="background-warmup", daemon=True
-    )
-    engine.background_warmup.start()
+    engine.background_warmup = BackgroundWarmup(engine, params, spec, rest)
     seconds = time.perf_counter() - start
     log.info(
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
@@ -94,25 +90,64 @@ def warmup(engine: Engine, params: dict) -> float:
     return seconds
 
 
-def _compile_continuing(engine: Engine, params: dict, spec, shapes: list[tuple[int, int, int]]) -> None:
-    """Compile prefill_slots for each (rows, length, history window) of `shapes`: rows starting
-    after cached positions that read that window. At the lowest CPU priority (Linux: this thread's
-    nice value, which the threads it starts inherit)."""
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    started, compiled = time.perf_counter(), 0
-    limits, probe = engine.limits, SamplingParams(max_tokens=1)
-    for left, (rows, length, window) in enumerate(shapes):
-        at = min(window, limits.max_target_length - length)
-        if at > 0 and engine.history_window(at) == window:
-            batch = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
-            try:
-                compiled += engine.precompile_prefill_slots(params, spec, batch)
-            except Exception:  # never the device loop's problem: that shape compiles at first use
-                log.exception("background warmup: prefill_slots (%d rows x %d at window %d)", rows, length, window)
-        engine.background_pending = len(shapes) - left - 1
-    log.info(
-        "background warmup: compiled %d prefill shapes after cached positions in %.1f s",
-        compiled,
-        time.perf_counter() - started,
-    )
+
+class BackgroundWarmup:
+    """A thread compiling prefill_slots for each (rows, length, history window) of `shapes`: rows
+    starting after cached positions that read that window. It starts a shape only while the device
+    loop is `idle()` (its compile threads are XLA's, at the process's priority: two cores compiling
+    halve a running request's speed), at the lowest CPU priority for its own thread (Linux), checks
+    `stop` between shapes, and counts what is `pending` (0 once done or stopped: a shape never
+    compiled here compiles at first use)."""
+
+    def __init__(self, engine: Engine, params: dict, spec, shapes: list[tuple[int, int, int]]):
+        self._engine, self._params, self._spec, self._shapes = engine, params, spec, shapes
+        self.pending = len(shapes)
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()  # until a device loop says otherwise
+        self._thread = threading.Thread(target=self._run, name="background-warmup", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every shape is compiled (or it stopped); False when `timeout` ran out first."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def idle(self) -> None:
+        """The device loop has nothing to run: the next shape may start."""
+        self._idle.set()
+
+    def busy(self) -> None:
+        """The device loop runs requests: no new shape starts (the one compiling finishes)."""
+        self._idle.clear()
+
+    def stop(self) -> None:
+        """Stop after the shape compiling now (seconds at most), and wait for that."""
+        self._stop.set()
+        self._idle.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        engine, started, compiled = self._engine, time.perf_counter(), 0
+        try:
+            if sys.platform == "linux":
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            limits, probe = engine.limits, SamplingParams(max_tokens=1)
+            for rows, length, window in self._shapes:
+                self._idle.wait()
+                if self._stop.is_set():
+                    break
+                at = min(window, limits.max_target_length - length)
+                if at > 0 and engine.history_window(at) == window:
+                    batch = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
+                    compiled += engine.precompile_prefill_slots(self._params, self._spec, batch)
+                self.pending -= 1
+        except Exception:  # never the device loop's problem: what is left compiles at first use
+            log.exception("background warmup failed; the shapes left compile at first use")
+        finally:
+            self.pending = 0
+        log.info(
+            "background warmup: compiled %d prefill shapes after cached positions in %.1f s",
+            compiled,
+            time.perf_counter() - started,
+        )

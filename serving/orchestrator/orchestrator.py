@@ -22,6 +22,8 @@
    queue bound) and admitted whole: one prefill into n slots. A request under a grammar has one
    matcher per choice (serving.structured), advanced here with each token; their next-token masks
    go into the plan.
+5. The engine's background warmup (serving.engine.warmup) starts a shape only after an idle turn
+   and none after a busy one, so its compiles keep out of the way of requests.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Orchestrator:
         limits = engine.limits
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
+        warmup = self._background_warmup()  # its count from the start, before the loop's first turn
+        self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
         self._queue: queue.Queue[Request] = queue.Queue(maxsize=config.max_queued_requests)
         self._submit_lock = threading.Lock()  # a request's choices enter the queue together
         self._held: Request | None = None  # a queue head whose choices did not fit in the free slots
@@ -116,9 +120,18 @@ class Orchestrator:
         self._wake.set()
 
     def stop(self, timeout: float | None = None) -> None:
+        """End the device loop (queued and running requests finish first), then the engine's
+        background warmup (after the shape it is compiling, so no compile outlives the server)."""
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout)
+        if (warmup := self._background_warmup()) is not None:
+            warmup.stop()
+
+    def _background_warmup(self):
+        """The engine's `BackgroundWarmup` (serving.engine.warmup), if it started one: an engine
+        without (the mock engine, one never warmed up) has none."""
+        return getattr(self.engine, "background_warmup", None)
 
     @property
     def alive(self) -> bool:
@@ -234,14 +247,18 @@ class Orchestrator:
                 self._finish(running.pop(rid), "cancelled")
             self.metrics.queued = self._waiting()
             self.metrics.active_slots = scheduler.num_used
-            # an engine without a background warmup (the mock, a follower's) has nothing pending
-            self.metrics.warmup_shapes_pending = getattr(engine, "background_pending", 0)
+            warmup = self._background_warmup()
+            self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
             if plan.empty:
+                if warmup is not None:
+                    warmup.idle()
                 executor.idle()
                 self.last_progress = time.monotonic()
                 self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
                 continue
+            if warmup is not None:
+                warmup.busy()
             slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
             if plan.decode_steps:
                 self._maybe_start_trace()

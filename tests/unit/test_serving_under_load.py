@@ -114,22 +114,43 @@ def test_a_shared_prefix_is_loaded_from_the_cache_and_counted_in_metrics():
         assert line in text
 
 
-def test_the_engines_pending_background_warmup_shapes_are_a_gauge():
-    orch = _orchestrator()
-    orch.engine.background_pending = 3
+class _Warmup:
+    """A stand-in for serving.engine.warmup.BackgroundWarmup: what is pending, what it was told."""
+
+    def __init__(self):
+        self.pending, self.told = 3, []
+
+    def idle(self) -> None:
+        if not self.told or self.told[-1] != "idle":
+            self.told.append("idle")
+
+    def busy(self) -> None:
+        self.told.append("busy")
+
+    def stop(self) -> None:
+        self.told.append("stop")
+
+
+def test_the_background_warmup_is_a_gauge_compiles_only_while_idle_and_stops_with_the_loop():
+    engine = MockEngine(slots=4, max_prefill_length=64, max_target_length=512, prefix_block=16)
+    engine.background_warmup = warmup = _Warmup()
+    orch = Orchestrator(engine, {}, TOKENIZER, OrchestratorConfig(max_queued_requests=8))
+    assert "pathserve_warmup_shapes_pending 3.0" in render(registry(lambda: (orch.metrics, {})))  # before start
     orch.start()
     try:
         deadline = time.monotonic() + 10
-        while orch.metrics.warmup_shapes_pending != 3 and time.monotonic() < deadline:
+        while not warmup.told and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert "pathserve_warmup_shapes_pending 3.0" in render(registry(lambda: (orch.metrics, {})))
-        orch.engine.background_pending = 0  # the last shape compiled: the next idle turn says so
+        orch.submit([1, 2, 3], SamplingParams(max_tokens=4)).result()
+        warmup.pending = 0  # the last shape compiled: the next turn says so
         deadline = time.monotonic() + 10
-        while orch.metrics.warmup_shapes_pending and time.monotonic() < deadline:
+        while (orch.metrics.warmup_shapes_pending or warmup.told[-1] != "idle") and time.monotonic() < deadline:
             time.sleep(0.01)
         assert "pathserve_warmup_shapes_pending 0.0" in render(registry(lambda: (orch.metrics, {})))
     finally:
         orch.stop(timeout=10)
+    told = [t for i, t in enumerate(warmup.told) if i == 0 or t != warmup.told[i - 1]]
+    assert told[0] == "idle" and "busy" in told and told[-2:] == ["idle", "stop"]
 
 
 def test_eviction_under_a_budget_of_two_blocks_keeps_the_tokens_and_the_bytes_within_it():
