@@ -146,14 +146,22 @@ def follow(executor: Executor, channel: PlanChannel) -> int:
 
     log.info("process %d follows process 0's plans", jax.process_index())
     executed = 0
+    # this process's background warmup compiles while process 0's loop idles (its keepalives)
+    warmup = getattr(executor.engine, "background_warmup", None)
     while True:
         message = channel.receive()
         if isinstance(message, _Stop):
+            if warmup is not None:
+                warmup.stop()
             meet_at_exit()
             log.info("lockstep: process 0 stopped; %d plans executed", executed)
             return executed
         if isinstance(message, _Keepalive):
+            if warmup is not None:
+                warmup.idle()
             continue
+        if warmup is not None:
+            warmup.busy()
         executor.run(message)
         executed += 1
 

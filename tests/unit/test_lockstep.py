@@ -110,3 +110,34 @@ def test_a_stalled_loop_exits_1(exits):
     stalls = iter([0.0, 5.0, 61.0])
     lockstep.exit_when_loop_dies(lambda: True, lambda: False, lambda: next(stalls), max_stall_s=60).join(5)
     assert exits == [1]
+
+
+class _Warmup:
+    def __init__(self):
+        self.told: list[str] = []
+
+    def idle(self) -> None:
+        self.told.append("idle")
+
+    def busy(self) -> None:
+        self.told.append("busy")
+
+    def stop(self) -> None:
+        self.told.append("stop")
+
+
+def test_a_followers_background_warmup_compiles_on_keepalives_holds_on_plans_and_stops(monkeypatch):
+    warmup, ran = _Warmup(), []
+
+    class Executor:
+        engine = type("Engine", (), {"background_warmup": warmup})()
+
+        def run(self, plan) -> None:
+            ran.append((plan, list(warmup.told)))
+
+    messages = iter(["plan 1", lockstep.KEEPALIVE, "plan 2", lockstep.STOP])
+    channel = type("Channel", (), {"receive": lambda self: next(messages)})()
+    monkeypatch.setattr(lockstep, "meet_at_exit", lambda: warmup.told.append("met"))
+    assert lockstep.follow(Executor(), channel) == 2
+    assert ran == [("plan 1", ["busy"]), ("plan 2", ["busy", "idle", "busy"])]
+    assert warmup.told == ["busy", "idle", "busy", "stop", "met"]
