@@ -15,8 +15,9 @@ b. waiting requests take free slots, the lowest first (so the decode buckets sta
    that block is stored or no longer coming; then it loads what is cached and goes on;
 c. one `prefill_slots` call: the next chunk of each prefilling slot, oldest admission first, while
    the rows fit `max_prefill_batch` and rows x bucket of the longest chunk fits
-   `prefill_batch_tokens` (the oldest always goes); rows start all at 0 or all after it, as the
-   first row does. A row that reaches its prompt's end is final: its slot decodes from this turn;
+   `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen before
+   ones that would widen it); rows start all at 0 or all after it, as the first row does. A row
+   that reaches its prompt's end is final: its slot decodes from this turn;
 d. prefix cache: every block wholly computed and not cached yet is stored, evicting the least
    recently used blocks to stay within the budget;
 e. one generate call over the smallest slot bucket holding every decoding slot.
@@ -205,28 +206,39 @@ class Scheduler:
         )
 
     def _rows(self) -> list[PrefillRow]:
-        """This turn's `prefill_slots` rows: each prefilling slot's next chunk, oldest first, within
-        the call's row and padded-token budgets, all starting at 0 or all after it."""
+        """This turn's `prefill_slots` rows: the oldest prefilling slot's next chunk, then the next
+        chunks of others (oldest first) within the call's row and padded-token budgets, all
+        starting at 0 or all after it. Chunks that fit the length bucket of those already chosen
+        go first, then the ones that would widen it: one longer chunk does not cut a call of short
+        ones (a shared system prompt's questions) to fewer rows at the same padded cost."""
         limits = self.limits
-        rows: list[PrefillRow] = []
-        longest, fresh = 0, None
+        candidates: list[tuple[int, _Prefilling, tuple[int, ...]]] = []  # oldest first
+        fresh = None
         for slot, entry in self.prefilling.items():
-            if len(rows) == limits.max_prefill_batch:
-                break
             if entry.waits:
                 continue
             if fresh is None:
                 fresh = entry.computed == 0
             elif (entry.computed == 0) != fresh:
                 continue
-            start = entry.computed
-            chunk = entry.prompt_ids[start : start + limits.prefill_chunk_size]
-            bucket = limits.bucket_for(max(longest, len(chunk)))
-            if rows and (len(rows) + 1) * bucket > limits.prefill_batch_tokens:
-                continue
-            rows.append(PrefillRow(slot, chunk, start, start + len(chunk) == len(entry.prompt_ids), entry.sampling))
-            longest = max(longest, len(chunk))
-        return rows
+            candidates.append((slot, entry, entry.prompt_ids[entry.computed : entry.computed + limits.prefill_chunk_size]))
+        if not candidates:
+            return []
+        chosen, bucket = [0], limits.bucket_for(len(candidates[0][2]))  # the oldest always goes
+        for widening in (False, True):
+            for i, (_, _, chunk) in enumerate(candidates):
+                if len(chosen) == limits.max_prefill_batch:
+                    break
+                need = limits.bucket_for(len(chunk))
+                if i in chosen or (need > bucket and not widening):
+                    continue
+                if (len(chosen) + 1) * max(bucket, need) <= limits.prefill_batch_tokens:
+                    chosen.append(i)
+                    bucket = max(bucket, need)
+        return [
+            PrefillRow(slot, chunk, entry.computed, entry.computed + len(chunk) == len(entry.prompt_ids), entry.sampling)
+            for slot, entry, chunk in (candidates[i] for i in sorted(chosen))
+        ]
 
     def _advance(self, rows: Sequence[PrefillRow]) -> tuple[tuple[bytes, ...], tuple[PrefixStore, ...]]:
         """Record the rows as computed (a final row's slot decodes from now); returns the prefix

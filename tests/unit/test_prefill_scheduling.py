@@ -53,6 +53,22 @@ def test_rows_fill_one_call_up_to_max_prefill_batch_oldest_first():
     assert _rows(plan) == [(3, 0, 10, True), (4, 0, 10, True)]
 
 
+def test_short_chunks_fill_the_call_before_one_that_would_widen_its_bucket():
+    """A shared system prompt's questions after its cached blocks: 33-66 tokens each. The one of
+    66 tokens (bucket 128) would cut the call to 4 rows x 128; it waits a turn instead and the six
+    short ones go as 6 x 64 (the same padded budget). A longer chunk still joins when it fits."""
+    limits = Limits(8, 512, 1024, prefill_chunk_size=256, max_prefill_batch=8, prefill_batch_tokens=512)
+    scheduler = Scheduler(limits, decode_steps_per_call=2)
+    lengths = [50, 66, 40, 60, 33, 64, 45]
+    plan = scheduler.schedule([_waiting(i, range(1, n + 1)) for i, n in enumerate(lengths)])
+    assert _rows(plan) == [(i, 0, n, True) for i, n in enumerate(lengths) if n <= 64]
+    plan = scheduler.schedule([])
+    assert _rows(plan) == [(1, 0, 66, True)]
+    scheduler = Scheduler(limits, decode_steps_per_call=2)  # the oldest widens nothing: 3 x 128 fits
+    plan = scheduler.schedule([_waiting(0, range(1, 20)), _waiting(1, range(1, 100)), _waiting(2, range(1, 30))])
+    assert _rows(plan) == [(0, 0, 19, True), (1, 0, 99, True), (2, 0, 29, True)]
+
+
 def test_a_row_that_would_overflow_the_padded_token_budget_waits_and_a_shorter_one_joins():
     limits = Limits(8, 64, 512, prefill_chunk_size=32, max_prefill_batch=8, prefill_batch_tokens=32)
     scheduler = Scheduler(limits, decode_steps_per_call=2)
