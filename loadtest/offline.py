@@ -25,6 +25,7 @@ def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_toke
     requests = [(model.tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
     if cfg.enable_model_warmup:
         engine.warmup(params)
+        engine.background_warmup.wait()  # a settled engine, as the HTTP side waits for its server's
     run_to_completion(engine, params, requests[: engine.max_concurrent_decodes])  # compile what warmup did not
     started = time.perf_counter()
     done = run_to_completion(engine, params, requests)

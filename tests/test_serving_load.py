@@ -8,6 +8,9 @@ tokens (tests/reference.py), for prompts past max_prefill_predict_length too.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from serving.checkpoints.model_source import load_model
@@ -274,3 +277,22 @@ def test_after_background_warmup_a_prefix_hits_rest_compiles_nothing(model):
     assert results == want
     assert 32 in spy.starts and orchestrator.metrics.prefix_cache_hits == 2
     assert engine._prefill_slots_fn._cache_size() == compiled
+
+
+def test_a_process_that_exits_while_the_background_warmup_compiles_exits_cleanly(tiny_model_dir):
+    """An offline run (or any CLI command) that ends before the background warmup does: at exit
+    the warmup stops after the shape in hand instead of the interpreter finalizing under a compile."""
+    script = f"""
+import sys
+from serving.checkpoints.model_source import load_model
+from serving.config import ServingConfig
+from serving.engine.engine import Engine
+cfg = ServingConfig(per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=512,
+                    prefill_chunk_size=32, prefix_block_size=16)
+engine = Engine(load_model({str(tiny_model_dir)!r}, cfg), cfg.engine)
+engine.warmup(engine.load_params())
+assert engine.background_warmup.pending > 0, "nothing left to compile at exit"
+print("exiting", flush=True)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "exiting" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]

@@ -4,6 +4,7 @@ cached positions (a prefix hit's rest), too many to compile before ready."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -106,6 +107,9 @@ class BackgroundWarmup:
         self._idle = threading.Event()
         self._idle.set()  # until a device loop says otherwise
         self._thread = threading.Thread(target=self._run, name="background-warmup", daemon=True)
+        # A process that exits without stopping it (an offline run, a CLI command) must not
+        # finalize the interpreter under a compile in flight: at exit it stops after that shape.
+        atexit.register(self.stop)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -122,7 +126,8 @@ class BackgroundWarmup:
         self._idle.clear()
 
     def stop(self) -> None:
-        """Stop after the shape compiling now (seconds at most), and wait for that."""
+        """Stop after the shape compiling now (seconds at most), and wait for that (also at the
+        process's exit, when nobody stopped it)."""
         self._stop.set()
         self._idle.set()
         self._thread.join()
@@ -146,6 +151,8 @@ class BackgroundWarmup:
             log.exception("background warmup failed; the shapes left compile at first use")
         finally:
             self.pending = 0
+            self._engine = self._params = self._spec = None  # the engine is not kept alive by atexit
+            atexit.unregister(self.stop)
         log.info(
             "background warmup: compiled %d prefill shapes after cached positions in %.1f s",
             compiled,

@@ -41,6 +41,20 @@ def run_to_completion(
     waiting = deque(range(len(results)))
     scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, prefix_cache)
     executor = Executor(engine, params)
+    # the engine's background warmup (serving.engine.warmup), if any, starts no shape meanwhile
+    warmup = getattr(engine, "background_warmup", None)
+    if warmup is not None:
+        warmup.busy()
+    try:
+        _drive(results, waiting, scheduler, executor)
+    finally:
+        if warmup is not None:
+            warmup.idle()
+    return results
+
+
+def _drive(results: list[OfflineResult], waiting: deque, scheduler: Scheduler, executor: Executor) -> None:
+    """Admit, schedule, execute and record until every request of `results` has finished."""
     while waiting or scheduler.num_used:
         admit = [waiting.popleft() for _ in range(min(scheduler.room(), len(waiting)))]
         plan = scheduler.schedule([Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit])
@@ -55,4 +69,3 @@ def run_to_completion(
         for request_id, _slot in scheduler.update(plan, outcome):
             r = results[request_id]
             r.finish_reason = "stop" if r.token_ids[-1] in r.sampling.stop_ids else "length"
-    return results
