@@ -91,7 +91,6 @@ def warmup(engine: Engine, params: dict) -> float:
     return seconds
 
 
-
 class BackgroundWarmup:
     """A thread compiling prefill_slots for each (rows, length, history window) of `shapes`: rows
     starting after cached positions that read that window. It starts a shape only while the device
