@@ -7,6 +7,7 @@ validated once, here, before any work starts; errors name the key and what it ac
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -16,15 +17,12 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from serving.errors import UserError
+from serving.errors import ConfigError
+from serving.maxtext import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
 from serving.models.config import ModelConfig
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
 _Part = TypeVar("_Part")
-
-
-class ConfigError(UserError):
-    """A configuration that cannot be used; the message names the offending key."""
 
 
 # Each component gets only its own part of the config: a frozen dataclass whose fields are the
@@ -51,6 +49,9 @@ class EngineConfig:
     prefill_batch_tokens: int = 0
     prefix_block_size: int = 64
     decode_slot_buckets: tuple[int, ...] = ()
+    # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
+    logical_axis_rules: tuple = ()
+    replicate_quant_scale: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,28 @@ class ServingConfig(BaseModel):
     max_prefill_predict_length: int = Field(default=1024, gt=0)
     max_target_length: int = Field(default=2048, gt=0)
     per_device_batch_size: float = Field(default=1.0, gt=0)
-    ici_fsdp_parallelism: int = Field(default=1, ge=1)
-    ici_autoregressive_parallelism: int = Field(default=1, ge=1)
-    ici_tensor_parallelism: int = Field(default=1, ge=1)
+    # -1 (on one axis at most): the devices the other axes leave, as in MaxText.
+    ici_fsdp_parallelism: int = Field(default=1, ge=-1)
+    ici_autoregressive_parallelism: int = Field(default=1, ge=-1)
+    ici_tensor_parallelism: int = Field(default=1, ge=-1)
+    # MaxText's logical axis rules ([name, [mesh axes]] pairs, serving.engine.partitioning); empty:
+    # base.yml's. A recipe file brings its own (serving.maxtext says how they combine).
+    logical_axis_rules: list[list[Any]] = Field(default_factory=list)
+    override_logical_axis_rules: bool = False
+    replicate_quant_scale: bool = False  # int8 weights' scales whole on every chip
+    # The model as MaxText describes one: over model_name's preset with override_model_config=true,
+    # or alone for a model without one (serving.config.model_description).
+    override_model_config: bool = False
+    base_emb_dim: int | None = Field(default=None, gt=0)
+    base_num_query_heads: int | None = Field(default=None, gt=0)
+    base_num_kv_heads: int | None = Field(default=None, gt=0)
+    base_num_decoder_layers: int | None = Field(default=None, gt=0)
+    base_mlp_dim: int | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    vocab_size: int | None = Field(default=None, gt=0)
+    rope_max_timescale: float | None = Field(default=None, gt=0)
+    normalization_layer_epsilon: float | None = Field(default=None, gt=0)
+    logits_via_embedding: bool | None = None
     scan_layers: bool = True
     weight_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -165,7 +185,11 @@ class ServingConfig(BaseModel):
     @property
     def engine(self) -> EngineConfig:
         part = self._part(EngineConfig)
-        return EngineConfig(**{**part.__dict__, "decode_slot_buckets": tuple(self.decode_slot_buckets)})
+        return EngineConfig(**{
+            **part.__dict__,
+            "decode_slot_buckets": tuple(self.decode_slot_buckets),
+            "logical_axis_rules": normalize_rules(self.logical_axis_rules),
+        })
 
     @property
     def devices(self) -> DevicesConfig:
@@ -211,7 +235,47 @@ class ServingConfig(BaseModel):
             raise ValueError(f"cpu_kernels=on, but the CPU kernels cannot be used: {unsupported}")
         if self.checkpoint_is_quantized and self.quantization != "int8":
             raise ValueError("checkpoint_is_quantized=true requires quantization=int8")
+        ici = {
+            "ici_fsdp_parallelism": self.ici_fsdp_parallelism,
+            "ici_autoregressive_parallelism": self.ici_autoregressive_parallelism,
+            "ici_tensor_parallelism": self.ici_tensor_parallelism,
+        }
+        if 0 in ici.values() or list(ici.values()).count(-1) > 1:
+            raise ValueError(f"ici parallelism: each a size >= 1, or -1 on one axis at most (got {ici})")
+        for i, rule in enumerate(self.logical_axis_rules):
+            axes = rule[1] if len(rule) == 2 else None
+            if not (
+                isinstance(rule[0] if rule else None, str)
+                and (isinstance(axes, str) or (isinstance(axes, list) and all(isinstance(a, str) for a in axes)))
+            ):
+                raise ValueError(f"logical_axis_rules[{i}]: expected [name, [mesh axes]], got {rule!r}")
+        described = [k for k in MODEL_KEYS if getattr(self, k) is not None]
+        if described and self.model_name in model_presets() and not self.override_model_config:
+            raise ValueError(
+                f"{', '.join(described)}: model {self.model_name!r} has a preset; "
+                "override_model_config=true overrides its keys"
+            )
         return self
+
+    def parallelism(self, devices: int) -> tuple[int, int, int]:
+        """(fsdp, autoregressive, tensor) over `devices`, the -1 axis (if any) taking what is left."""
+        return resolve_parallelism(
+            (self.ici_fsdp_parallelism, self.ici_autoregressive_parallelism, self.ici_tensor_parallelism),
+            devices,
+        )
+
+
+def resolve_parallelism(sizes: tuple[int, int, int], devices: int) -> tuple[int, int, int]:
+    """MaxText's -1: the one axis set to -1 gets `devices` over the product of the others."""
+    if -1 not in sizes:
+        return sizes
+    known = math.prod(s for s in sizes if s != -1)
+    if devices % known:
+        raise ConfigError(
+            f"ici parallelism {sizes}: the axes set leave {devices}/{known} devices for the -1 axis, "
+            "not a whole number"
+        )
+    return tuple(devices // known if s == -1 else s for s in sizes)  # type: ignore[return-value]
 
 
 def weights_unsupported(quantization: str, weight_dtype: str, quantize_activations: bool) -> str | None:
@@ -248,12 +312,68 @@ def load_config(
     overrides: Iterable[str] = (),
     defaults: Mapping[str, Any] | None = None,
 ) -> ServingConfig:
-    """Read a YAML file of serving keys (optional) over `defaults`, apply `key=value` overrides, validate."""
+    """Serving keys over `defaults`: from a YAML file (optional), then `key=value` overrides; validated.
+
+    The file is pathserve's serving YAML (configs/serving/), or a MaxText config file (a
+    `base_config:` chain, serving.maxtext), read as MaxText reads one with the overrides after it.
+    MaxText keys with no effect on serving are dropped (and logged); unknown keys are errors."""
     values: dict[str, Any] = dict(defaults or {})
-    if path:
-        values.update(read_yaml(Path(path)))
-    values.update(parse_overrides(overrides))
-    return build(ServingConfig, values, source=str(path) if path else "overrides")
+    parsed = parse_overrides(overrides)
+    source = str(path) if path else "overrides"
+    if path and is_maxtext_file(path):
+        from serving import maxtext
+
+        values.update(maxtext.load(str(path), parsed, _preset_keys_or_none))
+    else:
+        if path:
+            values.update(read_yaml(Path(path)))
+        rules_given = RULES in parsed
+        values.update(parsed)
+        if rules_given and not values.get("override_logical_axis_rules"):
+            values[RULES] = merge_rules([[n, list(a)] for n, a in base_rules()], parsed[RULES])
+    return build(ServingConfig, split_keys(values, ServingConfig.model_fields, source), source=source)
+
+
+def is_maxtext_file(path: str | os.PathLike) -> bool:
+    """A MaxText config: pathserve's copy of a MaxText path, or a YAML file with a base_config."""
+    from serving import maxtext
+
+    if not Path(path).is_file():
+        return maxtext.is_config_file(str(path))  # resolve_config_path names it if it is not ours
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and maxtext.BASE_CONFIG in data
+
+
+def _preset_keys_or_none(name: str) -> dict[str, Any] | None:
+    return preset_model_keys(name) if name in model_presets() else None
+
+
+def preset_model_keys(name: str) -> dict[str, Any]:
+    """A preset's architecture under MaxText's key names (serving.maxtext.MODEL_KEYS)."""
+    model = load_model_config(name)
+    return {key: getattr(model, field) for key, field in MODEL_KEYS.items()}
+
+
+def model_description(cfg: ServingConfig) -> ModelConfig:
+    """The model `cfg` describes: model_name's preset, with MaxText's architecture keys over it
+    (override_model_config=true), or those keys alone for a model without a preset."""
+    given = {MODEL_KEYS[k]: getattr(cfg, k) for k in MODEL_KEYS if getattr(cfg, k) is not None}
+    if cfg.model_name in model_presets():
+        preset = load_model_config(cfg.model_name)
+        return build(ModelConfig, {**preset.model_dump(), **given}, source=f"model {cfg.model_name}")
+    missing = [k for k in MODEL_KEYS if getattr(cfg, k) is None and MODEL_KEYS[k] != "tie_embeddings"]
+    if missing:
+        raise ConfigError(
+            f"model_name: {cfg.model_name!r} has no preset (known: {', '.join(model_presets())}); "
+            f"describe it with {', '.join(missing)}"
+        )
+    values = {**given, "name": cfg.model_name, "max_position": cfg.max_target_length}
+    values["tie_embeddings"] = bool(values.get("tie_embeddings", False))
+    values["rope_theta"] = float(values["rope_theta"])
+    return build(ModelConfig, values, source=f"model {cfg.model_name}")
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:

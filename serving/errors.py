@@ -6,6 +6,10 @@ class UserError(ValueError):
     """Bad input (a config key, a checkpoint, a request, a manifest): the message says what to fix."""
 
 
+class ConfigError(UserError):
+    """A configuration that cannot be used; the message names the offending key (serving.config)."""
+
+
 class GenerationError(UserError):
     """A request that cannot be served as asked (empty prompt, too long, bad sampling values).
 

@@ -15,6 +15,7 @@ from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
 from serving.checkpoints.model_source import LoadedModel, effective_config, load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
+from serving.engine.memory import check_devices
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.lockstep import LockstepExecutor, PlanChannel, exit_when_loop_dies, follow
@@ -91,6 +92,10 @@ def _bring_up(cfg: ServingConfig, source: str | None):
               file=sys.stderr, flush=True)
     model = load_model(source, cfg, shardings=shardings)
     engine = Engine(model, cfg.engine, mesh)
+    check_devices(
+        model.config, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
+        engine.max_concurrent_decodes, list(mesh.devices.flat),
+    )
     params = engine.load_params()
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
     return model, engine, params, warmup
@@ -112,8 +117,7 @@ def restore_shardings(source: str | None, cfg: ServingConfig, mesh) -> dict | No
 
     e = cfg.engine
     slots = max(1, int(e.per_device_batch_size * mesh.size))
-    numerics = Numerics(e.weight_dtype, e.dtype, e.quantization, e.quantize_kvcache)
-    where = engine_placement(metadata.config, numerics, mesh, slots, e.max_target_length)
+    where = engine_placement(metadata.config, Numerics.of(e), mesh, slots, e.max_target_length)
     return {path: NamedSharding(mesh, partition_spec(leaf.spec)) for path, leaf in where.params.items()}
 
 

@@ -165,8 +165,12 @@ def make_mesh(cfg: DevicesConfig, devices=None):
     import jax
     from jax.sharding import Mesh
 
+    from serving.config import resolve_parallelism
+
     devices = list(devices if devices is not None else jax.devices())
-    shape = (cfg.ici_fsdp_parallelism, cfg.ici_autoregressive_parallelism, cfg.ici_tensor_parallelism)
+    shape = resolve_parallelism(
+        (cfg.ici_fsdp_parallelism, cfg.ici_autoregressive_parallelism, cfg.ici_tensor_parallelism), len(devices)
+    )
     if int(np.prod(shape)) != len(devices):
         raise ConfigError(
             f"ici_fsdp_parallelism x ici_autoregressive_parallelism x ici_tensor_parallelism = "

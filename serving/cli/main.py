@@ -19,6 +19,7 @@ from serving.checkpoints import cli as checkpoint_cli
 from serving.config import ConfigError, ServingConfig, config_dir, load_config, read_yaml
 from serving.deploy import cli as deploy_cli
 from serving.errors import GenerationError, UserError
+from serving.maxtext import is_config_file
 
 if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
     from serving.launch import Launched
@@ -62,11 +63,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "args",
         nargs="*",
-        metavar="[SOURCE] [key=value ...]",
-        help="a converted checkpoint, a Hugging Face directory or a GGUF file "
-        "(default: SmolLM2-135M-Instruct), then config overrides",
+        metavar="[MAXTEXT_CONFIG.yml] [SOURCE] [key=value ...]",
+        help="a MaxText config file (as MaxText and JetStream take it first: its base_config chain, "
+        "logical_axis_rules and model_name; pathserve ships MaxText's inference recipes under "
+        "configs/maxtext/), a converted checkpoint, a Hugging Face directory or a GGUF file "
+        "(default: SmolLM2-135M-Instruct; or load_parameters_path=), then config overrides",
     )
-    parser.add_argument("--config", help="a serving config YAML (keys as in configs/)")
+    parser.add_argument("--config", help="a serving config YAML (keys as in configs/), or a MaxText config file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def split_model_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     """SOURCE is the one argument that is not key=value (a path may contain '=' if it exists)."""
+    _, source, overrides = split_args(args)
+    return source, overrides
+
+
+def split_args(args: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
+    """(MaxText config file, SOURCE, overrides): a first argument ending in .yml / .yaml is a MaxText
+    config file, as in `python3 -m MaxText.maxengine_server CONFIG.yml key=value ...`."""
+    config = None
+    if args and is_config_file(args[0]):
+        config, args = args[0], args[1:]
     source, overrides = None, []
     for arg in args:
         if "=" in arg and not Path(arg).exists():
@@ -149,7 +162,7 @@ def split_model_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
             source = arg
         else:
             raise ConfigError(f"more than one SOURCE given: {source!r} and {arg!r}")
-    return source, overrides
+    return config, source, overrides
 
 
 def _sampling(ns: argparse.Namespace, stop_ids: tuple[int, ...]) -> SamplingParams:
@@ -301,13 +314,16 @@ def _serving_config(
 
     The default model gets configs/serving/default.yml (int8, as `serve` runs it) under
     `command_defaults`; a config file and key=value overrides go over both."""
-    source, overrides = split_model_args(ns.args)
+    maxtext, source, overrides = split_args(ns.args)
+    if maxtext and ns.config:
+        raise ConfigError(f"both a MaxText config file ({maxtext}) and --config {ns.config}: give one")
     if source and "://" not in source and not Path(source).exists():
         raise ConfigError(f"SOURCE not found: {source}")
+    config = maxtext or ns.config
     # The default model gets the CPU-friendly defaults; any other model is served as configured.
-    default_model = not (source or ns.config or any(o.startswith("load_parameters_path=") for o in overrides))
+    default_model = not (source or config or any(o.startswith("load_parameters_path=") for o in overrides))
     defaults = dict(read_yaml(config_dir() / "serving" / "default.yml")) if default_model else {}
-    return load_config(ns.config, overrides, defaults={**defaults, **(command_defaults or {})}), source
+    return load_config(config, overrides, defaults={**defaults, **(command_defaults or {})}), source
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -396,8 +412,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     offline_ns = parser.parse_args(ns.rest)
     from loadtest.offline import measure
 
-    source, overrides = split_model_args(offline_ns.args)
-    cfg = load_config(offline_ns.config, overrides)
+    maxtext, source, overrides = split_args(offline_ns.args)
+    cfg = load_config(maxtext or offline_ns.config, overrides)
     try:
         prompts = [item["prompt"] for item in json.loads(offline_ns.prompts.read_text())]
     except (OSError, ValueError, KeyError, TypeError) as exc:

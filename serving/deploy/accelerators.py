@@ -1,6 +1,8 @@
 """TPU slices: what each accelerator type offers and how a topology maps to chips and hosts.
 
-Figures per chip from the Cloud TPU documentation: HBM capacity, HBM bandwidth, bf16 peak.
+Figures per chip from the Cloud TPU documentation (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e):
+HBM capacity, HBM bandwidth, bf16 peak; and `bytes_limit`, the HBM the runtime lets a program use
+(`jax.Device.memory_stats()["bytes_limit"]`), which `deploy plan` checks a recipe against.
 """
 
 from __future__ import annotations
@@ -18,21 +20,46 @@ class Accelerator:
     gke_name: str  # cloud.google.com/gke-tpu-accelerator
     pathways_name: str  # prefix of the resource manager's --instance_type
     machine_type: str  # GKE machine type of a 4-chip host (PathwaysJob workers[].type)
-    hbm_bytes: float
+    hbm_bytes: float  # physical HBM per chip
     hbm_bandwidth: float  # bytes/s
     bf16_flops: float
     topology_dims: int  # 2 for v5e/v6e (AxB), 3 for v4/v5p (AxBxC)
+    bytes_limit: int  # what the runtime reports per chip (see BYTES_LIMIT)
     chips_per_host: int = 4
 
 
-GB = 1e9
+GB, GIB = 1e9, 1 << 30
+# Per-chip bytes_limit as JAX reports it (memory_stats()["bytes_limit"]):
+BYTES_LIMIT = {
+    # v6e (Trillium), 32 GiB HBM: 33,550,237,696 (31.25 GiB less 4 MiB), as vLLM's TPU usage
+    # records show for v6e.
+    "tpu-v6e-slice": 33_550_237_696,
+    # v5e: 16 GiB HBM. BYTES_LIMIT_V5E below.
+    "tpu-v5-lite-podslice": 0,
+    # v5p: 95 GiB HBM.
+    "tpu-v5p-slice": 0,
+    # v4: 32 GiB HBM.
+    "tpu-v4-podslice": 0,
+}
 ACCELERATORS = {
     a.gke_name: a
     for a in (
-        Accelerator("tpu-v6e-slice", "tpuv6e", "ct6e-standard-4t", 32 * GB, 1640 * GB, 918e12, 2),
-        Accelerator("tpu-v5-lite-podslice", "tpuv5e", "ct5lp-hightpu-4t", 16 * GB, 819 * GB, 197e12, 2),
-        Accelerator("tpu-v5p-slice", "tpuv5", "ct5p-hightpu-4t", 95 * GB, 2765 * GB, 459e12, 3),
-        Accelerator("tpu-v4-podslice", "tpuv4", "ct4p-hightpu-4t", 32 * GB, 1228 * GB, 275e12, 3),
+        Accelerator(
+            "tpu-v6e-slice", "tpuv6e", "ct6e-standard-4t", 32 * GIB, 1640 * GB, 918e12, 2,
+            BYTES_LIMIT["tpu-v6e-slice"],
+        ),
+        Accelerator(
+            "tpu-v5-lite-podslice", "tpuv5e", "ct5lp-hightpu-4t", 16 * GIB, 819 * GB, 197e12, 2,
+            BYTES_LIMIT["tpu-v5-lite-podslice"],
+        ),
+        Accelerator(
+            "tpu-v5p-slice", "tpuv5", "ct5p-hightpu-4t", 95 * GIB, 2765 * GB, 459e12, 3,
+            BYTES_LIMIT["tpu-v5p-slice"],
+        ),
+        Accelerator(
+            "tpu-v4-podslice", "tpuv4", "ct4p-hightpu-4t", 32 * GIB, 1228 * GB, 275e12, 3,
+            BYTES_LIMIT["tpu-v4-podslice"],
+        ),
     )
 }
 

@@ -54,8 +54,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "args",
         nargs="*",
-        metavar="key=value",
-        help="overrides of the config's serving: section, as `pathserve serve` takes them",
+        metavar="[MAXTEXT_CONFIG.yml] key=value",
+        help="the engine's arguments over the config's serving: section, as `pathserve serve` takes "
+        "them (a MaxText config file first, as the JetStream guide writes them)",
     )
 
 

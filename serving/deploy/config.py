@@ -7,10 +7,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.config import ConfigError, ServingConfig, build, parse_overrides, read_yaml
+from serving.config import ConfigError, ServingConfig, build, load_config, parse_overrides, read_yaml
 from serving.deploy.errors import DeployError
+from serving.maxtext import is_config_file
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _JAX_TAG = re.compile(r"jax-(\d+\.\d+\.\d+\S*)")
@@ -149,24 +151,34 @@ class DeploymentConfig(_Strict):
         return self
 
     def serving_config(self) -> ServingConfig:
-        """The engine's ServingConfig: `serving` overrides plus model_name and the checkpoint."""
+        """The engine's ServingConfig, exactly as the engine will read its arguments (`serving_args`):
+        a MaxText config file (`serving.base_config`) with the other keys as its overrides."""
         self._check_serving_keys()
-        values = {**self.serving, **self._engine_keys()}
+        base, overrides = self._split_base()
         try:
-            return build(ServingConfig, values, source="serving")
+            return load_config(base, [f"{k}={_yaml_scalar(v)}" for k, v in overrides.items()])
         except ConfigError as exc:
-            raise DeployError(str(exc)) from None
+            raise DeployError(f"serving: {exc}") from None
 
     def serving_args(self) -> list[str]:
-        """The engine's MaxText-style key=value arguments."""
+        """The engine's arguments as the JetStream guide writes them: the MaxText config file
+        (`serving.base_config`) first, then MaxText-style key=value flags."""
         self._check_serving_keys()
-        values = {**self._engine_keys(), **self.serving}
-        return [f"{key}={_yaml_scalar(value)}" for key, value in values.items()]
+        base, overrides = self._split_base()
+        return [*([base] if base else []), *(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items())]
+
+    def _split_base(self) -> tuple[str | None, dict[str, Any]]:
+        """`serving.base_config` (the MaxText config file) and the rest, model and checkpoint first."""
+        rest = {k: v for k, v in self.serving.items() if k != "base_config"}
+        base = self.serving.get("base_config")
+        if base is not None and not isinstance(base, str):
+            raise DeployError(f"serving.base_config: expected a MaxText config file path, got {base!r}")
+        return base, {**self._engine_keys(), **rest}
 
     def _engine_keys(self) -> dict[str, Any]:
         """Serving keys that come from elsewhere in this config."""
         keys: dict[str, Any] = {"model_name": self.model_name, "load_parameters_path": self.checkpoint}
-        if self.kind == "serve":
+        if self.kind == "serve" and self.ports.grpc != ServingConfig.model_fields["grpc_port"].default:
             keys["grpc_port"] = self.ports.grpc
         return keys
 
@@ -183,23 +195,34 @@ class DeploymentConfig(_Strict):
 
 
 def _yaml_scalar(value: Any) -> str:
+    """A value as a key=value flag writes it (YAML; lists and mappings in flow style)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return yaml.safe_dump(value, default_flow_style=True).strip()
     return str(value)
 
 
 def load_deployment(path: str | Path, overrides: Iterable[str] = ()) -> DeploymentConfig:
     """Read and validate a deployment YAML; errors name the field.
 
-    `overrides` are `key=value` arguments over its `serving:` section, parsed exactly as `pathserve
-    serve` parses its own (serving.config.parse_overrides)."""
+    `overrides` are the engine's arguments over its `serving:` section, parsed exactly as `pathserve
+    serve` parses its own: a MaxText config file first (it becomes `serving.base_config`), then
+    `key=value` (serving.config.parse_overrides); model_name and load_parameters_path among them
+    set the deployment's model_name and checkpoint."""
+    overrides = list(overrides)
     try:
         data = dict(read_yaml(Path(path)))
         if overrides:
             serving = data.get("serving") or {}
             if not isinstance(serving, dict):
                 raise ConfigError(f"{path}: serving: expected a mapping of serving keys")
-            data["serving"] = {**serving, **parse_overrides(overrides)}
+            base = {"base_config": overrides.pop(0)} if is_config_file(overrides[0]) else {}
+            given = parse_overrides(overrides)
+            for key, field in (("model_name", "model_name"), ("load_parameters_path", "checkpoint")):
+                if key in given:
+                    data[field] = str(given.pop(key))
+            data["serving"] = {**serving, **base, **given}
         return build(DeploymentConfig, data, source=str(path))
     except ConfigError as exc:
         raise DeployError(str(exc)) from None

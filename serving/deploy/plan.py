@@ -2,17 +2,20 @@
 
 Checks that refuse a deployment before it reaches the cluster live here too: the topology must
 fit the accelerator, the parallelism product must equal the chip count, the images' jax tags must
-agree, and weights plus KV cache must fit in HBM.
+agree, and weights, KV cache and a step's temporaries must fit in the runtime's bytes_limit per
+chip (serving.engine.memory), as MaxText would find out when it compiles.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-from serving.config import ConfigError, ServingConfig, load_model_config
+from serving.config import ConfigError, ServingConfig, model_description
 from serving.deploy.accelerators import tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
+from serving.engine.memory import memory_use, shortfall
 from serving.engine.partitioning import (
     DTYPE_BYTES,
     MESH_AXES,
@@ -23,9 +26,6 @@ from serving.engine.partitioning import (
     placement,
 )
 from serving.models.config import ModelConfig
-
-# Share of HBM we let weights and KV cache take; the rest is for activations and XLA's workspace.
-HBM_USABLE_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,14 @@ class Plan:
     kv_format: str
     kv_bytes_per_token: float  # whole model, all layers and kv heads
     kv_heads_per_chip: int
+    slots_per_chip: int  # the slots a chip holds (cache_batch's split)
     kv_bytes_per_chip: float
     kv_capacity_tokens: int  # slots x max_target_length
-    kv_tokens_that_fit_per_chip: int  # cache positions (over all slots) the HBM left by the weights holds
-    hbm_bytes_per_chip: float
-    hbm_usable_per_chip: float
+    kv_tokens_that_fit_per_chip: int  # cache positions (over all slots) the bytes_limit left holds
+    hbm_bytes_per_chip: float  # physical HBM
+    bytes_limit_per_chip: float  # what the runtime lets a program use
+    temporaries_bytes_per_chip: float  # estimate: one prefill call's layer, logits
+    headroom_bytes_per_chip: float  # bytes_limit - (weights + KV cache + temporaries)
     step_time_s: float
     bound: str  # "memory" or "compute"
     tokens_per_s: float  # per replica, all slots decoding at full context
@@ -60,7 +63,7 @@ class Plan:
 
 
 def numerics(serving: ServingConfig) -> Numerics:
-    return Numerics(serving.weight_dtype, serving.dtype, serving.quantization, serving.quantize_kvcache)
+    return Numerics.of(serving)
 
 
 def weight_bytes(model: ModelConfig, serving: ServingConfig) -> float:
@@ -111,16 +114,13 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         shown = ", ".join(f"images.{k}=jax-{v}" for k, v in versions.items())
         raise DeployError(f"images: jax tags differ ({shown}); all images must run the same jax version")
     serving = cfg.serving_config()
+    chips = slice_.chips * cfg.tpu.num_slices
     try:
-        model = load_model_config(cfg.model_name)
+        model = model_description(serving)
+        sizes = serving.parallelism(chips)
     except ConfigError as exc:
         raise DeployError(str(exc)) from None
-    chips = slice_.chips * cfg.tpu.num_slices
-    mesh = {
-        "fsdp": serving.ici_fsdp_parallelism,
-        "autoregressive": serving.ici_autoregressive_parallelism,
-        "tensor": serving.ici_tensor_parallelism,
-    }
+    mesh = dict(zip(MESH_AXES, sizes, strict=True))
     product = mesh["fsdp"] * mesh["autoregressive"] * mesh["tensor"]
     if product != chips:
         raise DeployError(
@@ -140,12 +140,15 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
     weights_per_chip = float(where.params_bytes_per_chip())
     kv_per_chip = float(where.cache_bytes_per_chip())
     k = where.cache[("k",)]
-    kv_heads_per_chip = model.num_kv_heads // k.ways(mesh)
+    kv_heads_per_chip = model.num_kv_heads // math.prod(mesh[a] for a in k.spec[3])
     kv_token_chip = kv_per_chip / (slots * serving.max_target_length)
     hbm = slice_.accelerator.hbm_bytes
-    usable = hbm * HBM_USABLE_FRACTION
-    if weights_per_chip + kv_per_chip > usable:
-        raise DeployError(_does_not_fit(cfg, serving, where, weights_per_chip, kv_per_chip, usable, chips))
+    limit = slice_.accelerator.bytes_limit
+    prefill_tokens = serving.prefill_batch_tokens or serving.max_prefill_predict_length
+    use = memory_use(model, where, serving.dtype, prefill_tokens, slots)
+    refusal = shortfall(use, limit, f"{cfg.model_name} on {cfg.tpu.accelerator} {cfg.tpu.topology}")
+    if refusal:
+        raise DeployError(_does_not_fit(refusal, serving, where, use, limit, chips))
     memory_time = (weights_per_chip + kv_per_chip) / slice_.accelerator.hbm_bandwidth
     compute_time = 2 * model.num_params * slots / (chips * slice_.accelerator.bf16_flops)
     step = max(memory_time, compute_time)
@@ -164,11 +167,14 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         kv_format="int8" if serving.quantize_kvcache else serving.dtype,
         kv_bytes_per_token=kv_bytes_per_token(model, serving, model.num_kv_heads),
         kv_heads_per_chip=kv_heads_per_chip,
+        slots_per_chip=slots // math.prod(mesh[a] for a in k.spec[1]),
         kv_bytes_per_chip=kv_per_chip,
         kv_capacity_tokens=slots * serving.max_target_length,
-        kv_tokens_that_fit_per_chip=int((usable - weights_per_chip) // kv_token_chip),
+        kv_tokens_that_fit_per_chip=int((limit - weights_per_chip - use.temporaries) // kv_token_chip),
         hbm_bytes_per_chip=hbm,
-        hbm_usable_per_chip=usable,
+        bytes_limit_per_chip=float(limit),
+        temporaries_bytes_per_chip=float(use.temporaries),
+        headroom_bytes_per_chip=float(limit - use.total),
         step_time_s=step,
         bound="memory" if memory_time >= compute_time else "compute",
         tokens_per_s=slots / step,
@@ -178,33 +184,21 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
 
 
 def _does_not_fit(
-    cfg: DeploymentConfig,
-    serving: ServingConfig,
-    where: Placement,
-    weights: float,
-    kv: float,
-    usable: float,
-    chips: int,
+    refusal: str, serving: ServingConfig, where: Placement, use, limit: int, chips: int
 ) -> str:
-    """The refusal: the numbers, what would fit, and the flags that change them."""
+    """The refusal: the figures, how many slots would fit, and where a dimension is replicated."""
     slots = where.cache[("k",)].shape[1]
-    fitting = int((usable - weights) // (kv / slots)) if usable > weights else 0
+    room = limit - use.params - use.temporaries
+    fitting = int(room // (use.kv_cache / slots)) if room > 0 else 0
     if fitting:
         advice = (
             f"{fitting} slots of {serving.max_target_length} tokens would fit "
-            f"(serving.per_device_batch_size <= {fitting / chips:g}, not {serving.per_device_batch_size:g})"
+            f"(per_device_batch_size <= {fitting / chips:g}, not {serving.per_device_batch_size:g})"
         )
     else:
         advice = "the weights alone do not fit"
     replicated = f"; replicated: {'; '.join(where.notes)}" if where.notes else ""
-    return (
-        f"{cfg.model_name} does not fit on {cfg.tpu.accelerator} {cfg.tpu.topology}: weights "
-        f"{weights / 1e9:.1f} GB + KV cache {kv / 1e9:.1f} GB per chip exceed the usable "
-        f"{usable / 1e9:.1f} GB of {usable / HBM_USABLE_FRACTION / 1e9:.0f} GB HBM; {advice}{replicated}; try "
-        f"serving.quantization=int8, serving.quantize_kvcache=true, a smaller serving.max_target_length "
-        f"or serving.per_device_batch_size, other serving.ici_tensor_parallelism / "
-        f"ici_autoregressive_parallelism / ici_fsdp_parallelism, or a larger tpu.topology"
-    )
+    return f"{refusal}; {advice}{replicated}"
 
 
 def format_plan(plan: Plan) -> str:
@@ -227,17 +221,20 @@ def format_plan(plan: Plan) -> str:
         ),
         (
             "KV cache",
-            f"{plan.kv_format}: {plan.kv_bytes_per_token / 1e3:.1f} kB per token, {plan.kv_heads_per_chip} kv head(s) per chip, {plan.kv_bytes_per_chip / gb:.2f} GB per chip",
+            f"{plan.kv_format}: {plan.kv_bytes_per_token / 1e3:.1f} kB per token, {plan.kv_heads_per_chip} kv head(s) "
+            f"and {plan.slots_per_chip} slots per chip, {plan.kv_bytes_per_chip / gb:.2f} GB per chip",
         ),
+        ("temporaries (estimate)", f"{plan.temporaries_bytes_per_chip / gb:.2f} GB per chip"),
         (
-            "HBM per chip",
-            f"{(plan.weight_bytes_per_chip + plan.kv_bytes_per_chip) / gb:.2f} GB used of {plan.hbm_usable_per_chip / gb:.1f} GB usable ({plan.hbm_bytes_per_chip / gb:.0f} GB)",
+            "memory per chip",
+            f"{(plan.bytes_limit_per_chip - plan.headroom_bytes_per_chip) / gb:.2f} GB of the bytes_limit "
+            f"{plan.bytes_limit_per_chip / gb:.2f} GB ({plan.hbm_bytes_per_chip / 2**30:.0f} GiB HBM), "
+            f"headroom {plan.headroom_bytes_per_chip / gb:.2f} GB",
         ),
         (
             "KV tokens that fit",
-            f"{plan.kv_tokens_that_fit_per_chip} in the HBM the weights leave "
-            f"({plan.kv_tokens_that_fit_per_chip // plan.max_target_length} slots of {plan.max_target_length}; "
-            f"every chip holds every slot)",
+            f"{plan.kv_tokens_that_fit_per_chip} in what the weights and temporaries leave "
+            f"({plan.kv_tokens_that_fit_per_chip // plan.max_target_length} slots of {plan.max_target_length})",
         ),
         ("decode step (roofline)", f"{plan.step_time_s * 1e3:.2f} ms, {plan.bound}-bound"),
         ("decode throughput (roofline)", f"{plan.tokens_per_s:.0f} tokens/s per replica"),

@@ -99,7 +99,7 @@ class Engine(ChunkedPrefill):
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
         self.placement = engine_placement(
             model.config,
-            Numerics(config.weight_dtype, config.dtype, config.quantization, config.quantize_kvcache),
+            Numerics.of(config),
             self.mesh,
             self.max_concurrent_decodes,
             config.max_target_length,

@@ -4,26 +4,34 @@ The one statement of the placement, in plain Python (no JAX): the engine turns t
 `NamedSharding`s (serving.engine.sharding) and `pathserve deploy plan` sums bytes per chip from the
 same shapes and specs, so the plan cannot drift from what the engine places.
 
-The meaning of the axes is MaxText's, from the logical axis rules of its `base.yml` and inference
-configs (our mesh has only three of its axes; the others are size 1 there):
+Every leaf carries MaxText's logical axis names, dimension by dimension, and the active
+`logical_axis_rules` (MaxText's `base.yml` by default, a recipe file's where one is given; see
+serving.maxtext) map them to mesh axes exactly as MaxText (Flax) does: rules are read in order, and
+a rule names the mesh axes of the first dimension of its logical name not yet assigned, unless one
+of those mesh axes is already taken by another dimension of the same array. The names:
 
-    logical dim      mesh axes                  leaves
-    heads            (tensor, autoregressive)   wq's out, wo's in
-    kv_heads         (tensor, autoregressive)   wk's and wv's out
-    mlp              (tensor, autoregressive)   w_gate's and w_up's out, w_down's in
-    vocab            (tensor, autoregressive)   the embedding's rows, lm_head's out
-    embed            (fsdp,)                    the other side of every matmul and the embedding
-    cache_heads      (autoregressive, tensor)   the KV cache's kv_heads
-    (not sharded)                               layers, the cache's slots, positions and head_dim,
-                                                the norms (as MaxText's 405B inference rules: norm [])
+    leaf                       MaxText's module               logical names
+    embed [vocab, embed]       token_embedder                 vocab, embed
+    wq [embed, heads*hd]       self_attention/query           embed, (q_heads, kv)
+    wk, wv [embed, kv*hd]      self_attention/key, value      embed, (kv_heads, kv_head_dim)
+    wo [heads*hd, embed]       self_attention/out             (heads, kv), embed
+    w_gate, w_up [embed, mlp]  mlp/wi_0, wi_1                 embed, mlp
+    w_down [mlp, embed]        mlp/wo                         mlp, embed
+    lm_head [embed, vocab]     logits_dense                   embed_vocab, vocab
+    norms [embed]              *_norm/scale                   norm
+    layers axis (stacked)      scanned layers                 layers
+    KV cache [layers, slots, length, kv_heads, head_dim]      layers, cache_batch, cache_sequence,
+                                                              cache_heads, cache_kv
 
-So `autoregressive` is a second model-parallel axis, not a batch axis: decode slots are not split.
-int8 scales follow the dimension they scale (their size-1 axis is not sharded).
+A flattened dimension (heads x head_dim) keeps MaxText's two: its mesh axes are the heads' then the
+head_dim's, which splits it in whole heads exactly as MaxText splits its [heads, head_dim] pair.
+int8 scales carry their kernel's names (their size-1 contraction axis is not split);
+`replicate_quant_scale` (MaxText's flag) keeps them whole on every chip. The mesh has only three of
+MaxText's axes: the others are size 1, and axes of size 1 are left out of the specs.
 
-A flattened `heads * head_dim` dimension shards in whole heads. Where a dimension does not divide by
-the product of its axes (8 kv heads over tensor 8 x autoregressive 2), it shards over the subset of
-those axes with the largest product that divides it (tensor: 8) and is replicated over the rest
-(2x); that is logged. Axes of size 1 are left out of the specs.
+Where a dimension does not divide by the product of its axes (8 kv heads over tensor 8 x
+autoregressive 2), MaxText would fail to shard; we shard over the subset of those axes with the
+largest product that divides it (tensor: 8) and replicate over the rest (2x), and log that.
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from serving.maxtext import Rules, base_rules, normalize_rules
 from serving.models.config import ModelConfig
 from serving.models.params import EMBEDDING, LAYER_KEYS, param_shapes
 
@@ -41,28 +50,24 @@ log = logging.getLogger(__name__)
 
 MESH_AXES = ("fsdp", "autoregressive", "tensor")
 
-# Logical dimension -> the mesh axes it shards over, in MaxText's order.
-RULES: dict[str, tuple[str, ...]] = {
-    "heads": ("tensor", "autoregressive"),
-    "kv_heads": ("tensor", "autoregressive"),
-    "mlp": ("tensor", "autoregressive"),
-    "vocab": ("tensor", "autoregressive"),
-    "embed": ("fsdp",),
-    "cache_heads": ("autoregressive", "tensor"),
-}
+# A dimension of a leaf: the logical names it holds (two for a flattened heads x head_dim).
+Logical = tuple[str, ...]
 
-# Each matmul weight's [in, out] logical dims (see serving.models.params for the shapes).
-WEIGHT_DIMS: dict[str, tuple[str, str]] = {
-    "wq": ("embed", "heads"),
-    "wk": ("embed", "kv_heads"),
-    "wv": ("embed", "kv_heads"),
-    "wo": ("heads", "embed"),
-    "w_gate": ("embed", "mlp"),
-    "w_up": ("embed", "mlp"),
-    "w_down": ("mlp", "embed"),
-    "lm_head": ("embed", "vocab"),
-    EMBEDDING: ("vocab", "embed"),  # [vocab, embed]; quantized per row
+# Each matmul weight's [in, out] logical names (see serving.models.params for the shapes).
+WEIGHT_NAMES: dict[str, tuple[Logical, Logical]] = {
+    "wq": (("embed",), ("q_heads", "kv")),
+    "wk": (("embed",), ("kv_heads", "kv_head_dim")),
+    "wv": (("embed",), ("kv_heads", "kv_head_dim")),
+    "wo": (("heads", "kv"), ("embed",)),
+    "w_gate": (("embed",), ("mlp",)),
+    "w_up": (("embed",), ("mlp",)),
+    "w_down": (("mlp",), ("embed",)),
+    "lm_head": (("embed_vocab",), ("vocab",)),
+    EMBEDDING: (("vocab",), ("embed",)),  # [vocab, embed]; quantized per row
 }
+NORM: Logical = ("norm",)
+LAYERS: Logical = ("layers",)
+CACHE_NAMES: tuple[Logical, ...] = (LAYERS, ("cache_batch",), ("cache_sequence",), ("cache_heads",), ("cache_kv",))
 
 DTYPE_BYTES = {"int8": 1, "bfloat16": 2, "float32": 4}
 SCALE_DTYPE = "float32"  # int8 weights' and int8 KV's scales
@@ -74,21 +79,37 @@ Spec = tuple[tuple[str, ...], ...]
 
 @dataclass(frozen=True)
 class Numerics:
-    """The config keys that decide which leaves exist and their dtypes (ServingConfig's names)."""
+    """The config keys that decide which leaves exist, their dtypes and where they live
+    (ServingConfig's names; `logical_axis_rules` empty: MaxText base.yml's)."""
 
     weight_dtype: str = "float32"
     dtype: str = "float32"
     quantization: str = ""
     quantize_kvcache: bool = False
+    logical_axis_rules: Rules = ()
+    replicate_quant_scale: bool = False
+
+    @classmethod
+    def of(cls, config: object) -> Numerics:
+        """From a ServingConfig or an EngineConfig (both have these keys)."""
+        return cls(
+            config.weight_dtype,
+            config.dtype,
+            config.quantization,
+            config.quantize_kvcache,
+            normalize_rules(getattr(config, "logical_axis_rules", ())),
+            bool(getattr(config, "replicate_quant_scale", False)),
+        )
 
 
 @dataclass(frozen=True)
 class Leaf:
-    """One array of the params or the KV cache: its global shape, dtype and partition spec."""
+    """One array of the params or the KV cache: its global shape, dtype, logical names and spec."""
 
     shape: tuple[int, ...]
     dtype: str
     spec: Spec
+    logical: tuple[Logical, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +142,47 @@ class Placement:
 
 
 class _Splitter:
-    """Chooses the mesh axes of each logical dimension and remembers where it had to replicate."""
+    """Maps each leaf's logical names through the rules onto this mesh, and remembers where a
+    dimension had to be replicated because its units do not divide."""
 
-    def __init__(self, axes: Mapping[str, int]):
-        self.axes = axes
+    def __init__(self, cfg: ModelConfig, axes: Mapping[str, int], rules: Rules, slots: int, length: int):
+        self.axes, self.rules = axes, rules
+        self.units = {
+            "vocab": cfg.vocab_size,
+            "embed": cfg.embed_dim,
+            "embed_vocab": cfg.embed_dim,
+            "norm": cfg.embed_dim,
+            "q_heads": cfg.num_heads,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "cache_heads": cfg.num_kv_heads,
+            "kv": cfg.head_dim,
+            "kv_head_dim": cfg.head_dim,
+            "cache_kv": cfg.head_dim,
+            "mlp": cfg.mlp_dim,
+            "layers": cfg.num_layers,
+            "cache_batch": slots,
+            "cache_sequence": length,
+        }
         self.notes: dict[str, str] = {}
 
-    def split(self, logical: str, count: int) -> tuple[str, ...]:
-        """The mesh axes of `count` units (heads, rows, ...) of a `logical` dimension."""
-        wanted = tuple(a for a in RULES.get(logical, ()) if self.axes[a] > 1)
+    def spec(self, names: Sequence[Logical]) -> Spec:
+        """The spec of an array whose dimensions hold `names` (a flattened one holds two)."""
+        per_name = _assign([n for dim in names for n in dim], self.rules)
+        out, i = [], 0
+        for dim in names:
+            axes: list[str] = []
+            for name, mesh in zip(dim, per_name[i : i + len(dim)], strict=True):
+                axes.extend(self._divisible(name, mesh))
+            out.append(tuple(axes))
+            i += len(dim)
+        return tuple(out)
+
+    def _divisible(self, logical: str, mesh: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the mesh axes `logical` maps to (size-1 and absent axes dropped), the subset with the
+        largest product that divides its units, in the rule's order."""
+        wanted = tuple(a for a in mesh if self.axes.get(a, 1) > 1)
+        count = self.units[logical]
         best: tuple[str, ...] = ()
         for size in range(len(wanted), 0, -1):
             for subset in itertools.combinations(wanted, size):
@@ -146,6 +199,30 @@ class _Splitter:
         return best
 
 
+def _assign(flat: Sequence[str], rules: Rules) -> list[tuple[str, ...]]:
+    """Flax's logical-to-mesh rule: per logical name of one array, its mesh axes (() if no rule)."""
+    assigned: list[tuple[str, ...] | None] = [None] * len(flat)
+    for name, axes in rules:
+        pos = next((i for i, n in enumerate(flat) if n == name and assigned[i] is None), None)
+        if pos is None:
+            continue
+        taken = {a for got in assigned if got for a in got}
+        if not taken.intersection(axes):
+            assigned[pos] = axes
+    return [got or () for got in assigned]
+
+
+def mesh_axes_of(names: Sequence[Logical], rules: Rules) -> list[tuple[str, ...]]:
+    """MaxText's mapping of one array whose dimensions hold `names`: per dimension, the mesh axes
+    (any of MaxText's, before sizes or divisibility are looked at) of its logical names in order."""
+    per_name = _assign([n for dim in names for n in dim], rules)
+    out, i = [], 0
+    for dim in names:
+        out.append(tuple(a for got in per_name[i : i + len(dim)] for a in got))
+        i += len(dim)
+    return out
+
+
 def placement(
     cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], slots: int, length: int
 ) -> Placement:
@@ -153,7 +230,8 @@ def placement(
     missing = [a for a in MESH_AXES if a not in axes]
     if missing:
         raise ValueError(f"mesh axes {missing} missing from {dict(axes)}")
-    splitter = _Splitter(axes)
+    rules = numerics.logical_axis_rules or base_rules()
+    splitter = _Splitter(cfg, axes, rules, slots, length)
     params = _param_leaves(cfg, numerics, splitter)
     cache = _cache_leaves(cfg, numerics, splitter, slots, length)
     for note in splitter.notes.values():
@@ -168,45 +246,40 @@ def _param_leaves(cfg: ModelConfig, numerics: Numerics, splitter: _Splitter) -> 
         stacked = name in LAYER_KEYS
         path: Path = ("layers", name) if stacked else (name,)
         lead: tuple[int, ...] = (cfg.num_layers,) if stacked else ()
-        lead_spec: Spec = ((),) * len(lead)
-        if name not in WEIGHT_DIMS:  # norms
-            out[path] = Leaf((*lead, *shape), numerics.weight_dtype, (*lead_spec, ()))
+        lead_names: tuple[Logical, ...] = (LAYERS,) if stacked else ()
+        if name not in WEIGHT_NAMES:  # norms
+            names = (*lead_names, NORM)
+            out[path] = Leaf((*lead, *shape), numerics.weight_dtype, splitter.spec(names), names)
             continue
-        d_in, d_out = (splitter.split(dim, _units(cfg, dim)) for dim in WEIGHT_DIMS[name])
-        spec = (*lead_spec, d_in, d_out)
+        names = (*lead_names, *WEIGHT_NAMES[name])
+        spec = splitter.spec(names)
         if not quantized:
-            out[path] = Leaf((*lead, *shape), numerics.weight_dtype, spec)
-        elif name == EMBEDDING:  # int8 rows, one scale per row: scales [vocab, 1]
-            out[(*path, "values")] = Leaf(shape, "int8", spec)
-            out[(*path, "scales")] = Leaf((shape[0], 1), SCALE_DTYPE, (d_in, ()))
+            out[path] = Leaf((*lead, *shape), numerics.weight_dtype, spec, names)
+            continue
+        out[(*path, "values")] = Leaf((*lead, *shape), "int8", spec, names)
+        if name == EMBEDDING:  # int8 rows, one scale per row: scales [vocab, 1]
+            scale_shape, scale_spec = (shape[0], 1), (spec[0], ())
         else:  # int8 [..., in, out], one scale per output channel: scales [..., 1, out]
-            out[(*path, "values")] = Leaf((*lead, *shape), "int8", spec)
-            out[(*path, "scales")] = Leaf((*lead, 1, shape[1]), SCALE_DTYPE, (*lead_spec, (), d_out))
+            scale_shape, scale_spec = (*lead, 1, shape[1]), (*spec[:-2], (), spec[-1])
+        if numerics.replicate_quant_scale:
+            scale_spec = ((),) * len(scale_shape)
+        out[(*path, "scales")] = Leaf(scale_shape, SCALE_DTYPE, scale_spec, names)
     return out
-
-
-def _units(cfg: ModelConfig, logical: str) -> int:
-    """How many whole units a logical dimension has: heads, not heads x head_dim."""
-    return {
-        "heads": cfg.num_heads,
-        "kv_heads": cfg.num_kv_heads,
-        "cache_heads": cfg.num_kv_heads,
-        "mlp": cfg.mlp_dim,
-        "vocab": cfg.vocab_size,
-        "embed": cfg.embed_dim,
-    }[logical]
 
 
 def _cache_leaves(
     cfg: ModelConfig, numerics: Numerics, splitter: _Splitter, slots: int, length: int
 ) -> dict[Path, Leaf]:
     """[layers, slots, length, kv_heads, head_dim] keys and values (int8 ones with [..., 1] scales)."""
-    spec: Spec = ((), (), (), splitter.split("cache_heads", _units(cfg, "cache_heads")), ())
+    spec = splitter.spec(CACHE_NAMES)
     shape = (cfg.num_layers, slots, length, cfg.num_kv_heads, cfg.head_dim)
     if not numerics.quantize_kvcache:
-        return {(n,): Leaf(shape, numerics.dtype, spec) for n in ("k", "v")}
-    out = {(n,): Leaf(shape, "int8", spec) for n in ("k", "v")}
-    out.update({(n,): Leaf((*shape[:-1], 1), SCALE_DTYPE, spec) for n in ("k_scale", "v_scale")})
+        return {(n,): Leaf(shape, numerics.dtype, spec, CACHE_NAMES) for n in ("k", "v")}
+    out = {(n,): Leaf(shape, "int8", spec, CACHE_NAMES) for n in ("k", "v")}
+    scale_spec = (*spec[:-1], ())
+    out.update(
+        {(n,): Leaf((*shape[:-1], 1), SCALE_DTYPE, scale_spec, CACHE_NAMES) for n in ("k_scale", "v_scale")}
+    )
     return out
 
 

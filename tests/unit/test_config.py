@@ -117,17 +117,20 @@ def test_deploy_overrides_of_serving_are_parsed_as_serve_parses_them():
     config = Path(__file__).resolve().parents[2] / "configs" / "deployments" / "llama3.1-405b-int8-v6e-16.yml"
     overrides = ["per_device_batch_size=2.5", "scan_layers=true", "cpu_kernels=off", "max_target_length=4096"]
     deployed = load_deployment(config, overrides).serving_config()
+    serving = dict(load_deployment(config).serving)
     served = load_config(
-        overrides=[f"{k}={v}" for k, v in load_deployment(config).serving.items()]
+        serving.pop("base_config"),
+        [f"{k}={v}" for k, v in serving.items()]
         + overrides
-        + ["model_name=llama3.1-405b", "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8"]
+        + ["model_name=llama3.1-405b", "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8"],
     )
-    assert deployed == served.model_copy(update={"grpc_port": 9000})
+    assert deployed == served
     assert (deployed.per_device_batch_size, deployed.scan_layers, deployed.cpu_kernels) == (2.5, True, "off")
 
 
 def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
-    """serving.engine.partitioning (read by deploy plan on a laptop): MaxText's axes, leaf by leaf."""
+    """serving.engine.partitioning (read by deploy plan on a laptop) under base.yml's rules: MaxText's
+    axes, leaf by leaf."""
     import subprocess
     import sys
 
@@ -145,7 +148,8 @@ def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
     assert specs["layers/wk/values"] == specs["layers/wk/scales"] == "[-, -, tensor]"  # 8 kv heads
     assert specs["layers/w_down/values"] == "[-, tensor x autoregressive, -]"
     assert specs["layers/w_down/scales"] == "[-, -, -]"  # [1, embed]: fsdp is 1
-    assert specs["embed/values"] == "[tensor x autoregressive, -]" and specs["final_norm"] == "[-]"
+    assert specs["embed/values"] == "[tensor x autoregressive, -]" and specs["final_norm"] == "[tensor]"
+    # base.yml: cache_heads over (autoregressive, tensor), 8 kv heads split 8 ways; slots whole.
     assert {describe(leaf.spec) for leaf in where.cache.values()} == {"[-, -, -, tensor, -]"}
     assert where.cache[("k",)].shape == (126, 160, 2048, 8, 128)
     assert where.cache_bytes_per_chip() == 160 * 2048 * 126 * 2 * (128 + 4)  # one kv head per chip

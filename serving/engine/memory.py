@@ -1,0 +1,108 @@
+"""Accelerator memory per chip: what the params, the KV cache and a step's temporaries take, checked
+against what the runtime gives (`bytes_limit`), by `pathserve deploy plan` and by `serve` alike.
+
+MaxText applies no fraction of HBM: a recipe whose arrays do not fit fails to compile. So the
+check is the placement's bytes per chip (serving.engine.partitioning) plus an estimate of the
+largest temporaries of a step against the runtime's limit, and a refusal names the figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from serving.engine.partitioning import DTYPE_BYTES, Placement
+from serving.models.config import ModelConfig
+
+ACTIVATION_DTYPE_BYTES = DTYPE_BYTES
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes on one chip."""
+
+    params: int
+    kv_cache: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.kv_cache + self.temporaries
+
+
+def temporaries_per_chip(
+    cfg: ModelConfig, where: Placement, dtype: str, prefill_tokens: int, slots: int
+) -> int:
+    """An estimate of a step's largest live temporaries on one chip: one layer of a prefill call of
+    `prefill_tokens` tokens (its residual and normed input, q/k/v, the MLP's gate and up, and the
+    float32 attention scores over the call's tokens), plus float32 logits of every slot. The
+    model-parallel dimensions are divided as their weights are (heads, mlp, vocab)."""
+    heads_ways = _ways(where, "wq", -1)
+    mlp_ways = _ways(where, "w_gate", -1)
+    vocab_ways = _ways(where, "lm_head", -1) if _leaf(where, "lm_head") in where.params else _ways(where, "embed", 0)
+    act = ACTIVATION_DTYPE_BYTES[dtype]
+    t, e, d = prefill_tokens, cfg.embed_dim, cfg.head_dim
+    per_token = 2 * e + 2 * cfg.mlp_dim // mlp_ways + (cfg.num_heads + 2 * cfg.num_kv_heads) * d // heads_ways
+    scores = t * t * max(1, cfg.num_heads // heads_ways) * FLOAT32
+    logits = max(slots, 1) * (cfg.vocab_size // vocab_ways) * FLOAT32
+    return t * per_token * act + scores + logits
+
+
+def _leaf(where: Placement, name: str) -> tuple[str, ...]:
+    """The params path of a weight: stacked or not, int8 (its values) or not."""
+    for path in (("layers", name), ("layers", name, "values"), (name,), (name, "values")):
+        if path in where.params:
+            return path
+    return (name,)
+
+
+def _ways(where: Placement, name: str, dim: int) -> int:
+    """Into how many pieces weight `name`'s dimension `dim` is split."""
+    return max(1, math.prod(where.axes[a] for a in where.params[_leaf(where, name)].spec[dim]))
+
+
+def memory_use(cfg: ModelConfig, where: Placement, dtype: str, prefill_tokens: int, slots: int) -> MemoryUse:
+    return MemoryUse(
+        where.params_bytes_per_chip(),
+        where.cache_bytes_per_chip(),
+        temporaries_per_chip(cfg, where, dtype, prefill_tokens, slots),
+    )
+
+
+FLAGS_TO_CHANGE = (
+    "quantization=int8, quantize_kvcache=true, a smaller max_target_length or per_device_batch_size, "
+    "other ici_tensor_parallelism / ici_autoregressive_parallelism / ici_fsdp_parallelism, or more chips"
+)
+
+
+def shortfall(use: MemoryUse, bytes_limit: int, where: str) -> str | None:
+    """None when `use` fits in `bytes_limit`, else the refusal: the figures and what to change."""
+    if use.total <= bytes_limit:
+        return None
+    gb = 1e9
+    return (
+        f"{where}: params {use.params / gb:.2f} GB + KV cache {use.kv_cache / gb:.2f} GB + temporaries "
+        f"{use.temporaries / gb:.2f} GB = {use.total / gb:.2f} GB per chip exceed its bytes_limit of "
+        f"{bytes_limit / gb:.2f} GB by {(use.total - bytes_limit) / gb:.2f} GB; try {FLAGS_TO_CHANGE}"
+    )
+
+
+def check_devices(cfg: ModelConfig, where: Placement, dtype: str, prefill_tokens: int, slots: int, devices) -> None:
+    """Before anything is allocated: the same sum as `deploy plan` against each live device's
+    `memory_stats()["bytes_limit"]` (devices that report none, as CPUs, are not checked); a
+    shortfall raises ConfigError naming the figures."""
+    from serving.config import ConfigError
+
+    use = memory_use(cfg, where, dtype, prefill_tokens, slots)
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # backends without memory stats raise or return None
+            stats = None
+        limit = (stats or {}).get("bytes_limit")
+        if not limit:
+            continue
+        refusal = shortfall(use, int(limit), f"{device}")
+        if refusal:
+            raise ConfigError(refusal)
