@@ -37,10 +37,14 @@ class Launched:
         return self.model.config.name
 
     def describe(self) -> str:
+        from serving.engine.partitioning import describe
+
         what = self.engine.summary()
+        cache = describe(self.engine.placement.cache[("k",)].spec)
         return (
             f"{self.model.config.name} from {self.model.source}, {self.engine.max_concurrent_decodes} slots, "
-            f"quantization={what['quantization']}, kv cache {what['kv_cache']}, {what['backend']} backend; "
+            f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
+            f"{self.engine.placement.axes}, {what['backend']} backend; "
             f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s"
         )
 

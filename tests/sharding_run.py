@@ -3,7 +3,8 @@ when JAX starts): for each (model preset, mesh) it builds the engine on that mes
 through prefill, insert and multi-step generate, and prints one JSON line per case with the tokens,
 every params and cache leaf's PartitionSpec, and the bytes each device holds.
 
-argv: TOKENIZER_DIR, then a JSON list of {"model", "mesh", "flags" (ServingConfig keys), "generate"};
+argv: TOKENIZER_DIR, then a JSON list of {"model", "mesh", "flags" (ServingConfig keys), "generate",
+"maxtext" (a MaxText config file the flags override, optional)};
 model presets come from $PATHSERVE_CONFIG_DIR/models.
 """
 
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from serving.checkpoints.model_source import LoadedModel
-from serving.config import ServingConfig, load_model_config
+from serving.config import ServingConfig, load_config, load_model_config
 from serving.engine.engine import Engine
 from serving.models import quantize_params
 from serving.models.params import LAYER_KEYS, param_shapes
@@ -72,7 +73,10 @@ def random_params(model_cfg) -> dict:
 
 
 def run(tokenizer, case: dict) -> dict:
-    cfg = ServingConfig(**case["flags"])
+    if case.get("maxtext"):  # a MaxText recipe file with the flags after it, as `serve` reads them
+        cfg = load_config(case["maxtext"], [f"{k}={json.dumps(v)}" for k, v in case["flags"].items()])
+    else:
+        cfg = ServingConfig(**case["flags"])
     model_cfg = load_model_config(case["model"])
     params = quantize_params(random_params(model_cfg))
     model = LoadedModel(model_cfg, params, tokenizer, case["model"])
