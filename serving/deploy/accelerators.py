@@ -34,13 +34,17 @@ BYTES_LIMIT = {
     # v6e (Trillium), 32 GiB HBM: 33,550,237,696 (31.25 GiB less 4 MiB), as vLLM's TPU usage
     # records show for v6e.
     "tpu-v6e-slice": 33_550_237_696,
-    # v5e: 16 GiB HBM. BYTES_LIMIT_V5E below.
-    "tpu-v5-lite-podslice": 0,
-    # v5p: 95 GiB HBM.
-    "tpu-v5p-slice": 0,
-    # v4: 32 GiB HBM.
-    "tpu-v4-podslice": 0,
+    # v5e, 16 GiB HBM: 16,909,332,480 (15.75 GiB less 2 MiB), printed by memory_stats() on an
+    # 8-chip slice in public Kaggle notebooks; the XLA compiler's "of 15.75G hbm" on a named v5e-8.
+    "tpu-v5-lite-podslice": 16_909_332_480,
+    # v5p, 95 GiB HBM: 102,803,439,616 (95.74 GiB), the total tpu-info's v5p fixture gives, and the
+    # compiler's "of 95.74G hbm" in v5p logs (no memory_stats() print of it found).
+    "tpu-v5p-slice": 102_803_439_616,
+    # v4, 32 GiB HBM: 34,088,157,184 (31.75 GiB), memory_stats() in pytorch/xla PR #7086 (2024) and
+    # tpu-info's v4 fixture; an older runtime (jax issue #1491, 2023) reported 33,014,415,360.
+    "tpu-v4-podslice": 34_088_157_184,
 }
+# A live `serve` checks each device's own bytes_limit before it places anything.
 ACCELERATORS = {
     a.gke_name: a
     for a in (

@@ -168,17 +168,20 @@ class DeploymentConfig(_Strict):
         return [*([base] if base else []), *(f"{k}={_yaml_scalar(v)}" for k, v in overrides.items())]
 
     def _split_base(self) -> tuple[str | None, dict[str, Any]]:
-        """`serving.base_config` (the MaxText config file) and the rest, model and checkpoint first."""
+        """`serving.base_config` (the MaxText config file) and the rest: model and checkpoint first,
+        the user's keys in their order, the gRPC port the Service names last."""
         rest = {k: v for k, v in self.serving.items() if k != "base_config"}
         base = self.serving.get("base_config")
         if base is not None and not isinstance(base, str):
             raise DeployError(f"serving.base_config: expected a MaxText config file path, got {base!r}")
-        return base, {**self._engine_keys(), **rest}
+        engine = self._engine_keys()
+        grpc = {"grpc_port": engine.pop("grpc_port")} if "grpc_port" in engine else {}
+        return base, {**engine, **rest, **grpc}
 
     def _engine_keys(self) -> dict[str, Any]:
         """Serving keys that come from elsewhere in this config."""
         keys: dict[str, Any] = {"model_name": self.model_name, "load_parameters_path": self.checkpoint}
-        if self.kind == "serve" and self.ports.grpc != ServingConfig.model_fields["grpc_port"].default:
+        if self.kind == "serve":
             keys["grpc_port"] = self.ports.grpc
         return keys
 

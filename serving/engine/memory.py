@@ -82,7 +82,7 @@ def shortfall(use: MemoryUse, bytes_limit: int, where: str) -> str | None:
         return None
     gb = 1e9
     return (
-        f"{where}: params {use.params / gb:.2f} GB + KV cache {use.kv_cache / gb:.2f} GB + temporaries "
+        f"{where} does not fit: params {use.params / gb:.2f} GB + KV cache {use.kv_cache / gb:.2f} GB + temporaries "
         f"{use.temporaries / gb:.2f} GB = {use.total / gb:.2f} GB per chip exceed its bytes_limit of "
         f"{bytes_limit / gb:.2f} GB by {(use.total - bytes_limit) / gb:.2f} GB; try {FLAGS_TO_CHANGE}"
     )

@@ -161,6 +161,7 @@ L, E, H, KV, D, MLP, V = 126, 16384, 128, 8, 128, 53248, 128256
 
 
 def test_plan_for_405b_int8_on_v6e_16_matches_a_hand_calculation():
+    """The guide's recipe (MaxText/configs/v5e/inference/llama3_405b_v5e-64.yml, its rules there)."""
     plan = make_plan(load_deployment(V6E_405B))
     per_layer = 2 * E * H * D + 2 * E * KV * D + 3 * E * MLP  # q, o; k, v; gate, up, down
     matmul_int8 = L * per_layer + E * V  # + untied LM head, one byte each
@@ -171,30 +172,37 @@ def test_plan_for_405b_int8_on_v6e_16_matches_a_hand_calculation():
     assert plan.weight_bytes == weights == 405_938_038_784
     assert plan.chips == 16 and plan.hosts == 4
     assert plan.mesh == {"fsdp": 1, "autoregressive": 2, "tensor": 8}
-    # MaxText's rules by hand: heads, mlp and vocab split 16 ways (tensor x autoregressive); 8 kv heads
-    # split 8 ways (tensor), so wk / wv are held twice; wo's and w_down's [1, embed] scales, whose
-    # embed dimension only fsdp (1) splits, and the norms are on every chip.
-    kv_weights = 2 * L * (E * KV * D + 4 * KV * D)
-    whole = 4 * L * (E + E) + norms_bf16
-    per_chip = (weights - kv_weights - whole) / 16 + kv_weights / 8 + whole
+    # The recipe's rules by hand: q heads, heads, mlp and vocab over tensor x autoregressive (16);
+    # kv heads over tensor (8) and their head_dim over autoregressive (2): 16 ways too. Every int8
+    # value splits 16 ways; the scales (replicate_quant_scale) and the norms (norm: []) are whole.
+    per_chip = (matmul_int8 + V * E) / 16 + scales + 4 * V + norms_bf16
     assert plan.weight_bytes_per_chip == pytest.approx(per_chip, rel=1e-12)
-    assert plan.weight_bytes_per_chip == pytest.approx(weights / 16, rel=0.015)  # ~25.7 GB
-    # The KV cache: every chip holds all 44 slots x 2048 positions of one kv head (int8 + a scale).
-    kv_per_token_chip = L * 2 * 1 * (D + 4)
-    assert plan.kv_heads_per_chip == 1
-    assert plan.slots == 44 and plan.kv_capacity_tokens == 44 * 2048
-    assert plan.kv_bytes_per_chip == 44 * 2048 * kv_per_token_chip
-    assert plan.weight_bytes_per_chip + plan.kv_bytes_per_chip <= 28.8e9 == plan.hbm_usable_per_chip
-    assert plan.kv_tokens_that_fit_per_chip == int((28.8e9 - per_chip) // kv_per_token_chip)
-    step = (per_chip + 44 * 2048 * kv_per_token_chip) / 1.64e12
+    assert plan.weight_bytes_per_chip / 1e9 == pytest.approx(25.45, abs=0.01)
+    # The KV cache: the 160 slots over autoregressive (80 a chip), the 8 kv heads over tensor (1 a
+    # chip), 2048 positions each (int8 + a float32 scale per head): 5.45 GB, no copy.
+    kv_per_chip = 80 * 2048 * L * 2 * 1 * (D + 4)
+    assert plan.kv_heads_per_chip == 1 and plan.slots_per_chip == 80
+    assert plan.slots == 160 and plan.kv_capacity_tokens == 160 * 2048
+    assert plan.kv_bytes_per_chip == kv_per_chip
+    limit = 33_550_237_696  # a v6e chip's bytes_limit
+    used = per_chip + kv_per_chip + plan.temporaries_bytes_per_chip
+    assert plan.bytes_limit_per_chip == limit and plan.headroom_bytes_per_chip == pytest.approx(limit - used)
+    assert 0 < plan.temporaries_bytes_per_chip < 0.5e9 and used / 1e9 == pytest.approx(31.03, abs=0.01)
+    kv_token_chip = kv_per_chip / (160 * 2048)
+    assert plan.kv_tokens_that_fit_per_chip == int(
+        (limit - plan.weight_bytes_per_chip - plan.temporaries_bytes_per_chip) // kv_token_chip
+    )
+    step = (per_chip + kv_per_chip) / 1.64e12
     assert plan.step_time_s == pytest.approx(step, rel=1e-12) and plan.bound == "memory"
-    assert plan.tokens_per_s == pytest.approx(44 / step, rel=1e-12)
+    assert plan.tokens_per_s == pytest.approx(160 / step, rel=1e-12)
     assert plan.shardings["wq [embed, heads]"] == "[-, tensor x autoregressive]"
-    assert plan.shardings["wk, wv [embed, kv_heads]"] == "[-, tensor]"
-    assert plan.shardings["kv cache [slots, length, kv_heads, head_dim]"] == "[-, -, tensor, -]"
+    assert plan.shardings["wk, wv [embed, kv_heads]"] == "[-, tensor x autoregressive]"
+    assert plan.shardings["kv cache [slots, length, kv_heads, head_dim]"] == "[autoregressive, -, tensor, -]"
+    assert plan.replication == []
 
 
-# The engine flags of the product docs' 405B recipe, as one types them after `serve`.
+# The engine flags of the product docs' 405B recipe, as one types them after `serve` (without the
+# recipe file: base.yml's rules).
 SEED_TEXT = """
 model_name=llama3.1-405b max_prefill_predict_length=1024 max_target_length=2048
 ici_fsdp_parallelism=1 ici_autoregressive_parallelism=2 ici_tensor_parallelism=8
@@ -204,21 +212,29 @@ quantization=int8 quantize_kvcache=true checkpoint_is_quantized=true enable_mode
 SEED_FLAGS = SEED_TEXT.split()
 
 
-def test_the_seeds_160_slots_are_refused_with_the_numbers_and_what_fits():
-    """With 2048 positions preallocated per slot, 160 slots need 10.9 GB of KV cache per chip (8 kv
-    heads split 8 ways) on top of 25.7 GB of weights: over the usable 28.8 GB, and over 32 GB."""
-    flags = [f for f in SEED_FLAGS if not f.startswith("model_name=")]  # model_name is top-level
-    result = run_cli("deploy", "plan", str(V6E_405B), *flags)
+def test_the_seeds_flags_without_the_recipe_file_are_refused_with_the_numbers_and_what_fits(tmp_path):
+    """Without the recipe's rules (base.yml's: cache_heads over (autoregressive, tensor), slots
+    whole), 160 slots need 10.9 GB of KV cache per chip (8 kv heads split 8 ways, each held twice) on
+    top of 25.6 GB of weights: over the v6e's bytes_limit. The recipe file is what makes them fit."""
+    data = yaml.safe_load(V6E_405B.read_text())
+    data["serving"] = {k: v for k, v in data["serving"].items() if k != "base_config"}
+    variant = tmp_path / "no-recipe.yml"
+    variant.write_text(yaml.safe_dump(data))
+    result = run_cli("deploy", "plan", str(variant), *SEED_FLAGS, "dtype=bfloat16")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     for text in (
-        "weights 25.7 GB + KV cache 10.9 GB per chip exceed the usable 28.8 GB",
-        "46 slots of 2048 tokens would fit (serving.per_device_batch_size <= 2.875, not 10)",
+        "params 25.65 GB + KV cache 10.90 GB + temporaries",
+        "exceed its bytes_limit of 33.55 GB",
+        "slots of 2048 tokens would fit (per_device_batch_size <= ",
         "8 cache_heads do not divide over autoregressive x tensor = 16: split over tensor, replicated 2x",
-        "serving.per_device_batch_size",
-        "serving.max_target_length",
+        "per_device_batch_size",
+        "max_target_length",
     ):
         assert text in result.stderr, result.stderr
-    result = run_cli("deploy", "plan", str(V6E_405B), "model_name=llama3.1-405b")
+    assert run_cli("deploy", "plan", str(V6E_405B), *SEED_FLAGS).returncode == 0
+    data["serving"]["model_name"] = "llama3.1-405b"
+    variant.write_text(yaml.safe_dump(data))
+    result = run_cli("deploy", "plan", str(variant))
     assert result.returncode == 2 and "serving.model_name: set model_name instead" in result.stderr
 
 
@@ -243,7 +259,8 @@ def test_overrides_of_serving_mean_what_they_mean_for_serve(tmp_path):
     leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
     args = next(c for c in leader if c["name"] == "engine")["args"]
     assert {"per_device_batch_size=1", "max_target_length=4096", "scan_layers=true"} <= set(args)
-    assert "per_device_batch_size=2.75" not in args
+    assert "per_device_batch_size=10" not in args
+    assert args[1] == "MaxText/configs/v5e/inference/llama3_405b_v5e-64.yml"  # the recipe file first
     for bad, named in (
         ("per_device_batch_sise=2", "did you mean 'per_device_batch_size'"),
         ("scan_layers", "key=value"),
@@ -263,13 +280,13 @@ def test_405b_in_bfloat16_on_v6e_16_is_refused_naming_the_numbers_and_the_flags(
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     for text in (
-        "llama3.1-405b does not fit on tpu-v6e-slice 4x4: weights 51.3 GB + KV cache",
-        "the usable 28.8 GB of 32 GB HBM",
+        "llama3.1-405b on tpu-v6e-slice 4x4 does not fit: params 50.74 GB + KV cache",
+        "exceed its bytes_limit of 33.55 GB",
         "the weights alone do not fit",
-        "serving.quantization=int8",
-        "serving.quantize_kvcache=true",
+        "quantization=int8",
+        "quantize_kvcache=true",
         "ici_tensor_parallelism",
-        "a larger tpu.topology",
+        "or more chips",
     ):
         assert text in result.stderr, result.stderr
 
@@ -286,7 +303,7 @@ def test_a_tensor_16_variant_has_no_reason_to_exist():
         "per_device_batch_size=1",
     )
     assert result.returncode == 2
-    assert "weights 29.4 GB" in result.stderr and "replicated 16x" in result.stderr
+    assert "params 29.42 GB" in result.stderr and "replicated 16x" in result.stderr
 
 
 def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
@@ -308,7 +325,7 @@ def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
         ({"serving__ici_tensor_parallelism": 4}, ["ici_tensor_parallelism", "= 8", "16 chips"]),
         (
             {"serving__quantization": "", "serving__checkpoint_is_quantized": False},
-            ["does not fit", "serving.quantization=int8"],
+            ["does not fit", "exceed its bytes_limit", "quantization=int8"],
         ),
         ({"tpu__accelerator": "tpu-v9-slice"}, ["tpu.accelerator", "tpu-v9-slice"]),
         ({"tpu__topology": "4x4x4"}, ["tpu.topology", "4x4x4"]),

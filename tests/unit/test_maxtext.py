@@ -18,14 +18,7 @@ from serving.engine.partitioning import Numerics, describe, placement
 REPO = Path(__file__).resolve().parents[2]
 DEPLOYMENT = REPO / "configs" / "deployments" / "llama3.1-405b-int8-v6e-16.yml"
 # The engine container's arguments in the JetStream-on-Pathways guide's LeaderWorkerSet, verbatim.
-GUIDE_ARGS = (
-    "MaxText/configs/v5e/inference/llama3_405b_v5e-64.yml model_name=llama3.1-405b "
-    "load_parameters_path=CHECKPOINT_PATH max_prefill_predict_length=1024 max_target_length=2048 "
-    "async_checkpointing=false steps=1 ici_fsdp_parallelism=1 ici_autoregressive_parallelism=2 "
-    "ici_tensor_parallelism=8 scan_layers=false weight_dtype=bfloat16 per_device_batch_size=10 "
-    "enable_single_controller=true quantization=int8 quantize_kvcache=true checkpoint_is_quantized=true "
-    "enable_model_warmup=true"
-).split()
+GUIDE_ARGS = ["MaxText/configs/v5e/inference/llama3_405b_v5e-64.yml", "model_name=llama3.1-405b", "load_parameters_path=CHECKPOINT_PATH", "max_prefill_predict_length=1024", "max_target_length=2048", "async_checkpointing=false", "steps=1", "ici_fsdp_parallelism=1", "ici_autoregressive_parallelism=2", "ici_tensor_parallelism=8", "scan_layers=false", "weight_dtype=bfloat16", "per_device_batch_size=10", "enable_single_controller=true", "quantization=int8", "quantize_kvcache=true", "checkpoint_is_quantized=true", "enable_model_warmup=true"]
 TODAY = "src/maxtext/configs/inference/multihost/interleaved/llama3_405b_v5e-64.yml"
 
 
@@ -96,7 +89,7 @@ def test_a_missing_base_config_and_an_unknown_key_are_named(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"unknown config key 'per_device_batch_sise'.*per_device_batch_size"):
         load_config(TODAY, ["per_device_batch_sise=2"])
-    with pytest.raises(ConfigError, match="config file not found: MaxText/configs/v5e/nope.yml"):
+    with pytest.raises(ConfigError, match=r"config file not found: MaxText/configs/v5e/nope\.yml"):
         load_config("MaxText/configs/v5e/nope.yml")
 
 
@@ -154,9 +147,12 @@ def test_deploy_plan_takes_the_guides_arguments_verbatim(capsys):
 
 def test_the_deployment_renders_the_guides_arguments_unchanged():
     cfg = load_deployment(DEPLOYMENT)
-    assert cfg.serving_args() == GUIDE_ARGS[:2] + [
-        "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8"
-    ] + GUIDE_ARGS[3:]
+    assert cfg.serving_args() == [
+        *GUIDE_ARGS[:2],
+        "load_parameters_path=gs://my-bucket/checkpoints/llama3.1-405b-int8",
+        *GUIDE_ARGS[3:],
+        "grpc_port=9000",  # the port the Service names, after the guide's arguments
+    ]
     assert make_plan(cfg).slots == 160
 
 
