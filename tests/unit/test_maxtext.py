@@ -163,3 +163,24 @@ def test_405b_in_bfloat16_on_v6e_16_is_refused_with_the_numbers(capsys):
     err = capsys.readouterr().err
     assert "exceed its bytes_limit of 33.55 GB" in err and "params 50.74 GB" in err
     assert "quantization=int8" in err
+
+
+def test_serve_checks_a_live_devices_bytes_limit_before_placing_anything():
+    """serving.engine.memory.check_devices, as launch calls it: the plan's sum against each device's
+    memory_stats()["bytes_limit"]; devices without memory stats (CPUs) are not checked."""
+    from types import SimpleNamespace
+
+    from serving.engine.memory import check_devices, memory_use
+
+    cfg = load_config(TODAY, GUIDE_ARGS[1:])
+    model = model_description(cfg)
+    where = placement(model, Numerics.of(cfg), {"fsdp": 1, "autoregressive": 2, "tensor": 8}, 160, 2048)
+    need = memory_use(model, where, cfg.dtype, 1024, 160).total
+
+    def device(limit):
+        return SimpleNamespace(memory_stats=lambda: {"bytes_limit": limit})
+
+    cpu = SimpleNamespace(memory_stats=lambda: None)
+    check_devices(model, where, cfg.dtype, 1024, 160, [cpu, device(33_550_237_696)])  # fits
+    with pytest.raises(ConfigError, match=r"does not fit: params 27\.83 GB \+ KV cache 5\.45 GB .* exceed its bytes_limit"):
+        check_devices(model, where, cfg.dtype, 1024, 160, [device(need - 1)])
