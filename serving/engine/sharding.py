@@ -85,5 +85,6 @@ def cache_shardings(mesh: Mesh, where: Placement) -> KVCache:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-    """Every device holds the whole array: the decode state's per-slot scalars (slots are not split)."""
+    """Every device holds the whole array: the decode state's per-slot scalars (small; the cache's slots
+    may still split over cache_batch's axes)."""
     return NamedSharding(mesh, P())
