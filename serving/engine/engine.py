@@ -47,6 +47,7 @@ from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.models import decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import unstack_layers
+from serving.models.quantization import int8_names
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,6 @@ class Engine(ChunkedPrefill):
             config.cpu_kernels,
             config.quantization,
             config.weight_dtype,
-            config.quantize_activations,
             list(self.mesh.devices.flat),
         )
         self.limits = Limits(
@@ -99,7 +99,7 @@ class Engine(ChunkedPrefill):
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
         self.placement = engine_placement(
             model.config,
-            Numerics.of(config),
+            Numerics.of(config, int8=int8_names(model.params)),
             self.mesh,
             self.max_concurrent_decodes,
             config.max_target_length,

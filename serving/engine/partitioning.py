@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from serving.maxtext import Rules, base_rules, normalize_rules
 from serving.models.config import ModelConfig
-from serving.models.params import EMBEDDING, LAYER_KEYS, param_shapes
+from serving.models.params import EMBEDDING, LAYER_KEYS, int8_entries, param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,12 @@ class Numerics:
     quantize_kvcache: bool = False
     logical_axis_rules: Rules = ()
     replicate_quant_scale: bool = False
+    # The params entries held in int8; None: those `quantization` quantizes (int8_entries). A
+    # checkpoint stored in int8 says its own (a MaxText int8 checkpoint: the layers' matmuls only).
+    int8: tuple[str, ...] | None = None
 
     @classmethod
-    def of(cls, config: object) -> Numerics:
+    def of(cls, config: object, int8: tuple[str, ...] | None = None) -> Numerics:
         """From a ServingConfig or an EngineConfig (both have these keys)."""
         return cls(
             config.weight_dtype,
@@ -99,7 +102,12 @@ class Numerics:
             config.quantize_kvcache,
             normalize_rules(getattr(config, "logical_axis_rules", ())),
             bool(getattr(config, "replicate_quant_scale", False)),
+            int8,
         )
+
+    @property
+    def int8_entries(self) -> frozenset[str]:
+        return frozenset(int8_entries(self.quantization) if self.int8 is None else self.int8)
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,7 @@ def placement(
 
 
 def _param_leaves(cfg: ModelConfig, numerics: Numerics, splitter: _Splitter) -> dict[Path, Leaf]:
-    quantized = numerics.quantization == "int8"
+    quantized = numerics.int8_entries
     out: dict[Path, Leaf] = {}
     for name, shape in param_shapes(cfg).items():
         stacked = name in LAYER_KEYS
@@ -253,7 +261,7 @@ def _param_leaves(cfg: ModelConfig, numerics: Numerics, splitter: _Splitter) -> 
             continue
         names = (*lead_names, *WEIGHT_NAMES[name])
         spec = splitter.spec(names)
-        if not quantized:
+        if name not in quantized:
             out[path] = Leaf((*lead, *shape), numerics.weight_dtype, spec, names)
             continue
         out[(*path, "values")] = Leaf((*lead, *shape), "int8", spec, names)

@@ -78,14 +78,14 @@ def _running_sums(sizes: list[int]) -> list[int]:
 
 
 def select(
-    cpu_kernels: str, quantization: str, weight_dtype: str, quantize_activations: bool, devices: list
+    cpu_kernels: str, quantization: str, weight_dtype: str, devices: list
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
     `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops."""
     if cpu_kernels == "off":
         return XLA
-    reason = weights_unsupported(quantization, weight_dtype, quantize_activations)
+    reason = weights_unsupported(quantization, weight_dtype)
     if reason is None and (len(devices) != 1 or devices[0].platform != "cpu"):
         reason = f"they run on one CPU device, not {len(devices)} {devices[0].platform} device(s)"
     if reason is None:

@@ -16,6 +16,17 @@ LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up",
 EMBEDDING = "embed"
 
 
+def int8_entries(quantization: str) -> tuple[str, ...]:
+    """The entries a `quantization` mode keeps in int8 when it quantizes float weights: "int8"
+    (W8A8, MaxText's meaning) the layers' matmuls, as MaxText does (the embedding and the head stay
+    float); "int8w" (weight-only, ours) every matmul weight and the embedding."""
+    if quantization == "int8":
+        return LAYER_MATMULS
+    if quantization == "int8w":
+        return (*MATMUL_WEIGHTS, EMBEDDING)
+    return ()
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of each entry; per layer for LAYER_KEYS (without the leading layers axis)."""
     e, d = cfg.embed_dim, cfg.head_dim

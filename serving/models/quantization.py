@@ -64,21 +64,30 @@ def quantize_int8(weight: Any, axis: int = -2) -> QuantizedWeight:
     return QuantizedWeight(values=jnp.asarray(values), scales=jnp.asarray(scales))
 
 
-def quantize_params(params: dict) -> dict:
-    """Return params with every matmul weight and the embedding replaced by a `QuantizedWeight`."""
+def quantize_params(params: dict, names: tuple[str, ...] = QUANTIZED) -> dict:
+    """Return params with the float entries among `names` (by default every matmul weight and the
+    embedding) replaced by a `QuantizedWeight`; entries already in int8 stay as they are."""
 
     def visit(tree: dict) -> dict:
         out = {}
         for key, value in tree.items():
             if isinstance(value, dict):
                 out[key] = visit(value)
-            elif key in QUANTIZED and not isinstance(value, QuantizedWeight):
+            elif key in names and not isinstance(value, QuantizedWeight):
                 out[key] = quantize_int8(value, scale_axis(key))
             else:
                 out[key] = value
         return out
 
     return visit(params)
+
+
+def int8_names(params: dict) -> tuple[str, ...]:
+    """The params entries (top-level and per layer) held as `QuantizedWeight`s."""
+    layers = params.get("layers", {})
+    layer = layers[0] if isinstance(layers, list) else layers
+    found = [k for k, v in {**params, **layer}.items() if isinstance(v, QuantizedWeight)]
+    return tuple(sorted(found))
 
 
 def with_int8_activations(params: dict) -> dict:

@@ -148,7 +148,9 @@ def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
     assert specs["layers/wk/values"] == specs["layers/wk/scales"] == "[-, -, tensor]"  # 8 kv heads
     assert specs["layers/w_down/values"] == "[-, tensor x autoregressive, -]"
     assert specs["layers/w_down/scales"] == "[-, -, -]"  # [1, embed]: fsdp is 1
-    assert specs["embed/values"] == "[tensor x autoregressive, -]" and specs["final_norm"] == "[tensor]"
+    # quantization=int8 is MaxText's: the layers' matmuls in int8, the embedding and head in bfloat16.
+    assert specs["embed"] == "[tensor x autoregressive, -]" and specs["final_norm"] == "[tensor]"
+    assert where.params[("embed",)].dtype == where.params[("lm_head",)].dtype == "bfloat16"
     # base.yml: cache_heads over (autoregressive, tensor), 8 kv heads split 8 ways; slots whole.
     assert {describe(leaf.spec) for leaf in where.cache.values()} == {"[-, -, -, tensor, -]"}
     assert where.cache[("k",)].shape == (126, 160, 2048, 8, 128)

@@ -172,7 +172,7 @@ def test_serve_checks_a_live_devices_bytes_limit_before_placing_anything():
 
     from serving.engine.memory import check_devices, memory_use
 
-    cfg = load_config(TODAY, GUIDE_ARGS[1:])
+    cfg = load_config(GUIDE_ARGS[0], GUIDE_ARGS[1:])
     model = model_description(cfg)
     where = placement(model, Numerics.of(cfg), {"fsdp": 1, "autoregressive": 2, "tensor": 8}, 160, 2048)
     need = memory_use(model, where, cfg.dtype, 1024, 160).total
@@ -181,6 +181,13 @@ def test_serve_checks_a_live_devices_bytes_limit_before_placing_anything():
         return SimpleNamespace(memory_stats=lambda: {"bytes_limit": limit})
 
     cpu = SimpleNamespace(memory_stats=lambda: None)
-    check_devices(model, where, cfg.dtype, 1024, 160, [cpu, device(33_550_237_696)])  # fits
-    with pytest.raises(ConfigError, match=r"does not fit: params 27\.83 GB \+ KV cache 5\.45 GB .* exceed its bytes_limit"):
+    v6e = device(33_550_237_696)
+    check_devices(model, where, cfg.dtype, 1024, 160, [cpu, v6e])  # fits
+    with pytest.raises(ConfigError, match=r"does not fit: params 25\.72 GB \+ KV cache 5\.45 GB .* exceed its bytes_limit"):
         check_devices(model, where, cfg.dtype, 1024, 160, [device(need - 1)])
+    # Today's recipe path splits q heads only 8 ways: with MaxText's int8 (embedding and head in
+    # bfloat16) its 160 slots no longer fit a v6e.
+    today = load_config(TODAY, GUIDE_ARGS[1:])
+    where = placement(model, Numerics.of(today), {"fsdp": 1, "autoregressive": 2, "tensor": 8}, 160, 2048)
+    with pytest.raises(ConfigError, match=r"params 28\.09 GB \+ KV cache 5\.45 GB"):
+        check_devices(model, where, today.dtype, 1024, 160, [v6e])
