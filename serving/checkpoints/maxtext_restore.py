@@ -55,7 +55,10 @@ def _metadata_tree(directory: str) -> Any:
         meta = ocp.PyTreeCheckpointer().metadata(directory)
     except Exception as exc:  # a damaged _METADATA or a missing array directory
         raise CheckpointError(f"{directory}: cannot read the Orbax checkpoint's metadata: {_first_line(exc)}") from None
-    return getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    item = getattr(meta, "item_metadata", meta)
+    if item is None:  # Orbax logs what failed and returns no tree
+        raise CheckpointError(f"{directory}: cannot read the Orbax checkpoint's metadata (damaged or truncated)")
+    return getattr(item, "tree", item)
 
 
 def _walk(node: Any, prefix: Path, leaf: Any) -> Any:
@@ -273,3 +276,105 @@ def _get(tree: Any, path: Path) -> Any:
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def describe_maxtext(path: str, layout: Layout) -> dict[str, Any]:
+    """What `pathserve inspect` says of a MaxText checkpoint: its format, dtype, whether scanned,
+    its layers, bytes and tensors."""
+    layers = {e.layer for e in layout.entries if e.layer is not None}
+    scanned_layers = {e.shape[e.layer_axis] for e in layout.entries if e.layer_axis is not None}
+    return {
+        "format": f"maxtext {layout.kind}",
+        "source_path": path,
+        "items": items_dir(path),
+        "dtype": layout.dtype,
+        "quantization": "int8 (AQT per-channel qvalue + scale)" if layout.quantized else "none",
+        "int8_entries": sorted(layout.quantized_names),
+        "scanned": layout.scanned,
+        "num_layers": max(scanned_layers) if layout.scanned else len(layers),
+        "bytes": layout.nbytes(),
+        "tensors": {"/".join(e.path): {"shape": list(e.shape), "dtype": e.dtype} for e in layout.entries},
+    }
+
+
+def describe_table(info: Mapping[str, Any]) -> str:
+    rows = [
+        ("format", info["format"]),
+        ("dtype (float tensors)", info["dtype"]),
+        ("quantization", info["quantization"]),
+        ("int8 entries", ", ".join(info["int8_entries"]) or "-"),
+        ("layers", f"{info['num_layers']} ({'scanned' if info['scanned'] else 'unscanned'})"),
+        ("tensors", str(len(info["tensors"]))),
+        ("bytes", f"{info['bytes']:,}"),
+        ("items", str(info["items"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def verify_maxtext(path: str, layout: Layout) -> tuple[int, list[str]]:
+    """Read every tensor of a MaxText checkpoint back, one at a time (MaxText writes no checksums:
+    this finds what cannot be read, such as a truncated or missing file, and non-finite floats).
+    Returns (tensors checked, problems naming each tensor)."""
+    import orbax.checkpoint as ocp
+
+    directory = items_dir(path)
+    tree = _metadata_tree(directory)
+    bad: list[str] = []
+    quiet_orbax_logs()
+    for entry in layout.entries:
+        item = _walk(tree, (), lambda p, meta, want=entry.path: meta if p == want else None)
+        args = _walk(item, (), lambda p, _: ocp.RestoreArgs(restore_type=np.ndarray))
+        try:
+            restored = ocp.PyTreeCheckpointer().restore(
+                directory, args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True)
+            )
+            value = np.asarray(_get(restored, entry.path))
+        except Exception as exc:
+            bad.append(f"{'/'.join(entry.path)}: cannot be read: {_first_line(exc)}")
+            continue
+        if value.shape != entry.shape:
+            bad.append(f"{'/'.join(entry.path)}: shape {value.shape}, its metadata says {entry.shape}")
+        elif entry.dtype != "int8" and not np.isfinite(value.astype(np.float32)).all():
+            bad.append(f"{'/'.join(entry.path)}: holds non-finite values")
+    return len(layout.entries), bad
+
+
+def iter_maxtext_params(path: str, cfg: ModelConfig, model_name: str, layout: Layout | None = None):
+    """(ParamKey, float32 [in, out] tensor, checkpoint path) for each entry of a MaxText checkpoint,
+    one entry (and one layer) at a time, in our layout: what `pathserve convert` streams. int8
+    kernels come out dequantized (qvalue x scale), for convert to store in float or quantize again."""
+    import orbax.checkpoint as ocp
+
+    from serving.checkpoints.layout import ParamKey
+
+    directory = items_dir(path)
+    layout = layout or read_layout(path)
+    if directory is None or layout is None:
+        raise CheckpointError(f"{path}: not a MaxText checkpoint")
+    check_against(layout, cfg, path)
+    tree = _metadata_tree(directory)
+    transform = _Transform(cfg, interleaved_rope(model_name), np.float32)
+    groups: dict[tuple[str, int | None], dict[str, Entry]] = {}
+    for entry in layout.entries:
+        groups.setdefault((entry.name, entry.layer), {})[entry.part] = entry
+    quiet_orbax_logs()
+    for (name, layer), parts in groups.items():
+        arrays = {}
+        for part, entry in parts.items():
+            item = _walk(tree, (), lambda p, meta, want=entry.path: meta if p == want else None)
+            args = _walk(item, (), lambda p, _: ocp.RestoreArgs(restore_type=np.ndarray))
+            try:
+                restored = ocp.PyTreeCheckpointer().restore(
+                    directory, args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True)
+                )
+            except Exception as exc:
+                raise CheckpointError(f"{path}: {'/'.join(entry.path)}: {_first_line(exc)}") from None
+            arrays[part] = np.asarray(transform(entry, _get(restored, entry.path), None), np.float32)
+        tensor = arrays["qvalue"] * arrays["scale"] if "qvalue" in arrays else arrays["kernel"]
+        label = "/".join(next(iter(parts.values())).path)
+        if layer is None and name in LAYER_KEYS:  # scanned: every layer in one leaf
+            for i in range(tensor.shape[0]):
+                yield ParamKey(name, i), tensor[i], f"{label}[{i}]"
+        else:
+            yield ParamKey(name, layer), tensor, label

@@ -143,6 +143,10 @@ def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = No
     cfg = effective_config(path, cfg)
     metadata = read_metadata(path)
     params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype, shardings=shardings)
+    if not metadata.tokenizer_files:  # converted from a MaxText checkpoint, which has none
+        tokenizer = load_tokenizer_path(cfg.tokenizer_path, path)
+        fmt = f"pathserve {'int8' if metadata.quantization else metadata.dtype}"
+        return LoadedModel(metadata.config, _quantized_as_asked(params, cfg), tokenizer, path, fmt)
     tokenizer = load_checkpoint_tokenizer(path, metadata)
     if cfg.tokenizer_path:
         log.info("tokenizer_path=%s not used: %s carries its own tokenizer", cfg.tokenizer_path, path)
@@ -172,7 +176,7 @@ def load_tokenizer_path(tokenizer_path: str, checkpoint: str) -> Tokenizer:
     from serving.checkpoints.storage import is_gcs, read_bytes
 
     if not tokenizer_path:
-        raise ConfigError(f"tokenizer_path: {checkpoint} is a MaxText checkpoint, which carries no tokenizer; name one")
+        raise ConfigError(f"tokenizer_path: {checkpoint} carries no tokenizer (a MaxText checkpoint's weights); name one")
     asset = MAXTEXT_TOKENIZER_ASSETS.get(tokenizer_path.removeprefix("./"))
     if asset is not None:
         return tokenizer_from_files({"tokenizer.model": asset().read_bytes()})

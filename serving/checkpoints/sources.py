@@ -17,10 +17,11 @@ from serving.checkpoints.errors import CheckpointError
 from serving.checkpoints.gguf_file import GGUFFile, is_gguf_file, iter_gguf_params
 from serving.checkpoints.hf import is_hf_dir, iter_hf_params, read_hf_config
 from serving.checkpoints.layout import ParamKey
+from serving.checkpoints.maxtext_restore import is_maxtext_checkpoint, iter_maxtext_params
 from serving.checkpoints.meta import is_meta_dir, iter_meta_params, read_meta_config
 from serving.models.config import ModelConfig
 
-FORMATS = ("hf", "meta", "gguf")
+FORMATS = ("hf", "meta", "gguf", "maxtext")
 Tensors = Iterator[tuple[ParamKey, np.ndarray, str]]
 
 
@@ -40,11 +41,13 @@ def detect_format(path: Path) -> str:
         return "meta"
     if is_gguf_file(path):
         return "gguf"
+    if path.is_dir() and is_maxtext_checkpoint(str(path)):
+        return "maxtext"
     if not path.exists():
         raise CheckpointError(f"source not found: {path}")
     raise CheckpointError(
         f"{path}: not a model source: not a Hugging Face directory (config.json), a Meta directory "
-        "(params.json + consolidated.*.pth) or a GGUF file"
+        "(params.json + consolidated.*.pth), a GGUF file or a MaxText checkpoint"
     )
 
 
@@ -71,6 +74,12 @@ def open_source(path: Path, fmt: str | None = None, config: ModelConfig | None =
             else {}
         )
         return Source(fmt, path, cfg, lambda: iter_meta_params(path, cfg), files)
+    if fmt == "maxtext":
+        if config is None:
+            raise CheckpointError(
+                f"{path}: a MaxText checkpoint carries no model config: name its model with --model-config"
+            )
+        return Source(fmt, path, config, lambda: iter_maxtext_params(str(path), config, config.name), {})
     gguf = GGUFFile(path)
     cfg = config or gguf.model_config()
     return Source(
