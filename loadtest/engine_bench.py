@@ -158,7 +158,7 @@ def grammar_main(ns: argparse.Namespace, gguf: Path) -> int:
     from serving.structured.grammar import GrammarCompiler
 
     base = ServingConfig(
-        max_prefill_predict_length=64, max_target_length=64 + ns.new_tokens + 8, quantization="int8"
+        max_prefill_predict_length=64, max_target_length=64 + ns.new_tokens + 8, quantization="int8w"
     )
     model = load_model(str(gguf), base)
     prompt_ids = model.tokenizer.encode(PROMPT)
@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         base = ServingConfig(
             max_prefill_predict_length=64,
             max_target_length=64 + ns.new_tokens + 8,
-            quantization="" if weights.startswith("float32") else "int8",
-            quantize_activations=weights == "w8a8",
+            # int8: weight-only (int8w); w8a8: MaxText's quantization=int8.
+            quantization="" if weights.startswith("float32") else "int8" if weights == "w8a8" else "int8w",
             cpu_kernels="off" if weights.endswith("-xla") else "auto",
         )
         model = load_model(str(gguf), base)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None, prog: str = "pathserve bench overhead") 
     )
     # The default model's serving defaults, at the benchmark's batch; later key=value win.
     args = [
-        "quantization=int8",
+        "quantization=int8w",
         "enable_model_warmup=true",
         "max_prefill_predict_length=256",
         "max_target_length=512",

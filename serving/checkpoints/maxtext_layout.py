@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from serving.checkpoints.errors import CheckpointError
 from serving.models.config import ModelConfig
-from serving.models.params import EMBEDDING
+from serving.models.params import EMBEDDING, LAYER_KEYS
 
 Path = tuple[str, ...]
 
@@ -181,7 +181,7 @@ def describe_tree(leaves: Mapping[Path, tuple[tuple[int, ...], str]]) -> Layout 
         nnx = nnx or any(_nnx_box(list(path), i) for i in range(len(path)))
         if part != "kernel":
             kinds.add("int8")
-        if name in CONTRACTED or name.endswith("norm"):
+        if name in LAYER_KEYS:
             kinds.add("scanned" if scanned else "unscanned")
         axis = 1 if scanned else None
         entries.append(Entry(path, tuple(shape), str(dtype), name, layer, part, axis))
