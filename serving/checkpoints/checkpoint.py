@@ -1,7 +1,8 @@
 """The pathserve checkpoint: an Orbax params tree, its metadata and its tokenizer, in one place.
 
     CKPT/pathserve.json   model config, quantization, dtype, layout, source, tokenizer files,
-                          and a sha256 per stored tensor (per layer for stacked tensors)
+                          a sha256 per stored tensor (per layer for stacked tensors), a sha256 of
+                          every other file, and its own (serving.checkpoints.verify)
     CKPT/tokenizer/       tokenizer.json / tokenizer.model / gguf_tokenizer.json, copied in
     CKPT/params/          Orbax PyTree checkpoint (see orbax_io)
 
@@ -46,13 +47,19 @@ class CheckpointMetadata:
     tokenizer_files: list[str]
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # leaf name -> shape, dtype, sha256
     format_version: int = FORMAT_VERSION
+    # Every other file of the checkpoint (path within it -> sha256 of its bytes), and this file's
+    # own sha256 (of its text with this field zeroed). Empty in checkpoints converted before them.
+    files: dict[str, str] = field(default_factory=dict)
+    metadata_sha256: str = ""
 
     @property
     def config(self) -> ModelConfig:
         return ModelConfig.model_validate(self.model_config)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """The metadata file's text, sealed with its own sha256 (`metadata_sha256`)."""
+        unsealed = json.dumps({**asdict(self), "metadata_sha256": UNSEALED}, indent=1)
+        return unsealed.replace(_seal(UNSEALED), _seal(hashlib.sha256(unsealed.encode()).hexdigest()))
 
     @classmethod
     def from_json(cls, text: str, where: str) -> CheckpointMetadata:
@@ -63,6 +70,21 @@ class CheckpointMetadata:
             return cls(**data)
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"{where}: not a pathserve checkpoint metadata file: {exc}") from None
+
+
+UNSEALED = "0" * 64
+
+
+def _seal(digest: str) -> str:
+    return f'"metadata_sha256": "{digest}"'
+
+
+def seal_matches(text: str, digest: str) -> bool:
+    """Whether `text` (a metadata file) is what was sealed with `digest`."""
+    if _seal(digest) not in text:
+        return False
+    unsealed = text.replace(_seal(digest), _seal(UNSEALED))
+    return hashlib.sha256(unsealed.encode()).hexdigest() == digest
 
 
 def is_checkpoint(path: str) -> bool:

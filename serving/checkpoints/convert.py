@@ -34,6 +34,7 @@ from serving.checkpoints.storage import (
     rename,
     write_bytes,
 )
+from serving.checkpoints.verify import file_checksums
 from serving.models.config import ModelConfig
 from serving.models.params import LAYER_KEYS
 
@@ -109,6 +110,7 @@ def _write(
         tracker.check_complete()
     for name, data in source.tokenizer_files.items():
         write_bytes(join(directory, TOKENIZER_DIR, name), data)
+    files = file_checksums(directory)  # every file but the metadata, which seals itself
     metadata = CheckpointMetadata(
         model_config=cfg.model_dump(),
         quantization=quantize,
@@ -125,6 +127,7 @@ def _write(
             }
             for path, (shape, np_dtype, _) in layout.items()
         },
+        files=files,
     )
     write_bytes(join(directory, METADATA_FILE), metadata.to_json().encode())
     return metadata

@@ -75,6 +75,27 @@ def read_bytes(path: str) -> bytes:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
+def list_files(path: str) -> list[str]:
+    """Every file under the directory `path`, as '/'-separated paths within it, sorted."""
+    fs, p = _fs(path)
+    root = p.rstrip("/")
+    try:
+        return sorted(f[len(root) + 1 :] for f in fs.find(root))
+    except FileNotFoundError:
+        return []
+    except Exception as exc:
+        raise CheckpointError(f"cannot list {path}: {exc}") from None
+
+
+def open_file(path: str):
+    """A binary reader of `path` (a context manager)."""
+    fs, p = _fs(path)
+    try:
+        return fs.open(p, "rb")
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
 def list_names(path: str) -> list[str]:
     fs, p = _fs(path)
     try:
