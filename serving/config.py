@@ -92,6 +92,7 @@ class ServerConfig:
     max_request_body_bytes: int = 1 << 20
     api_key: str = ""
     grpc_port: int = 9000
+    unknown_request_fields: str = "reject"
 
 
 class ServingConfig(BaseModel):
@@ -184,6 +185,9 @@ class ServingConfig(BaseModel):
     liveness_timeout_s: float = Field(default=60.0, gt=0)  # /livez fails when work waits this long
     drain_timeout_s: float = Field(default=30.0, ge=0)  # SIGTERM: how long in-flight requests may finish
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
+    # A request field no wire type defines (a typo, a vendor extra): "reject" answers 400 naming it
+    # (as OpenAI does); "warn" ignores it, logs each name once and counts it in /metrics.
+    unknown_request_fields: Literal["reject", "warn"] = "reject"
     # JetStream's gRPC API (jetstream_proto.Orchestrator) beside HTTP; 0 turns it off.
     grpc_port: int = Field(default=9000, ge=0, le=65535)
 

@@ -86,7 +86,7 @@ def create_app(state: ServerState) -> FastAPI:
         orch = state.orchestrator
         with state.lock:
             http_requests = dict(state.http_requests)
-        return (orch.metrics if orch else None), http_requests
+        return (orch.metrics if orch else None), http_requests, state.unknown_fields.counts()
 
     metrics_registry = prometheus.registry(snapshot)
 
@@ -99,6 +99,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/generate", tags=["jetstream"])
     async def jetstream_generate(body: GenerateRequest, request: Request) -> Response:
         """JetStream's generate: `{"response": text}`, or JSON lines `{"text": delta}` then a final record."""
+        state.unknown_fields.check(body)
         tokenizer = state.tokenizer
         prompt_ids = tokenizer.encode_prompt(body.prompt)
         sampling = convert.sampling(
@@ -161,6 +162,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Request) -> Response:
     """Both OpenAI generation routes: submit (n choices), then one body or server-sent events."""
+    state.unknown_fields.check(body)
     _check_model(state, body.model)
     tokenizer = state.tokenizer
     ids = convert.prompt_ids(body, tokenizer)

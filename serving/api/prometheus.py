@@ -18,24 +18,32 @@ from serving.orchestrator.metrics import EngineMetrics, Histogram
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what JetStream's and most scrapers' parsers expect
 
-Source = Callable[[], tuple[EngineMetrics | None, Mapping[tuple[str, int], int]]]
+Source = Callable[[], tuple[EngineMetrics | None, Mapping[tuple[str, int], int], Mapping[str, int]]]
 
 
 class _Collector(Collector):
-    """The metrics of one server: `source()` gives the engine's (None before it is up) and the
-    HTTP request counts by (route, status)."""
+    """The metrics of one server: `source()` gives the engine's (None before it is up), the
+    HTTP request counts by (route, status) and the ignored request fields by name."""
 
     def __init__(self, source: Source):
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        metrics, http_requests = self.source()
+        metrics, http_requests, ignored_fields = self.source()
         requests = CounterMetricFamily(
             "pathserve_http_requests", "HTTP requests by route and status code", labels=["route", "status"]
         )
         for (route, status), count in sorted(http_requests.items()):
             requests.add_metric([route, str(status)], count)
         yield requests
+        ignored = CounterMetricFamily(
+            "pathserve_ignored_request_fields",
+            "requests that sent a field no wire type defines (unknown_request_fields=warn), by field name",
+            labels=["field"],
+        )
+        for name, count in sorted(ignored_fields.items()):
+            ignored.add_metric([name], count)
+        yield ignored
         if metrics is not None:
             with metrics.lock:
                 yield from _engine_metrics(metrics)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from serving.config import ServerConfig
+from serving.openai.fields import UnknownFieldPolicy
 
 if TYPE_CHECKING:  # the API talks to the orchestrator; it never imports JAX itself
     from serving.orchestrator import Orchestrator
@@ -31,6 +32,10 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     in_flight: int = 0  # API requests being answered (streams included)
     http_requests: Counter = field(default_factory=Counter)  # (route, status) -> count
+    unknown_fields: UnknownFieldPolicy = field(init=False, repr=False)  # per unknown_request_fields
+
+    def __post_init__(self) -> None:
+        self.unknown_fields = UnknownFieldPolicy(self.config.unknown_request_fields)
 
     def set_ready(self, orchestrator: Orchestrator, model_name: str) -> None:
         self.orchestrator, self.model_name = orchestrator, model_name
@@ -53,8 +58,9 @@ class ServerState:
         return self.orchestrator.tokenizer
 
     def queue_full(self) -> bool:
+        """Every slot taken and max_queued_requests waiting: the next request would get 429."""
         orch = self.orchestrator
-        return orch is not None and orch.metrics.queued >= self.config.max_queued_requests
+        return orch is not None and orch.full()
 
     def stalled_for(self) -> float:
         """Seconds the device loop has gone without progress while work waits (0 when idle)."""

@@ -29,6 +29,7 @@ OUTPUT_KEYS = (
     "checkpoint_is_quantized",
     "max_prefill_predict_length",
     "max_target_length",
+    "unknown_request_fields",  # decides whether a row with an unknown field fails or runs
 )
 
 

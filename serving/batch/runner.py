@@ -27,6 +27,7 @@ from serving.config import ServingConfig
 from serving.errors import GenerationError, QueueFullError
 from serving.openai import convert
 from serving.openai.errors import APIError
+from serving.openai.fields import UnknownFieldPolicy
 
 if TYPE_CHECKING:
     from serving.orchestrator import Orchestrator
@@ -153,7 +154,8 @@ class _Job:
         self.cfg = cfg
         self.job = job
         self.output_url = output_url
-        self.capacity = orchestrator.engine.limits.max_concurrent_decodes + cfg.max_queued_requests
+        self.capacity = orchestrator.capacity  # slots + max_queued_requests: what submit admits at once
+        self.unknown_fields = UnknownFieldPolicy(cfg.unknown_request_fields)
         self.bar = None
         self.progress = progress
         self.tokens_out = 0
@@ -194,6 +196,7 @@ class _Job:
         try:
             row = rows.parse(raw, record_id)
             custom_id = row.custom_id
+            self.unknown_fields.check(row.body)  # an error record naming them, unless warn
             ids = convert.prompt_ids(row.body, self.tokenizer)
             # Without a seed a row samples from one derived from its id: a rerun gives the same text.
             params = convert.openai_sampling(

@@ -2,7 +2,8 @@
 
 Validation happens here, before a request reaches the orchestrator; anything pydantic rejects becomes
 a 400 in OpenAI's error shape naming the field. Fields OpenAI defines that we do not implement are
-accepted at their neutral value and rejected clearly otherwise, never silently ignored.
+accepted at their neutral value and rejected clearly otherwise, never silently ignored. Fields no
+type here defines are kept aside (`model_extra`) for serving.openai.fields to refuse or count.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored (clients send vendor extras); NaN and infinities are rejected.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are kept for serving.openai.fields, which refuses them by default (the schema
+    # says so) or, with unknown_request_fields=warn, counts them; NaN and infinities are rejected.
+    model_config = ConfigDict(
+        extra="allow", allow_inf_nan=False, json_schema_extra={"additionalProperties": False}
+    )
 
 
 class _Sampling(_Body):

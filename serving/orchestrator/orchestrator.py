@@ -1,8 +1,10 @@
 """Continuous batching: one thread owns the engine, requests come and go through queues.
 
 1. `submit()` (any thread: HTTP handlers, gRPC, the batch runner) checks the request against the
-   engine's limits and puts it on the bounded admission queue. A full queue fails at once with
-   `QueueFullError`, so callers can answer "busy" instead of waiting.
+   engine's limits and puts it on the admission queue. The server holds at most slots +
+   `max_queued_requests` requests, counting those in slots and those queued alike (a free slot is
+   room, even before the device loop has taken anyone into it); beyond that `submit` fails at once
+   with `QueueFullError`, so callers can answer "busy" instead of waiting.
 2. The device thread loops, each turn deciding, then executing:
    a. decide (serving.orchestrator.scheduler, plain Python): the slots of cancelled requests are
       freed (decoding or still prefilling), queued requests take the lowest free slots, the next
@@ -19,7 +21,7 @@
    (serving.orchestrator.streams); detokenization and stop strings happen there, off the device
    thread. A stop string ends the request (the slot is freed like a cancellation).
 4. A request with n > 1 choices is queued as n requests back to back (it counts as n against the
-   queue bound) and admitted whole: one prefill into n slots. A request under a grammar has one
+   bound) and admitted whole: one prefill into n slots. A request under a grammar has one
    matcher per choice (serving.structured), advanced here with each token; their next-token masks
    go into the plan.
 5. The engine's background warmup (serving.engine.warmup) starts a shape only after an idle turn
@@ -38,7 +40,7 @@ from typing import Any
 
 from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
-from serving.errors import GenerationError, QueueFullError, ShuttingDownError
+from serving.errors import QueueFullError, ShuttingDownError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.prefix_cache import PrefixCache
@@ -85,9 +87,11 @@ class Orchestrator:
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
         warmup = self._background_warmup()  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
-        self._queue: queue.Queue[Request] = queue.Queue(maxsize=config.max_queued_requests)
+        # Unbounded: `submit` bounds what the server holds (`_admits`), slots included.
+        self._queue: queue.Queue[Request] = queue.Queue()
         self._submit_lock = threading.Lock()  # a request's choices enter the queue together
         self._held: Request | None = None  # a queue head whose choices did not fit in the free slots
+        self._num_in_slots = 0  # requests the device loop took and has not finished (under _submit_lock)
         self._grammars = None  # serving.structured.GrammarCompiler, made at the first grammar
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -147,9 +151,24 @@ class Orchestrator:
 
     def _waiting(self) -> int:
         """Requests waiting for a slot: the queue's, and the head the device loop holds back
-        (it left the queue but still counts against max_queued_requests)."""
+        (it left the queue but still waits)."""
         held = self._held
         return self._queue.qsize() + (held.sampling.n if held is not None else 0)
+
+    @property
+    def capacity(self) -> int:
+        """Requests the server holds at most: every decode slot plus max_queued_requests waiting."""
+        return self.engine.limits.max_concurrent_decodes + self.config.max_queued_requests
+
+    def _admits(self, count: int) -> bool:
+        """Whether `count` more requests fit: those in slots and those waiting count alike, so an
+        idle server takes a burst of slots + max_queued_requests at once (under _submit_lock)."""
+        return self._num_in_slots + self._waiting() + count <= self.capacity
+
+    def full(self) -> bool:
+        """No room for one more request (readiness reports it)."""
+        with self._submit_lock:
+            return not self._admits(1)
 
     def submit(
         self,
@@ -176,13 +195,7 @@ class Orchestrator:
         """`submit` for a request of `sampling.n` choices: one handle per choice, in order."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
-        self.engine.limits.check(len(prompt_ids), sampling)
-        if self._queue.maxsize and sampling.n > self._queue.maxsize:
-            raise GenerationError(
-                f"n={sampling.n} choices wait in the admission queue as {sampling.n} requests; "
-                f"it holds {self._queue.maxsize} (max_queued_requests)",
-                field="n",
-            )
+        self.engine.limits.check(len(prompt_ids), sampling)  # n choices need no more than the slots
         matchers = self._matchers(sampling)
         stops = tuple(s for s in stop_strings if s)
         requests = [
@@ -192,10 +205,13 @@ class Orchestrator:
             if loop is not None:
                 request.tokens = LoopQueue(loop)
         with self._submit_lock:
-            if self._queue.maxsize and self._waiting() + len(requests) > self._queue.maxsize:
+            if not self._admits(len(requests)):
                 with self.metrics.lock:
                     self.metrics.requests_rejected += 1
-                raise QueueFullError(f"the admission queue is full ({self._queue.maxsize} requests waiting)")
+                raise QueueFullError(
+                    f"the admission queue is full ({self.config.max_queued_requests} requests waiting, "
+                    "every decode slot taken)"
+                )
             for request in requests:
                 self._queue.put_nowait(request)
         self.metrics.queued = self._waiting()
@@ -245,6 +261,7 @@ class Orchestrator:
             plan = scheduler.schedule([_waiting(group) for group in groups], cancelled, masks)
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
+            self._left_slots(len(cancelled))
             self.metrics.queued = self._waiting()
             self.metrics.active_slots = scheduler.num_used
             warmup = self._background_warmup()
@@ -272,9 +289,11 @@ class Orchestrator:
                 self._maybe_stop_trace()
             self.last_progress = time.monotonic()
             self._deliver(outcome, slots)
-            for rid, _slot in scheduler.update(plan, outcome):
+            finished = scheduler.update(plan, outcome)
+            for rid, _slot in finished:
                 request = running.pop(rid)
                 self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
+            self._left_slots(len(finished))
             self._record(scheduler)
         executor.close()
 
@@ -320,9 +339,16 @@ class Orchestrator:
                     continue
                 taken.append(group)
                 room -= len(group)
+                self._num_in_slots += len(group)
         for request in cancelled:
             self._finish(request, "cancelled")
         return taken
+
+    def _left_slots(self, count: int) -> None:
+        """`count` requests the device loop took have finished: their room is free for `submit`."""
+        if count:
+            with self._submit_lock:
+                self._num_in_slots -= count
 
     def _first_token(
         self,

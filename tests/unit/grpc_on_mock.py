@@ -55,7 +55,8 @@ def main() -> None:
         orchestrator.stop(timeout=10)  # nothing drains the queue any more: fill it, then one more
         idle = Orchestrator(MockEngine(slots=1), {}, TOKENIZER, cfg.orchestrator)
         state.orchestrator = idle
-        idle.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
+        for _ in range(1 + 1):  # its one slot and its queue of one
+            idle.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
         _code(stub, text, grpc.StatusCode.RESOURCE_EXHAUSTED)
         state.start_draining()
         _code(stub, text, grpc.StatusCode.UNAVAILABLE)

@@ -126,13 +126,15 @@ def test_a_prompt_longer_than_the_largest_prefill_is_served_in_chunks(server):
 
 def test_a_full_queue_answers_429_at_once():
     state = _state(queue=1, start=False)
-    state.orchestrator.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))  # fills the queue
+    for _ in range(2 + 1):  # its two slots and its queue of one
+        state.orchestrator.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
     running = _Running(state)
     try:
         started = time.perf_counter()
         response = httpx.post(f"{running.url}/v1/completions", json={"model": "mock", "prompt": "a", "max_tokens": 2})
         assert response.status_code == 429 and time.perf_counter() - started < 2
         assert response.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.get(f"{running.url}/readyz").json() == {"status": "admission queue full"}
     finally:
         running.stop()
 

@@ -116,25 +116,29 @@ def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue():
         orchestrator.stop(timeout=10)
     idle = _orchestrator(slots=4, queue=4)  # not started: nothing drains the queue
     idle.submit_choices([1], SamplingParams(n=3))
+    idle.submit_choices([1], SamplingParams(n=4))  # 7 of 4 slots + 4 queued
     with pytest.raises(QueueFullError):
-        idle.submit_choices([1], SamplingParams(n=2))
+        idle.submit_choices([1], SamplingParams(n=2))  # whole or not at all
 
 
-def test_n_above_the_queue_bound_is_a_400_naming_n_not_a_429_forever():
+def test_n_above_the_queue_bound_but_within_the_slots_is_admitted_at_an_idle_server():
     idle = _orchestrator(slots=4, queue=2)
-    with pytest.raises(GenerationError, match="max_queued_requests") as raised:
-        idle.submit_choices([1], SamplingParams(n=3))
+    assert len(idle.submit_choices([1], SamplingParams(n=3))) == 3
+    with pytest.raises(GenerationError, match="decode slots") as raised:
+        idle.submit_choices([1], SamplingParams(n=5))  # never fits: a 400, not a 429 forever
     assert raised.value.field == "n"
 
 
-def test_a_head_held_back_for_want_of_slots_still_counts_against_the_queue_bound():
-    idle = _orchestrator(slots=4, queue=2)  # not started: the test plays the device loop's turn
+def test_a_head_held_back_for_want_of_slots_still_counts_against_the_bound():
+    idle = _orchestrator(slots=1, queue=2)  # not started: the test plays the device loop's turns
     idle.submit([1], SamplingParams(max_tokens=2))
+    assert len(idle._take(room=1)) == 1  # into the one slot
     idle.submit([2], SamplingParams(max_tokens=2))
+    idle.submit([3], SamplingParams(max_tokens=2))
     assert idle._take(room=0) == []  # no free slot: the head leaves the queue, held for the next turn
     with pytest.raises(QueueFullError):
-        idle.submit([3], SamplingParams(max_tokens=2))
-    assert idle._waiting() == 2
+        idle.submit([4], SamplingParams(max_tokens=2))
+    assert idle._waiting() == 2 and idle.full()
 
 
 def test_the_device_loop_waits_for_a_request_s_last_choice_being_put():

@@ -149,15 +149,58 @@ def test_cancellation_frees_the_slot_for_the_next_request():
         orch.stop(timeout=10)
 
 
-def test_a_full_queue_fails_fast_and_is_counted():
-    orch = _orchestrator(queue=2)  # not started: nothing drains
+def test_a_full_server_fails_fast_and_is_counted():
+    orch = _orchestrator(slots=2, queue=2)  # not started: nothing drains
     prompt = TOKENIZER.encode("a")
-    orch.submit(prompt, SamplingParams(max_tokens=2))
-    orch.submit(prompt, SamplingParams(max_tokens=2))
+    for _ in range(2 + 2):  # the free slots are room too, before the device loop takes anyone
+        orch.submit(prompt, SamplingParams(max_tokens=2))
+    assert orch.full()
     started = time.perf_counter()
     with pytest.raises(QueueFullError):
         orch.submit(prompt, SamplingParams(max_tokens=2))
     assert time.perf_counter() - started < 0.5 and orch.metrics.requests_rejected == 1
+
+
+def test_a_burst_of_slots_plus_queue_at_an_idle_server_is_admitted_whole_and_one_more_is_not():
+    slots, queue = 4, 2
+    orch = _orchestrator(slots=slots, queue=queue, step_seconds=0.01, max_target_length=4096).start()
+    try:
+        go = threading.Barrier(slots + queue)
+        handles: list = [None] * (slots + queue)
+
+        def client(i: int) -> None:
+            go.wait()
+            handles[i] = orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=400))  # ~1 s each
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(slots + queue)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert all(h is not None for h in handles) and orch.metrics.requests_rejected == 0
+        with pytest.raises(QueueFullError):  # four in slots (or about to be) and two waiting
+            orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=2))
+        assert [h.result().completion_tokens for h in handles] == [400] * (slots + queue)
+        # Finished requests give their room back: the server takes a whole burst again.
+        again = [orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=2)) for _ in range(slots + queue)]
+        assert [h.result().finish_reason for h in again] == ["length"] * (slots + queue)
+    finally:
+        orch.stop(timeout=10)
+
+
+def test_cancelled_requests_give_their_room_back():
+    orch = _orchestrator(slots=1, queue=1, step_seconds=0.01, max_target_length=4096).start()
+    try:
+        for _ in range(3):  # more rounds than the capacity: a leaked count would refuse one
+            first = orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=4000))
+            second = orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=4000))
+            next(first.stream())
+            first.cancel()
+            second.cancel()
+            assert first.result().finish_reason == second.result().finish_reason == "cancelled"
+        assert orch.metrics.requests_rejected == 0
+    finally:
+        orch.stop(timeout=10)
 
 
 def test_requests_the_engine_cannot_take_fail_at_submit_naming_the_field(orchestrator):
