@@ -38,6 +38,36 @@ SESSION_HOME = os.environ["PATHSERVE_HOME"]
 TEST_JAX_CACHE_BYTES = 4 << 30
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    from tests import backends
+
+    return backends.describe()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import backends
+
+    try:
+        backends.choice()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_switch():
+    """$PATHSERVE_CPU_KERNELS (tests/backends.py) for the engines built in this process too; unset
+    or auto, nothing is imported or changed."""
+    from tests import backends
+
+    setting = backends.choice()
+    if setting == "auto":
+        yield
+        return
+    undo = backends.switch_in_process(setting)
+    yield
+    undo()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
     prune_oldest(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]), TEST_JAX_CACHE_BYTES)

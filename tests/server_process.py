@@ -15,7 +15,7 @@ import httpx
 
 from loadtest.server import free_port
 
-__all__ = ["REPO", "ServerProcess", "free_port"]
+__all__ = ["REPO", "ServerProcess", "free_port", "with_free_grpc_port"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,11 +44,10 @@ class ServerProcess:
 
     @classmethod
     def pathserve(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        """`pathserve serve ARGS` on a free port; gRPC off unless ARGS set grpc_port (9000 would
-        collide between servers running at once)."""
+        """`pathserve serve ARGS` on free ports, HTTP and gRPC (unless ARGS set grpc_port): the
+        defaults, 8000 and 9000, would collide with servers running at once on the machine."""
         port = free_port()
-        grpc = [] if any(a.startswith("grpc_port=") for a in args) else ["grpc_port=0"]
-        command = [sys.executable, "-m", "serving.cli", "serve", *args, *grpc, "--port", str(port)]
+        command = [sys.executable, "-m", "serving.cli", "serve", *with_free_grpc_port(args), "--port", str(port)]
         return cls(command, port, env)
 
     def wait_ready(self, timeout: float = 300) -> ServerProcess:
@@ -83,6 +82,11 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def with_free_grpc_port(args) -> list[str]:
+    """`serve` arguments with `grpc_port` set to a free port unless they set it."""
+    return [*args] if any(a.startswith("grpc_port=") for a in args) else [*args, f"grpc_port={free_port()}"]
 
 
 def metric(server: ServerProcess, name: str, labels: str = "") -> float:

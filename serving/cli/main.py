@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # the model commands import JAX when they run, not when the C
     from serving.request import SamplingParams
 
 EXIT_USAGE = 2
+# The default of `cpu_kernels` for every command that runs a model (auto, on or off); a config file
+# or a key=value override still wins. The test suite's switch between the two compute backends.
+CPU_KERNELS_ENV = "PATHSERVE_CPU_KERNELS"
 
 
 def _port(text: str) -> int:
@@ -323,7 +326,18 @@ def _serving_config(
     # The default model gets the CPU-friendly defaults; any other model is served as configured.
     default_model = not (source or config or any(o.startswith("load_parameters_path=") for o in overrides))
     defaults = dict(read_yaml(config_dir() / "serving" / "default.yml")) if default_model else {}
-    return load_config(config, overrides, defaults={**defaults, **(command_defaults or {})}), source
+    defaults = {**defaults, **(command_defaults or {}), **_env_defaults()}
+    return load_config(config, overrides, defaults=defaults), source
+
+
+def _env_defaults() -> dict[str, str]:
+    """`cpu_kernels` from $PATHSERVE_CPU_KERNELS, when set."""
+    value = os.environ.get(CPU_KERNELS_ENV, "").strip().lower()
+    if not value:
+        return {}
+    if value not in ("auto", "on", "off"):
+        raise ConfigError(f"{CPU_KERNELS_ENV}={value!r}: one of auto, on, off")
+    return {"cpu_kernels": value}
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -413,7 +427,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     from loadtest.offline import measure
 
     maxtext, source, overrides = split_args(offline_ns.args)
-    cfg = load_config(maxtext or offline_ns.config, overrides)
+    cfg = load_config(maxtext or offline_ns.config, overrides, defaults=_env_defaults())
     try:
         prompts = [item["prompt"] for item in json.loads(offline_ns.prompts.read_text())]
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, free_port, with_free_grpc_port
 from tests.test_cli import assert_usage_error, run_cli
 
 RECIPE = "src/maxtext/configs/inference/multihost/interleaved/llama3_405b_v5e-64.yml"
@@ -44,12 +44,18 @@ def test_serve_takes_a_maxtext_recipe_first_and_places_by_its_rules(tiny_model_d
     assert "no effect on serving: " in out and "async_checkpointing" in out and "enable_single_controller" in out
 
 
+def free_ports() -> list[str]:
+    """A free HTTP and gRPC port: never the defaults, 8000 and 9000, another server may hold."""
+    return [*with_free_grpc_port([]), "--port", str(free_port())]
+
+
 def test_serve_refuses_an_unknown_key_after_a_maxtext_file():
-    result = run_cli("serve", RECIPE, "per_device_batch_sise=2")
+    result = run_cli("serve", RECIPE, "per_device_batch_sise=2", *free_ports())
     assert_usage_error(result, "unknown config key 'per_device_batch_sise'", "per_device_batch_size")
 
 
 def test_serve_names_a_base_config_that_does_not_exist(tmp_path):
     mine = tmp_path / "mine.yml"
     mine.write_text('base_config: "inference/no_such_parent.yml"\nper_device_batch_size: 2\n')
-    assert_usage_error(run_cli("serve", str(mine)), "base_config 'inference/no_such_parent.yml' not found")
+    result = run_cli("serve", str(mine), *free_ports())
+    assert_usage_error(result, "base_config 'inference/no_such_parent.yml' not found")

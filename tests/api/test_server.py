@@ -18,8 +18,9 @@ import pytest
 from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.request import SamplingParams
+from tests.backends import expected_backend
 from tests.reference import ReferenceDecoder
-from tests.server_process import ServerProcess, free_port, metric
+from tests.server_process import ServerProcess, free_port, metric, with_free_grpc_port
 
 SLOTS, QUEUE = 4, 4
 OVERRIDES = [
@@ -65,6 +66,9 @@ def test_healthcheck_is_503_until_ready_then_200(server):
     for probe in ("/startupz", "/readyz", "/livez"):
         assert httpx.get(server.url + probe).status_code == 200, probe
     assert "listening on" in server.output() and "ready:" in server.output()
+    # Which backend served: the CPU kernels on an AVX-512 VNNI machine (unless PATHSERVE_CPU_KERNELS=off).
+    ready = next(line for line in server.output().splitlines() if "ready:" in line)
+    assert f"{expected_backend()} backend" in ready, ready
 
 
 def test_completions_greedy_equal_the_engine_and_count_usage(client, model_name, tiny):
@@ -178,6 +182,18 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, path, body, para
         assert word in error["message"], error["message"]
 
 
+def test_an_unknown_field_is_a_400_naming_it(server):
+    """OpenAI's answer to a field it does not know; a typo does not run with the default instead.
+    (unknown_request_fields=warn: tests/api/test_admission_and_fields.py.)"""
+    body = {"messages": [{"role": "user", "content": "Tell me of ships."}], "temprature": 0.5}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "temprature"
+    assert reply.json()["error"]["message"] == "Unrecognized request argument supplied: temprature"
+    del body["temprature"]
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 4}).status_code == 200
+
+
 def test_malformed_json_nan_and_size_limit(server):
     url = f"{server.url}/v1/completions"
     headers = {"content-type": "application/json"}
@@ -267,8 +283,13 @@ def test_schemathesis_finds_no_server_errors(server, tmp_path):
 
 
 def _serve_cli(*args: str) -> subprocess.CompletedProcess:
+    """`pathserve serve ARGS` to its end, on a free gRPC port (never the default 9000 another
+    server on the machine may hold)."""
     return subprocess.run(
-        [sys.executable, "-m", "serving.cli", "serve", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "serving.cli", "serve", *with_free_grpc_port(args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -11,6 +11,7 @@ the SIGTERM drain's 503.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,11 +45,15 @@ CHROMIUM_ARGS = [
 ]
 KEY = "open-sesame"
 SLOTS, QUEUE = 1, 2
+# Requests that must still be running when the test acts on them (Stop, a full server) ask for this
+# many tokens with ignore_eos: on the fastest machine and backend the tiny model takes seconds over
+# them (each step attends over a longer window), where a click or a metrics poll takes milliseconds.
+LONG = 30_000
 OVERRIDES = [
     f"per_device_batch_size={SLOTS}",
     f"max_queued_requests={QUEUE}",
     "max_prefill_predict_length=64",
-    "max_target_length=2048",
+    f"max_target_length={LONG + 2048}",
 ]
 SYSTEM = "Be brief."
 QUESTION = "Tell me about lighthouses and ships."
@@ -58,6 +63,7 @@ expect.set_options(timeout=TIMEOUT_MS)  # a loaded CI machine can take longer th
 VIOLATIONS_SCRIPT = """window.refused = [];
 document.addEventListener("securitypolicyviolation", (e) => window.refused.push(e.blockedURI));"""
 CANCELLED = 'pathserve_requests_finished_total{reason="cancelled"}'
+FINISHED = 'pathserve_requests_finished_total{reason="length"}'
 
 
 @pytest.fixture(scope="module")
@@ -201,23 +207,37 @@ def test_the_sampling_controls_reach_the_server(page, server):
     assert last_reply(page).get_attribute("data-completion-tokens") == str(same["usage"]["completion_tokens"])
 
 
+def never_at_end_of_sequence(route) -> None:
+    """The page's chat request with ignore_eos: the tiny random model's greedy reply may end at once
+    on one backend and not on another, and a reply that has ended cannot be stopped."""
+    body = {**json.loads(route.request.post_data), "ignore_eos": True}
+    route.continue_(post_data=json.dumps(body))
+
+
 def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     page.click("#clear")
-    cancelled_before = metric(server, CANCELLED)
-    set_sampling(page, "0", 1900)
-    ask(page, QUESTION)
-    page.wait_for_function(
-        "() => { const r = [...document.querySelectorAll('#messages li.assistant')].at(-1);"
-        " return r && r.querySelector('.content').textContent.length > 0; }"
-    )
-    page.click("#stop")
+    cancelled_before, finished_before = metric(server, CANCELLED), metric(server, FINISHED)
+    set_sampling(page, "0", LONG)
+    page.route("**/v1/chat/completions", never_at_end_of_sequence)
+    try:
+        ask(page, QUESTION)
+        page.wait_for_function(  # streaming, with some text to keep
+            "() => { const r = [...document.querySelectorAll('#messages li.assistant')].at(-1);"
+            " return r && r.dataset.state === 'streaming' && r.querySelector('.content').textContent.length > 0; }"
+        )
+        page.click("#stop")
+    finally:
+        page.unroute("**/v1/chat/completions", never_at_end_of_sequence)
+    # The server saw the client go: the request ends as cancelled, not at its length, and its slot
+    # is free again (the events themselves, whenever they come, not a state a fast machine has left).
+    assert wait_for(lambda: metric(server, CANCELLED) == cancelled_before + 1, timeout=60)
+    assert metric(server, FINISHED) == finished_before
+    assert wait_for(lambda: metric(server, "pathserve_active_slots") == 0, timeout=60)
     wait_finished(page)
     reply = last_reply(page)
     assert reply.get_attribute("data-state") == "stopped"
     expect(reply.locator(".stats .finish")).to_have_text("stopped")
     assert reply.locator(".content").text_content()  # the partial reply stays
-    # The server saw the client go: the request ends as cancelled (its slot is free at the next step).
-    assert wait_for(lambda: metric(server, CANCELLED) == cancelled_before + 1, timeout=60)
 
 
 def test_an_api_error_is_shown_as_a_readable_message(page):
@@ -244,7 +264,7 @@ def test_the_status_strip_shows_readiness_slots_and_queue(page):
 def fill(client: httpx.Client, streams: contextlib.ExitStack, server: ServerProcess) -> None:
     """Take every slot (each in turn), then every queue place until the server answers 429; the
     streams are left unread and run until `streams` closes them (the server then cancels them)."""
-    body = {"prompt": QUESTION, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": QUESTION, "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
     for admitted in range(1, SLOTS + 1):
         streams.enter_context(client.stream("POST", "/v1/completions", json=body))
         assert wait_for(lambda n=admitted: metric(server, "pathserve_active_slots") == n, timeout=60)
