@@ -64,6 +64,7 @@ VIOLATIONS_SCRIPT = """window.refused = [];
 document.addEventListener("securitypolicyviolation", (e) => window.refused.push(e.blockedURI));"""
 CANCELLED = 'pathserve_requests_finished_total{reason="cancelled"}'
 FINISHED = 'pathserve_requests_finished_total{reason="length"}'
+GENERATE_CALLS = "pathserve_generate_step_seconds_count"
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +218,7 @@ def never_at_end_of_sequence(route) -> None:
 def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     page.click("#clear")
     cancelled_before, finished_before = metric(server, CANCELLED), metric(server, FINISHED)
+    calls_before = metric(server, GENERATE_CALLS)
     set_sampling(page, "0", LONG)
     page.route("**/v1/chat/completions", never_at_end_of_sequence)
     try:
@@ -233,6 +235,8 @@ def test_stop_ends_the_stream_and_frees_the_slot(page, server):
     assert wait_for(lambda: metric(server, CANCELLED) == cancelled_before + 1, timeout=60)
     assert metric(server, FINISHED) == finished_before
     assert wait_for(lambda: metric(server, "pathserve_active_slots") == 0, timeout=60)
+    # The device loop's own count: freed after a few generate calls, not the reply's 7,500 (4 steps each).
+    assert metric(server, GENERATE_CALLS) - calls_before < LONG / 4 / 8
     wait_finished(page)
     reply = last_reply(page)
     assert reply.get_attribute("data-state") == "stopped"
