@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers loadtest browser
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -83,3 +83,11 @@ bench-peers: install
 # A headless locust session against the default model's server (results/locust_*.csv, locust.png).
 loadtest: install
 	$(BIN)/python -m loadtest.run_locust --users 8 --spawn-rate 4 --time 30s
+
+# Golden MaxText checkpoints in tests/data/maxtext/, written by MaxText's own code (not part of
+# `make test`): tiny Llama 3 / 3.1 from the test helpers -> maxtext 0.2.5 (scanned, unscanned, int8)
+# and maxtext 0.1.0 (Linen unscanned, Linen AQT int8). Creates .venv-maxtext/ and .venv-maxtext-linen/
+# (python3.12; PYTHON312=... to choose) on first use. maxtext 0.1.0 needs JetStream from GitHub:
+# JETSTREAM_SRC=<pip requirement or local source tree> overrides the pinned git URL.
+maxtext-fixtures: install
+	tools/maxtext_fixtures/build.sh

@@ -21,8 +21,8 @@ import numpy as np
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig, load_config, load_model_config
 from serving.engine.engine import Engine
-from serving.models import quantize_params
-from serving.models.params import LAYER_KEYS, param_shapes
+from serving.models import quantize_params, with_int8_activations
+from serving.models.params import LAYER_KEYS, int8_entries, param_shapes
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from serving.runtime import make_mesh
@@ -78,7 +78,9 @@ def run(tokenizer, case: dict) -> dict:
     else:
         cfg = ServingConfig(**case["flags"])
     model_cfg = load_model_config(case["model"])
-    params = quantize_params(random_params(model_cfg))
+    # As a float checkpoint loads under cfg.quantization (int8: MaxText's W8A8, the layers' matmuls).
+    params = quantize_params(random_params(model_cfg), int8_entries(cfg.quantization))
+    params = with_int8_activations(params) if cfg.quantization == "int8" else params
     model = LoadedModel(model_cfg, params, tokenizer, case["model"])
     mesh = make_mesh(cfg.devices, jax.devices()[: math.prod(case["mesh"].values())])
     engine = Engine(model, cfg.engine, mesh)

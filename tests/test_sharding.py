@@ -151,7 +151,8 @@ def _weights(
     scales_replicated: bool = False,
 ) -> dict[str, list]:
     """Expected specs of every params leaf (per layer: scan_layers=false unstacks them), written out:
-    values [in, out]; per-channel scales [1, out]; the embedding's per-row scales [vocab, 1].
+    the layers' int8 values [in, out] and per-channel scales [1, out] (quantization=int8, MaxText's:
+    the embedding and the head stay float, one leaf each).
     `q`: wq's out (q_heads x kv) where it differs from wo's in (heads x kv); `lm_head_in`:
     embed_vocab's axes where they differ from embed's; `scales_replicated`: replicate_quant_scale."""
     q = heads if q is None else q
@@ -169,10 +170,11 @@ def _weights(
     }
     out: dict[str, list] = {"final_norm": [norm], "layers/attn_norm": [norm], "layers/mlp_norm": [norm]}
     for name, spec in values.items():
-        path = name if name in ("embed", "lm_head") else f"layers/{name}"
-        out[f"{path}/values"] = spec
-        scales = [spec[0], []] if name == "embed" else [[], spec[1]]
-        out[f"{path}/scales"] = [[], []] if scales_replicated else scales
+        if name in ("embed", "lm_head"):
+            out[name] = spec
+            continue
+        out[f"layers/{name}/values"] = spec
+        out[f"layers/{name}/scales"] = [[], []] if scales_replicated else [[], spec[1]]
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from serving.checkpoints.maxtext_layout import (
     interleaved_rope,
 )
 from serving.checkpoints.orbax_io import LeafPath, quiet_orbax_logs
-from serving.checkpoints.storage import exists, join
+from serving.checkpoints.storage import exists, is_gcs, join
 from serving.models.config import ModelConfig
 from serving.models.params import LAYER_KEYS
 
@@ -39,6 +40,8 @@ ITEMS_BELOW = ("items", "0/items", "checkpoints/0/items")
 def items_dir(path: str) -> str | None:
     """The Orbax items directory of a MaxText checkpoint named by `path` (the directory itself, or
     its step's `items`), or None when there is no Orbax tree there."""
+    if not is_gcs(path):
+        path = os.path.abspath(path)  # Orbax refuses a relative path to an OCDBT checkpoint
     for below in ("", *ITEMS_BELOW):
         candidate = join(path, below) if below else path
         if exists(join(candidate, ORBAX_METADATA)):
@@ -46,8 +49,11 @@ def items_dir(path: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=8)
 def _metadata_tree(directory: str) -> Any:
-    """The Orbax tree at `directory` with each leaf's metadata (shape, dtype)."""
+    """The Orbax tree at `directory` with each leaf's metadata (shape, dtype). Read once per process:
+    it reads every array's metadata (thousands of objects for a large model on gs://), and start-up
+    asks for it several times (which format, which leaves are int8, the restore itself)."""
     import orbax.checkpoint as ocp
 
     quiet_orbax_logs()
