@@ -326,3 +326,24 @@ def test_a_maxtext_checkpoint_in_a_bucket_serves_the_same_tokens(tmp_path, token
     from_disk = run_cli("generate", path, *args)
     assert from_bucket.returncode == 0, from_bucket.stderr[-2000:]
     assert json.loads(from_bucket.stdout) == json.loads(from_disk.stdout)
+
+
+def test_serve_says_which_maxtext_layout_it_serves(tokenizer_file):
+    """The guide's deployment shape: a MaxText int8 checkpoint by load_parameters_path, no other
+    flag about it; the ready line names the layout and the implied W8A8 quantization."""
+    import httpx
+
+    from tests.server_process import ServerProcess
+
+    server = ServerProcess.pathserve(
+        f"load_parameters_path={fixture_path('llama31-linen-int8')}", *flags("llama31-linen-int8", tokenizer_file),
+        "enable_model_warmup=false", "per_device_batch_size=2",
+    )
+    try:
+        server.wait_ready()
+        reply = httpx.post(f"{server.url}/generate", json={"prompt": "the keeper", "max_tokens": 4}, timeout=120)
+        assert reply.status_code == 200 and isinstance(reply.json()["response"], str)
+    finally:
+        assert server.stop() == 0, server.output()
+    ready = [line for line in server.output().splitlines() if "ready:" in line]
+    assert ready and "(maxtext int8-linen)" in ready[0] and "quantization=int8," in ready[0], server.output()
