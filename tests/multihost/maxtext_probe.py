@@ -1,8 +1,8 @@
 """One process of a two-process restore of a MaxText checkpoint (4 CPU devices each; the mesh from
-the FLAGs, e.g. ici_tensor_parallelism=4 ici_autoregressive_parallelism=2): join the group, restore onto the engine's shardings as `serve` does on
-a multi-controller slice, and print (as JSON) the bytes tensorstore read, the bytes of the shards
-this process's devices hold, and the greedy next token at every position of a prompt, computed on
-the sharded params.
+the FLAGs, e.g. ici_tensor_parallelism=4 ici_autoregressive_parallelism=2): join the group, restore
+onto the engine's shardings as `serve` does on a multi-controller slice, and print (as JSON) the
+bytes of the shards this process's devices hold and the greedy next token at every position of a
+prompt, computed on the sharded params.
 
 Usage: python maxtext_probe.py CKPT PROCESS_ID COORDINATOR_PORT FLAG...
 """
@@ -26,7 +26,6 @@ def main(path: str, process_id: int, port: int, flags: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import tensorstore as ts
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -38,9 +37,7 @@ def main(path: str, process_id: int, port: int, flags: list[str]) -> None:
     mesh = make_mesh(cfg.devices)
     shardings = restore_shardings(path, cfg, mesh)
     assert shardings is not None, "restored as stored: no quantization on load"
-    before = _bytes_read(ts)
     model = load_model(path, cfg, shardings=shardings)
-    read = _bytes_read(ts) - before
     held = total = 0
     for array in jax.tree.leaves(model.params):
         total += array.nbytes
@@ -51,22 +48,13 @@ def main(path: str, process_id: int, port: int, flags: list[str]) -> None:
         out_shardings=NamedSharding(mesh, P()),
     )
     tokens = np.asarray(forward(model.params, jnp.asarray([ids], jnp.int32)))[0].tolist()
-    report = {"process": process_id, "read": read, "held": held, "total": total, "tokens": tokens}
+    report = {"process": process_id, "held": held, "total": total, "tokens": tokens}
     print(json.dumps(report), flush=True)
     from serving.orchestrator.lockstep import meet_at_exit
 
     meet_at_exit()
     if process_id:
         os._exit(0)  # as a follower does: process 0's coordination service may be gone already
-
-
-def _bytes_read(ts) -> int:
-    return sum(
-        value["value"]
-        for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
-        if metric["name"].endswith("/bytes_read")
-        for value in metric["values"]
-    )
 
 
 if __name__ == "__main__":
