@@ -36,7 +36,8 @@ def test_convert_inspect_verify_and_generate_from_a_bucket(gcs, tiny_model_dir, 
     assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["quantization"] == "int8"
     verified = run_cli(gcs, "verify", dst)
-    assert verified.returncode == 0 and "all" in verified.stdout, verified.stderr
+    assert verified.returncode == 0 and "files and all" in verified.stdout, verified.stderr
+    assert "NOTE" not in verified.stdout  # every file's sha256 was recorded in the bucket too
 
     local = tmp_path / "tiny-int8"
     assert (
