@@ -177,6 +177,7 @@ def restore_maxtext(
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot restore the MaxText checkpoint: {_first_line(exc)}") from None
     arrays = {entry.path: _get(tree, entry.path) for entry in layout.entries}
+    del tree  # each restored leaf is freed once transformed: at most one extra leaf at a time
     transform = _Transform(cfg, interleaved_rope(model_name), float_dtype)
     pieces: dict[tuple[str, str], dict[int | None, Any]] = {}
     for entry in layout.entries:
@@ -188,8 +189,9 @@ def restore_maxtext(
                 out_sharding = NamedSharding(out_sharding.mesh, PartitionSpec(*tuple(out_sharding.spec)[1:]))
         pieces.setdefault((entry.name, entry.part), {})[entry.layer] = transform(entry, value, out_sharding)
     params: dict = {"layers": {}}
-    for name in {name for name, _ in pieces}:
-        parts = {part: _stacked(layers, shardings, name, part, quantized) for (n, part), layers in pieces.items() if n == name}
+    for name in {name for name, _ in pieces}:  # per-layer pieces freed as each entry is stacked
+        parts = {part: _stacked(pieces.pop((name, part)), shardings, name, part, quantized)
+                 for part in [p for n, p in list(pieces) if n == name]}
         value = (
             QuantizedWeight(values=parts["qvalue"], scales=parts["scale"]) if "qvalue" in parts else parts["kernel"]
         )
