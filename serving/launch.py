@@ -97,10 +97,16 @@ def _bring_up(cfg: ServingConfig, source: str | None):
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     cfg = effective_config(source, cfg)
     mesh = make_mesh(cfg.devices)
-    shardings = restore_shardings(source or cfg.load_parameters_path, cfg, mesh) if is_multiprocess() else None
+    # On a mesh of more than one device (a Pathways slice behind one controller, or the processes of
+    # a multi-controller one) each array is restored straight onto its shards: never the whole
+    # model on one device (405B in int8 is 8x a v6e chip's memory) or, per process, every shard.
+    shardings = restore_shardings(source or cfg.load_parameters_path, cfg, mesh) if mesh.size > 1 else None
     if shardings is not None:
-        print(f"pathserve: process {_process_index()} restores only the shards its devices hold",
-              file=sys.stderr, flush=True)
+        what = (
+            f"process {_process_index()} restores only the shards its devices hold" if is_multiprocess()
+            else f"each array restored onto its shards over {mesh.size} devices"
+        )
+        print(f"pathserve: {what}", file=sys.stderr, flush=True)
     model = load_model(source, cfg, shardings=shardings)
     engine = Engine(model, cfg.engine, mesh)
     check_devices(

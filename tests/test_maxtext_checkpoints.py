@@ -347,3 +347,20 @@ def test_serve_says_which_maxtext_layout_it_serves(tokenizer_file):
         assert server.stop() == 0, server.output()
     ready = [line for line in server.output().splitlines() if "ready:" in line]
     assert ready and "(maxtext int8-linen)" in ready[0] and "quantization=int8," in ready[0], server.output()
+
+
+def test_one_controller_over_8_devices_restores_onto_the_mesh_and_generates_one_devices_tokens(tokenizer_file):
+    """As on a Pathways slice (one process, every chip): each array goes straight onto its shards
+    (the whole model never sits on one device), and the tokens equal one device's."""
+    import os
+
+    path = fixture_path("llama31-int8")
+    args = ("--prompt", "the keeper", "--max-tokens", "6", "--json", *flags("llama31-int8", tokenizer_file))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    mesh = ("ici_tensor_parallelism=4", "ici_autoregressive_parallelism=2", "per_device_batch_size=1")
+    sharded = subprocess.run([sys.executable, "-m", "serving.cli", "generate", path, *args, *mesh],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    assert "each array restored onto its shards over 8 devices" in sharded.stderr
+    one = run_cli("generate", path, *args)
+    assert json.loads(sharded.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
