@@ -114,6 +114,7 @@ def _bring_up(cfg: ServingConfig, source: str | None):
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
     params = engine.load_params()
+    model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
     return model, engine, params, warmup
 

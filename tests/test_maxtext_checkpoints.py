@@ -364,3 +364,27 @@ def test_one_controller_over_8_devices_restores_onto_the_mesh_and_generates_one_
     assert "each array restored onto its shards over 8 devices" in sharded.stderr
     one = run_cli("generate", path, *args)
     assert json.loads(sharded.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+
+
+def test_serving_keeps_one_copy_of_the_weights(tokenizer_file):
+    """scan_layers=false (the guide's flag) places every layer's own arrays, new ones: the loaded,
+    stacked params must not stay alive beside them (twice the weights in device memory)."""
+    code = """
+import gc, json, sys
+import jax
+from serving.config import load_config
+from serving.launch import _bring_up
+cfg = load_config(None, sys.argv[2:])
+model, engine, params, _ = _bring_up(cfg, sys.argv[1])
+gc.collect()
+placed = sum(a.nbytes for a in jax.tree.leaves(params))
+live = sum(a.nbytes for a in jax.live_arrays())
+print(json.dumps({"placed": placed, "live": live, "loaded": len(engine.model.params)}))
+"""
+    args = [*flags("llama31-int8", tokenizer_file), "scan_layers=false", "enable_model_warmup=false"]
+    result = subprocess.run([sys.executable, "-c", code, fixture_path("llama31-int8"), *args],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["placed"] <= out["live"] <= 1.1 * out["placed"], out
+    assert out["loaded"] == 0

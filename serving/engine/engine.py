@@ -20,6 +20,7 @@ The compute backend (XLA's ops or the CPU kernels) is chosen once here, with its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 
@@ -141,6 +142,14 @@ class Engine(ChunkedPrefill):
         # A backend's own layout runs on one device only; on a mesh each layer keeps its spec.
         out = unstacked_shardings(shardings, self.model.config.num_layers) if self.mesh.size > 1 else None
         return jax.jit(unstack_layers, out_shardings=out)(params)
+
+    def release_loaded_params(self) -> LoadedModel:
+        """Drop this engine's hold on the loaded params once `load_params` has placed them: where
+        placing made new arrays (layers unstacked for scan_layers=false, a backend's layout), the
+        loaded ones would otherwise stay alive beside them, twice the weights in device memory.
+        Returns the model without params (config and tokenizer); load_params cannot run again."""
+        self.model = dataclasses.replace(self.model, params={})
+        return self.model
 
     def summary(self) -> dict[str, str]:
         """What runs: the weights' quantization, the KV cache's format, the compute backend."""
