@@ -137,7 +137,7 @@ def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = No
     """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for.
 
     `shardings` (runtime leaf path -> jax sharding): restore each array onto its devices, each
-    process reading only its shards (serving.launch passes them on a multi-controller slice)."""
+    process reading only its shards (serving.launch passes them on any mesh of more than one device)."""
     from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
 
     cfg = effective_config(path, cfg)
@@ -145,11 +145,10 @@ def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = No
     params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype, shardings=shardings)
     if not metadata.tokenizer_files:  # converted from a MaxText checkpoint, which has none
         tokenizer = load_tokenizer_path(cfg.tokenizer_path, path)
-        fmt = f"pathserve {'int8' if metadata.quantization else metadata.dtype}"
-        return LoadedModel(metadata.config, _quantized_as_asked(params, cfg), tokenizer, path, fmt)
-    tokenizer = load_checkpoint_tokenizer(path, metadata)
-    if cfg.tokenizer_path:
-        log.info("tokenizer_path=%s not used: %s carries its own tokenizer", cfg.tokenizer_path, path)
+    else:
+        tokenizer = load_checkpoint_tokenizer(path, metadata)
+        if cfg.tokenizer_path:
+            log.info("tokenizer_path=%s not used: %s carries its own tokenizer", cfg.tokenizer_path, path)
     fmt = f"pathserve {'int8' if metadata.quantization else metadata.dtype}"
     return LoadedModel(metadata.config, _quantized_as_asked(params, cfg), tokenizer, path, fmt)
 
