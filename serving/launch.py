@@ -15,13 +15,13 @@ from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
 from serving.checkpoints.model_source import (
     LoadedModel,
     effective_config,
-    int8_after_load,
     load_model,
     stored_int8,
 )
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.memory import check_devices
+from serving.models.params import int8_entries
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.lockstep import LockstepExecutor, PlanChannel, exit_when_loop_dies, follow
@@ -124,8 +124,8 @@ def restore_shardings(source: str | None, cfg: ServingConfig, mesh) -> dict | No
     params leaf's NamedSharding on `mesh`, as the engine will place it, so that every process reads
     only the chunks of its own shards. None where the weights are built on the host instead."""
     source = source or cfg.load_parameters_path
-    stored, after = stored_int8(source) if source else None, int8_after_load(source, cfg)
-    if stored is None or set(stored) != set(after or ()):
+    stored = stored_int8(source) if source else None
+    if stored is None or not set(int8_entries(cfg.quantization)) <= set(stored):
         return None  # not a checkpoint, or quantized while loading: the whole tensor is needed on the host
     from jax.sharding import NamedSharding
 

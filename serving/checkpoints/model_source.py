@@ -124,15 +124,6 @@ def stored_int8(source: str) -> tuple[str, ...] | None:
     return None
 
 
-def int8_after_load(source: str | None, cfg: ServingConfig) -> tuple[str, ...] | None:
-    """The entries in int8 once `source` is loaded as `cfg` asks (what it stores in int8, and what
-    the quantization mode quantizes on load), or None when it is not a checkpoint."""
-    stored = stored_int8(source) if source else None
-    if stored is None:
-        return None
-    return tuple(sorted(set(stored) | set(int8_entries(cfg.quantization))))
-
-
 def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
     """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for.
 

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.models.params import EMBEDDING, MATMUL_WEIGHTS
+from serving.models.params import EMBEDDING, int8_entries
 
 # Params entries quantized to int8: the matmul weights ([..., in, out]) and the embedding; the
 # norms stay in float.
-QUANTIZED = (*MATMUL_WEIGHTS, EMBEDDING)
+QUANTIZED = int8_entries("int8w")
 
 
 def scale_axis(name: str) -> int:
