@@ -141,10 +141,11 @@ class ServingConfig(BaseModel):
     # a Llama 3 tiktoken file, or MaxText's asset name (assets/tokenizer_llama3.tiktoken: the
     # llama-models package's copy). A checkpoint that carries its tokenizer uses its own.
     tokenizer_path: str = ""
-    # On one x86 CPU device, float32 and int8 matmuls and decode attention run through
-    # serving/kernels/ (AVX-512; int8 weights with activations per row in int16 and VNNI): "auto"
-    # uses them where they build and the CPU can, "on" fails where they cannot, "off" keeps XLA's
-    # ops. Not with quantization=int8 (W8A8: XLA's int8 x int8 dot) nor bfloat16 weights.
+    # On one x86 CPU device, matmuls (and, on AVX-512, decode attention) run through
+    # serving/kernels/: with AVX-512 VNNI float32, int8w (activations per row in int16) and int8
+    # (W8A8: activations per row in int8, as XLA's int8 dot); with AVX2 and FMA the two int8 modes.
+    # "auto" uses them where they build and the CPU can, "on" fails where they cannot, "off" keeps
+    # XLA's ops. Never bfloat16 weights.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     enable_model_warmup: bool = False
     # Engine and runtime (not MaxText flags).
@@ -285,13 +286,15 @@ def resolve_parallelism(sizes: tuple[int, int, int], devices: int) -> tuple[int,
     return tuple(devices // known if s == -1 else s for s in sizes)  # type: ignore[return-value]
 
 
-def weights_unsupported(quantization: str, weight_dtype: str) -> str | None:
+def weights_unsupported(quantization: str, weight_dtype: str, isa: str | None = None) -> str | None:
     """Why the CPU kernels (serving.kernels) cannot multiply these weights, or None when they can:
-    the one statement of that rule, for `cpu_kernels=on` here and for the backend choice at run time."""
-    if quantization == "int8":
-        return "quantization=int8 (W8A8) multiplies int8 x int8 with XLA's dot; int8w is weight-only int8"
-    if quantization != "int8w" and weight_dtype != "float32":
+    the one statement of that rule, for `cpu_kernels=on` here and for the backend choice at run time.
+    `isa`: the instruction set the kernels run with (serving.kernels.library.ISA_FLAGS); None asks
+    only what holds on every CPU. AVX-512 takes float32, int8w and int8 (W8A8); AVX2 the two int8."""
+    if quantization not in ("int8", "int8w") and weight_dtype != "float32":
         return f"they take float32 or int8 weights, not weight_dtype={weight_dtype}"
+    if isa == "avx2" and quantization not in ("int8", "int8w"):
+        return "on AVX2 (no AVX-512 VNNI) they take int8 weights (quantization=int8w or int8), not float32"
     return None
 
 

@@ -32,12 +32,17 @@ def kernels_run_here() -> tuple[bool, str]:
     return status.available, status.detail
 
 
-def expected_backend() -> str:
-    """The backend name the ready line and `--json` report for a model whose weights the kernels
-    take (float32 or weight-only int8) under cpu_kernels=auto on one CPU device."""
-    if choice() == "off":
+def expected_backend(quantization: str = "int8w") -> str:
+    """The backend name the ready line and `--json` report for a model of float32 weights under
+    `quantization` (by default the serving default's, int8w) under cpu_kernels=auto on one CPU
+    device: the kernels where they run here and take those weights (float32: AVX-512 only)."""
+    from serving.config import weights_unsupported
+    from serving.kernels import library
+
+    if choice() == "off" or not kernels_run_here()[0]:
         return "xla"
-    return "cpu-kernels" if kernels_run_here()[0] else "xla"
+    takes = weights_unsupported(quantization, "float32", library.status().isa) is None
+    return "cpu-kernels" if takes else "xla"
 
 
 def cpu_flags() -> set[str]:
@@ -55,8 +60,8 @@ def cpu_flags() -> set[str]:
 def describe() -> str:
     """One line for pytest's header: what this CPU offers the kernels and the suite's setting."""
     flags = cpu_flags()
-    offered = [f for f in ("avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
-    cpu = ", ".join(offered) if offered else "no avx512_vnni (the CPU kernels cannot run here)"
+    offered = [f for f in ("avx2", "fma", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
+    cpu = ", ".join(offered) if {"avx2", "fma"} <= flags else "no avx2 and fma (the CPU kernels cannot run here)"
     return f"cpu kernels: {ENV}={choice()}; this CPU: {cpu}"
 
 

@@ -1,4 +1,6 @@
-"""The CPU int8 kernel (serving/kernels/cpu_matmul.cc) against numpy, and where the engine uses it."""
+"""The CPU kernels (serving/kernels/*.cc) against numpy, and where the engine uses them: the
+AVX-512 ones where the CPU has AVX-512 VNNI, the AVX2 ones (int8 and W8A8 weights) on any x86-64
+CPU with AVX2 and FMA, AVX-512 CPUs included."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from serving.checkpoints.model_source import load_model
-from serving.config import ServingConfig
+from serving.config import ServingConfig, weights_unsupported
 from serving.engine.engine import Engine
 from serving.kernels import cpu_attention, cpu_matmul, library
 from serving.kernels.backend import CpuKernelOps
@@ -24,7 +26,6 @@ from serving.kernels.cpu_matmul import PackedWeight
 from serving.kernels.packing import AmxFloat32, amx_float32, pack_for_cpu_kernels
 from serving.models import (
     KVCache,
-    QuantizedWeight,
     decode_step,
     init_cache,
     init_params,
@@ -34,7 +35,8 @@ from serving.models import (
 from serving.models.cache import quantize_kv
 from serving.models.layers import attention_with_new_token
 from serving.models.ops import XlaOps
-from serving.models.params import MATMUL_WEIGHTS
+from serving.models.params import MATMUL_WEIGHTS, int8_entries
+from serving.models.quantization import int8_dot, with_int8_activations
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.reference import ReferenceDecoder
@@ -45,19 +47,30 @@ if Path("/proc/cpuinfo").exists():
         if line.startswith("flags"):
             CPU_FLAGS = set(line.split(":", 1)[1].split())
             break
-CAN_RUN = (
-    platform.machine() == "x86_64"
-    and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= CPU_FLAGS
-    and shutil.which("c++") is not None
+HAS_CXX = platform.machine() == "x86_64" and shutil.which("c++") is not None
+CAN_RUN_AVX512 = HAS_CXX and library.ISA_FLAGS["avx512"] <= CPU_FLAGS
+CAN_RUN_AVX2 = HAS_CXX and library.ISA_FLAGS["avx2"] <= CPU_FLAGS
+CAN_RUN = CAN_RUN_AVX512 or CAN_RUN_AVX2
+# The instruction set library.status() picks here (the best, or PATHSERVE_CPU_ISA's).
+ISA_HERE = library.choose_isa(CPU_FLAGS, os.environ.get(library.ISA_ENV, ""))[0] if HAS_CXX else None
+needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX2 and FMA and a C++ compiler")
+# AVX-512 kernels (float32 weights, decode attention, AMX), taken where the library chose AVX-512
+needs_avx512 = pytest.mark.skipif(
+    ISA_HERE != "avx512", reason=f"needs the kernels on AVX-512 VNNI (here: {ISA_HERE or 'none'})"
 )
-needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs x86-64 with AVX-512 VNNI and a C++ compiler")
-HAS_AMX = CAN_RUN and {"amx_tile", "amx_int8"} <= CPU_FLAGS
-# int8 weights in both layouts: the AVX-512 kernel's and (where the CPU has it) the AMX kernel's
-INT8_LAYOUTS = [
-    False,
-    pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-INT8")),
+# int8 handlers: every instruction set this CPU runs (AVX2 also on an AVX-512 CPU)
+ISAS = [
+    pytest.param("avx2", marks=pytest.mark.skipif(not CAN_RUN_AVX2, reason="needs AVX2 and FMA")),
+    pytest.param("avx512", marks=pytest.mark.skipif(not CAN_RUN_AVX512, reason="needs AVX-512 VNNI")),
 ]
-HAS_AMX_BF16 = CAN_RUN and {"amx_tile", "amx_bf16"} <= CPU_FLAGS
+HAS_AMX = ISA_HERE == "avx512" and {"amx_tile", "amx_int8"} <= CPU_FLAGS
+# int8 weights in every layout and handler: the AVX2 and AVX-512 loops' (one layout) and, where
+# the CPU has it, the AMX kernel's
+INT8_LAYOUTS = [
+    *ISAS,
+    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-INT8")),
+]
+HAS_AMX_BF16 = ISA_HERE == "avx512" and {"amx_tile", "amx_bf16"} <= CPU_FLAGS
 needs_amx_bf16 = pytest.mark.skipif(not HAS_AMX_BF16, reason="needs a CPU with AMX-BF16")
 # float32 weights in each layout: the AVX-512 kernel's and the AMX kernels' (two bfloat16 each;
 # integers in 8-bit blocks; in 4-bit blocks with an offset)
@@ -160,15 +173,17 @@ SHAPES = [
 # one row (decode), blocks of 4 rows and remainders, odd k, n off the 64-column tiles, long k;
 # for AMX: one, two and three tiles of 16 rows, k off its 64-row steps, n off its 16-column tiles
 @pytest.mark.parametrize(("rows", "k", "n"), SHAPES)
-@pytest.mark.parametrize("amx", INT8_LAYOUTS)
-def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n, amx):
+@pytest.mark.parametrize("layout", INT8_LAYOUTS)
+def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n, layout):
     rng = np.random.default_rng(rows * 1000 + k)
     values = rng.integers(-127, 128, (k, n), dtype=np.int8)
     scales = (rng.random(n) + 0.1).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32) * 3
+    amx = layout == "amx"
     w = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=amx)
     assert (w.in_features, w.out_features, w.amx) == (k, n, amx)
-    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x[None]), w))
+    matmul = functools.partial(cpu_matmul.matmul, isa=None if amx else layout)
+    got = np.asarray(jax.jit(matmul)(jnp.asarray(x[None]), w))
     assert got.shape == (1, rows, n) and got.dtype == np.float32
     expected = _expected(x, values, scales)
     np.testing.assert_allclose(got[0], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
@@ -176,7 +191,97 @@ def test_int8_kernel_is_int16_rows_times_int8_weights(rows, k, n, amx):
     assert np.abs(got[0] - exact).max() <= 1e-3 * np.abs(exact).max()
 
 
+def _w8a8_expected(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """XLA's W8A8 in numpy: rows of x quantized to int8 (max(absmax, 1e-30) / 127, x / scale
+    rounded half to even, clipped to +-127); the exact integer sums [M, N], and the float32 result
+    float(sums) * row scale * column scale, in that order."""
+    row_scales = (np.maximum(np.abs(x).max(axis=1, keepdims=True), np.float32(1e-30)) / np.float32(127)).astype(np.float32)
+    xq = np.clip(np.rint(x / row_scales), -127, 127).astype(np.int64)
+    sums = xq @ values.astype(np.int64)
+    return sums, (sums.astype(np.float32) * row_scales) * scales
+
+
 @needs_kernel
+# the int16 test's shapes (k off the 4-row quads, n off the 64-column tiles, remainders of rows),
+# a depth whose unsigned-offset sums pass 2^31 (VNNI: exact only as int32 wraps) and -128 weights
+@pytest.mark.parametrize(("rows", "k", "n"), [*SHAPES, (3, 70000, 9)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_w8a8_kernel_is_exact_integer_sums_of_int8_rows_and_weights(rows, k, n, isa):
+    rng = np.random.default_rng(rows * 1000 + k + 7)
+    values = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    values[0, :] = -128
+    scales = (rng.random(n) + 0.1).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32) * 3
+    x[0, 1 % k] = 100.0  # an outlier: the row's other values take few of the 127 steps
+    w = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales))
+    assert w.w8a8 and (w.in_features, w.out_features) == (k, n)
+    assert w.values.shape == (-(-n // 64), -(-k // 4), 64, 4) and w.sums.shape == (-(-n // 64) * 64,)
+    got = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), w))
+    sums, expected = _w8a8_expected(x, values, scales)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    row_scales = (np.maximum(np.abs(x).max(axis=1, keepdims=True), 1e-30) / 127).astype(np.float32)
+    recovered = np.rint(got.astype(np.float64) / row_scales / scales)  # the integer sums back
+    np.testing.assert_array_equal(recovered[np.abs(sums) < 2**22], sums[np.abs(sums) < 2**22])
+    np.testing.assert_array_equal(got, expected)  # the same float32 operations on the same sums
+    # and XLA's own W8A8 agrees up to its quantization's roundings
+    xla = np.asarray(jax.jit(lambda a: int8_dot(a, jnp.asarray(values), jnp.asarray(scales)))(jnp.asarray(x)))
+    assert np.abs(got - xla).max() <= 1e-3 * np.abs(xla).max()
+
+
+def test_w8a8_layout_is_four_input_rows_per_column_with_column_sums():
+    values = (np.arange(7 * 70, dtype=np.int32).reshape(7, 70) % 251 - 125).astype(np.int8)
+    w = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.ones(70))
+    v = np.asarray(w.values)
+    assert v.shape == (2, 2, 64, 4) and w.scales.shape == (128,)
+    assert v[1, 1, 3, 2] == values[4 + 2, 64 + 3] and v[0, 0, 5, 1] == values[1, 5]
+    assert (v[:, 1, :, 3] == 0).all() and (v[1, :, 6:] == 0).all()  # padding: row 7, columns 70..
+    np.testing.assert_array_equal(np.asarray(w.sums)[:70], values.astype(np.int64).sum(axis=0))
+    assert (np.asarray(w.sums)[70:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("flags", "asked", "isa"),
+    [
+        (set(), "", None),
+        ({"avx2"}, "", None),  # AVX2 without FMA
+        ({"avx2", "fma"}, "", "avx2"),
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "", "avx2"),  # AVX-512 without VNNI
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "", "avx512"),
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_int8"}, "", "avx512"),
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "avx2", "avx2"),
+        ({"avx2", "fma"}, "avx512", None),  # asked for what the CPU lacks
+        ({"avx2", "fma"}, "sse2", None),
+    ],
+)
+def test_the_instruction_set_follows_the_cpu_flags(flags, asked, isa):
+    chosen, why = library.choose_isa(frozenset(flags), asked)
+    assert chosen == isa and why
+    if isa is None:
+        assert ("lacks" in why or "one of" in why) and (asked in why if asked else True)
+
+
+@pytest.mark.parametrize(
+    ("isa", "quantization", "weight_dtype", "takes"),
+    [
+        ("avx512", "", "float32", True),
+        ("avx512", "int8w", "float32", True),
+        ("avx512", "int8", "float32", True),
+        ("avx512", "", "bfloat16", False),
+        ("avx2", "int8w", "float32", True),
+        ("avx2", "int8", "float32", True),
+        ("avx2", "int8w", "bfloat16", True),
+        ("avx2", "", "float32", False),
+        ("avx2", "", "bfloat16", False),
+    ],
+)
+def test_which_weights_each_instruction_set_takes(isa, quantization, weight_dtype, takes):
+    reason = weights_unsupported(quantization, weight_dtype, isa)
+    assert (reason is None) == takes
+    if isa == "avx2" and not takes and weight_dtype == "float32":
+        assert "AVX2" in reason and "int8" in reason
+
+
+@needs_avx512
 @pytest.mark.parametrize(("rows", "k", "n"), [*SHAPES, (16, 40, 17), (17, 576, 960)])
 @pytest.mark.parametrize("layout", F32_LAYOUTS)
 def test_float32_kernel_is_the_matmul(rows, k, n, layout):
@@ -278,14 +383,17 @@ def test_float32_amx_layout_is_high_then_low_halves_of_row_pairs_per_block_of_32
 
 
 @needs_kernel
-@pytest.mark.parametrize("amx", INT8_LAYOUTS)
-def test_a_row_with_nan_gives_nan_and_a_zero_row_gives_zeros(amx):
+@pytest.mark.parametrize("layout", [*INT8_LAYOUTS, *(pytest.param(f"w8a8-{p.values[0]}", marks=p.marks) for p in ISAS)])
+def test_a_row_with_nan_gives_nan_and_a_zero_row_gives_zeros(layout):
     values = np.random.default_rng(0).integers(-127, 128, (80, 64), dtype=np.int8)
     x = np.ones((3, 80), np.float32)
     x[1, 5] = np.nan
     x[2] = 0
-    packed = cpu_matmul.pack(values, np.ones(64), amx=amx)
-    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), packed))
+    if layout.startswith("w8a8"):
+        packed, isa = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.ones(64)), layout.split("-")[1]
+    else:
+        packed, isa = cpu_matmul.pack(values, np.ones(64), amx=layout == "amx"), None if layout == "amx" else layout
+    got = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), packed))
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all() and (got[2] == 0).all()
 
 
@@ -309,8 +417,9 @@ def test_amx_layout_is_four_input_rows_per_column_and_only_where_int32_sums_cann
     "layout",
     [
         "int8",
-        "float32",
-        pytest.param("int8-amx", marks=INT8_LAYOUTS[1].marks),
+        "w8a8",
+        pytest.param("float32", marks=needs_avx512),
+        pytest.param("int8-amx", marks=INT8_LAYOUTS[-1].marks),
         pytest.param("float32-amx", marks=needs_amx_bf16),
         pytest.param("float32-blocks4", marks=needs_amx_bf16),
     ],
@@ -331,6 +440,11 @@ def test_stacked_layers_are_read_in_place_by_index(layout):
         ]
         stacked = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=amx)
         assert stacked.amx == amx
+    elif layout == "w8a8":
+        values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
+        scales = (rng.random((3, 128)) + 0.5).astype(np.float32)
+        per_layer = [cpu_matmul.pack_w8a8(jnp.asarray(values[i]), jnp.asarray(scales[i])) for i in range(3)]
+        stacked = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales))
     else:
         values = rng.standard_normal((3, 96, 128)).astype(np.float32)
         per_layer = [cpu_matmul.pack(jnp.asarray(values[i])) for i in range(3)]
@@ -353,7 +467,8 @@ def test_stacked_layers_are_read_in_place_by_index(layout):
     "weights",
     [
         "int8",
-        "float32",
+        "w8a8",
+        pytest.param("float32", marks=needs_avx512),
         pytest.param("float32-bf16", marks=needs_amx_bf16),
         pytest.param("float32-blocks", marks=needs_amx_bf16),
     ],
@@ -364,6 +479,8 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     params = init_params(cfg, jax.random.PRNGKey(3))
     if weights == "int8":
         params = quantize_params(params)
+    if weights == "w8a8":  # MaxText's int8: the layers' matmuls, the embedding and head float
+        params = with_int8_activations(quantize_params(params, int8_entries("int8")))
     if weights == "float32-bf16":  # every weight exact in two bfloat16: all take AMX
         params = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), params)
     if weights == "float32-blocks":  # as SmolLM2: 4-bit layer weights, an 8-bit embedding (and head)
@@ -385,6 +502,7 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
         layouts
         == {
             "int8": set(),
+            "w8a8": set(),
             "float32": set(),
             "float32-bf16": {"pairs"},
             "float32-blocks": {"blocks4", "blocks8"},
@@ -393,7 +511,9 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     packed = pack_for_cpu_kernels(params, amx_f32)
     layers = packed["layers"]
     assert all(isinstance(layers[n], PackedWeight) for n in ("wqkv", "wo", "w_gate_up", "w_down"))
-    assert isinstance(packed["lm_head"], PackedWeight)  # tied: a packed copy of the embedding
+    assert all(layers[n].w8a8 == (weights == "w8a8") for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+    # tied: a packed copy of the embedding (a float32 one where the kernels take float32)
+    assert isinstance(packed.get("lm_head"), PackedWeight) == (weights == "int8" or ISA_HERE == "avx512")
     assert type(packed["embed"]) is type(params["embed"])  # still there for the token lookup
     if weights.startswith("float32-"):
         assert all(layers[n].amx for n in ("wqkv", "wo", "w_gate_up", "w_down")) and packed["lm_head"].amx
@@ -402,7 +522,8 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     lengths = jnp.asarray([8])
     expected, _ = prefill(params, tokens, lengths, cfg)
     got, _ = jax.jit(functools.partial(prefill, cfg=cfg, ops=CpuKernelOps()))(packed, tokens, lengths)
-    tolerance = 1e-3 if weights == "int8" else 1e-5
+    # int8: int16 activations in the kernels, float in XLA's; W8A8: both quantize x to int8 alike
+    tolerance = 1e-3 if weights in ("int8", "w8a8") else 1e-5
     assert (
         np.abs(np.asarray(got) - np.asarray(expected)).max() <= tolerance * np.abs(np.asarray(expected)).max()
     )
@@ -446,7 +567,7 @@ def test_smollm2s_q4_1_layers_and_q8_0_embedding_take_amx_blocks(smollm2):
     assert amx_f32.layout([("embed",)]) == "blocks8"  # the tied head, blocked along the embedding
 
 
-@pytest.fixture(scope="module", params=["int8w", ""])
+@pytest.fixture(scope="module", params=["int8w", "int8", pytest.param("", marks=needs_avx512)])
 def served_model(request, tiny_model_dir):
     cfg = ServingConfig(
         per_device_batch_size=4,
@@ -470,11 +591,29 @@ def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model)
 
 
 @needs_kernel
-def test_int8_activations_keep_xlas_int8_dot(tiny_model_dir):
-    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=128, quantization="int8")  # W8A8
-    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
-    assert engine.ops.name == "xla"
-    assert isinstance(engine.load_params()["layers"]["wq"], QuantizedWeight)
+@pytest.mark.parametrize("quantize_kvcache", [False, True])
+def test_w8a8_on_the_kernels_gives_xlas_w8a8_tokens(tiny_model_dir, quantize_kvcache):
+    """quantization=int8 (MaxText's W8A8) takes the kernels, which quantize x per row as XLA's
+    int8 dot does: the same greedy tokens as the engine on XLA's ops."""
+    cfg = ServingConfig(
+        per_device_batch_size=4,
+        max_prefill_predict_length=64,
+        max_target_length=128,
+        quantization="int8",
+        quantize_kvcache=quantize_kvcache,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    assert engine.ops.name == "cpu-kernels"
+    params = engine.load_params()
+    assert params["layers"]["wqkv"].w8a8 and params["layers"]["w_down"].w8a8
+    xla = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}).engine)
+    assert xla.ops.name == "xla"
+    ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    requests = [(ids[i : i + 4 + 3 * i], SamplingParams(max_tokens=12)) for i in range(5)]
+    ours = run_to_completion(engine, params, requests)
+    theirs = run_to_completion(xla, xla.load_params(), requests)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
 
 
 @needs_kernel
@@ -493,7 +632,7 @@ def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("int8_cache", [False, True])
 @pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128)])
 def test_decode_attention_kernel_is_attention_over_each_rows_positions(int8_cache, groups, head_dim):
@@ -529,7 +668,7 @@ def test_decode_attention_kernel_says_what_it_does_not_handle():
     assert not cpu_attention.supports(jnp.float32, 64, 9)
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("quantize_kvcache", [False, True])
 def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quantize_kvcache):
     """With the attention kernel one generate variant serves every length; tokens = the plain loop
@@ -573,23 +712,40 @@ class _KernelMatmulsOnly(CpuKernelOps):
     reads_cache_in_place = XlaOps.reads_cache_in_place
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkeypatch, quantized):
+@pytest.mark.parametrize(
+    ("isa", "weights"), [("avx512", "float32"), ("avx512", "int8"), ("avx2", "int8"), ("avx2", "w8a8")]
+)
+def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkeypatch, isa, weights):
     """The backend's Python side (fused splits, weights read in place by layer, the attention
-    kernel's call) is checked on every machine: traced to a jaxpr, which needs no kernel library."""
+    kernel's call, the handler each instruction set takes) is checked on every machine: traced to a
+    jaxpr, which needs no kernel library."""
     monkeypatch.setattr(library, "require", lambda: None)
+    monkeypatch.setattr(library, "status", lambda: library.KernelStatus(True, "traced", isa=isa))
     params = init_params(tiny_cfg, jax.random.PRNGKey(0))
-    params = pack_for_cpu_kernels(quantize_params(params) if quantized else params)
+    if weights == "int8":
+        params = quantize_params(params)
+    elif weights == "w8a8":
+        params = with_int8_activations(quantize_params(params, int8_entries("int8")))
+    params = pack_for_cpu_kernels(params)
     ops = CpuKernelOps()
     tokens, lengths = jnp.zeros((2, 16), jnp.int32), jnp.array([16, 5])
     logits = jax.eval_shape(functools.partial(prefill, cfg=tiny_cfg, ops=ops), params, tokens, lengths)[0]
     assert logits.shape == (2, 16, tiny_cfg.vocab_size)
+    quantized = weights != "float32"
     cache = init_cache(tiny_cfg, 2, 64, quantized=quantized)
     step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops)
     jaxpr = str(jax.make_jaxpr(step)(params, tokens[:, 0], jnp.array([3, 9]), cache))
-    target = cpu_attention.INT8_TARGET if quantized else cpu_attention.F32_TARGET
-    assert target in jaxpr and ("pathserve_int8_matmul" if quantized else "pathserve_f32_matmul") in jaxpr
-    # the layer scan's body once: q, k and v as one weight, gate and up as one, wo, w_down; the head
-    assert jaxpr.count("_matmul") == 4 + 1
+    attention = cpu_attention.INT8_TARGET if quantized else cpu_attention.F32_TARGET
+    assert (attention in jaxpr) == (isa == "avx512")  # the attention kernel is AVX-512's
+    target = {
+        ("avx512", "float32"): cpu_matmul.F32_TARGET,
+        ("avx512", "int8"): cpu_matmul.INT8_TARGET,
+        ("avx2", "int8"): cpu_matmul.INT8_AVX2_TARGET,
+        ("avx2", "w8a8"): cpu_matmul.W8A8_AVX2_TARGET,
+    }[(isa, weights)]
+    # the layer scan's body once: q, k and v as one weight, gate and up as one, wo, w_down; the
+    # head (W8A8: float32, which AVX2 leaves to XLA)
+    assert jaxpr.count(target) == (4 if weights == "w8a8" else 5)
+    assert jaxpr.count("_matmul") == jaxpr.count(target)
     out = jax.eval_shape(step, params, tokens[:, 0], jnp.array([3, 9]), cache)[0]
     assert out.shape == (2, tiny_cfg.vocab_size)

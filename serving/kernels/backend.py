@@ -47,13 +47,17 @@ class CpuKernelOps(XlaOps):
         return out[:, None].astype(q.dtype)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
-        return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(
+        return jnp.dtype(dtype) == jnp.float32 and library.status().avx512 and cpu_attention.supports(
             cache_dtype, cfg.head_dim, cfg.num_groups
         )
 
     def reads_cache_in_place_for(self, cache_dtype: jnp.dtype, q: jax.Array) -> bool:
         """`reads_cache_in_place` from a traced query [batch, 1, kv_heads, groups, head_dim]."""
-        return q.dtype == jnp.float32 and cpu_attention.supports(cache_dtype, q.shape[-1], q.shape[-2])
+        return (
+            q.dtype == jnp.float32
+            and library.status().avx512
+            and cpu_attention.supports(cache_dtype, q.shape[-1], q.shape[-2])
+        )
 
     def split_layers(self, layers: dict) -> tuple[dict, dict]:
         in_place = {name: w for name, w in layers.items() if isinstance(w, cpu_matmul.PackedWeight)}
@@ -66,7 +70,8 @@ class CpuKernelOps(XlaOps):
         return packing.pack_params(params)
 
     def describe(self) -> str:
-        return f"the CPU kernels ({library.status().detail})"
+        status = library.status()
+        return f"the CPU kernels ({status.isa}: {status.detail})"
 
 
 def _running_sums(sizes: list[int]) -> list[int]:
@@ -90,10 +95,10 @@ def select(
         reason = f"they run on one CPU device, not {len(devices)} {devices[0].platform} device(s)"
     if reason is None:
         status = library.status()
-        if status.available:
-            log.info("matmuls run through the CPU kernels (%s)", status.detail)
+        reason = status.detail if not status.available else weights_unsupported(quantization, weight_dtype, status.isa)
+        if reason is None:
+            log.info("matmuls run through the CPU kernels (%s, %s)", status.isa, status.detail)
             return CpuKernelOps()
-        reason = status.detail
     if cpu_kernels == "on":
         raise ConfigError(f"cpu_kernels=on, but the CPU kernels cannot be used: {reason}")
     log.info("matmuls use XLA's dot; the CPU kernels are not used: %s", reason)

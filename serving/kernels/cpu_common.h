@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -96,6 +97,33 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t items, int64_t work, Body b
       std::this_thread::yield();
     }
   }
+}
+
+// The checks the handlers share: x[M, K], w[(layers,) tiles, inner, width(, group)], y[M, N], layer.
+struct Shapes {
+  int64_t m, k, n, tiles, layers, index;
+};
+
+inline xla::ffi::ErrorOr<Shapes> CheckShapes(const char* name, xla::ffi::Span<const int64_t> xd, xla::ffi::Span<const int64_t> wd,
+                                 xla::ffi::Span<const int64_t> yd, size_t rank, int64_t inner, int64_t layer,
+                                 int64_t width = 64, int64_t group = 2) {
+  const size_t lead = wd.size() == rank + 1 ? 1 : 0;
+  const std::string where = std::string(name) + ": ";
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != rank + lead || wd[lead + 2] != width ||
+      (rank == 4 && wd[lead + 3] != group)) {
+    return xla::ffi::Unexpected(xla::ffi::Error::InvalidArgument(where + "expected x[M, K], a packed w and y[M, N]"));
+  }
+  Shapes s{xd[0], xd[1], yd[1], wd[lead], lead ? wd[0] : 1, layer};
+  if (yd[0] != s.m || wd[lead + 1] != inner || (s.n + width - 1) / width != s.tiles) {
+    return xla::ffi::Unexpected(xla::ffi::Error::InvalidArgument(where + "shapes disagree: x[" + std::to_string(s.m) + ", " +
+                                       std::to_string(s.k) + "], y[" + std::to_string(yd[0]) + ", " +
+                                       std::to_string(s.n) + "], " + std::to_string(s.tiles) + " tiles of " +
+                                       std::to_string(wd[lead + 1]) + " rows"));
+  }
+  if (layer < 0 || layer >= s.layers) {
+    return xla::ffi::Unexpected(xla::ffi::Error::InvalidArgument(where + "layer " + std::to_string(layer) + " of " + std::to_string(s.layers)));
+  }
+  return s;
 }
 
 }  // namespace pathserve

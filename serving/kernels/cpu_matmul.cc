@@ -60,7 +60,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using pathserve::CheckShapes;
 using pathserve::Lanes;
+using pathserve::Shapes;
 
 constexpr int64_t kTile = 64;    // output columns per packed tile: four vectors of 16 lanes
 constexpr int64_t kPairs = 128;  // int8: input-row pairs per int32 accumulation
@@ -262,33 +264,6 @@ PATHSERVE_AVX512 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t
       _mm256_mask_storeu_epi16(out + i, Lanes(width - i), _mm512_cvtsepi32_epi16(q));
     }
   }
-}
-
-// The checks the handlers share: x[M, K], w[(layers,) tiles, inner, width(, group)], y[M, N], layer.
-struct Shapes {
-  int64_t m, k, n, tiles, layers, index;
-};
-
-ffi::ErrorOr<Shapes> CheckShapes(const char* name, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                                 ffi::Span<const int64_t> yd, size_t rank, int64_t inner, int64_t layer,
-                                 int64_t width = kTile, int64_t group = 2) {
-  const size_t lead = wd.size() == rank + 1 ? 1 : 0;
-  const std::string where = std::string(name) + ": ";
-  if (xd.size() != 2 || yd.size() != 2 || wd.size() != rank + lead || wd[lead + 2] != width ||
-      (rank == 4 && wd[lead + 3] != group)) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(where + "expected x[M, K], a packed w and y[M, N]"));
-  }
-  Shapes s{xd[0], xd[1], yd[1], wd[lead], lead ? wd[0] : 1, layer};
-  if (yd[0] != s.m || wd[lead + 1] != inner || (s.n + width - 1) / width != s.tiles) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(where + "shapes disagree: x[" + std::to_string(s.m) + ", " +
-                                       std::to_string(s.k) + "], y[" + std::to_string(yd[0]) + ", " +
-                                       std::to_string(s.n) + "], " + std::to_string(s.tiles) + " tiles of " +
-                                       std::to_string(wd[lead + 1]) + " rows"));
-  }
-  if (layer < 0 || layer >= s.layers) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(where + "layer " + std::to_string(layer) + " of " + std::to_string(s.layers)));
-  }
-  return s;
 }
 
 ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

@@ -1,5 +1,5 @@
-"""float32 and int8 weight matmuls on x86 CPUs through XLA FFI kernels (cpu_matmul.cc says why;
-serving.kernels.library builds them)."""
+"""float32, int8 and W8A8 weight matmuls on x86 CPUs through XLA FFI kernels (cpu_matmul.cc and
+cpu_int8.cc say why; serving.kernels.library builds them and says which instruction set runs)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ INT8_TARGET = "pathserve_int8_matmul"
 INT8_AMX_TARGET = "pathserve_int8_amx_matmul"
 F32_AMX_TARGET = "pathserve_f32_amx_matmul"
 F32_BLOCKS_AMX_TARGET = "pathserve_f32_blocks_amx_matmul"
+INT8_AVX2_TARGET = "pathserve_int8_avx2_matmul"
+W8A8_TARGET = "pathserve_w8a8_matmul"  # AVX-512 VNNI
+W8A8_AVX2_TARGET = "pathserve_w8a8_avx2_matmul"
+QUAD = 4  # W8A8: input rows per column group (kTile columns x 4 rows of int8)
 TILE = 64  # output columns per packed tile (kTile in the C++ source)
 AMX_TILE = 16  # int8 on AMX: output columns per tile (kAmxCols)
 AMX_DEPTH = 64  # int8 on AMX: input rows padded to a multiple of this (kAmxDepth)
@@ -41,8 +45,10 @@ class PackedWeight:
     `amx` set. int8: values [..., tiles, pairs, 64, 2] (input rows paired) with per-output scales
     [..., tiles * 64]; or, with `amx`, values
     [..., tiles, quads, 16, 4] (16 columns per tile, input rows in fours, padded to a multiple of
-    64) with scales [..., tiles * 16], for the AMX kernel. `in_features` and `out_features` are the
-    sizes before padding.
+    64) with scales [..., tiles * 16], for the AMX kernel. W8A8 (`w8a8`, activations quantized to
+    int8 per row by the kernel): values [..., tiles, quads, 64, 4] (input rows in fours per column),
+    scales and each column's weight sum `sums` (int32) [..., tiles * 64]. `in_features` and
+    `out_features` are the sizes before padding.
 
     Stacked layers stay stacked inside a scan: `at_layer(i)` names the layer the kernel reads, where
     a slice would make XLA copy the weight out of the stack before every call.
@@ -56,6 +62,8 @@ class PackedWeight:
     amx: bool = field(default=False, metadata={"static": True})
     # Output columns of each weight fused into this one (matmuls sharing an input), in order.
     parts: tuple[int, ...] = field(default=(), metadata={"static": True})
+    sums: jax.Array | None = None
+    w8a8: bool = field(default=False, metadata={"static": True})
 
     def at_layer(self, index: jax.Array | int) -> PackedWeight:
         return replace(self, layer=jnp.asarray(index, jnp.int32))
@@ -85,6 +93,21 @@ def pack(values: jax.Array, scales: jax.Array | None = None, amx: bool | None = 
     v = v.reshape(*lead, pairs, 2, tiles, TILE).transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)
     s = jnp.pad(scales.reshape(*lead, n).astype(jnp.float32), [*pad, (0, tiles * TILE - n)])
     return PackedWeight(values=v, scales=s, in_features=k, out_features=n)
+
+
+def pack_w8a8(values: jax.Array, scales: jax.Array) -> PackedWeight:
+    """int8 values [..., in, out] with per-output `scales` [..., out] for the W8A8 kernels:
+    [..., tiles, quads, 64, 4], four input rows side by side per column (input rows padded to a
+    multiple of 4, columns to 64), with each column's sum of its weights (VNNI's unsigned-offset
+    correction)."""
+    *lead, k, n = values.shape
+    tiles, nd, quads = -(-n // TILE), len(lead), -(-k // QUAD)
+    pad = [(0, 0)] * nd
+    v = jnp.pad(values, [*pad, (0, quads * QUAD - k), (0, tiles * TILE - n)])
+    sums = jnp.sum(v.astype(jnp.int32), axis=-2)  # [..., tiles * 64]
+    v = v.reshape(*lead, quads, QUAD, tiles, TILE).transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)
+    s = jnp.pad(scales.reshape(*lead, n).astype(jnp.float32), [*pad, (0, tiles * TILE - n)])
+    return PackedWeight(values=v, scales=s, in_features=k, out_features=n, sums=sums, w8a8=True)
 
 
 def _halves(values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -216,19 +239,26 @@ def _pack_amx(values: jax.Array, scales: jax.Array) -> PackedWeight:
     return PackedWeight(values=v, scales=s, in_features=k, out_features=n, amx=True)
 
 
-def matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x[..., in] @ w as float32 [..., out]. With int8 weights x is quantized per row to int16."""
+def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None) -> jax.Array:
+    """x[..., in] @ w as float32 [..., out]. With int8 weights x is quantized per row to int16, with
+    W8A8 weights to int8 (as XLA's W8A8 path does, serving.models.quantization.int8_dot). The
+    handler follows the instruction set the kernels run with (library.status().isa; `isa` "avx2"
+    picks the AVX2 handlers on an AVX-512 CPU too, for tests)."""
     library.require()
+    avx512 = (isa or library.status().isa) == "avx512"
     lead = x.shape[:-1]
     rows = x.reshape(-1, w.in_features).astype(jnp.float32)
     layer = jnp.zeros((), jnp.int32) if w.layer is None else w.layer
     result = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
-    if w.scales is None:
+    if w.w8a8:
+        target = W8A8_TARGET if avx512 else W8A8_AVX2_TARGET
+        out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, w.sums, layer)
+    elif w.scales is None:
         target = F32_AMX_TARGET if w.amx else F32_TARGET
         out = jax.ffi.ffi_call(target, result)(rows, w.values, layer)
     elif w.values.dtype == jnp.bfloat16:
         out = jax.ffi.ffi_call(F32_BLOCKS_AMX_TARGET, result)(rows, w.values, w.scales, layer)
     else:
-        target = INT8_AMX_TARGET if w.amx else INT8_TARGET
+        target = INT8_AMX_TARGET if w.amx else (INT8_TARGET if avx512 else INT8_AVX2_TARGET)
         out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, layer)
     return out.reshape(*lead, w.out_features)

@@ -36,7 +36,31 @@ TARGETS = {
     "pathserve_f32_blocks_amx_matmul": "PathserveF32BlocksAmxMatmul",
     "pathserve_f32_decode_attention": "PathserveF32DecodeAttention",
     "pathserve_int8_decode_attention": "PathserveInt8DecodeAttention",
+    "pathserve_int8_avx2_matmul": "PathserveInt8Avx2Matmul",
+    "pathserve_w8a8_avx2_matmul": "PathserveW8a8Avx2Matmul",
+    "pathserve_w8a8_matmul": "PathserveW8a8Matmul",
 }
+# The instruction sets the kernels are written for, best first, with the CPU flags (as Linux's
+# /proc/cpuinfo names them) each needs.
+ISA_FLAGS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "avx2": frozenset({"avx2", "fma"}),
+}
+ISA_ENV = "PATHSERVE_CPU_ISA"  # avx2: take the AVX2 kernels on a CPU that has AVX-512 too
+
+
+def choose_isa(flags: set[str] | frozenset[str], asked: str = "") -> tuple[str | None, str]:
+    """The instruction set the kernels run with on a CPU with these `flags` (best first, or `asked`,
+    one of ISA_FLAGS, where the CPU has it) and why; None where the CPU has none of them."""
+    if asked and asked not in ISA_FLAGS:
+        return None, f"{ISA_ENV}={asked!r}: one of {', '.join(ISA_FLAGS)}"
+    for isa, needed in ISA_FLAGS.items():
+        if asked and isa != asked:
+            continue
+        if needed <= flags:
+            return isa, f"{isa} ({', '.join(sorted(needed))})"
+    wanted = f"{ISA_ENV}={asked}: " if asked else ""
+    return None, f"{wanted}this CPU lacks {' and '.join(sorted(ISA_FLAGS[asked or 'avx2'] - flags))}"
 
 
 @dataclass(frozen=True)
@@ -44,12 +68,18 @@ class KernelStatus:
     """Whether the kernels can run in this process, and why not (or where their library is);
     `amx`: whether int8 weights take the AMX kernel (the CPU has AMX-INT8, Linux allows it, and
     PATHSERVE_CPU_AMX is not 0); `amx_bf16`: the same for float32 weights that are exactly two
-    bfloat16 each (AMX-BF16)."""
+    bfloat16 each (AMX-BF16); `isa`: the instruction set the kernels take (ISA_FLAGS), which decides
+    the weights they take (`takes`) and the handlers the matmuls call."""
 
     available: bool
     detail: str
     amx: bool = False
     amx_bf16: bool = False
+    isa: str | None = None
+
+    @property
+    def avx512(self) -> bool:
+        return self.isa == "avx512"
 
 
 @functools.cache
@@ -65,14 +95,20 @@ def status() -> KernelStatus:
         lib = ctypes.cdll.LoadLibrary(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         return KernelStatus(False, f"building the CPU kernels failed: {e}")
-    if not lib.pathserve_cpu_kernels_supported():
-        return KernelStatus(False, "this CPU lacks AVX-512 VNNI")
+    flags: set[str] = set()
+    if lib.pathserve_cpu_kernels_supported():
+        flags |= ISA_FLAGS["avx512"]
+    if lib.pathserve_cpu_avx2_supported():
+        flags |= ISA_FLAGS["avx2"]
+    isa, why = choose_isa(flags, os.environ.get(ISA_ENV, "").strip().lower())
+    if isa is None:
+        return KernelStatus(False, why)
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    allowed = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0"
+    allowed = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0" and isa == "avx512"
     amx = allowed and bool(lib.pathserve_cpu_amx_supported())
     amx_bf16 = allowed and bool(lib.pathserve_cpu_amx_bf16_supported())
-    return KernelStatus(True, str(library), amx, amx_bf16)
+    return KernelStatus(True, str(library), amx, amx_bf16, isa)
 
 
 def require() -> None:

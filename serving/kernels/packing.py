@@ -1,4 +1,4 @@
-"""The CPU kernels' weight layout: float32 and weight-only int8 matmul weights packed for
+"""The CPU kernels' weight layout: float32, weight-only int8 and W8A8 matmul weights packed for
 serving.kernels.cpu_matmul, the matmuls that share an input fused into one weight, float32 weights
 in the AMX layout they are exact in. Used by serving.kernels.backend, whose ops read these weights.
 """
@@ -24,12 +24,15 @@ log = logging.getLogger(__name__)
 FUSED = {("wq", "wk", "wv"): "wqkv", ("w_gate", "w_up"): "w_gate_up"}
 
 
-def _kernel_operands(value) -> tuple[jax.Array, jax.Array | None] | None:
-    """(values [..., in, out], per-output scales or None) of a float32 or weight-only int8 matmul
-    weight; None for a weight the kernels do not take (bfloat16, w8a8)."""
+def _kernel_operands(value) -> tuple[jax.Array, jax.Array | None, bool] | None:
+    """(values [..., in, out], per-output scales or None, whether W8A8) of a matmul weight the
+    kernels take: int8 (weight-only or W8A8), and float32 where they run with AVX-512; None for
+    any other (bfloat16; float32 on AVX2)."""
     if isinstance(value, QuantizedWeight):
-        return None if value.activations else (value.values, value.scales[..., 0, :])
-    return (value, None) if value.dtype == jnp.float32 else None
+        return value.values, value.scales[..., 0, :], value.activations
+    if value.dtype == jnp.float32 and library.status().avx512:
+        return value, None, False
+    return None
 
 
 # AMX layouts of float32 weights, fewer bytes first: integers in blocks (cpu_matmul.BLOCK_FORMATS,
@@ -97,7 +100,7 @@ def amx_float32(params: dict) -> AmxFloat32:
 
 
 def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> dict:
-    """params with every float32 and weight-only int8 matmul weight packed for the CPU kernels,
+    """params with every matmul weight the kernels take (`_kernel_operands`) packed for them,
     the projections that share an input fused (FUSED: q, k, v; gate, up). float32 weights
     take the AMX layout `amx_f32` (see `amx_float32`) gives them.
 
@@ -105,8 +108,10 @@ def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> di
     lookup, so the head costs one more copy of the table.
     """
 
-    def pack(operands: tuple[jax.Array, jax.Array | None], paths: list[tuple[str, ...]]):
-        values, scales = operands
+    def pack(operands: tuple[jax.Array, jax.Array | None, bool], paths: list[tuple[str, ...]]):
+        values, scales, w8a8 = operands
+        if w8a8:
+            return cpu_matmul.pack_w8a8(values, scales)
         if scales is not None:
             return cpu_matmul.pack(values, scales)
         layout = amx_f32.layout(paths)
@@ -117,11 +122,12 @@ def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> di
     def fused(parts: list, paths: list[tuple[str, ...]]):
         """One packed weight for matmuls of the same input: fewer, larger kernel calls."""
         operands = [_kernel_operands(p) for p in parts]
-        if any(o is None for o in operands) or len({o[1] is None for o in operands}) != 1:
+        if any(o is None for o in operands) or len({(o[1] is None, o[2]) for o in operands}) != 1:
             return None
-        values = jnp.concatenate([v for v, _ in operands], axis=-1)
-        scales = None if operands[0][1] is None else jnp.concatenate([s for _, s in operands], axis=-1)
-        return replace(pack((values, scales), paths), parts=tuple(v.shape[-1] for v, _ in operands))
+        values = jnp.concatenate([v for v, _, _ in operands], axis=-1)
+        scales = None if operands[0][1] is None else jnp.concatenate([s for _, s, _ in operands], axis=-1)
+        packed = pack((values, scales, operands[0][2]), paths)
+        return replace(packed, parts=tuple(v.shape[-1] for v, _, _ in operands))
 
     def visit(tree: dict, path: tuple[str, ...]) -> dict:
         out = {}
@@ -149,9 +155,11 @@ def pack_for_cpu_kernels(params: dict, amx_f32: AmxFloat32 = AmxFloat32()) -> di
     if "lm_head" not in params and embed is not None:
         # The table is [vocab, embed] with one scale per row (token): the head's output columns.
         if isinstance(embed, QuantizedWeight):
-            head = None if embed.activations else cpu_matmul.pack(embed.values.T, embed.scales[:, 0])
+            head = pack((embed.values.T, embed.scales[:, 0], embed.activations), [(EMBEDDING,)])
+        elif _kernel_operands(embed) is not None:
+            head = pack((embed.T, None, False), [(EMBEDDING,)])
         else:
-            head = pack((embed.T, None), [(EMBEDDING,)]) if embed.dtype == jnp.float32 else None
+            head = None
         if head is not None:
             result["lm_head"] = head
     return result

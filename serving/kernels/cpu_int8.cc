@@ -1,0 +1,478 @@
+// int8-weight matmuls y[M, N] = x[M, K] @ w[K, N] for every x86-64 CPU with AVX2 and FMA, and the
+// W8A8 matmul (int8 activations times int8 weights) on AVX-512 VNNI. XLA FFI handlers:
+// PathserveInt8Avx2Matmul, PathserveW8a8Avx2Matmul, PathserveW8a8Matmul.
+//
+// Why: where the CPU lacks AVX-512 VNNI the model otherwise runs XLA's own int8 dots, which move a
+// few GB/s: a decode step of a 135M model read its weights ~5x slower than the memory allows. And
+// MaxText's quantization=int8 (W8A8) multiplies int8 by int8: on VNNI four multiply-adds per 32-bit
+// lane per instruction (vpdpbusd), twice the rate of int16 activations (vpdpwssd).
+//
+// Three loops, each over 64-column tiles shared out between threads (pathserve::ParallelFor):
+// - int8 weights, float activations, AVX2 (PathserveInt8Avx2Matmul): the AVX-512 int8 kernel's
+//   layout [tiles, pairs, 64, 2] and arithmetic: each row of x quantized to int16 (absmax / 32767),
+//   vpmaddwd of an (x[2k], x[2k+1]) broadcast with 8 columns' weight pairs widened to int16, int32
+//   sums flushed to float every kPairs pairs (2 * 128 * 32767 * 127 < 2^31).
+// - W8A8, AVX2 (PathserveW8a8Avx2Matmul): layout [tiles, quads, 64, 4], four input rows side by
+//   side per column. Each row of x quantized to int8 as XLA's W8A8 does (scale max(absmax, 1e-30) /
+//   127, x / scale rounded to even, clipped to +-127). vpmaddubsw multiplies unsigned by signed
+//   bytes, so the weights' magnitudes are the unsigned operand and x takes their signs (vpsignb):
+//   |w| * (x * sign(w)) = x * w exactly, a pair at most 2 * 128 * 127 < 2^15, no saturation; then
+//   vpmaddwd by ones gives int32 sums of four. Exact int32 sums over all of K.
+// - W8A8, AVX-512 VNNI (PathserveW8a8Matmul): the same layout; vpdpbusd multiplies x + 128
+//   (unsigned) by w (signed) into int32, and the column sums of w (packed beside the scales)
+//   take 128 * sum(w) back off: exact, as int32 arithmetic wraps (vpdpbusd does not saturate).
+// The W8A8 result is float(sum) * x_scale * w_scale, in that order, as XLA's int8 dot path computes.
+// Weights may hold every layer ([layers, ...]); the `layer` operand picks one in place.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define PATHSERVE_AVX2 __attribute__((target("avx2,fma")))
+
+namespace {
+
+using pathserve::CheckShapes;
+using pathserve::Shapes;
+
+constexpr int64_t kTile = 64;    // output columns per packed tile
+constexpr int kRows = 4;         // rows of x per register block (x is interleaved in blocks of 4)
+constexpr int64_t kPairs = 128;  // int16 x int8: input-row pairs per int32 accumulation
+
+// rows[M, cols] -> out[blocks, cols, kRows] (the kRows values a block broadcasts together lie
+// together); lanes past M are zero.
+void Interleave(const int32_t* rows, int64_t m, int64_t cols, int32_t* out) {
+  const int64_t blocks = (m + kRows - 1) / kRows;
+  std::fill(out, out + blocks * cols * kRows, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    int32_t* lane = out + (r / kRows) * cols * kRows + r % kRows;
+    for (int64_t i = 0; i < cols; ++i) lane[i * kRows] = rows[r * cols + i];
+  }
+}
+
+// Whether a row holds NaN or infinity (x * 0 is NaN exactly there), and its largest magnitude.
+PATHSERVE_AVX2 void RowRange(const float* row, int64_t k, float* absmax, bool* finite) {
+  __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+    bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps()));
+  }
+  float lanes[8], bads[8];
+  _mm256_storeu_ps(lanes, vmax);
+  _mm256_storeu_ps(bads, bad);
+  float best = 0.0f, nan = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    best = std::max(best, lanes[j]);
+    nan += bads[j];
+  }
+  for (; i < k; ++i) {
+    best = std::max(best, std::fabs(row[i]));
+    nan += row[i] * 0.0f;
+  }
+  *absmax = best;
+  *finite = !std::isnan(nan);
+}
+
+// Each row of x[M, K] as int16 (absmax / 32767), zero-padded to `width` columns, and its scale;
+// a row with NaN or infinity gets a NaN scale (the output carries it, as a float matmul would).
+PATHSERVE_AVX2 void QuantizeRows16(const float* x, int64_t m, int64_t k, int64_t width, int16_t* xq,
+                                   float* scales) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    int16_t* out = xq + r * width;
+    float absmax;
+    bool finite;
+    RowRange(row, k, &absmax, &finite);
+    std::fill(out, out + width, int16_t{0});
+    if (!finite || !(absmax > 0)) {
+      scales[r] = finite ? 0.0f : NAN;
+      continue;
+    }
+    scales[r] = absmax / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(32767.0f / absmax);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), inv));
+      const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+    }
+    for (; i < k; ++i) out[i] = static_cast<int16_t>(std::nearbyint(row[i] * (32767.0f / absmax)));
+  }
+}
+
+// Each row of x[M, K] as int8 the way XLA's W8A8 quantizes it (scale = max(absmax, 1e-30) / 127,
+// x / scale rounded half to even, clipped to [-127, 127]), plus `offset` (128: unsigned for
+// vpdpbusd), zero-padded (offset included) to `width` columns; and its scale (NaN for a row with
+// NaN or infinity).
+PATHSERVE_AVX2 void QuantizeRows8(const float* x, int64_t m, int64_t k, int64_t width, int offset, int8_t* xq,
+                                  float* scales) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    int8_t* out = xq + r * width;
+    float absmax;
+    bool finite;
+    RowRange(row, k, &absmax, &finite);
+    std::fill(out, out + width, static_cast<int8_t>(offset));
+    if (!finite) {
+      scales[r] = NAN;
+      continue;
+    }
+    const float scale = std::max(absmax, 1e-30f) / 127.0f;
+    scales[r] = scale;
+    const __m256 divisor = _mm256_set1_ps(scale);
+    const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127), shift = _mm256_set1_epi32(offset);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(row + i), divisor));  // to even
+      q = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q, low), high), shift);
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), q);
+      for (int j = 0; j < 8; ++j) out[i + j] = static_cast<int8_t>(lanes[j]);
+    }
+    for (; i < k; ++i) {
+      const float q = std::nearbyint(row[i] / scale);
+      out[i] = static_cast<int8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, q))) + offset);
+    }
+  }
+}
+
+// The first `count` of 8 lanes as a maskstore mask.
+PATHSERVE_AVX2 inline __m256i Lanes8(int64_t count) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(std::max<int64_t>(count, 0), 8))),
+                            index);
+}
+
+// Stores out (8 columns from `col`) into row `r` of y[., n], columns past n left alone.
+PATHSERVE_AVX2 inline void Store8(float* y, int64_t n, int64_t r, int64_t col, __m256 out) {
+  if (col >= n) return;
+  if (col + 8 <= n) {
+    _mm256_storeu_ps(y + r * n + col, out);
+  } else {
+    _mm256_maskstore_ps(y + r * n + col, Lanes8(n - col), out);
+  }
+}
+
+// Column vectors (of 8) per pass over a tile's weights for a block of R rows: as many as the
+// registers hold beside R rows' sums (one row: the whole tile in one pass).
+template <int R>
+constexpr int Columns() {
+  return R == 1 ? 8 : (R == 2 ? 4 : 2);
+}
+
+// ---- int8 weights, int16 activations, AVX2 -------------------------------------------------------
+
+struct Int8Avx2Problem {
+  const int32_t* x;       // [blocks, pairs, kRows] int16 pairs, interleaved
+  const float* x_scales;  // [M]
+  const int8_t* w;        // [tiles, pairs, kTile, 2]
+  const float* w_scales;  // [tiles * kTile]
+  float* y;               // [M, N]
+  int64_t m, pairs, n, tiles;
+
+  // Rows [row, row + R) of tile t, C vectors of 8 columns at a time.
+  template <int R>
+  PATHSERVE_AVX2 void Rows(int64_t t, int64_t row) const {
+    constexpr int C = Columns<R>();
+    const int32_t* xr = x + row * pairs;
+    for (int g = 0; g < 8 / C; ++g) {
+      __m256 sum[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) sum[r][c] = _mm256_setzero_ps();
+      const int8_t* base = w + t * pairs * kTile * 2 + g * C * 16;
+      for (int64_t k0 = 0; k0 < pairs; k0 += kPairs) {
+        const int64_t k1 = std::min(pairs, k0 + kPairs);
+        __m256i acc[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
+        const int8_t* wp = base + k0 * kTile * 2;
+        for (int64_t k = k0; k < k1; ++k, wp += kTile * 2) {
+          __m256i wv[C];
+          for (int c = 0; c < C; ++c)
+            wv[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16 * c)));
+          for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_set1_epi32(xr[k * kRows + r]);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(xv, wv[c]));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) sum[r][c] = _mm256_add_ps(sum[r][c], _mm256_cvtepi32_ps(acc[r][c]));
+      }
+      for (int c = 0; c < C; ++c) {
+        const int64_t col = t * kTile + (g * C + c) * 8;
+        const __m256 ws = _mm256_loadu_ps(w_scales + col);
+        for (int r = 0; r < R; ++r) {
+          const __m256 out = _mm256_mul_ps(sum[r][c], _mm256_mul_ps(ws, _mm256_set1_ps(x_scales[row + r])));
+          Store8(y, n, row + r, col, out);
+        }
+      }
+    }
+  }
+};
+
+// ---- W8A8, AVX2 ------------------------------------------------------------------------------------
+
+struct W8a8Avx2Problem {
+  const int32_t* x;       // [blocks, quads, kRows] int8 quads, interleaved
+  const float* x_scales;  // [M]
+  const int8_t* w;        // [tiles, quads, kTile, 4]
+  const float* w_scales;  // [tiles * kTile]
+  float* y;               // [M, N]
+  int64_t m, quads, n, tiles;
+
+  template <int R>
+  PATHSERVE_AVX2 void Rows(int64_t t, int64_t row) const {
+    constexpr int C = Columns<R>();
+    const int32_t* xr = x + row * quads;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < 8 / C; ++g) {
+      __m256i acc[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
+      const int8_t* wp = w + t * quads * kTile * 4 + g * C * 32;
+      for (int64_t q = 0; q < quads; ++q, wp += kTile * 4) {
+        __m256i wv[C], mag[C];
+        for (int c = 0; c < C; ++c) {
+          wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
+          mag[c] = _mm256_abs_epi8(wv[c]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_set1_epi32(xr[q * kRows + r]);
+          for (int c = 0; c < C; ++c) {
+            const __m256i pairs = _mm256_maddubs_epi16(mag[c], _mm256_sign_epi8(xv, wv[c]));
+            acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const int64_t col = t * kTile + (g * C + c) * 8;
+        const __m256 ws = _mm256_loadu_ps(w_scales + col);
+        for (int r = 0; r < R; ++r) {
+          const __m256 out =
+              _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_set1_ps(x_scales[row + r])), ws);
+          Store8(y, n, row + r, col, out);
+        }
+      }
+    }
+  }
+};
+
+// ---- W8A8, AVX-512 VNNI ----------------------------------------------------------------------------
+
+struct W8a8VnniProblem {
+  const int32_t* x;       // [blocks, quads, kRows] int8 quads plus 128 (unsigned), interleaved
+  const float* x_scales;  // [M]
+  const int8_t* w;        // [tiles, quads, kTile, 4]
+  const float* w_scales;  // [tiles * kTile]
+  const int32_t* w_sums;  // [tiles * kTile]: each column's sum of its weights
+  float* y;               // [M, N]
+  int64_t m, quads, n, tiles;
+
+  template <int R>
+  PATHSERVE_AVX512 void Rows(int64_t t, int64_t row) const {
+    const int32_t* xr = x + row * quads;
+    __m512i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    const int8_t* wp = w + t * quads * kTile * 4;
+    for (int64_t q = 0; q < quads; ++q, wp += kTile * 4) {
+      __m512i wv[4];
+      for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_si512(wp + 64 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(xr[q * kRows + r]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      const int64_t col = t * kTile + 16 * c;
+      const __mmask16 mask = pathserve::Lanes(n - col);
+      const __m512 ws = _mm512_loadu_ps(w_scales + col);
+      const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w_sums + col), 7);  // 128 * sum(w)
+      for (int r = 0; r < R; ++r) {
+        const __m512i exact = _mm512_sub_epi32(acc[r][c], offset);
+        const __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x_scales[row + r])), ws);
+        if (mask) _mm512_mask_storeu_ps(y + (row + r) * n + col, mask, out);
+      }
+    }
+  }
+};
+
+// Tiles [first, last) of `p`, every block of kRows rows (then the remainder) per tile: a tile's
+// weights come from memory for the first block and from cache for the others.
+template <typename Problem>
+void Tiles(const Problem& p, int64_t first, int64_t last) {
+  for (int64_t t = first; t < last; ++t) {
+    int64_t row = 0;
+    for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row);
+    switch (p.m - row) {
+      case 3: p.template Rows<3>(t, row); break;
+      case 2: p.template Rows<2>(t, row); break;
+      case 1: p.template Rows<1>(t, row); break;
+      default: break;
+    }
+  }
+}
+
+template <typename Problem>
+void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
+  pathserve::ParallelFor(pool, problem.tiles, multiply_adds,
+                         [problem](int64_t first, int64_t last) { Tiles(problem, first, last); });
+}
+
+// Per calling thread: XLA may run two matmuls at once on different threads.
+struct Scratch {
+  std::vector<int8_t> bytes;
+  std::vector<int32_t> interleaved;
+  std::vector<float> scales;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+ffi::Error Int8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const int64_t pairs = xd.size() == 2 ? (xd[1] + 1) / 2 : -1;
+  auto shapes = CheckShapes("int8_avx2_matmul", xd, w.dimensions(), y->dimensions(), 4, pairs, layer.typed_data()[0]);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (static_cast<int64_t>(w_scales.element_count()) != s.layers * s.tiles * kTile) {
+    return ffi::Error::InvalidArgument("int8_avx2_matmul: scales must hold one float per packed column");
+  }
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  Scratch& scratch = ThreadScratch();
+  scratch.bytes.resize(s.m * 2 * pairs * sizeof(int16_t));
+  scratch.interleaved.resize(((s.m + kRows - 1) / kRows) * kRows * pairs);
+  scratch.scales.resize(s.m);
+  auto* xq = reinterpret_cast<int16_t*>(scratch.bytes.data());
+  QuantizeRows16(x.typed_data(), s.m, s.k, 2 * pairs, xq, scratch.scales.data());
+  Interleave(reinterpret_cast<const int32_t*>(xq), s.m, pairs, scratch.interleaved.data());
+  const Int8Avx2Problem problem{scratch.interleaved.data(),
+                                scratch.scales.data(),
+                                w.typed_data() + s.index * s.tiles * pairs * kTile * 2,
+                                w_scales.typed_data() + s.index * s.tiles * kTile,
+                                y->typed_data(),
+                                s.m,
+                                pairs,
+                                s.n,
+                                s.tiles};
+  Run(pool, problem, s.m * 2 * pairs * s.tiles * kTile);
+  return ffi::Error::Success();
+}
+
+// x quantized to int8 quads (plus `offset`), interleaved; returns the shapes or an error.
+ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& w,
+                                 ffi::Buffer<ffi::F32>& w_scales, ffi::Buffer<ffi::S32>& layer,
+                                 ffi::ResultBuffer<ffi::F32>& y, int offset, Scratch& scratch) {
+  const auto xd = x.dimensions();
+  const int64_t quads = xd.size() == 2 ? (xd[1] + 3) / 4 : -1;
+  auto shapes = CheckShapes(name, xd, w.dimensions(), y->dimensions(), 4, quads, layer.typed_data()[0], kTile, 4);
+  if (shapes.has_error()) return shapes;
+  const Shapes& s = *shapes;
+  if (static_cast<int64_t>(w_scales.element_count()) != s.layers * s.tiles * kTile) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(name) + ": scales must hold one float per packed column"));
+  }
+  scratch.bytes.resize(s.m * 4 * quads);
+  scratch.interleaved.resize(((s.m + kRows - 1) / kRows) * kRows * quads);
+  scratch.scales.resize(s.m);
+  QuantizeRows8(x.typed_data(), s.m, s.k, 4 * quads, offset, scratch.bytes.data(), scratch.scales.data());
+  Interleave(reinterpret_cast<const int32_t*>(scratch.bytes.data()), s.m, quads, scratch.interleaved.data());
+  return s;
+}
+
+ffi::Error W8a8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> w_sums, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  Scratch& scratch = ThreadScratch();
+  auto shapes = PrepareW8a8("w8a8_avx2_matmul", x, w, w_scales, layer, y, 0, scratch);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const int64_t quads = (s.k + 3) / 4;
+  const W8a8Avx2Problem problem{scratch.interleaved.data(),
+                                scratch.scales.data(),
+                                w.typed_data() + s.index * s.tiles * quads * kTile * 4,
+                                w_scales.typed_data() + s.index * s.tiles * kTile,
+                                y->typed_data(),
+                                s.m,
+                                quads,
+                                s.n,
+                                s.tiles};
+  Run(pool, problem, s.m * 4 * quads * s.tiles * kTile);
+  return ffi::Error::Success();
+}
+
+ffi::Error W8a8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> w_sums, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  Scratch& scratch = ThreadScratch();
+  auto shapes = PrepareW8a8("w8a8_matmul", x, w, w_scales, layer, y, 128, scratch);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (static_cast<int64_t>(w_sums.element_count()) != s.layers * s.tiles * kTile) {
+    return ffi::Error::InvalidArgument("w8a8_matmul: column sums must hold one int32 per packed column");
+  }
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const int64_t quads = (s.k + 3) / 4;
+  const W8a8VnniProblem problem{scratch.interleaved.data(),
+                                scratch.scales.data(),
+                                w.typed_data() + s.index * s.tiles * quads * kTile * 4,
+                                w_scales.typed_data() + s.index * s.tiles * kTile,
+                                w_sums.typed_data() + s.index * s.tiles * kTile,
+                                y->typed_data(),
+                                s.m,
+                                quads,
+                                s.n,
+                                s.tiles};
+  Run(pool, problem, s.m * 4 * quads * s.tiles * kTile);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 1 when this CPU runs the AVX2 kernels (AVX2 and FMA).
+extern "C" int pathserve_cpu_avx2_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8Avx2Matmul, Int8Avx2Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Avx2Matmul, W8a8Avx2Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Matmul, W8a8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
