@@ -3,18 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from serving.config import ServingConfig
 from serving.request import SamplingParams
 
 
-def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int) -> dict:
-    """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
-    compiling): the offline baseline the HTTP server is compared with."""
+def _load(cfg: ServingConfig, source: str | None):
+    """(engine, params, tokenizer) with warmup done and its background compiles settled."""
     from serving.checkpoints.model_source import effective_config, load_model
     from serving.engine.engine import Engine
-    from serving.orchestrator.offline import run_to_completion
     from serving.runtime import init_runtime, make_mesh
 
     init_runtime(cfg.devices)
@@ -22,20 +21,57 @@ def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_toke
     model = load_model(source, cfg)
     engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
     params = engine.load_params()
-    requests = [(model.tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
     if cfg.enable_model_warmup:
         engine.warmup(params)
         engine.background_warmup.wait()  # a settled engine, as the HTTP side waits for its server's
-    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes])  # compile what warmup did not
+    return engine, params, model.tokenizer
+
+
+def _round(engine, params, requests: list, batch: int) -> dict:
+    """Output tokens/s of `requests` run `batch` at a time (greedy, exactly max_tokens each)."""
+    from serving.orchestrator.offline import run_to_completion
+
     started = time.perf_counter()
-    done = run_to_completion(engine, params, requests)
+    done = []
+    for first in range(0, len(requests), batch):
+        done += run_to_completion(engine, params, requests[first : first + batch])
     wall = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for c in done)
     return {
         "requests": len(done),
+        "batch": batch,
         "slots": engine.max_concurrent_decodes,
         "prompt_tokens": sum(len(ids) for ids, _ in requests),
         "output_tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
     }
+
+
+def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int) -> dict:
+    """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
+    compiling): the offline baseline the HTTP server is compared with."""
+    from serving.orchestrator.offline import run_to_completion
+
+    engine, params, tokenizer = _load(cfg, source)
+    requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes])  # compile what warmup did not
+    return _round(engine, params, requests, engine.max_concurrent_decodes)
+
+
+def serve_rounds(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, commands, out) -> None:
+    """Load once, then for each line "BATCH COUNT" read from `commands` run the first COUNT prompts
+    BATCH at a time and write one JSON line of `_round`'s figures to `out`: the offline side of
+    rounds that alternate with the HTTP server's (`pathserve bench overhead`), so that the machine's
+    drift falls on both alike. Writes {"ready": true} once loaded."""
+    from serving.orchestrator.offline import run_to_completion
+
+    engine, params, tokenizer = _load(cfg, source)
+    requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes])
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in commands:
+        if not line.strip():
+            continue
+        batch, count = (int(v) for v in line.split())
+        print(json.dumps(_round(engine, params, requests[:count], batch)), file=out, flush=True)

@@ -1,8 +1,10 @@
 """`pathserve bench overhead`: what the HTTP layer costs. The offline engine (`pathserve bench
-offline`, in its own process) and then the HTTP server run the same prompts with the same config
-at the same batch, greedy and with exactly `--max-tokens` each; the report is the ratio of HTTP
-output tokens/s (streamed, `--batch` concurrent clients) to offline output tokens/s.
-Writes results/serve-overhead.json.
+offline --rounds-from-stdin`, loaded once in its own process) and the HTTP server, both up, run the
+same prompts with the same config, greedy and with exactly `--max-tokens` each, in alternating
+rounds (offline, HTTP, offline, HTTP, ...) at each of `--batches` (concurrent streams; the offline
+engine runs that many requests at a time), so that the machine's drift falls on both alike; the
+report is, per batch, the ratio of HTTP output tokens/s (streamed) to offline output tokens/s, best
+round against best round. Writes results/serve-overhead.json.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from loadtest.server import Server
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("args", nargs="*", metavar="[SOURCE] [key=value ...]", help="as for pathserve serve")
-    parser.add_argument("--batch", type=int, default=32, help="decode slots = concurrent HTTP streams")
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batches", default="1,32", help="concurrent streams per point (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating offline / HTTP rounds per batch")
+    parser.add_argument("--requests", type=int, default=64, help="requests per round at the largest batch")
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-prompt-words", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -37,64 +40,76 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "pathserve bench overhead") -> int:
     ns = build_parser(prog).parse_args(argv)
     ns.out.mkdir(parents=True, exist_ok=True)
+    batches = sorted({int(b) for b in ns.batches.split(",")})
     prompts = dataset.synthetic(
         ns.requests,
         ns.seed,
         prompt_words=(ns.max_prompt_words // 2, ns.max_prompt_words),
         output_tokens=(ns.max_tokens, ns.max_tokens),
     )
-    # The default model's serving defaults, at the benchmark's batch; later key=value win.
+    # The default model's serving defaults, with slots for the largest batch; later key=value win.
     args = [
         "quantization=int8w",
         "enable_model_warmup=true",
         "max_prefill_predict_length=256",
         "max_target_length=512",
         *ns.args,
-        f"per_device_batch_size={ns.batch}",
+        f"per_device_batch_size={max(batches)}",
     ]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([{"prompt": p.text} for p in prompts], f)
-    print(
-        f"offline engine: {len(prompts)} prompts x {ns.max_tokens} tokens at batch {ns.batch} ...", flush=True
-    )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "serving.cli",
-            "bench",
-            "offline",
-            "--prompts",
-            f.name,
-            "--max-tokens",
-            str(ns.max_tokens),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    Path(f.name).unlink()
-    if run.returncode != 0:
-        raise SystemExit(f"{prog}: the offline run failed:\n{run.stderr[-3000:]}")
-    offline = json.loads(run.stdout.strip().splitlines()[-1])
-    print(json.dumps(offline), flush=True)
-    print(f"HTTP server: the same prompts, {ns.batch} concurrent streams ...", flush=True)
-    with Server(args, ns.out / "serve-overhead-server.log") as server:
-        server.wait_ready()
-        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-        fixed = [dataset.Prompt(p.text, ns.max_tokens) for p in prompts]
-        asyncio.run(
-            run_level(server.url, "completions", fixed[: ns.batch], ns.batch, ns.batch, None, model, True, {})
-        )
-        results, wall = asyncio.run(
-            run_level(server.url, "completions", fixed, ns.batch, len(fixed), None, model, True, {})
-        )
-    http = summarize(results, wall, ns.batch)
-    ratio = http["output_tokens_per_s"] / offline["tokens_per_s"]
-    report = {"args": args, "max_tokens": ns.max_tokens, "offline": offline, "http": http, "ratio": ratio}
+    command = [sys.executable, "-m", "serving.cli", "bench", "offline", "--prompts", f.name]
+    command += ["--max-tokens", str(ns.max_tokens), "--rounds-from-stdin", *args]
+    log = (ns.out / "serve-overhead-offline.log").open("w")
+    offline = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    fixed = [dataset.Prompt(p.text, ns.max_tokens) for p in prompts]
+    points = []
+    try:
+        print("offline engine and HTTP server: loading both ...", flush=True)
+        _expect(offline, "ready")
+        Path(f.name).unlink()
+        with Server(args, ns.out / "serve-overhead-server.log") as server:
+            server.wait_ready()
+            model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+            asyncio.run(run_level(server.url, "completions", fixed[: max(batches)], max(batches), max(batches), None, model, True, {}))
+            for batch in batches:
+                count = max(batch, ns.requests * batch // max(batches))  # fewer requests at small batches
+                point = {"batch": batch, "requests": count, "offline": [], "http": []}
+                for round_ in range(ns.rounds):
+                    offline.stdin.write(f"{batch} {count}\n")
+                    offline.stdin.flush()
+                    point["offline"].append(_expect(offline, "tokens_per_s"))
+                    results, wall = asyncio.run(
+                        run_level(server.url, "completions", fixed[:count], batch, count, None, model, True, {})
+                    )
+                    point["http"].append(summarize(results, wall, batch))
+                    print(
+                        f"batch {batch} round {round_ + 1}: offline {point['offline'][-1]['tokens_per_s']:.1f} tok/s, "
+                        f"HTTP {point['http'][-1]['output_tokens_per_s']:.1f} tok/s",
+                        flush=True,
+                    )
+                best_offline = max(r["tokens_per_s"] for r in point["offline"])
+                best_http = max(r["output_tokens_per_s"] for r in point["http"])
+                point["ratio"] = best_http / best_offline
+                points.append(point)
+    finally:
+        offline.stdin.close()
+        offline.wait(timeout=60)
+        log.close()
+    report = {"args": args, "max_tokens": ns.max_tokens, "rounds": ns.rounds, "points": points}
     (ns.out / "serve-overhead.json").write_text(json.dumps(report, indent=2))
-    print(
-        f"batch {ns.batch}: offline {offline['tokens_per_s']:.1f} tok/s, HTTP {http['output_tokens_per_s']:.1f} tok/s "
-        f"({http['errors']} errors): HTTP/offline = {ratio:.2f}"
-    )
-    return 0 if http["errors"] == 0 else 1
+    errors = sum(r["errors"] for p in points for r in p["http"])
+    for p in points:
+        print(f"batch {p['batch']}: HTTP/offline = {p['ratio']:.2f} (best of {ns.rounds} alternating rounds each)")
+    return 0 if errors == 0 else 1
+
+
+def _expect(process: subprocess.Popen, key: str) -> dict:
+    """The offline process's next JSON line, which must hold `key`."""
+    line = process.stdout.readline()
+    if not line:
+        raise SystemExit(f"the offline engine stopped (exit {process.wait()}); see serve-overhead-offline.log")
+    reply = json.loads(line)
+    if key not in reply:
+        raise SystemExit(f"the offline engine answered {line!r}")
+    return reply

@@ -423,8 +423,13 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     _add_model_args(parser)
     parser.add_argument("--prompts", required=True, type=Path, help='a JSON list of {"prompt": text}')
     parser.add_argument("--max-tokens", type=_positive_int, required=True)
+    parser.add_argument(
+        "--rounds-from-stdin",
+        action="store_true",
+        help='stay loaded and run a round per "BATCH COUNT" line on stdin (JSON line each)',
+    )
     offline_ns = parser.parse_args(ns.rest)
-    from loadtest.offline import measure
+    from loadtest.offline import measure, serve_rounds
 
     maxtext, source, overrides = split_args(offline_ns.args)
     cfg = load_config(maxtext or offline_ns.config, overrides, defaults=_env_defaults())
@@ -432,6 +437,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         prompts = [item["prompt"] for item in json.loads(offline_ns.prompts.read_text())]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"--prompts {offline_ns.prompts}: {exc}") from None
+    if offline_ns.rounds_from_stdin:
+        serve_rounds(cfg, source, prompts, offline_ns.max_tokens, sys.stdin, sys.stdout)
+        return 0
     print(json.dumps(measure(cfg, source, prompts, offline_ns.max_tokens)))
     return 0
 

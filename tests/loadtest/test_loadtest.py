@@ -113,13 +113,14 @@ def test_bench_serve_writes_numbers_that_add_up_and_plots(server, tmp_path):
     assert "TTFT p50" in run.stdout
 
 
-def test_bench_overhead_runs_offline_and_http_on_the_same_prompts(tiny_model_dir, tmp_path):
+def test_bench_overhead_alternates_offline_and_http_rounds_on_the_same_prompts(tiny_model_dir, tmp_path):
     run = subprocess.run(
         [
             sys.executable, "-m", "serving.cli", "bench", "overhead", str(tiny_model_dir),
             "max_prefill_predict_length=256", "max_target_length=512", "quantization=",
-            "--batch", "4", "--requests", "8", "--max-tokens", "16", "--max-prompt-words", "10",
-            "--out", str(tmp_path),
+            "enable_model_warmup=false",  # compiled by the first rounds instead: a faster test
+            "--batches", "1,4", "--rounds", "2", "--requests", "8", "--max-tokens", "16",
+            "--max-prompt-words", "10", "--out", str(tmp_path),
         ],
         capture_output=True,
         text=True,
@@ -127,6 +128,14 @@ def test_bench_overhead_runs_offline_and_http_on_the_same_prompts(tiny_model_dir
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "serve-overhead.json").read_text())
-    assert report["offline"]["output_tokens"] == report["http"]["output_tokens"] == 8 * 16
-    assert report["offline"]["prompt_tokens"] == report["http"]["prompt_tokens"]
-    assert report["ratio"] > 0 and "HTTP/offline" in run.stdout
+    assert [p["batch"] for p in report["points"]] == [1, 4]
+    for point in report["points"]:
+        count = point["requests"]
+        assert count == (2 if point["batch"] == 1 else 8)
+        assert len(point["offline"]) == len(point["http"]) == 2  # alternating rounds
+        for offline, http in zip(point["offline"], point["http"], strict=True):
+            assert offline["batch"] == http["concurrency"] == point["batch"]
+            assert offline["output_tokens"] == http["output_tokens"] == count * 16
+            assert offline["prompt_tokens"] == http["prompt_tokens"]
+        assert point["ratio"] > 0
+    assert run.stdout.count("HTTP/offline") == 2
