@@ -58,7 +58,10 @@ class Executor:
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
         """Execute `plan`; `on_first_token` is called for each slot that samples its first token
-        as soon as its prefill has (before the generate call), so a stream need not wait for it."""
+        as soon as its prefill has (before the generate call), so a stream need not wait for it.
+        The engine's background warmup starts no shape from here until the next `idle()`."""
+        if (warmup := self.background_warmup) is not None:
+            warmup.busy()
         engine, self.timings = self.engine, Timings()
         for slot in plan.frees:
             self.state = engine.free_resource(self.state, slot)
@@ -136,8 +139,21 @@ class Executor:
             outcome.first_logprobs, outcome.prompt_logprobs, **extra,
         )
 
+    @property
+    def background_warmup(self):
+        """The engine's `BackgroundWarmup` (serving.engine.warmup), if it started one (the mock
+        engine, or one never warmed up, has none). Its shapes compile only between an `idle()` and
+        the next `run()`, so they keep out of the way of requests; every device loop (the
+        orchestrator's, a lockstep follower's, the offline driver) tells it through these calls."""
+        return getattr(self.engine, "background_warmup", None)
+
     def idle(self) -> None:
-        """An idle turn of the device loop (nothing to do on one host; see lockstep)."""
+        """An idle turn of the device loop: the background warmup may start its next shape."""
+        if (warmup := self.background_warmup) is not None:
+            warmup.idle()
 
     def close(self) -> None:
-        """The device loop ended (nothing to release on one host; see lockstep)."""
+        """The device loop ended: the background warmup stops after the shape it is compiling, so
+        no compile outlives the loop."""
+        if (warmup := self.background_warmup) is not None:
+            warmup.stop()

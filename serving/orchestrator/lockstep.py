@@ -126,12 +126,14 @@ class LockstepExecutor:
 
     def idle(self) -> None:
         """An idle turn: a keepalive now and then (a dead follower fails it)."""
+        self.executor.idle()
         if time.monotonic() - self._last_sent >= KEEPALIVE_S:
             self.channel.send(KEEPALIVE)
             self._last_sent = time.monotonic()
 
     def close(self) -> None:
         """The device loop ended normally: the followers return from `follow()`."""
+        self.executor.close()
         self.channel.send(STOP)
         meet_at_exit()
         self.closed = True
@@ -147,21 +149,16 @@ def follow(executor: Executor, channel: PlanChannel) -> int:
     log.info("process %d follows process 0's plans", jax.process_index())
     executed = 0
     # this process's background warmup compiles while process 0's loop idles (its keepalives)
-    warmup = getattr(executor.engine, "background_warmup", None)
     while True:
         message = channel.receive()
         if isinstance(message, _Stop):
-            if warmup is not None:
-                warmup.stop()
+            executor.close()
             meet_at_exit()
             log.info("lockstep: process 0 stopped; %d plans executed", executed)
             return executed
         if isinstance(message, _Keepalive):
-            if warmup is not None:
-                warmup.idle()
+            executor.idle()
             continue
-        if warmup is not None:
-            warmup.busy()
         executor.run(message)
         executed += 1
 

@@ -41,15 +41,10 @@ def run_to_completion(
     waiting = deque(range(len(results)))
     scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, prefix_cache)
     executor = Executor(engine, params)
-    # the engine's background warmup (serving.engine.warmup), if any, starts no shape meanwhile
-    warmup = getattr(engine, "background_warmup", None)
-    if warmup is not None:
-        warmup.busy()
-    try:
+    try:  # the engine's background warmup, if any, starts no shape meanwhile (Executor.run)
         _drive(results, waiting, scheduler, executor)
     finally:
-        if warmup is not None:
-            warmup.idle()
+        executor.idle()
     return results
 
 

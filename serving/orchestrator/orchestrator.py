@@ -25,7 +25,8 @@
    matcher per choice (serving.structured), advanced here with each token; their next-token masks
    go into the plan.
 5. The engine's background warmup (serving.engine.warmup) starts a shape only after an idle turn
-   and none after a busy one, so its compiles keep out of the way of requests.
+   and none after a busy one, so its compiles keep out of the way of requests (the executor tells
+   it: serving.orchestrator.executor.Executor.idle / run / close).
 """
 
 from __future__ import annotations
@@ -124,13 +125,12 @@ class Orchestrator:
         self._wake.set()
 
     def stop(self, timeout: float | None = None) -> None:
-        """End the device loop (queued and running requests finish first), then the engine's
-        background warmup (after the shape it is compiling, so no compile outlives the server)."""
+        """End the device loop (queued and running requests finish first); its executor's close
+        stops the engine's background warmup (after the shape it is compiling, so no compile
+        outlives the server)."""
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout)
-        if (warmup := self._background_warmup()) is not None:
-            warmup.stop()
 
     def _background_warmup(self):
         """The engine's `BackgroundWarmup` (serving.engine.warmup), if it started one: an engine
@@ -264,18 +264,14 @@ class Orchestrator:
             self._left_slots(len(cancelled))
             self.metrics.queued = self._waiting()
             self.metrics.active_slots = scheduler.num_used
-            warmup = self._background_warmup()
+            warmup = executor.background_warmup
             self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
             if plan.empty:
-                if warmup is not None:
-                    warmup.idle()
                 executor.idle()
                 self.last_progress = time.monotonic()
                 self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
                 continue
-            if warmup is not None:
-                warmup.busy()
             slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
             if plan.decode_steps:
                 self._maybe_start_trace()

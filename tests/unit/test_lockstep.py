@@ -8,6 +8,7 @@ import pytest
 
 from serving.config import ConfigError, load_config
 from serving.orchestrator import lockstep
+from serving.orchestrator.executor import Executor
 from serving.orchestrator.scheduler import StepPlan
 from serving.runtime import DEFAULT_COORDINATOR_PORT, distributed_args
 
@@ -127,17 +128,23 @@ class _Warmup:
 
 
 def test_a_followers_background_warmup_compiles_on_keepalives_holds_on_plans_and_stops(monkeypatch):
+    """The follower's loop tells the warmup nothing itself: its Executor does (run: busy, idle on a
+    keepalive, close on STOP), as for every other device loop."""
     warmup, ran = _Warmup(), []
 
-    class Executor:
-        engine = type("Engine", (), {"background_warmup": warmup})()
+    class Engine:
+        background_warmup = warmup
 
-        def run(self, plan) -> None:
-            ran.append((plan, list(warmup.told)))
+        def init_decode_state(self):
+            return "state"
 
-    messages = iter(["plan 1", lockstep.KEEPALIVE, "plan 2", lockstep.STOP])
+        def free_resource(self, state, slot):
+            ran.append((slot, list(warmup.told)))
+            return state
+
+    messages = iter([StepPlan(frees=(1,)), lockstep.KEEPALIVE, StepPlan(frees=(2,)), lockstep.STOP])
     channel = type("Channel", (), {"receive": lambda self: next(messages)})()
     monkeypatch.setattr(lockstep, "meet_at_exit", lambda: warmup.told.append("met"))
-    assert lockstep.follow(Executor(), channel) == 2
-    assert ran == [("plan 1", ["busy"]), ("plan 2", ["busy", "idle", "busy"])]
+    assert lockstep.follow(Executor(Engine(), params=None), channel) == 2
+    assert ran == [(1, ["busy"]), (2, ["busy", "idle", "busy"])]
     assert warmup.told == ["busy", "idle", "busy", "stop", "met"]
