@@ -15,10 +15,20 @@ from collections.abc import Mapping
 import numpy as np
 
 from serving.config import ConfigError, DevicesConfig
+from serving.home import pathserve_home
 
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("fsdp", "autoregressive", "tensor")
+
+
+def compilation_cache_dir(setting: str) -> str:
+    """The persistent compilation cache's directory for `jax_compilation_cache_dir`: "" none (or
+    what JAX_COMPILATION_CACHE_DIR says, which JAX reads itself); "auto" $PATHSERVE_HOME/jax-cache
+    unless JAX_COMPILATION_CACHE_DIR is set; a path, with ~ expanded."""
+    if setting == "auto":
+        return "" if os.environ.get("JAX_COMPILATION_CACHE_DIR") else str(pathserve_home() / "jax-cache")
+    return os.path.expanduser(setting)
 
 
 def init_runtime(cfg: DevicesConfig) -> str:
@@ -38,8 +48,13 @@ def init_runtime(cfg: DevicesConfig) -> str:
         _init_multicontroller(cfg)
     import jax
 
-    if cfg.jax_compilation_cache_dir and runtime != "pathways":
-        jax.config.update("jax_compilation_cache_dir", cfg.jax_compilation_cache_dir)
+    cache = compilation_cache_dir(cfg.jax_compilation_cache_dir)
+    if cache and runtime != "pathways":
+        jax.config.update("jax_compilation_cache_dir", cache)
+        if not os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+            # every shape warmup compiles (JAX's default keeps only those over 1 s): a restart on a
+            # warm cache loads the dozens of small CPU programs instead of compiling them again
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     summary = (
         f"runtime {runtime}: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.device_count()} devices ({jax.local_device_count()} local): "
@@ -78,7 +93,7 @@ def _init_pathways(cfg: DevicesConfig) -> None:
         f"pathwaysutils {pathwaysutils.__version__} initialized: Pathways backend used: "
         f"{bool(pathwaysutils.is_pathways_backend_used())}; Orbax restores through its handler: {persistence}"
     )
-    if cfg.jax_compilation_cache_dir:
+    if cfg.jax_compilation_cache_dir not in ("", "auto"):
         _say(
             f"jax_compilation_cache_dir={cfg.jax_compilation_cache_dir} does not apply on Pathways: "
             "pathwaysutils turns JAX's persistent compilation cache off; Pathways keeps its own under "

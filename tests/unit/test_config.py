@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from serving.config import ConfigError, load_config, load_model_config, model_presets, parse_overrides
+from serving.config import (
+    ConfigError,
+    config_dir,
+    load_config,
+    load_model_config,
+    model_presets,
+    parse_overrides,
+    read_yaml,
+)
 
 PRESETS = ["llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "llama3.2-1b", "smollm2-135m", "tiny-random"]
 
@@ -157,3 +167,17 @@ def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
     assert where.cache_bytes_per_chip() == 160 * 2048 * 126 * 2 * (128 + 4)  # one kv head per chip
     code = "import sys, serving.engine.partitioning; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compilation_cache_auto_is_pathserve_homes_unless_jax_has_one(monkeypatch, tmp_path):
+    from serving.runtime import compilation_cache_dir
+
+    monkeypatch.setenv("PATHSERVE_HOME", str(tmp_path))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert compilation_cache_dir("auto") == str(tmp_path / "jax-cache")
+    assert compilation_cache_dir("") == ""
+    assert compilation_cache_dir("~/cache") == str(Path.home() / "cache")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")  # JAX reads it itself
+    assert compilation_cache_dir("auto") == ""
+    served = read_yaml(config_dir() / "serving" / "default.yml")  # the default model's serving config
+    assert load_config(None, [], defaults=served).devices.jax_compilation_cache_dir == "auto"
