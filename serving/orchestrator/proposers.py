@@ -1,0 +1,136 @@
+"""Speculative decoding's host side: what each running request proposes, and when to propose.
+
+The scheduler asks a `Speculator` each turn for every decoding slot's proposals (up to
+`num_speculative_tokens` token ids); with any, the turn's decode call is the engine's `verify`
+(serving.engine.speculative) instead of `generate`. The speculator keeps every request's tokens
+(prompt, then each emitted token, from the outcomes the scheduler records) and decides:
+
+- the proposals: n-gram lookup (vLLM's `ngram`): the longest suffix of prompt + output, of
+  prompt_lookup_max down to prompt_lookup_min tokens, that occurred earlier; the tokens that
+  followed its latest earlier occurrence are proposed. No match: no proposals.
+- the policy: nothing is proposed while more slots decode than `speculative_max_slots` (decode is
+  compute-bound there and verifying k + 1 positions per slot costs more than it saves), for a
+  request that opted out (`SamplingParams.speculative=False`), under a grammar (its next masks
+  depend on each token), nor for a request whose recent acceptance (an exponential average of
+  accepted / proposed) fell below `speculative_min_acceptance`: it rests `SPECULATION_PAUSE`
+  turns, then tries again.
+
+Plain Python, deterministic: a multi-host leader decides the proposals and its plan carries them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.config import SpeculativeConfig
+from serving.request import SamplingParams
+
+ACCEPTANCE_DECAY = 0.7  # weight of the past in a request's acceptance average
+SPECULATION_PAUSE = 16  # turns a request with low acceptance proposes nothing
+
+
+def ngram_proposal(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of max_n down to min_n tokens (vLLM's prompt lookup); () when none occurred."""
+    ids = np.asarray(tokens, np.int64)
+    length = len(ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = ids[length - n :]
+        # starts i < length - n of earlier windows ids[i : i + n], each followed by a token
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: length - 1], n)
+        hits = np.flatnonzero(np.all(windows == suffix, axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tuple(int(t) for t in ids[start : start + k])
+    return ()
+
+
+@dataclass
+class SpeculationStats:
+    """Counters for the metrics (per method, since the server runs one)."""
+
+    proposed: int = 0  # proposal tokens verified
+    accepted: int = 0  # of them accepted (and emitted)
+    rounds: int = 0  # slot-calls that verified at least one proposal
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]
+    sampling: SamplingParams
+    acceptance: float = 1.0
+    resting: int = 0  # turns left without proposals
+    current: bool = False  # the last emitted token is known (not sampled in this turn's prefill)
+
+
+@dataclass
+class Speculator:
+    config: SpeculativeConfig
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    _sequences: dict[int, _Sequence] = field(default_factory=dict)  # request id -> its tokens
+
+    @property
+    def k(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def start(self, request_id: int, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """A request took a slot (its first token comes with the turn's outcome)."""
+        self._sequences[request_id] = _Sequence(list(prompt_ids), sampling)
+
+    def finish(self, request_id: int) -> None:
+        self._sequences.pop(request_id, None)
+
+    def emitted(self, request_id: int, tokens: Sequence[int]) -> None:
+        """The request's new tokens, in order."""
+        sequence = self._sequences.get(request_id)
+        if sequence is not None and tokens:
+            sequence.tokens.extend(tokens)
+            sequence.current = True
+
+    def propose(self, slots: Mapping[int, int], num_slots: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Proposals [num_slots, k] int32 and their counts [num_slots] for the decoding `slots`
+        (slot -> request id), or None when no slot proposes (the turn runs plain generate)."""
+        if self.config.speculative_method == "none" or len(slots) > self.config.speculative_max_slots:
+            return None
+        proposals = np.zeros((num_slots, self.k), np.int32)
+        counts = np.zeros((num_slots,), np.int32)
+        for slot, request_id in slots.items():
+            sequence = self._sequences.get(request_id)
+            if sequence is None or not self._may_propose(sequence):
+                continue
+            proposal = self._lookup(sequence.tokens)
+            proposals[slot, : len(proposal)], counts[slot] = proposal, len(proposal)
+        return (proposals, counts) if counts.any() else None
+
+    def _may_propose(self, sequence: _Sequence) -> bool:
+        sampling = sequence.sampling
+        if not (sequence.current and sampling.speculative and sampling.grammar is None):
+            return False
+        if sequence.resting:
+            sequence.resting -= 1
+            if not sequence.resting:
+                sequence.acceptance = 1.0
+            return False
+        return True
+
+    def _lookup(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        c = self.config
+        return ngram_proposal(tokens, self.k, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def verified(self, request_id: int, proposed: int, emitted: int) -> None:
+        """A verify call emitted `emitted` tokens for a request that proposed `proposed`."""
+        if not proposed:
+            return
+        accepted = min(max(emitted - 1, 0), proposed)
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        self.stats.rounds += 1
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            return
+        sequence.acceptance = ACCEPTANCE_DECAY * sequence.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / proposed
+        if sequence.acceptance < self.config.speculative_min_acceptance:
+            sequence.resting = SPECULATION_PAUSE

@@ -1,0 +1,119 @@
+"""Speculative decoding through the orchestrator on the tiny random model: 16 mixed greedy requests
+(short, long, stop strings, logprobs, a JSON grammar, n=2), across chunked prefill and the prefix
+cache, give the same tokens with speculation off and on, and the speculation really ran."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from serving.checkpoints.model_source import load_model
+from serving.config import OrchestratorConfig, ServingConfig, SpeculativeConfig
+from serving.engine.engine import Engine
+from serving.orchestrator import Orchestrator
+from serving.orchestrator.proposers import Speculator, ngram_proposal
+from serving.request import Grammar, SamplingParams
+from tests.conftest import DATA
+
+TEXT = (DATA / "english.txt").read_text()
+
+
+def test_ngram_proposal_is_the_continuation_of_the_longest_latest_match():
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
+    assert ngram_proposal(tokens, 3, 1, 3) == (4, 9, 2)  # "1 2 3" matched at the start
+    assert ngram_proposal(tokens, 3, 1, 2) == (5, 6, 1)  # "2 3": its latest earlier occurrence
+    assert ngram_proposal(tokens, 2, 4, 5) == ()
+    assert ngram_proposal([7, 7, 7], 4, 1, 2) == (7,)  # the continuation stops at the end
+
+
+def test_speculator_policy():
+    config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
+                               speculative_max_slots=2, speculative_min_acceptance=0.5)
+    spec = Speculator(config)
+    for rid in range(3):
+        spec.start(rid, [1, 2, 1], SamplingParams(speculative=rid != 2))
+        spec.emitted(rid, [2])
+    proposals, counts = spec.propose({0: 0, 2: 2}, 4)
+    assert proposals[0].tolist() == [1, 2] and counts.tolist() == [2, 0, 0, 0]  # 2 opted out
+    assert spec.propose({0: 0, 1: 1, 2: 2}, 4) is None  # more slots than the crossover
+    for _ in range(3):
+        spec.verified(0, 2, 1)  # nothing accepted: acceptance falls, the request rests
+    assert spec.propose({0: 0}, 4) is None
+    assert spec.stats.proposed == 6 and spec.stats.accepted == 0 and spec.stats.rounds == 3
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    cfg = ServingConfig(
+        per_device_batch_size=8, max_prefill_predict_length=64, max_target_length=256, decode_steps_per_call=2,
+        prefill_chunk_size=16, prefix_block_size=16, cpu_kernels="off",
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    return model, engine, engine.load_params()
+
+
+def _requests(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    sentence = ids[:12]
+    looping = sentence * 4  # a prompt that repeats itself: the lookup finds it
+    shared = ids[100:140]  # a shared prefix of more than two blocks (the prefix cache)
+    out = []
+    for i in range(16):
+        kind = i % 8
+        prompt = {0: ids[i : i + 5], 1: looping, 2: ids[200 : 200 + 90], 3: shared + ids[i : i + 3]}.get(
+            kind, looping[i % 5 :] + ids[i : i + 4]
+        )
+        sampling = SamplingParams(max_tokens=10 + i)
+        stops: tuple[str, ...] = ()
+        if kind == 4:
+            stops = ("e ", "th")
+        if kind == 5:
+            sampling = SamplingParams(max_tokens=12, logprobs=3)
+        if kind == 6:
+            sampling = SamplingParams(max_tokens=8, grammar=Grammar("json"))
+        if kind == 7:
+            sampling = SamplingParams(max_tokens=14, n=2)
+        out.append((prompt, sampling, stops))
+    return out
+
+
+def _serve(model, engine, params, requests, method):
+    speculative = SpeculativeConfig(speculative_method=method, num_speculative_tokens=3, prompt_lookup_min=1,
+                                    speculative_max_slots=8, speculative_min_acceptance=0.0)
+    config = OrchestratorConfig(max_queued_requests=64, speculative=speculative)
+    orchestrator = Orchestrator(engine, params, model.tokenizer, config).start()
+    results: list = [None] * len(requests)
+
+    def client(i, prompt, sampling, stops):
+        handles = orchestrator.submit_choices(prompt, sampling, stops)
+        results[i] = [h.result() for h in handles]
+
+    try:
+        # the shared-prefix requests (kind 3) a little apart, so a later one finds the blocks cached
+        threads = [threading.Thread(target=client, args=(i, *r)) for i, r in enumerate(requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        orchestrator.stop(timeout=60)
+    return results, orchestrator.metrics
+
+
+def test_greedy_tokens_identical_with_ngram_speculation(setup):
+    model, engine, params = setup
+    requests = _requests(model.tokenizer)
+    plain, _ = _serve(model, engine, params, requests, "none")
+    spec, metrics = _serve(model, engine, params, requests, "ngram")
+    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert [c.token_ids for c in a] == [c.token_ids for c in b], i
+        assert [c.text for c in a] == [c.text for c in b], i
+        assert [c.finish_reason for c in a] == [c.finish_reason for c in b], i
+        if a[0].logprobs is not None:
+            np.testing.assert_allclose([lp.logprob for lp in a[0].logprobs], [lp.logprob for lp in b[0].logprobs],
+                                       atol=1e-4)
+    assert metrics.spec_proposed > 0 and metrics.spec_accepted > 0
+    assert metrics.prefix_cache_hits > 0
