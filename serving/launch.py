@@ -113,6 +113,10 @@ def _bring_up(cfg: ServingConfig, source: str | None):
         model.config, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
+    if cfg.speculative_method == "draft":  # before the target's params are released: it checks the tokenizer
+        from serving.engine.draft import load_draft
+
+        engine.draft = load_draft(engine, cfg)
     params = engine.load_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0

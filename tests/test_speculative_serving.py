@@ -35,13 +35,20 @@ def test_speculator_policy():
     for rid in range(3):
         spec.start(rid, [1, 2, 1], SamplingParams(speculative=rid != 2))
         spec.emitted(rid, [2])
-    proposals, counts = spec.propose({0: 0, 2: 2}, 4)
-    assert proposals[0].tolist() == [1, 2] and counts.tolist() == [2, 0, 0, 0]  # 2 opted out
+    proposals = spec.propose({0: 0, 2: 2}, 4)
+    assert proposals.tokens[0].tolist() == [1, 2] and proposals.num_proposed.tolist() == [2, 0, 0, 0]  # 2 opted out
     assert spec.propose({0: 0, 1: 1, 2: 2}, 4) is None  # more slots than the crossover
-    for _ in range(3):
-        spec.verified(0, 2, 1)  # nothing accepted: acceptance falls, the request rests
-    assert spec.propose({0: 0}, 4) is None
-    assert spec.stats.proposed == 6 and spec.stats.accepted == 0 and spec.stats.rounds == 3
+    spec.verified(0, 2, 1)  # nothing accepted: acceptance falls below 0.5, the request rests
+    rests = 0
+    while spec.propose({0: 0}, 4) is None:
+        rests += 1
+    assert rests == 8
+    spec.verified(0, 2, 1)
+    rests = 0
+    while spec.propose({0: 0}, 4) is None:
+        rests += 1
+    assert rests == 16  # failing again: a longer rest
+    assert spec.stats.proposed == 4 and spec.stats.accepted == 0 and spec.stats.rounds == 2
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +124,52 @@ def test_greedy_tokens_identical_with_ngram_speculation(setup):
                                        atol=1e-4)
     assert metrics.spec_proposed > 0 and metrics.spec_accepted > 0
     assert metrics.prefix_cache_hits > 0
+
+
+# -- the draft model --------------------------------------------------------------------------
+
+
+def _attach_draft(engine, directory, k=3):
+    from serving.engine.draft import DraftModel
+
+    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=256, cpu_kernels="off")
+    draft_model = load_model(str(directory), cfg)
+    draft_engine = Engine(draft_model, DraftModel.engine_config(engine.config, k))
+    return DraftModel(draft_engine, draft_engine.load_params(), engine.model.tokenizer, k)
+
+
+@pytest.mark.parametrize("draft", ["same", "random"])
+def test_greedy_tokens_identical_with_a_draft_model(setup, tiny_model_dir, tmp_path_factory, draft):
+    from tests.conftest import make_hf_llama, make_hf_tokenizer
+
+    model, engine, params = setup
+    directory = tiny_model_dir
+    if draft == "random":
+        directory = tmp_path_factory.mktemp("tiny-draft")
+        make_hf_llama(directory, vocab=320, rope_scaling=True, seed=1)
+        make_hf_tokenizer(directory, vocab=300)
+    requests = _requests(model.tokenizer)
+    plain, _ = _serve(model, engine, params, requests, "none")
+    engine.draft = _attach_draft(engine, directory)
+    try:
+        spec, metrics = _serve(model, engine, params, requests, "draft")
+    finally:
+        del engine.draft
+    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert [c.token_ids for c in a] == [c.token_ids for c in b], i
+    rate = metrics.spec_accepted / metrics.spec_proposed
+    if draft == "same":  # the target drafting for itself: every proposal accepted
+        assert metrics.spec_proposed > 50 and rate > 0.97, rate
+    else:  # a random model of the same tokenizer: almost nothing
+        assert metrics.spec_proposed > 20 and rate < 0.15, rate
+
+
+def test_a_draft_with_another_tokenizer_is_refused(setup, tmp_path_factory):
+    from tests.conftest import make_hf_llama, make_hf_tokenizer
+
+    _, engine, _ = setup
+    directory = tmp_path_factory.mktemp("tiny-other-tokenizer")
+    make_hf_llama(directory, vocab=320)
+    make_hf_tokenizer(directory, vocab=280)
+    with pytest.raises(ValueError, match="tokenizer is not the target's: vocabulary of 280"):
+        _attach_draft(engine, directory)

@@ -310,7 +310,11 @@ class Orchestrator:
     def _speculator(self) -> Speculator | None:
         """Speculative decoding's proposer and policy (None with speculative_method=none)."""
         config = self.config.speculative
-        return None if config.speculative_method == "none" else Speculator(config)
+        if config.speculative_method == "none":
+            return None
+        if config.speculative_method == "draft" and getattr(self.engine, "draft", None) is None:
+            raise ValueError("speculative_method=draft, but the engine has no draft model (serving.engine.draft)")
+        return Speculator(config, chunk=self.engine.limits.prefill_chunk_size)
 
     def _record(self, scheduler: Scheduler) -> None:
         """The scheduler's slots and prefix cache into the metrics, after a turn."""

@@ -93,9 +93,11 @@ class StepPlan:
     num_slots: int | None = None
     masks: np.ndarray | None = None
     # Speculative decoding: the decode call is the engine's `verify` of these proposals (int32
-    # [slots, k], num_proposed [slots] of each row real), k + 1 decode steps.
+    # [slots, k], num_proposed [slots] of each row real), k + 1 decode steps; with a draft model,
+    # proposals None and `draft_rows`, which the executor's draft turns into them first.
     proposals: np.ndarray | None = None
     num_proposed: np.ndarray | None = None
+    draft_rows: tuple[PrefillRow, ...] = ()
 
     @property
     def empty(self) -> bool:

@@ -7,13 +7,16 @@ The scheduler asks a `Speculator` each turn for every decoding slot's proposals 
 
 - the proposals: n-gram lookup (vLLM's `ngram`): the longest suffix of prompt + output, of
   prompt_lookup_max down to prompt_lookup_min tokens, that occurred earlier; the tokens that
-  followed its latest earlier occurrence are proposed. No match: no proposals.
+  followed its latest earlier occurrence are proposed. No match: no proposals. Or a draft model
+  (serving.engine.draft, run by the executor): the speculator keeps how much of each sequence the
+  draft's cache holds and plans the rows that bring it up to date; the draft proposes k tokens.
 - the policy: nothing is proposed while more slots decode than `speculative_max_slots` (decode is
   compute-bound there and verifying k + 1 positions per slot costs more than it saves), for a
   request that opted out (`SamplingParams.speculative=False`), under a grammar (its next masks
   depend on each token), nor for a request whose recent acceptance (an exponential average of
   accepted / proposed) fell below `speculative_min_acceptance`: it rests `SPECULATION_PAUSE`
-  turns, then tries again.
+  turns, then tries again, resting twice as long each time it fails again (open-ended text
+  rarely repeats itself: the n-gram lookup's few matches there are mostly wrong).
 
 Plain Python, deterministic: a multi-host leader decides the proposals and its plan carries them.
 """
@@ -26,10 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.config import SpeculativeConfig
+from serving.engine.api import PrefillRow
 from serving.request import SamplingParams
 
-ACCEPTANCE_DECAY = 0.7  # weight of the past in a request's acceptance average
-SPECULATION_PAUSE = 16  # turns a request with low acceptance proposes nothing
+ACCEPTANCE_DECAY = 0.5  # weight of the past in a request's acceptance average
+INITIAL_ACCEPTANCE = 0.5  # a fresh request's (and a rested one's) average: two misses pause it
+SPECULATION_PAUSE = 8  # turns a request with low acceptance first rests; doubled at each pause in a row
+MAX_SPECULATION_PAUSE = 256
 
 
 def ngram_proposal(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
@@ -48,6 +54,17 @@ def ngram_proposal(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> tup
     return ()
 
 
+@dataclass(frozen=True)
+class Proposals:
+    """One turn's proposals, for the plan: `tokens` int32 [slots, k] (n-gram), or, with a draft
+    model, None and the `draft_rows` that let the executor's draft propose them; `num_proposed`
+    [slots]: how many of each slot's k are real (0: the slot does not speculate)."""
+
+    num_proposed: np.ndarray
+    tokens: np.ndarray | None = None
+    draft_rows: tuple[PrefillRow, ...] = ()
+
+
 @dataclass
 class SpeculationStats:
     """Counters for the metrics (per method, since the server runs one)."""
@@ -61,14 +78,22 @@ class SpeculationStats:
 class _Sequence:
     tokens: list[int]
     sampling: SamplingParams
-    acceptance: float = 1.0
+    acceptance: float = INITIAL_ACCEPTANCE
     resting: int = 0  # turns left without proposals
+    pause: int = SPECULATION_PAUSE  # the next rest's length
     current: bool = False  # the last emitted token is known (not sampled in this turn's prefill)
+    prompt_length: int = 0
+    draft_valid: int = 0  # tokens the draft model's cache holds (from position 0)
+    proposed_at: int = 0  # len(tokens) when it last proposed
 
 
 @dataclass
 class Speculator:
+    """Proposals and policy (module docstring). `chunk`: the longest prefill row a draft model
+    takes (the engine's prefill_chunk_size)."""
+
     config: SpeculativeConfig
+    chunk: int = 256
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     _sequences: dict[int, _Sequence] = field(default_factory=dict)  # request id -> its tokens
 
@@ -78,7 +103,7 @@ class Speculator:
 
     def start(self, request_id: int, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         """A request took a slot (its first token comes with the turn's outcome)."""
-        self._sequences[request_id] = _Sequence(list(prompt_ids), sampling)
+        self._sequences[request_id] = _Sequence(list(prompt_ids), sampling, prompt_length=len(prompt_ids))
 
     def finish(self, request_id: int) -> None:
         self._sequences.pop(request_id, None)
@@ -90,20 +115,41 @@ class Speculator:
             sequence.tokens.extend(tokens)
             sequence.current = True
 
-    def propose(self, slots: Mapping[int, int], num_slots: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Proposals [num_slots, k] int32 and their counts [num_slots] for the decoding `slots`
-        (slot -> request id), or None when no slot proposes (the turn runs plain generate)."""
+    def propose(self, slots: Mapping[int, int], num_slots: int) -> Proposals | None:
+        """Proposals for the decoding `slots` (slot -> request id; arrays of `num_slots` rows), or
+        None when no slot proposes (the turn runs plain generate)."""
         if self.config.speculative_method == "none" or len(slots) > self.config.speculative_max_slots:
             return None
-        proposals = np.zeros((num_slots, self.k), np.int32)
+        draft = self.config.speculative_method == "draft"
+        tokens = None if draft else np.zeros((num_slots, self.k), np.int32)
         counts = np.zeros((num_slots,), np.int32)
+        rows: list[PrefillRow] = []
         for slot, request_id in slots.items():
             sequence = self._sequences.get(request_id)
             if sequence is None or not self._may_propose(sequence):
                 continue
-            proposal = self._lookup(sequence.tokens)
-            proposals[slot, : len(proposal)], counts[slot] = proposal, len(proposal)
-        return (proposals, counts) if counts.any() else None
+            # no more than the tokens the request has left after the verify call's own
+            left = sequence.sampling.max_tokens - (len(sequence.tokens) - sequence.prompt_length) - 1
+            if left <= 0:
+                continue
+            sequence.proposed_at = len(sequence.tokens)
+            if draft:
+                rows += self._draft_rows(slot, sequence)
+                counts[slot] = min(self.k, left)
+                continue
+            proposal = self._lookup(sequence.tokens)[:left]
+            tokens[slot, : len(proposal)], counts[slot] = proposal, len(proposal)
+        return Proposals(counts, tokens, tuple(rows)) if counts.any() else None
+
+    def _draft_rows(self, slot: int, sequence: _Sequence) -> list[PrefillRow]:
+        """The chunks of the sequence the draft's cache lacks; the last samples its first proposal."""
+        greedy = SamplingParams(max_tokens=self.k)  # the draft slot stops after its k proposals
+        missing, start = sequence.tokens[sequence.draft_valid :], sequence.draft_valid
+        rows = []
+        for offset in range(0, len(missing), self.chunk):
+            piece = tuple(missing[offset : offset + self.chunk])
+            rows.append(PrefillRow(slot, piece, start + offset, offset + self.chunk >= len(missing), greedy))
+        return rows
 
     def _may_propose(self, sequence: _Sequence) -> bool:
         sampling = sequence.sampling
@@ -112,7 +158,7 @@ class Speculator:
         if sequence.resting:
             sequence.resting -= 1
             if not sequence.resting:
-                sequence.acceptance = 1.0
+                sequence.acceptance = INITIAL_ACCEPTANCE
             return False
         return True
 
@@ -131,6 +177,10 @@ class Speculator:
         sequence = self._sequences.get(request_id)
         if sequence is None:
             return
+        # the draft fed its proposals but the last; those accepted stay valid in its cache
+        sequence.draft_valid = sequence.proposed_at + min(accepted, self.k - 1)
         sequence.acceptance = ACCEPTANCE_DECAY * sequence.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / proposed
         if sequence.acceptance < self.config.speculative_min_acceptance:
-            sequence.resting = SPECULATION_PAUSE
+            sequence.resting, sequence.pause = sequence.pause, min(2 * sequence.pause, MAX_SPECULATION_PAUSE)
+        elif accepted:
+            sequence.pause = SPECULATION_PAUSE

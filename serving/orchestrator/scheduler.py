@@ -162,8 +162,9 @@ class Scheduler:
             max_position=max((r.position for r in self.running.values()), default=0),
             num_slots=num_slots,
             masks=plan_masks,
-            proposals=None if proposals is None else proposals[0],
-            num_proposed=None if proposals is None else proposals[1],
+            proposals=None if proposals is None else proposals.tokens,
+            num_proposed=None if proposals is None else proposals.num_proposed,
+            draft_rows=() if proposals is None else proposals.draft_rows,
         )
 
     def _cancelled_slots(self, cancelled: Collection[int]) -> tuple[int, ...]:
@@ -329,7 +330,7 @@ class Scheduler:
         for slot, running in self.running.items():
             emitted = [step[slot] for step, valid in zip(outcome.tokens, outcome.valid, strict=True) if valid[slot]]
             speculator.emitted(running.request_id, emitted)
-            if plan.proposals is not None:
+            if plan.num_proposed is not None:
                 speculator.verified(running.request_id, int(plan.num_proposed[slot]), len(emitted))
 
     def kv_tokens_used(self) -> int:
