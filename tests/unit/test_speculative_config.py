@@ -1,0 +1,42 @@
+"""Speculative decoding's settings: validated at the edge, handed to the orchestrator, and the
+per-request opt-out from the OpenAI body."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.config import ServingConfig, load_config
+from serving.errors import ConfigError
+from serving.openai.convert import openai_sampling
+from serving.openai.protocol import CompletionRequest
+
+
+class _Tokenizer:
+    eos_ids = (0,)
+
+
+def test_speculative_keys_reach_the_orchestrator():
+    cfg = ServingConfig(speculative_method="ngram", num_speculative_tokens=6, prompt_lookup_min=1)
+    spec = cfg.orchestrator.speculative
+    assert spec.speculative_method == "ngram" and spec.num_speculative_tokens == 6 and spec.prompt_lookup_min == 1
+    assert ServingConfig().orchestrator.speculative.speculative_method == "none"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["speculative_method=draft"], "speculative_model"),
+        (["speculative_model=/x"], "speculative_model"),
+        (["prompt_lookup_min=5", "prompt_lookup_max=3"], "prompt_lookup_min"),
+        (["speculative_method=eagle"], "speculative_method"),
+    ],
+)
+def test_bad_speculative_settings_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, overrides)
+
+
+def test_a_request_opts_out_of_speculation():
+    body = CompletionRequest(model="m", prompt="hi", speculative=False)
+    assert not openai_sampling(body, _Tokenizer(), 2, 64).speculative
+    assert openai_sampling(CompletionRequest(model="m", prompt="hi"), _Tokenizer(), 2, 64).speculative
