@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--method", default="ngram", choices=("ngram", "draft"))
+    parser.add_argument("--draft-quantization", default="int8w", choices=("", "int8w", "int8"),
+                        help="--method draft: the default model drafts for itself with these weights")
     parser.add_argument("--skip-crossover", action="store_true")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_args(argv)
@@ -96,20 +98,34 @@ def main(argv: list[str] | None = None) -> dict:
         import dataclasses
 
         spec_cfg = dataclasses.replace(spec_cfg, speculative_method=ns.method)
-    report: dict = {"config": spec_cfg.__dict__, "workloads": {}}
+    if spec_cfg.speculative_method == "draft":
+        from serving.engine.draft import load_draft
+
+        draft_cfg = cfg.model_copy(update={
+            "speculative_model": str(default_model_path()), "quantization": ns.draft_quantization,
+            "speculative_method": "draft", "num_speculative_tokens": spec_cfg.num_speculative_tokens,
+        })
+        engine.draft = load_draft(engine, draft_cfg)
+    report: dict = {"config": spec_cfg.__dict__, "target": engine.summary(), "workloads": {}}
+    if spec_cfg.speculative_method == "draft":
+        report["draft"] = engine.draft.engine.summary()
+
+    def speculator() -> Speculator:
+        return Speculator(spec_cfg, chunk=engine.limits.prefill_chunk_size)
+
     for name, text in WORKLOADS.items():
         prompt = _prompt(model.tokenizer, text)
-        _stream(engine, params, prompt, 8, Speculator(spec_cfg))  # compile both paths
+        _stream(engine, params, prompt, 8, speculator())  # compile both paths
         _stream(engine, params, prompt, 8, None)
         rates: dict[str, list[float]] = {"off": [], "on": []}
         stats = None
         for _ in range(ns.rounds):
             for mode in ("off", "on"):
-                speculator = Speculator(spec_cfg) if mode == "on" else None
-                seconds, count, tokens = _stream(engine, params, prompt, ns.max_tokens, speculator)
+                chosen = speculator() if mode == "on" else None
+                seconds, count, tokens = _stream(engine, params, prompt, ns.max_tokens, chosen)
                 rates[mode].append(count / seconds)
-                if speculator is not None:
-                    stats = speculator.stats
+                if chosen is not None:
+                    stats = chosen.stats
                     tokens_on = tokens
                 else:
                     tokens_off = tokens
