@@ -148,8 +148,28 @@ def _first_two_distribution(logits_after, first_logits, proposals, sampling, dra
     return counts
 
 
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    """Another random tiny model with the same tokenizer: a draft that is mostly wrong."""
+    from tests.conftest import make_hf_llama, make_hf_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-draft")
+    make_hf_llama(directory, vocab=320, rope_scaling=True, seed=1)
+    make_hf_tokenizer(directory, vocab=300)
+    return load_model(str(directory), ServingConfig(cpu_kernels="off"))
+
+
+def _draft_greedy(draft, context, count):
+    """The draft model's greedy continuation of `context` (what DraftModel proposes)."""
+    tokens = list(context)
+    for _ in range(count):
+        logits, _ = prefill(draft.params, jnp.asarray([tokens]), jnp.asarray([len(tokens)]), draft.config)
+        tokens.append(int(jnp.argmax(logits[0, -1, :300])))
+    return tokens[len(context) :]
+
+
 @pytest.mark.parametrize("top", [dict(), dict(top_k=20, top_p=0.9)])
-def test_sampled_speculation_draws_the_plain_distribution(tiny, top):
+def test_sampled_speculation_draws_the_plain_distribution(tiny, random_draft, top):
     model = tiny[0]
     context = model.tokenizer.encode(TEXT)[:12]
     vocab = 300
@@ -165,7 +185,12 @@ def test_sampled_speculation_draws_the_plain_distribution(tiny, top):
     )
     # n-gram-like proposals: the likely first token, then a likely second one; and unlikely ones
     best = int(jnp.argmax(first_logits))
-    for proposals in ([best, int(jnp.argmax(logits_after[best]))], [int(jnp.argmin(first_logits)), 5]):
+    cases = {
+        "ngram, likely": [best, int(jnp.argmax(logits_after[best]))],
+        "ngram, unlikely": [int(jnp.argmin(first_logits)), 5],
+        "draft model": _draft_greedy(random_draft, context, 2),
+    }
+    for proposals in cases.values():
         draws = 20_000
         plain = _first_two_distribution(logits_after, first_logits, proposals, sampling, draws, False)
         spec = _first_two_distribution(logits_after, first_logits, proposals, sampling, draws, True)
