@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--draft-quantization", default="int8w", choices=("", "int8w", "int8"),
                         help="--method draft: the default model drafts for itself with these weights")
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument("--only-crossover", action="store_true")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_args(argv)
     cfg = load_config(config_dir() / "serving" / "default.yml", ["enable_model_warmup=false", *ns.overrides])
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     def speculator() -> Speculator:
         return Speculator(spec_cfg, chunk=engine.limits.prefill_chunk_size)
 
-    for name, text in WORKLOADS.items():
+    for name, text in () if ns.only_crossover else WORKLOADS.items():
         prompt = _prompt(model.tokenizer, text)
         _stream(engine, params, prompt, 8, speculator())  # compile both paths
         _stream(engine, params, prompt, 8, None)

@@ -57,13 +57,26 @@ def _plain(engine, params, prompts, sampling, count):
 
 
 def test_verify_emits_greedy_tokens_whatever_the_proposals(tiny):
-    model, engine, params = tiny
+    _check_greedy(*tiny, modes=("right", "wrong", "mixed"))
+
+
+def test_verify_with_an_int8_kv_cache_emits_greedy_tokens(tiny_model_dir):
+    cfg = ServingConfig(
+        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, decode_steps_per_call=1,
+        cpu_kernels="off", quantize_kvcache=True,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    _check_greedy(model, engine, engine.load_params(), modes=("mixed",))
+
+
+def _check_greedy(model, engine, params, modes):
     ids = model.tokenizer.encode(TEXT)
     prompts = [ids[:7], ids[10:30], ids[40:45]]
     sampling = SamplingParams(max_tokens=14)
     expected = _plain(engine, params, prompts, sampling, 13)
     rng = np.random.default_rng(0)
-    for mode in ("right", "wrong", "mixed"):
+    for mode in modes:
         state, firsts = _start(engine, params, prompts, sampling)
         tokens = [[f] for f in firsts]
         accepted_total = 0
