@@ -173,3 +173,15 @@ def test_a_draft_with_another_tokenizer_is_refused(setup, tmp_path_factory):
     make_hf_tokenizer(directory, vocab=280)
     with pytest.raises(ValueError, match="tokenizer is not the target's: vocabulary of 280"):
         _attach_draft(engine, directory)
+
+
+def test_load_draft_reads_speculative_model_beside_the_target(setup, tiny_model_dir):
+    from serving.engine.draft import load_draft
+
+    _, engine, _ = setup
+    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=256, cpu_kernels="off",
+                        speculative_method="draft", speculative_model=str(tiny_model_dir), num_speculative_tokens=5)
+    draft = load_draft(engine, cfg)
+    assert draft.k == 5 and draft.engine.decode_steps_per_call == 4
+    assert draft.engine.max_concurrent_decodes == engine.max_concurrent_decodes
+    assert draft.engine.mesh is engine.mesh
