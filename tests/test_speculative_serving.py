@@ -30,7 +30,8 @@ def test_ngram_proposal_is_the_continuation_of_the_longest_latest_match():
 
 def test_speculator_policy():
     config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
-                               speculative_max_slots=2, speculative_min_acceptance=0.5)
+                               speculative_max_slots=2, speculative_min_acceptance=0.5,
+                               speculative_cost_ratio=0.0)
     spec = Speculator(config)
     for rid in range(3):
         spec.start(rid, [1, 2, 1], SamplingParams(speculative=rid != 2))
@@ -49,6 +50,25 @@ def test_speculator_policy():
         rests += 1
     assert rests == 16  # failing again: a longer rest
     assert spec.stats.proposed == 4 and spec.stats.accepted == 0 and spec.stats.rounds == 2
+
+
+def test_a_verify_call_runs_only_when_its_expected_tokens_pay_for_it():
+    config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                               speculative_max_slots=8, speculative_cost_ratio=2.0)
+    spec = Speculator(config)
+    for rid in range(4):
+        spec.start(rid, [1, 2, 3, 4, 5, 1] if rid == 0 else [9], SamplingParams(max_tokens=64))
+        spec.emitted(rid, [2])
+    # alone: 1 + 0.5 x 4 expected tokens against 2 x 1 for a decode step
+    assert spec.propose({0: 0}, 4) is not None
+    # with three slots that do not propose: 3 + 3 = 6 < 2 x 4
+    assert spec.propose({0: 0, 1: 1, 2: 2, 3: 3}, 4) is None
+    spec.verified(0, 4, 5)  # all accepted: acceptance 0.75, 1 + 3 + 3 = 7 < 8 still
+    assert spec.propose({0: 0, 1: 1, 2: 2, 3: 3}, 4) is None
+    spec.verified(0, 4, 5)
+    spec.verified(0, 4, 5)  # 0.94: 1 + 3.75 + 3 = 7.75
+    spec.verified(0, 4, 5)  # 0.97: 1 + 3.88 + 3 = 7.88 ... never 8 with one slot of four
+    assert spec.propose({0: 0, 1: 1}, 4) is not None  # two slots: 1 + 3.9 + 1 >= 4
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +109,8 @@ def _requests(tokenizer):
 
 def _serve(model, engine, params, requests, method):
     speculative = SpeculativeConfig(speculative_method=method, num_speculative_tokens=3, prompt_lookup_min=1,
-                                    speculative_max_slots=8, speculative_min_acceptance=0.0)
+                                    speculative_max_slots=8, speculative_min_acceptance=0.0,
+                                    speculative_cost_ratio=0.0)
     config = OrchestratorConfig(max_queued_requests=64, speculative=speculative)
     orchestrator = Orchestrator(engine, params, model.tokenizer, config).start()
     results: list = [None] * len(requests)

@@ -42,7 +42,8 @@ def _requests(tokenizer):
 
 
 def _speculator(method, engine):
-    config = SpeculativeConfig(speculative_method=method, num_speculative_tokens=4, speculative_max_slots=4)
+    config = SpeculativeConfig(speculative_method=method, num_speculative_tokens=4, speculative_max_slots=4,
+                               speculative_cost_ratio=0.0)
     return Speculator(config, chunk=engine.limits.prefill_chunk_size)
 
 

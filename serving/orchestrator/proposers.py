@@ -11,7 +11,10 @@ The scheduler asks a `Speculator` each turn for every decoding slot's proposals 
   (serving.engine.draft, run by the executor): the speculator keeps how much of each sequence the
   draft's cache holds and plans the rows that bring it up to date; the draft proposes k tokens.
 - the policy: nothing is proposed while more slots decode than `speculative_max_slots` (decode is
-  compute-bound there and verifying k + 1 positions per slot costs more than it saves), for a
+  compute-bound there and verifying k + 1 positions per slot costs more than it saves), nor when
+  the tokens the call is expected to emit (each proposing slot 1 + its recent acceptance x its
+  proposals, the others 1) fall short of `speculative_cost_ratio` (a verify call's cost in decode
+  steps, measured) times a decode step's (one per slot), for a
   request that opted out (`SamplingParams.speculative=False`), under a grammar (its next masks
   depend on each token), nor for a request whose recent acceptance (an exponential average of
   accepted / proposed) fell below `speculative_min_acceptance`: it rests `SPECULATION_PAUSE`
@@ -139,7 +142,21 @@ class Speculator:
                 continue
             proposal = self._lookup(sequence.tokens)[:left]
             tokens[slot, : len(proposal)], counts[slot] = proposal, len(proposal)
-        return Proposals(counts, tokens, tuple(rows)) if counts.any() else None
+        if not counts.any() or not self._pays(slots, counts):
+            return None
+        return Proposals(counts, tokens, tuple(rows))
+
+    def _pays(self, slots: Mapping[int, int], counts: np.ndarray) -> bool:
+        """Whether a verify call is expected to emit at least `speculative_cost_ratio` times the
+        tokens a decode step does (one per slot): each proposing slot is expected to emit 1 +
+        its recent acceptance x its proposals, every other slot 1 (where plain decoding would
+        have given it a token per step at 1 / ratio of the cost)."""
+        expected = 0.0
+        for slot, request_id in slots.items():
+            sequence = self._sequences.get(request_id)
+            acceptance = sequence.acceptance if sequence is not None else 0.0
+            expected += 1 + acceptance * int(counts[slot])
+        return expected >= self.config.speculative_cost_ratio * len(slots)
 
     def _draft_rows(self, slot: int, sequence: _Sequence) -> list[PrefillRow]:
         """The chunks of the sequence the draft's cache lacks; the last samples its first proposal."""

@@ -15,7 +15,8 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 def _run(requests, method="ngram", max_slots=4, slots=4):
     engine = MockEngine(slots=slots)
-    spec = SpeculativeConfig(speculative_method=method, num_speculative_tokens=3, speculative_max_slots=max_slots)
+    spec = SpeculativeConfig(speculative_method=method, num_speculative_tokens=3, speculative_max_slots=max_slots,
+                             speculative_cost_ratio=0.0)
     orchestrator = Orchestrator(engine, {}, TOKENIZER, OrchestratorConfig(speculative=spec)).start()
     try:
         handles = [orchestrator.submit_choices(TOKENIZER.encode(p), s, stops) for p, s, stops in requests]
