@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="--method draft: the default model drafts for itself with these weights")
     parser.add_argument("--skip-crossover", action="store_true")
     parser.add_argument("--only-crossover", action="store_true")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: copy, chat")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_args(argv)
     cfg = load_config(config_dir() / "serving" / "default.yml", ["enable_model_warmup=false", *ns.overrides])
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     def speculator() -> Speculator:
         return Speculator(spec_cfg, chunk=engine.limits.prefill_chunk_size)
 
-    for name, text in () if ns.only_crossover else WORKLOADS.items():
+    chosen_workloads = [] if ns.only_crossover else ns.workloads.split(",")
+    for name, text in ((n, WORKLOADS[n]) for n in chosen_workloads):
         prompt = _prompt(model.tokenizer, text)
         _stream(engine, params, prompt, 8, speculator())  # compile both paths
         _stream(engine, params, prompt, 8, None)

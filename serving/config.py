@@ -80,7 +80,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     speculative_max_slots: int = 4
     speculative_min_acceptance: float = 0.2
-    speculative_cost_ratio: float = 2.0
+    speculative_cost_ratio: float = 2.2
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class ServingConfig(BaseModel):
     speculative_min_acceptance: float = Field(default=0.2, ge=0, le=1)
     # A verify call's cost in decode steps (measured: loadtest.spec_bench); a call runs only when
     # its slots are expected to emit at least this many times a decode step's tokens.
-    speculative_cost_ratio: float = Field(default=2.0, ge=0)
+    speculative_cost_ratio: float = Field(default=2.2, ge=0)
     jax_compilation_cache_dir: str = ""
     # runtime=multicontroller: JAX's distributed runtime. Unset, they come from JAX_COORDINATOR_ADDRESS,
     # JAX_NUM_PROCESSES, JAX_PROCESS_ID, or on an LWS pod from LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and

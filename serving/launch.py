@@ -113,7 +113,9 @@ def _bring_up(cfg: ServingConfig, source: str | None):
         model.config, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
-    if cfg.speculative_method == "draft":  # before the target's params are released: it checks the tokenizer
+    if cfg.speculative_method != "none":  # the warmup compiles its verify calls
+        engine.verify_warmup = (cfg.num_speculative_tokens, cfg.speculative_max_slots)
+    if cfg.speculative_method == "draft":
         from serving.engine.draft import load_draft
 
         engine.draft = load_draft(engine, cfg)

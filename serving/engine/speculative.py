@@ -104,6 +104,9 @@ class Speculative:
     """verify (see the module docstring)."""
 
     def _init_speculative(self, static: dict) -> None:
+        # (k, the most decoding slots that speculate): the verify shapes the warmup compiles
+        # (None: the server does not speculate); set by whoever turns speculation on.
+        self.verify_warmup: tuple[int, int] | None = None
         self._verify_fn = jax.jit(
             partial(self._verify_impl, static=static),
             donate_argnums=(1,),
@@ -128,6 +131,22 @@ class Speculative:
             params, decode_state, jnp.asarray(proposals), jnp.asarray(num_proposed, jnp.int32), window=window,
             num_slots=slots,
         )
+
+    def warm_verify(self, params: dict, decode_state: DecodeState) -> DecodeState:
+        """Compile the verify calls of `verify_warmup`: every slot bucket up to its slot count, at
+        every history window (no slot active: nothing changes)."""
+        if self.verify_warmup is None:
+            return decode_state
+        k, most = self.verify_warmup
+        proposals = jnp.zeros((self.max_concurrent_decodes, k), jnp.int32)
+        counts = jnp.zeros((self.max_concurrent_decodes,), jnp.int32)
+        smallest = min(self.limits.decode_buckets)
+        for num_slots in (b for b in self.limits.decode_buckets if b <= max(most, smallest)):
+            for window in self.history_windows:
+                decode_state, _ = self._verify_fn(
+                    params, decode_state, proposals, counts, window=window, num_slots=num_slots
+                )
+        return decode_state
 
     def verify_window(self, max_position: int | None) -> int:
         """The cached positions a verify call reads: the smallest window holding [0, max_position)."""
