@@ -232,3 +232,28 @@ def test_warmup_compiles_the_verify_calls(tiny):
         assert engine._verify_fn._cache_size() == compiled  # nothing compiled at the call
     finally:
         engine.verify_warmup = None
+
+
+def test_sampled_verify_without_proposals_draws_plain_decodings_tokens(tiny):
+    """A slot with nothing proposed gets the token plain decoding draws there: the same key, the
+    same sampler (and with proposals, valid tokens from the kept set)."""
+    model, engine, params = tiny
+    prompts = [model.tokenizer.encode(TEXT)[:9], model.tokenizer.encode(TEXT)[20:26]]
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=5)
+    expected = _plain(engine, params, prompts, sampling, 7)
+    state, firsts = _start(engine, params, prompts, sampling)
+    tokens = [[f] for f in firsts]
+    none = np.zeros((engine.max_concurrent_decodes,), np.int32)
+    proposals = np.zeros((engine.max_concurrent_decodes, K), np.int32)
+    for _ in range(7):
+        state, result = engine.verify(params, state, proposals, none, max_position=40)
+        for slot in range(2):
+            assert np.asarray(result.valid)[1:, slot].sum() == 0
+            tokens[slot].append(int(np.asarray(result.tokens)[0, slot]))
+    assert tokens == expected
+    # with proposals: runs, emits 1..k+1 tokens per slot
+    state, firsts = _start(engine, params, prompts, sampling)
+    proposals[:2] = [expected[0][1:4], expected[1][1:4]]
+    state, result = engine.verify(params, state, proposals, np.array([K, K, 0, 0], np.int32), max_position=40)
+    emitted = np.asarray(result.valid)[:, :2].sum(axis=0)
+    assert ((emitted >= 1) & (emitted <= K + 1)).all()
