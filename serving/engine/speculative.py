@@ -178,33 +178,12 @@ class Speculative:
         )
         tokens, accepted = verify_tokens(logits, proposals, num_proposed, keys, sampling)
 
-        ends = (
-            is_stop(tokens, state.sampling.stop_ids[:, None, :])
-            | (state.generated[:, None] + column + 1 >= state.sampling.max_tokens[:, None])
-            | (starts[:, None] + column + 1 >= max_len)
-        )
-        emitted = state.active[:, None] & (column[None, :] <= accepted[:, None])
-        ended_before = (jnp.cumsum(emitted & ends, axis=1) - (emitted & ends)) > 0
-        valid = emitted & ~ended_before  # [slots, k + 1]
-        done = valid & ends
+        valid, done = _emitted(tokens, accepted, state, starts, max_len)
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
         last = tokens[jnp.arange(num_slots), jnp.maximum(count - 1, 0)]
         rows = jnp.where(state.active, jnp.arange(num_slots), total)  # an inactive row's KV is dropped
-
-        flat_tokens = tokens.reshape(-1)
-        temperature = jnp.repeat(sampling.temperature, k + 1)
-        num_top = min(MAX_LOGPROBS, logits.shape[-1])
-
-        def no_logprobs(flat, chosen, temperature):
-            n = chosen.shape[0]
-            return jnp.zeros((n,), jnp.float32), jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top))
-
         wants = jnp.any(state.active & state.sampling.logprobs)
-        logprobs = lax.cond(
-            wants, token_logprobs, no_logprobs, logits.reshape(num_slots * (k + 1), -1), flat_tokens, temperature
-        )
-
-        chosen, top_ids, top = (x.reshape(num_slots, k + 1, *x.shape[1:]) for x in logprobs)
+        chosen, top_ids, top = _logprobs(logits, tokens, sampling.temperature, wants)
         result = ResultTokens(*(_steps_first(x, total) for x in (tokens, valid, done, chosen, top_ids, top)))
 
         def back(whole, part):
@@ -219,6 +198,42 @@ class Speculative:
             sampling=full.sampling,
         )
         return new_state, result
+
+
+def _emitted(
+    tokens: jax.Array, accepted: jax.Array, state: DecodeState, starts: jax.Array, max_len: int
+) -> tuple[jax.Array, jax.Array]:
+    """valid, done [slots, k + 1]: the tokens each active slot emits (its accepted proposals and
+    the one after), cut after the first that ends it (a stop id, max_tokens, max_target_length)."""
+    column = jnp.arange(tokens.shape[1])
+    ends = (
+        is_stop(tokens, state.sampling.stop_ids[:, None, :])
+        | (state.generated[:, None] + column + 1 >= state.sampling.max_tokens[:, None])
+        | (starts[:, None] + column + 1 >= max_len)
+    )
+    emitted = state.active[:, None] & (column[None, :] <= accepted[:, None])
+    ended_before = (jnp.cumsum(emitted & ends, axis=1) - (emitted & ends)) > 0
+    valid = emitted & ~ended_before
+    return valid, valid & ends
+
+
+def _logprobs(
+    logits: jax.Array, tokens: jax.Array, temperature: jax.Array, wants: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The emitted tokens' logprobs as `generate` gives them ([slots, k + 1] and [slots, k + 1,
+    top]); zeros unless some slot `wants` them. logits [slots, k + 1, vocab]."""
+    slots, columns, vocab = logits.shape
+    num_top = min(MAX_LOGPROBS, vocab)
+
+    def none(flat, chosen, temperature):
+        n = chosen.shape[0]
+        return jnp.zeros((n,), jnp.float32), jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top))
+
+    flat = lax.cond(
+        wants, token_logprobs, none, logits.reshape(slots * columns, vocab), tokens.reshape(-1),
+        jnp.repeat(temperature, columns),
+    )
+    return tuple(x.reshape(slots, columns, *x.shape[1:]) for x in flat)
 
 
 def _steps_first(x: jax.Array, total: int) -> jax.Array:
