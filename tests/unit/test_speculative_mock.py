@@ -51,3 +51,25 @@ def test_speculation_stays_off_for_an_opted_out_request_and_at_zero_slots():
     opted_out = [(ALPHABET + "abc", SamplingParams(max_tokens=12, speculative=False), ())]
     _, calls, _ = _run(opted_out)
     assert not any(c[0] == "verify" for c in calls)
+
+
+def test_a_speculative_plan_reaches_a_follower_whole(monkeypatch):
+    """The multi-host leader's plan carries the proposals (n-gram) and the draft's rows: a follower
+    receives the same ones (the plan channel's wire, as tests/unit/test_lockstep.py fakes it)."""
+    import numpy as np
+
+    from serving.engine.api import PrefillRow
+    from serving.orchestrator.plan import StepPlan
+    from tests.unit.test_lockstep import Wire, channel
+
+    wire = Wire(monkeypatch)
+    rows = (PrefillRow(1, (5, 6, 7), 40, True, SamplingParams(max_tokens=3)),)
+    plan = StepPlan(decode_steps=4, running=2, max_position=43, num_slots=2,
+                    proposals=np.arange(12, dtype=np.int32).reshape(4, 3),
+                    num_proposed=np.array([3, 0, 0, 0], np.int32), draft_rows=rows)
+    channel(True).send(plan)
+    wire.sending = False
+    got = channel(False).receive()
+    assert isinstance(got, StepPlan) and got.draft_rows == rows and got.decode_steps == 4
+    np.testing.assert_array_equal(got.proposals, plan.proposals)
+    np.testing.assert_array_equal(got.num_proposed, plan.num_proposed)
