@@ -128,6 +128,47 @@ def summarize(results: list[Result], wall: float, concurrency: int) -> dict:
     }
 
 
+SPEC_COUNTERS = ("proposed_tokens", "accepted_tokens", "rounds")
+
+
+def speculative_counts(url: str, headers: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The server's speculative decoding counters from /metrics: method -> counter -> value
+    (empty when the server has none, or /metrics cannot be read)."""
+    try:
+        return parse_speculative(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text)
+    except httpx.HTTPError:
+        return {}
+
+
+def parse_speculative(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text -> method -> speculative counter -> value."""
+    counts: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for name in SPEC_COUNTERS:
+            prefix = f"pathserve_spec_decode_{name}_total{{method=\""
+            if line.startswith(prefix):
+                method, value = line[len(prefix) :].split('"}')
+                counts.setdefault(method, {})[name] = float(value)
+    return counts
+
+
+def speculative_summary(before: dict, after: dict) -> dict | None:
+    """A level's speculative decoding (the counters' growth over it): proposed and accepted
+    tokens, acceptance rate and mean accepted length per verified slot-call, per method."""
+    out = {}
+    for method, counts in after.items():
+        grown = {n: counts.get(n, 0.0) - before.get(method, {}).get(n, 0.0) for n in SPEC_COUNTERS}
+        if method == "none" or not grown["proposed_tokens"]:
+            continue
+        out[method] = {
+            "proposed": int(grown["proposed_tokens"]),
+            "accepted": int(grown["accepted_tokens"]),
+            "acceptance_rate": grown["accepted_tokens"] / grown["proposed_tokens"],
+            "mean_accepted_length": grown["accepted_tokens"] / grown["rounds"] if grown["rounds"] else 0.0,
+        }
+    return out or None
+
+
 def _stats(seconds: list[float]) -> dict[str, float]:
     if not seconds:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0, "count": 0}
@@ -186,6 +227,11 @@ def table(levels: list[dict]) -> str:
             f"{lv['output_tokens_per_s']:9.1f} {lv['ttft_ms']['median']:9.1f} {lv['ttft_ms']['p99']:9.1f} "
             f"{lv['tpot_ms']['median']:9.1f} {lv['itl_ms']['median']:8.1f} {lv['e2e_ms']['median']:8.1f}"
         )
+        for method, spec in lv.get("speculative", {}).items():
+            rows.append(
+                f"     speculative ({method}): {spec['proposed']} proposed, {spec['accepted']} accepted, "
+                f"acceptance {spec['acceptance_rate']:.2f}, mean accepted length {spec['mean_accepted_length']:.2f}"
+            )
     return "\n".join(rows)
 
 
@@ -285,8 +331,11 @@ def _bench(
     levels = []
     for concurrency in levels_asked:
         requests = None if ns.duration else (ns.requests or 4 * concurrency)
+        before = speculative_counts(url, headers) if url is not None else None
         results, wall = asyncio.run(run(concurrency, requests))
         levels.append(summarize(results, wall, concurrency))
+        if before is not None and (spec := speculative_summary(before, speculative_counts(url, headers))):
+            levels[-1]["speculative"] = spec
         print(json.dumps({k: v for k, v in levels[-1].items() if not k.endswith("_ms")}), flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
     report = {

@@ -70,6 +70,20 @@ class DevicesConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (serving.orchestrator.proposers, serving.engine.speculative)."""
+
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    speculative_model: str = ""
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_max_slots: int = 4
+    speculative_min_acceptance: float = 0.2
+    speculative_cost_ratio: float = 2.2
+
+
+@dataclass(frozen=True)
 class OrchestratorConfig:
     """The device loop's settings."""
 
@@ -79,6 +93,7 @@ class OrchestratorConfig:
     profiler_steps: int = 0  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = ""
     profiler_port: int = 0  # jax.profiler.start_server when set
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,23 @@ class ServingConfig(BaseModel):
     prefix_cache_bytes: int = Field(default=256 << 20, ge=0)
     prefix_block_size: int = Field(default=64, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
+    # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to
+    # num_speculative_tokens) and keeps the ones the target would have produced, in one forward
+    # pass; output identical in distribution (greedy: identical tokens). "ngram": prompt lookup of
+    # the longest suffix of prompt_lookup_max..prompt_lookup_min tokens. "draft": the checkpoint
+    # at speculative_model proposes (it must share the tokenizer). Off while more than
+    # speculative_max_slots slots decode (the crossover, measured: configs/serving/default.yml), and
+    # for a request whose recent acceptance is below speculative_min_acceptance.
+    speculative_method: Literal["none", "ngram", "draft"] = "none"
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    speculative_model: str = ""
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    speculative_max_slots: int = Field(default=4, ge=0)
+    speculative_min_acceptance: float = Field(default=0.2, ge=0, le=1)
+    # A verify call's cost in decode steps (measured: loadtest.spec_bench); a call runs only when
+    # its slots are expected to emit at least this many times a decode step's tokens.
+    speculative_cost_ratio: float = Field(default=2.2, ge=0)
     jax_compilation_cache_dir: str = ""
     # runtime=multicontroller: JAX's distributed runtime. Unset, they come from JAX_COORDINATOR_ADDRESS,
     # JAX_NUM_PROCESSES, JAX_PROCESS_ID, or on an LWS pod from LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and
@@ -211,10 +243,15 @@ class ServingConfig(BaseModel):
 
     @property
     def orchestrator(self) -> OrchestratorConfig:
-        return self._part(OrchestratorConfig)
+        part = self._part(OrchestratorConfig)
+        return OrchestratorConfig(**{**part.__dict__, "speculative": self.speculative})
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return self._part(SpeculativeConfig)
 
     def _part(self, cls: type[_Part]) -> _Part:
-        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls) if f.name in type(self).model_fields})
 
     @field_validator("cpu_kernels", "prefix_cache", mode="before")
     @classmethod
@@ -243,6 +280,12 @@ class ServingConfig(BaseModel):
             raise ValueError(f"cpu_kernels=on, but the CPU kernels cannot be used: {unsupported}")
         if self.checkpoint_is_quantized and not self.quantization:
             raise ValueError("checkpoint_is_quantized=true requires quantization=int8 (or int8w)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if (self.speculative_method == "draft") != bool(self.speculative_model):
+            raise ValueError("speculative_model is required with speculative_method=draft, and only with it")
         ici = {
             "ici_fsdp_parallelism": self.ici_fsdp_parallelism,
             "ici_autoregressive_parallelism": self.ici_autoregressive_parallelism,

@@ -113,6 +113,12 @@ def _bring_up(cfg: ServingConfig, source: str | None):
         model.config, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
+    if cfg.speculative_method != "none":  # the warmup compiles its verify calls
+        engine.verify_warmup = (cfg.num_speculative_tokens, cfg.speculative_max_slots)
+    if cfg.speculative_method == "draft":
+        from serving.engine.draft import load_draft
+
+        engine.draft = load_draft(engine, cfg)
     params = engine.load_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0

@@ -83,6 +83,7 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
          m.prefix_cache_misses),
     ):
         yield CounterMetricFamily(name, help_text, value=value)
+    yield from _speculative_metrics(m)
     for name, help_text, histogram in (
         ("jetstream_time_to_first_token", "seconds from submission to the first token", m.time_to_first_token),
         ("jetstream_time_per_output_token", "seconds per output token after the first", m.time_per_output_token),
@@ -91,6 +92,28 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
         ("pathserve_generate_step_seconds", "seconds per generate call (k decode steps)", m.generate_step),
     ):
         yield _histogram(name, help_text, histogram)
+
+
+def _speculative_metrics(m: EngineMetrics) -> Iterator[Metric]:
+    """Speculative decoding's counts, labelled by method (none while it is off)."""
+    method = [m.speculative_method]
+    for name, help_text, value in (
+        ("pathserve_spec_decode_proposed_tokens", "proposed tokens verified", m.spec_proposed),
+        ("pathserve_spec_decode_accepted_tokens", "proposed tokens accepted", m.spec_accepted),
+        ("pathserve_spec_decode_rounds", "slot-calls that verified proposals", m.spec_rounds),
+    ):
+        counter = CounterMetricFamily(name, help_text, labels=["method"])
+        counter.add_metric(method, value)
+        yield counter
+    for name, help_text, value in (
+        ("pathserve_spec_decode_acceptance_rate", "accepted / proposed tokens",
+         m.spec_accepted / m.spec_proposed if m.spec_proposed else 0.0),
+        ("pathserve_spec_decode_mean_accepted_length", "accepted tokens per slot-call that verified proposals",
+         m.spec_accepted / m.spec_rounds if m.spec_rounds else 0.0),
+    ):
+        gauge = GaugeMetricFamily(name, help_text, labels=["method"])
+        gauge.add_metric(method, value)
+        yield gauge
 
 
 def _histogram(name: str, help_text: str, histogram: Histogram) -> HistogramMetricFamily:

@@ -153,6 +153,23 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         with them the call advances one step, since the next mask depends on the token."""
         ...
 
+    def verify(
+        self,
+        params: ParamsT,
+        decode_state: StateT,
+        proposals: ArrayLike,
+        num_proposed: ArrayLike,
+        max_position: int | None = None,
+        num_slots: int | None = None,
+    ) -> tuple[StateT, ResultTokens]:
+        """Speculative decoding's decode call (serving.engine.speculative): score every active
+        slot's proposals (int32 [slots, k]; the first `num_proposed[slot]` of its row are real) in
+        one call, keep the longest prefix the target accepts (greedy: its argmax; sampled: the
+        rejection rule, so the output distribution is the target's) and one token of its own after
+        it. Results have k + 1 steps, `valid` marking the 1..k + 1 tokens each slot emitted; a stop
+        id, max_tokens or max_target_length ends a slot there as in `generate`."""
+        ...
+
     def free_resource(self, decode_state: StateT, slot: int) -> StateT:
         """Deactivate `slot` (its request was cancelled); it may be inserted into again."""
         ...

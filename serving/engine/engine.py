@@ -43,6 +43,7 @@ from serving.engine.sharding import (
     replicated,
     unstacked_shardings,
 )
+from serving.engine.speculative import Speculative
 from serving.engine.state import DecodeState, Logprobs, Prefix, SlotSampling, is_stop, slot_sampling
 from serving.errors import GenerationError
 from serving.kernels import backend
@@ -69,9 +70,10 @@ def attention_windows(max_target_length: int) -> list[int]:
     return [*windows, max_target_length]
 
 
-class Engine(ChunkedPrefill):
+class Engine(ChunkedPrefill, Speculative):
     """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
-    prefilled in chunks straight into their slots, and prefix blocks)."""
+    prefilled in chunks straight into their slots, and prefix blocks; from Speculative, `verify`:
+    speculative decoding's proposals scored and accepted in one call)."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, mesh: Mesh | None = None):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone."""
@@ -129,6 +131,7 @@ class Engine(ChunkedPrefill):
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
         self._init_chunked(static)
+        self._init_speculative(static)
 
     # -- the contract --------------------------------------------------------------------------
 

@@ -331,6 +331,35 @@ class MockEngine:
         result = ResultTokens(tokens, valid, done, logprobs, top_ids, top)
         return self._replace(decode_state, slots, decode_state.prompts, decode_state.partial), result
 
+    def verify(
+        self, params: dict, decode_state: MockState, proposals, num_proposed, max_position: int | None = None,
+        num_slots: int | None = None,
+    ) -> tuple[MockState, ResultTokens]:
+        """Speculative decoding's call (serving.engine.speculative): each active slot keeps its
+        proposals while they are the rule's next tokens, then the rule's own token; k + 1 steps."""
+        self._check(decode_state)
+        proposals = np.asarray(proposals)
+        self.calls.append(("verify", max_position, num_slots, tuple(int(n) for n in num_proposed)))
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        steps, total = proposals.shape[1] + 1, self.limits.max_concurrent_decodes
+        tokens, valid, done = np.zeros((steps, total), np.int32), np.zeros((steps, total), bool), np.zeros((steps, total), bool)
+        slots = {i: _Slot(s.token, s.position, s.generated, s.sampling, s.choice) for i, s in decode_state.slots.items()}
+        for index, s in list(slots.items()):
+            for step in range(steps):
+                token = self.next_token(s.token, s.sampling, s.choice)
+                s.token, s.generated = token, s.generated + 1
+                tokens[step, index], valid[step, index] = token, True
+                done[step, index] = self._finished(token, s.generated, s.position, s.sampling)
+                s.position += 1
+                if done[step, index]:
+                    del slots[index]
+                    break
+                if step >= num_proposed[index] or proposals[index, step] != token:
+                    break  # the first wrong proposal: the rule's token stands in for it
+        result = ResultTokens(tokens, valid, done)
+        return self._replace(decode_state, slots, decode_state.prompts, decode_state.partial), result
+
     def free_resource(self, decode_state: MockState, slot: int) -> MockState:
         self._check(decode_state, slot)
         self.calls.append(("free_resource", slot))

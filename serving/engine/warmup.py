@@ -66,6 +66,7 @@ def warmup(engine: Engine, params: dict) -> float:
     for num_slots in limits.decode_buckets:
         for window in engine.windows:
             state, _ = engine._generate_fn(params, state, None, window=window, steps=steps, num_slots=num_slots)
+    state = engine.warm_verify(params, state)  # speculative decoding's verify calls, when it runs
     jax.block_until_ready(state)
     rest = [  # the shortest rests first: a prefix hit's is usually a short question
         (rows, length, window)

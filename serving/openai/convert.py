@@ -121,6 +121,7 @@ def openai_sampling(
         prompt_logprobs=prompt_logprobs,
         n=body.n,
         grammar=grammar(body, tokenizer),
+        speculative=body.speculative,
     )
 
 

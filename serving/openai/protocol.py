@@ -40,6 +40,9 @@ class _Sampling(_Body):
     ignore_eos: bool = Field(
         default=False, description="keep generating past end-of-sequence (vLLM extension)"
     )
+    speculative: bool = Field(
+        default=True, description="false: no speculative decoding for this request (pathserve extension)"
+    )
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

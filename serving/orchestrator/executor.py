@@ -118,13 +118,23 @@ class Executor:
     def _generate(self, plan: StepPlan, outcome: StepOutcome) -> StepOutcome:
         """The plan's generate call, its tokens (and logprobs) read back into the outcome."""
         engine = self.engine
+        started = time.perf_counter()
+        proposals = plan.proposals
+        if plan.draft_rows:  # speculative decoding with a draft model (serving.engine.draft)
+            proposals = engine.draft.propose(plan.draft_rows)
         expected = 1 if plan.masks is not None else engine.decode_steps_per_call
+        if proposals is not None:  # speculative decoding: k + 1 steps
+            expected = proposals.shape[1] + 1
         if plan.decode_steps != expected:
             raise ValueError(f"a plan of {plan.decode_steps} decode steps for a call of {expected}")
-        started = time.perf_counter()
-        self.state, result = engine.generate(
-            self.params, self.state, max_position=plan.max_position, masks=plan.masks, num_slots=plan.num_slots
-        )
+        if proposals is not None:
+            self.state, result = engine.verify(
+                self.params, self.state, proposals, plan.num_proposed, plan.max_position, plan.num_slots
+            )
+        else:
+            self.state, result = engine.generate(
+                self.params, self.state, max_position=plan.max_position, masks=plan.masks, num_slots=plan.num_slots
+            )
         tokens, valid, done = (np.asarray(x) for x in result[:3])
         extra = {}
         if result.logprobs is not None:

@@ -58,6 +58,10 @@ class EngineMetrics:
     prefix_cache_hits: int = 0  # prompt blocks found in the prefix cache at admission
     prefix_cache_misses: int = 0  # prompt blocks looked up and not found
     prefix_cache_bytes: int = 0  # bytes of the blocks the prefix cache holds
+    speculative_method: str = "none"  # speculative decoding's proposer
+    spec_proposed: int = 0  # proposed tokens verified
+    spec_accepted: int = 0  # of them accepted
+    spec_rounds: int = 0  # slot-calls that verified proposals (mean accepted length: accepted / rounds)
     warmup_shapes_pending: int = 0  # shapes the engine's background warmup has yet to compile
     prompt_tokens: int = 0  # over finished requests (cancelled ones included)
     generation_tokens: int = 0

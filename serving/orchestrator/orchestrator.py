@@ -9,7 +9,8 @@
    a. decide (serving.orchestrator.scheduler, plain Python): the slots of cancelled requests are
       freed (decoding or still prefilling), queued requests take the lowest free slots, the next
       prompt chunks are picked for one batched prefill (prefix-cache blocks reused and kept), a
-      generate call runs over the smallest slot bucket if any slot decodes; the result is a
+      generate call runs over the smallest slot bucket if any slot decodes (with speculative
+      decoding on and proposals, a verify call: serving.orchestrator.proposers); the result is a
       `StepPlan`;
    b. execute (serving.orchestrator.executor): free_resource, load_blocks, prefill + insert per
       whole admission, one prefill_slots call, save_block per store, then generate (k steps per
@@ -45,6 +46,7 @@ from serving.errors import QueueFullError, ShuttingDownError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.prefix_cache import PrefixCache
+from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
 from serving.orchestrator.streams import (
     END,
@@ -249,7 +251,7 @@ class Orchestrator:
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
         executor = self._make_executor(engine, self.params)
-        scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, self._prefix_cache())
+        scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, self._prefix_cache(), self._speculator())
         while not (self._stopping.is_set() and not running and self._queue_empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
             masks = {
@@ -301,6 +303,15 @@ class Orchestrator:
         limits = self.engine.limits
         return PrefixCache(limits.prefix_block, self.engine.prefix_block_bytes, self.config.prefix_cache_bytes)
 
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding's proposer and policy (None with speculative_method=none)."""
+        config = self.config.speculative
+        if config.speculative_method == "none":
+            return None
+        if config.speculative_method == "draft" and getattr(self.engine, "draft", None) is None:
+            raise ValueError("speculative_method=draft, but the engine has no draft model (serving.engine.draft)")
+        return Speculator(config, chunk=self.engine.limits.prefill_chunk_size)
+
     def _record(self, scheduler: Scheduler) -> None:
         """The scheduler's slots and prefix cache into the metrics, after a turn."""
         metrics, cache = self.metrics, scheduler.prefix_cache
@@ -310,6 +321,11 @@ class Orchestrator:
             if cache is not None:
                 metrics.prefix_cache_hits, metrics.prefix_cache_misses = cache.hits, cache.misses
                 metrics.prefix_cache_bytes = cache.bytes_used
+            if scheduler.speculator is not None:
+                stats = scheduler.speculator.stats
+                metrics.speculative_method = scheduler.speculator.config.speculative_method
+                metrics.spec_proposed, metrics.spec_accepted = stats.proposed, stats.accepted
+                metrics.spec_rounds = stats.rounds
 
     def _take(self, room: int) -> list[list[Request]]:
         """Whole requests (each the list of its choices) from the queue, oldest first, while their

@@ -77,7 +77,8 @@ class StepPlan:
     no slot is active after the prefills (`running` slots were active before them, and a slot whose
     first token finished it never becomes active). It runs over the first `num_slots` slots, and
     `max_position` bounds every active slot's position at that call. `masks` (int32 [slots, words],
-    or None): the grammar masks of that call, which is then one step.
+    or None): the grammar masks of that call, which is then one step. With `proposals` the call
+    verifies them (serving.engine.speculative) instead.
     """
 
     frees: tuple[int, ...] = ()
@@ -91,6 +92,12 @@ class StepPlan:
     max_position: int = 0
     num_slots: int | None = None
     masks: np.ndarray | None = None
+    # Speculative decoding: the decode call is the engine's `verify` of these proposals (int32
+    # [slots, k], num_proposed [slots] of each row real), k + 1 decode steps; with a draft model,
+    # proposals None and `draft_rows`, which the executor's draft turns into them first.
+    proposals: np.ndarray | None = None
+    num_proposed: np.ndarray | None = None
+    draft_rows: tuple[PrefillRow, ...] = ()
 
     @property
     def empty(self) -> bool:

@@ -20,7 +20,9 @@ c. one `prefill_slots` call: the next chunk of each prefilling slot, oldest admi
    that reaches its prompt's end is final: its slot decodes from this turn;
 d. prefix cache: every block wholly computed and not cached yet is stored, evicting the least
    recently used blocks to stay within the budget;
-e. one generate call over the smallest slot bucket holding every decoding slot.
+e. one generate call over the smallest slot bucket holding every decoding slot; with a
+   speculator (serving.orchestrator.proposers) that proposes tokens for some slot, a verify call
+   of those proposals instead (no grammar running).
 
 The scheduler keeps the host mirror of every slot's position, so that no decision (nor the
 attention window the engine reads) needs a value read back from the device.
@@ -43,6 +45,7 @@ from serving.engine.api import PrefillRow
 from serving.engine.limits import Limits, finishes_at_first_token, prefills_whole
 from serving.orchestrator.plan import Admission, PrefixLoad, PrefixStore, StepOutcome, StepPlan, Waiting
 from serving.orchestrator.prefix_cache import PrefixCache, block_keys
+from serving.orchestrator.proposers import Speculator
 from serving.request import SamplingParams
 
 __all__ = ["Admission", "PrefixLoad", "PrefixStore", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
@@ -76,6 +79,7 @@ class Scheduler:
     limits: Limits
     decode_steps_per_call: int
     prefix_cache: PrefixCache | None = None
+    speculator: Speculator | None = None  # speculative decoding's proposals (None: off)
     running: dict[int, _Running] = field(default_factory=dict)  # slot -> its request, decoding
     prefilling: dict[int, _Prefilling] = field(default_factory=dict)  # slot -> its request, in admission order
     _free: list[int] = field(default_factory=list)  # a heap: the lowest free slot first
@@ -126,6 +130,9 @@ class Scheduler:
             if entry.waits and (load := self._load(slot, entry)) is not None:
                 loads.append(load)
         for request in waiting:
+            if self.speculator is not None:
+                for rid in (request.request_id, *request.choice_ids):
+                    self.speculator.start(rid, request.prompt_ids, request.sampling)
             if prefills_whole(request.sampling):
                 admissions.append(self._admit_whole(request))
             elif (load := self._admit_chunked(request)) is not None:
@@ -136,6 +143,13 @@ class Scheduler:
         if any(r.constrained for r in self.running.values()):
             steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
             plan_masks = self._masks(masks or {}) if steps else None
+        num_slots = self.limits.decode_slots(max(self.running) + 1) if steps else None
+        proposals = None
+        if steps and plan_masks is None and self.speculator is not None:
+            slots = {slot: r.request_id for slot, r in self.running.items()}
+            proposals = self.speculator.propose(slots, self.limits.max_concurrent_decodes)
+            if proposals is not None:
+                steps = self.speculator.k + 1
         return StepPlan(
             frees=frees,
             loads=tuple(loads),
@@ -146,8 +160,11 @@ class Scheduler:
             decode_steps=steps,
             running=running_before,
             max_position=max((r.position for r in self.running.values()), default=0),
-            num_slots=self.limits.decode_slots(max(self.running) + 1) if steps else None,
+            num_slots=num_slots,
             masks=plan_masks,
+            proposals=None if proposals is None else proposals.tokens,
+            num_proposed=None if proposals is None else proposals.num_proposed,
+            draft_rows=() if proposals is None else proposals.draft_rows,
         )
 
     def _cancelled_slots(self, cancelled: Collection[int]) -> tuple[int, ...]:
@@ -289,6 +306,8 @@ class Scheduler:
     def update(self, plan: StepPlan, outcome: StepOutcome) -> list[tuple[int, int]]:
         """Record what the plan did; returns (request_id, slot) of every slot that finished."""
         finished = []
+        if self.speculator is not None:
+            self._record_tokens(plan, outcome)
         firsts = zip(plan.first_token_slots, plan.first_token_samplings, outcome.first_tokens, strict=True)
         for slot, sampling, first in firsts:
             if finishes_at_first_token(first, sampling):
@@ -303,11 +322,25 @@ class Scheduler:
                     self._release(slot)
         return finished
 
+    def _record_tokens(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Every running request's new tokens (and its proposals' fate) into the speculator."""
+        speculator = self.speculator
+        for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
+            speculator.emitted(self.running[slot].request_id, [first])
+        for slot, running in self.running.items():
+            emitted = [step[slot] for step, valid in zip(outcome.tokens, outcome.valid, strict=True) if valid[slot]]
+            speculator.emitted(running.request_id, emitted)
+            if plan.num_proposed is not None:
+                speculator.verified(running.request_id, int(plan.num_proposed[slot]), len(emitted))
+
     def kv_tokens_used(self) -> int:
         """Cache positions holding live sequences (for the metrics; no device read)."""
         return sum(r.position for r in self.running.values()) + sum(p.computed for p in self.prefilling.values())
 
     def _release(self, slot: int) -> None:
-        if self.running.pop(slot, None) is None:
-            del self.prefilling[slot]
+        entry = self.running.pop(slot, None)
+        if entry is None:
+            entry = self.prefilling.pop(slot)
+        if self.speculator is not None:
+            self.speculator.finish(entry.request_id)
         heapq.heappush(self._free, slot)

@@ -1,0 +1,242 @@
+"""Speculative decoding's device side: score every slot's proposed tokens in one compiled call and
+keep what the target model would have produced.
+
+`verify(params, state, proposals, num_proposed, max_position, num_slots)`: slot s feeds its last
+token and its `num_proposed[s]` proposals (k = proposals.shape[1] columns, padding past them) at
+positions p .. p + k over its own cache, a prefill chunk with history (serving.models.prefill):
+logits [slots, k + 1, vocab] in one forward pass. The rule (`verify_tokens`) then keeps, per slot,
+the longest accepted prefix of the proposals and one token of the target's own after it, so that a
+call emits 1 .. k + 1 tokens per slot:
+
+- greedy rows (temperature 0) accept proposal j when it is the argmax of position j's logits; the
+  token after the accepted prefix is that argmax: exactly the tokens plain decoding produces.
+- sampled rows use the rejection rule of speculative sampling with the proposer's q a point mass
+  (the n-gram lookup, and the draft model, which proposes its greedy tokens): proposal d is
+  accepted with probability min(1, p(d) / q(d)) = p(d); after a rejection the token is drawn from
+  the normalized residual max(0, p - q), i.e. p without d. p is the distribution the plain sampler
+  draws from (serving.engine.sampling: temperature, then top-k and top-p; `kept` gives its tokens).
+  When every proposal is accepted the next token is drawn by the plain sampler itself, with the key
+  plain decoding would use there (so a slot with no proposals gets plain decoding's token).
+
+The KV of all k + 1 positions is written; the slot's position moves past the emitted tokens only,
+so rejected positions lie beyond it: never attended to, overwritten by the next call. Stop ids,
+max_tokens and max_target_length end a slot inside the emitted run as they do in `generate`, and
+logprobs come from the same logits. Results are `ResultTokens` of k + 1 steps (`valid` marks the
+emitted ones), so everything above the engine reads them as a generate call's.
+
+Mixed into `serving.engine.engine.Engine`, whose sampling, shardings and limits it uses.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from serving.engine.api import ResultTokens
+from serving.engine.sampling import argmax, kept, sample, token_logprobs
+from serving.engine.sharding import replicated
+from serving.engine.state import DecodeState, SlotSampling, is_stop
+from serving.models import KVCache, prefill
+from serving.models.cache import store_chunks
+from serving.request import MAX_LOGPROBS
+
+
+def verify_tokens(
+    logits: jax.Array, proposals: jax.Array, num_proposed: jax.Array, keys: jax.Array, sampling: SlotSampling
+) -> tuple[jax.Array, jax.Array]:
+    """The speculative rule (module docstring) for every row.
+
+    logits [batch, k + 1, vocab] float32: position j's logits, after the row's first j proposals;
+    proposals [batch, k] int32; num_proposed [batch] int32 (0..k: the real ones); keys [batch, k + 1]
+    PRNG keys, keys[:, j] the one plain decoding uses for the row's token j of this call; sampling's
+    temperature, top_k, top_p [batch]. Returns tokens [batch, k + 1] (proposals, then the
+    correction or bonus token at column `accepted`; past it meaningless) and accepted [batch].
+    """
+    batch, columns, vocab = logits.shape
+    k = columns - 1
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    sampled = temperature > 0
+
+    def each(x: jax.Array) -> jax.Array:  # [batch] -> [batch * k], one per proposal
+        return jnp.repeat(x, k, axis=0)
+
+    flat = logits[:, :k].reshape(batch * k, vocab)
+    drafts = proposals.reshape(batch * k)
+
+    def target_probability() -> jax.Array:  # p(d) under the plain sampler's distribution
+        keep = kept(flat, each(temperature), each(top_k), each(top_p))
+        scaled = jnp.where(keep, flat / jnp.maximum(each(temperature), 1e-6)[:, None], -jnp.inf)
+        chosen = jnp.take_along_axis(scaled, drafts[:, None], axis=-1)[:, 0]
+        return jnp.exp(chosen - jax.nn.logsumexp(scaled, axis=-1))
+
+    p = lax.cond(jnp.any(sampled), target_probability, lambda: jnp.zeros((batch * k,), jnp.float32))
+    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (), jnp.float32))(
+        keys[:, :k].reshape(batch * k, *keys.shape[2:])
+    )
+    accept = jnp.where(each(sampled), uniform < p, drafts == argmax(flat)).reshape(batch, k)
+    accept &= jnp.arange(k)[None, :] < num_proposed[:, None]
+    accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)  # [batch]
+
+    rows = jnp.arange(batch)
+    at = logits[rows, accepted]  # [batch, vocab]: the position after the accepted prefix
+    key = keys[rows, accepted]
+    plain = sample(at, key, temperature, top_k, top_p)
+    rejected = sampled & (accepted < num_proposed)
+    draft = proposals[rows, jnp.minimum(accepted, k - 1)]
+
+    def residual() -> jax.Array:  # p without the rejected draft, renormalized
+        keep = kept(at, temperature, top_k, top_p)
+        without = keep & (jnp.arange(vocab)[None, :] != draft[:, None])
+        without = jnp.where(jnp.any(without, axis=-1, keepdims=True), without, keep)
+        ones = jnp.ones_like(top_p)
+        return sample(jnp.where(without, at, -jnp.inf), key, temperature, jnp.zeros_like(top_k), ones)
+
+    last = jnp.where(rejected, lax.cond(jnp.any(rejected), residual, lambda: plain), plain)
+    tokens = jnp.concatenate([proposals, jnp.zeros((batch, 1), proposals.dtype)], axis=1)
+    return tokens.at[rows, accepted].set(last), accepted
+
+
+class Speculative:
+    """verify (see the module docstring)."""
+
+    def _init_speculative(self, static: dict) -> None:
+        # (k, the most decoding slots that speculate): the verify shapes the warmup compiles
+        # (None: the server does not speculate); set by whoever turns speculation on.
+        self.verify_warmup: tuple[int, int] | None = None
+        self._verify_fn = jax.jit(
+            partial(self._verify_impl, static=static),
+            donate_argnums=(1,),
+            out_shardings=(self._state_shardings(), replicated(self.mesh)),
+            static_argnames=("window", "num_slots"),
+        )
+
+    def verify(
+        self, params: dict, decode_state: DecodeState, proposals, num_proposed, max_position: int | None = None,
+        num_slots: int | None = None,
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Score and accept `proposals` (int [slots, k]; `num_proposed` [slots] of each row are
+        real) for every active slot of [0, num_slots) in one call; results of k + 1 steps."""
+        proposals = np.asarray(proposals, np.int32)
+        slots = self.max_concurrent_decodes if num_slots is None else num_slots
+        if slots not in self.limits.decode_buckets:
+            raise ValueError(f"num_slots={num_slots} is not one of the decode buckets {self.limits.decode_buckets}")
+        if proposals.ndim != 2 or proposals.shape[0] != self.max_concurrent_decodes or proposals.shape[1] < 1:
+            raise ValueError(f"proposals must be [{self.max_concurrent_decodes}, k >= 1], got {proposals.shape}")
+        window = self.verify_window(max_position)
+        return self._verify_fn(
+            params, decode_state, jnp.asarray(proposals), jnp.asarray(num_proposed, jnp.int32), window=window,
+            num_slots=slots,
+        )
+
+    def warm_verify(self, params: dict, decode_state: DecodeState) -> DecodeState:
+        """Compile the verify calls of `verify_warmup`: every slot bucket up to its slot count, at
+        every history window (no slot active: nothing changes)."""
+        if self.verify_warmup is None:
+            return decode_state
+        k, most = self.verify_warmup
+        proposals = jnp.zeros((self.max_concurrent_decodes, k), jnp.int32)
+        counts = jnp.zeros((self.max_concurrent_decodes,), jnp.int32)
+        smallest = min(self.limits.decode_buckets)
+        for num_slots in (b for b in self.limits.decode_buckets if b <= max(most, smallest)):
+            for window in self.history_windows:
+                decode_state, _ = self._verify_fn(
+                    params, decode_state, proposals, counts, window=window, num_slots=num_slots
+                )
+        return decode_state
+
+    def verify_window(self, max_position: int | None) -> int:
+        """The cached positions a verify call reads: the smallest window holding [0, max_position)."""
+        if max_position is None:
+            return self.history_windows[-1]
+        return next((w for w in self.history_windows if w >= max(max_position, 1)), self.history_windows[-1])
+
+    def _verify_impl(
+        self, params, full: DecodeState, proposals, num_proposed, static, window: int, num_slots: int
+    ) -> tuple[DecodeState, ResultTokens]:
+        max_len, total = self.config.max_target_length, self.max_concurrent_decodes
+        k = proposals.shape[1]
+        state = jax.tree.map(lambda x: x[:num_slots], full._replace(cache=None))
+        proposals, num_proposed = proposals[:num_slots], num_proposed[:num_slots]
+        starts = jnp.minimum(state.positions, max_len - 1)
+        fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
+        # rows [0, num_slots) of the cache, positions [0, window): a slice, no gather
+        history = KVCache(*(None if c is None else c[:, :num_slots, :window] for c in full.cache))
+        logits, kv = prefill(
+            params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, history=history,
+            quantized_kv=full.cache.quantized,
+        )
+        vocab = logits.shape[-1]
+        logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
+        sampling = state.sampling._replace(temperature=jnp.where(state.active, state.sampling.temperature, 0.0))
+        column = jnp.arange(k + 1)
+        keys = jax.vmap(lambda key, g: jax.vmap(lambda j: jax.random.fold_in(key, g + j))(column))(
+            sampling.key, state.generated
+        )
+        tokens, accepted = verify_tokens(logits, proposals, num_proposed, keys, sampling)
+
+        valid, done = _emitted(tokens, accepted, state, starts, max_len)
+        count = jnp.sum(valid, axis=1).astype(jnp.int32)
+        last = tokens[jnp.arange(num_slots), jnp.maximum(count - 1, 0)]
+        rows = jnp.where(state.active, jnp.arange(num_slots), total)  # an inactive row's KV is dropped
+        wants = jnp.any(state.active & state.sampling.logprobs)
+        chosen, top_ids, top = _logprobs(logits, tokens, sampling.temperature, wants)
+        result = ResultTokens(*(_steps_first(x, total) for x in (tokens, valid, done, chosen, top_ids, top)))
+
+        def back(whole, part):
+            return whole.at[:num_slots].set(part)
+
+        new_state = DecodeState(
+            cache=store_chunks(full.cache, kv, rows, starts),
+            tokens=back(full.tokens, jnp.where(count > 0, last, state.tokens)),
+            positions=back(full.positions, jnp.where(state.active, starts + count, state.positions)),
+            generated=back(full.generated, state.generated + count),
+            active=back(full.active, state.active & ~jnp.any(done, axis=1)),
+            sampling=full.sampling,
+        )
+        return new_state, result
+
+
+def _emitted(
+    tokens: jax.Array, accepted: jax.Array, state: DecodeState, starts: jax.Array, max_len: int
+) -> tuple[jax.Array, jax.Array]:
+    """valid, done [slots, k + 1]: the tokens each active slot emits (its accepted proposals and
+    the one after), cut after the first that ends it (a stop id, max_tokens, max_target_length)."""
+    column = jnp.arange(tokens.shape[1])
+    ends = (
+        is_stop(tokens, state.sampling.stop_ids[:, None, :])
+        | (state.generated[:, None] + column + 1 >= state.sampling.max_tokens[:, None])
+        | (starts[:, None] + column + 1 >= max_len)
+    )
+    emitted = state.active[:, None] & (column[None, :] <= accepted[:, None])
+    ended_before = (jnp.cumsum(emitted & ends, axis=1) - (emitted & ends)) > 0
+    valid = emitted & ~ended_before
+    return valid, valid & ends
+
+
+def _logprobs(
+    logits: jax.Array, tokens: jax.Array, temperature: jax.Array, wants: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The emitted tokens' logprobs as `generate` gives them ([slots, k + 1] and [slots, k + 1,
+    top]); zeros unless some slot `wants` them. logits [slots, k + 1, vocab]."""
+    slots, columns, vocab = logits.shape
+    num_top = min(MAX_LOGPROBS, vocab)
+
+    def none(flat, chosen, temperature):
+        n = chosen.shape[0]
+        return jnp.zeros((n,), jnp.float32), jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top))
+
+    flat = lax.cond(
+        wants, token_logprobs, none, logits.reshape(slots * columns, vocab), tokens.reshape(-1),
+        jnp.repeat(temperature, columns),
+    )
+    return tuple(x.reshape(slots, columns, *x.shape[1:]) for x in flat)
+
+
+def _steps_first(x: jax.Array, total: int) -> jax.Array:
+    """[slots, steps, ...] -> [steps, total, ...], zero (not valid) past the slots."""
+    x = jnp.swapaxes(x, 0, 1)
+    return jnp.zeros((x.shape[0], total, *x.shape[2:]), x.dtype).at[:, : x.shape[1]].set(x)
