@@ -632,10 +632,11 @@ def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 
 
-@needs_avx512
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("int8_cache", [False, True])
 @pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128)])
-def test_decode_attention_kernel_is_attention_over_each_rows_positions(int8_cache, groups, head_dim):
+def test_decode_attention_kernel_is_attention_over_each_rows_positions(int8_cache, groups, head_dim, isa):
     rng = np.random.default_rng(groups * 100 + head_dim)
     layers, batch, capacity, kv = 3, 6, 40, 2
     q = rng.standard_normal((batch, kv, groups, head_dim)).astype(np.float32)
@@ -653,11 +654,12 @@ def test_decode_attention_kernel_is_attention_over_each_rows_positions(int8_cach
     mask = jnp.asarray((np.arange(capacity)[None, :] < lengths[:, None])[:, None, :])
     for layer in range(layers):
         expected = attention_with_new_token(q[:, None], k[layer], v[layer], mask, k_new, v_new)[:, 0]
-        got = jax.jit(cpu_attention.decode_attention)(q, *cache, layer, jnp.asarray(lengths), k_new, v_new)
+        attend = functools.partial(cpu_attention.decode_attention, isa=isa)
+        got = jax.jit(attend)(q, *cache, layer, jnp.asarray(lengths), k_new, v_new)
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="layer 3 of 3"):
         jax.block_until_ready(
-            cpu_attention.decode_attention(q, *cache, 3, jnp.asarray(lengths), k_new, v_new)
+            cpu_attention.decode_attention(q, *cache, 3, jnp.asarray(lengths), k_new, v_new, isa=isa)
         )
 
 
@@ -668,7 +670,7 @@ def test_decode_attention_kernel_says_what_it_does_not_handle():
     assert not cpu_attention.supports(jnp.float32, 64, 9)
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize("quantize_kvcache", [False, True])
 def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quantize_kvcache):
     """With the attention kernel one generate variant serves every length; tokens = the plain loop
@@ -678,6 +680,7 @@ def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quant
         max_prefill_predict_length=64,
         max_target_length=256,
         quantize_kvcache=quantize_kvcache,
+        quantization="int8w",  # weights the kernels take with AVX2 too
     )
     model = load_model(str(tiny_model_dir), cfg)
     engine = Engine(model, cfg.engine)
@@ -735,8 +738,13 @@ def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkey
     cache = init_cache(tiny_cfg, 2, 64, quantized=quantized)
     step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops)
     jaxpr = str(jax.make_jaxpr(step)(params, tokens[:, 0], jnp.array([3, 9]), cache))
-    attention = cpu_attention.INT8_TARGET if quantized else cpu_attention.F32_TARGET
-    assert (attention in jaxpr) == (isa == "avx512")  # the attention kernel is AVX-512's
+    attention = {
+        ("avx512", True): cpu_attention.INT8_TARGET,
+        ("avx512", False): cpu_attention.F32_TARGET,
+        ("avx2", True): cpu_attention.INT8_AVX2_TARGET,
+        ("avx2", False): cpu_attention.F32_AVX2_TARGET,
+    }[(isa, quantized)]
+    assert jaxpr.count(attention) == 1
     target = {
         ("avx512", "float32"): cpu_matmul.F32_TARGET,
         ("avx512", "int8"): cpu_matmul.INT8_TARGET,
@@ -746,6 +754,6 @@ def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkey
     # the layer scan's body once: q, k and v as one weight, gate and up as one, wo, w_down; the
     # head (W8A8: float32, which AVX2 leaves to XLA)
     assert jaxpr.count(target) == (4 if weights == "w8a8" else 5)
-    assert jaxpr.count("_matmul") == jaxpr.count(target)
+    assert jaxpr.count("_matmul") == jaxpr.count(target) and jaxpr.count("decode_attention") == 1
     out = jax.eval_shape(step, params, tokens[:, 0], jnp.array([3, 9]), cache)[0]
     assert out.shape == (2, tiny_cfg.vocab_size)

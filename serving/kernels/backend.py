@@ -47,17 +47,13 @@ class CpuKernelOps(XlaOps):
         return out[:, None].astype(q.dtype)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
-        return jnp.dtype(dtype) == jnp.float32 and library.status().avx512 and cpu_attention.supports(
+        return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(
             cache_dtype, cfg.head_dim, cfg.num_groups
         )
 
     def reads_cache_in_place_for(self, cache_dtype: jnp.dtype, q: jax.Array) -> bool:
         """`reads_cache_in_place` from a traced query [batch, 1, kv_heads, groups, head_dim]."""
-        return (
-            q.dtype == jnp.float32
-            and library.status().avx512
-            and cpu_attention.supports(cache_dtype, q.shape[-1], q.shape[-2])
-        )
+        return q.dtype == jnp.float32 and cpu_attention.supports(cache_dtype, q.shape[-1], q.shape[-2])
 
     def split_layers(self, layers: dict) -> tuple[dict, dict]:
         in_place = {name: w for name, w in layers.items() if isinstance(w, cpu_matmul.PackedWeight)}

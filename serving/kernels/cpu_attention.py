@@ -1,4 +1,4 @@
-"""One decode step's attention on x86 CPUs through XLA FFI kernels (cpu_attention.cc says why;
+"""One decode step's attention on x86 CPUs (AVX-512, or AVX2 and FMA) through XLA FFI kernels (cpu_attention.cc says why;
 serving.kernels.library builds them)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from serving.kernels import library
 
 F32_TARGET = "pathserve_f32_decode_attention"
 INT8_TARGET = "pathserve_int8_decode_attention"
+F32_AVX2_TARGET = "pathserve_f32_decode_attention_avx2"
+INT8_AVX2_TARGET = "pathserve_int8_decode_attention_avx2"
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # query heads per kv head the kernel is built for
 
 
@@ -28,16 +30,20 @@ def decode_attention(
     lengths: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
+    isa: str | None = None,
 ) -> jax.Array:
     """Attention of q [batch, kv_heads, groups, head_dim] over layer `layer` of the cache
     k, v [layers, rows >= batch, cache, kv_heads, head_dim] (int8 with scales [..., 1], or
     float32), positions [0, lengths[b]) of cache row b for b < batch, then the token's own k_new, v_new [batch, kv_heads,
-    head_dim]. float32 [batch, kv_heads, groups, head_dim]; the cache is read in place."""
+    head_dim]. float32 [batch, kv_heads, groups, head_dim]; the cache is read in place. The handler
+    follows library.status().isa (`isa` "avx2": the AVX2 one on an AVX-512 CPU too, for tests)."""
     library.require()
+    avx512 = (isa or library.status().isa) == "avx512"
     result = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     args = (jnp.asarray(layer, jnp.int32), lengths.astype(jnp.int32))
     new = (k_new.astype(jnp.float32), v_new.astype(jnp.float32))
     q = q.astype(jnp.float32)
     if k_scale is None:
-        return jax.ffi.ffi_call(F32_TARGET, result)(q, k, v, *args, *new)
-    return jax.ffi.ffi_call(INT8_TARGET, result)(q, k, v, k_scale, v_scale, *args, *new)
+        return jax.ffi.ffi_call(F32_TARGET if avx512 else F32_AVX2_TARGET, result)(q, k, v, *args, *new)
+    target = INT8_TARGET if avx512 else INT8_AVX2_TARGET
+    return jax.ffi.ffi_call(target, result)(q, k, v, k_scale, v_scale, *args, *new)

@@ -39,6 +39,8 @@ TARGETS = {
     "pathserve_int8_avx2_matmul": "PathserveInt8Avx2Matmul",
     "pathserve_w8a8_avx2_matmul": "PathserveW8a8Avx2Matmul",
     "pathserve_w8a8_matmul": "PathserveW8a8Matmul",
+    "pathserve_f32_decode_attention_avx2": "PathserveF32DecodeAttentionAvx2",
+    "pathserve_int8_decode_attention_avx2": "PathserveInt8DecodeAttentionAvx2",
 }
 # The instruction sets the kernels are written for, best first, with the CPU flags (as Linux's
 # /proc/cpuinfo names them) each needs.
