@@ -28,7 +28,8 @@ class SamplingParams:
     `logprobs`: return each sampled token's logprob and that many best alternatives (None: none).
     `prompt_logprobs`: the same for every prompt token (OpenAI's echo); with it, max_tokens may be
     0 (score the prompt only). `n`: independent choices from one prefill, choice i seeded with
-    `choice_seed(i)`. `grammar`: tokens it forbids are masked at every step.
+    `choice_seed(i)`. `grammar`: tokens it forbids are masked at every step. `adapter`: a LoRA
+    adapter's id (serving.lora).
     """
 
     max_tokens: int = 16
@@ -41,6 +42,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     grammar: Grammar | None = None
+    # LoRA: the adapter the request names (None: the base model); the device loop fills in the
+    # device slot it holds while running (0: none) and its load's version (for the prefix cache key).
+    adapter: str | None = None
+    lora_slot: int = 0
+    lora_version: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):

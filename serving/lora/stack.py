@@ -1,0 +1,70 @@
+"""The adapters' device arrays: `max_loras + 1` slots per matmul, slot 0 all zeros (the base
+model), each adapter zero-padded to `max_lora_rank` (see serving.models.lora for the layout).
+
+They live in the params pytree under "lora", so every compiled step that takes the params reads
+them; writing a slot replaces those arrays with new ones of the same shape and placement (nothing
+recompiles). Writes happen on the device loop's thread, between steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.lora.peft import LoraWeights
+from serving.models.config import ModelConfig
+from serving.models.lora import LoraBatch
+from serving.models.params import LAYER_MATMULS, param_shapes
+
+KEY = "lora"
+
+
+def stack_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """name -> (a's shape, b's shape) of the stacked adapters."""
+    shapes = param_shapes(cfg)
+    slots = max_loras + 1
+    return {
+        name: ((cfg.num_layers, slots, shapes[name][0], max_rank), (cfg.num_layers, slots, max_rank, shapes[name][1]))
+        for name in LAYER_MATMULS
+    }
+
+
+def stack_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """Device bytes of the stacked adapters (what `deploy plan` counts)."""
+    return sum(int(np.prod(a) + np.prod(b)) for a, b in stack_shapes(cfg, max_loras, max_rank).values()) * dtype_bytes
+
+
+def init_stack(cfg: ModelConfig, max_loras: int, max_rank: int, dtype, sharding) -> dict:
+    """All-zero stacked adapters, placed with `sharding`."""
+    stack = {
+        name: (jnp.zeros(a, dtype), jnp.zeros(b, dtype)) for name, (a, b) in stack_shapes(cfg, max_loras, max_rank).items()
+    }
+    return jax.device_put(stack, sharding)
+
+
+@jax.jit
+def _write(stack: dict, slot: jax.Array, new: dict) -> dict:
+    return jax.tree.map(lambda whole, one: whole.at[:, slot].set(one.astype(whole.dtype)), stack, new)
+
+
+def write_slot(params: dict, slot: int, weights: LoraWeights | None) -> None:
+    """Put `weights` (None: zeros) into device slot `slot` of params["lora"], in place in the dict."""
+    stack = params[KEY]
+    new = {}
+    for name, (a, b) in stack.items():
+        layers, _, fan_in, rank = a.shape
+        fan_out = b.shape[-1]
+        pa, pb = np.zeros((layers, fan_in, rank), np.float32), np.zeros((layers, rank, fan_out), np.float32)
+        if weights is not None and name in weights.matrices:
+            wa, wb = weights.matrices[name]
+            pa[:, :, : weights.rank], pb[:, : weights.rank, :] = wa, wb
+        new[name] = (pa, pb)
+    params[KEY] = _write(stack, jnp.int32(slot), new)
+
+
+def lora_batch(params: dict, rows: jax.Array) -> LoraBatch | None:
+    """The model's view of the adapters for rows' slots [batch] (None when serving has no adapters)."""
+    if KEY not in params:
+        return None
+    return LoraBatch(params[KEY], rows)
