@@ -10,7 +10,7 @@ import difflib
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -110,6 +110,7 @@ class ServerConfig:
     api_key: str = ""
     grpc_port: int = 9000
     unknown_request_fields: str = "reject"
+    max_loras: int = 0  # LoRA adapters served: the adapter APIs (gRPC service v1) are on
 
 
 class ServingConfig(BaseModel):
@@ -240,7 +241,7 @@ class ServingConfig(BaseModel):
 
     @property
     def server(self) -> ServerConfig:
-        return self._part(ServerConfig)
+        return replace(self._part(ServerConfig), max_loras=self.lora.max_loras)
 
     @property
     def orchestrator(self) -> OrchestratorConfig:
