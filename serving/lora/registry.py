@@ -46,6 +46,23 @@ class Adapter:
     requests: int = 0  # requests admitted with it
 
 
+# Per-adapter request counts in /metrics: the most requested this many by name, the rest as one
+# "other" (a label per adapter ever loaded would grow without bound).
+MAX_ADAPTER_LABELS = 32
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """What /metrics shows of the adapters."""
+
+    loaded: int  # adapters known (served by name)
+    resident: int  # holding a device slot
+    max_loras: int
+    loads: int  # reads from storage
+    load_seconds: float  # their total time
+    requests: dict[str, int]  # adapter (at most MAX_ADAPTER_LABELS, then "other") -> requests admitted
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     """A snapshot for listings (/v1/models, JetStream's `models`) and metrics."""
@@ -74,6 +91,7 @@ class AdapterRegistry:
         self._read, self._write = read, write
         self.max_loras, self.max_cpu_loras = max_loras, max(max_cpu_loras, max_loras)
         self._lock = threading.Lock()
+        self._counts_lock = threading.Lock()  # `load` reads outside `_lock`
         self._adapters: dict[str, Adapter] = {}
         self._slots: list[Adapter | None] = [None] * (max_loras + 1)  # [0] stays None: the base model
         self._version = 0
@@ -120,10 +138,20 @@ class AdapterRegistry:
         with self._lock:
             return [self._info(a) for a in self._adapters.values()]
 
-    @property
-    def num_resident(self) -> int:
+    def stats(self) -> AdapterStats:
         with self._lock:
-            return sum(a is not None for a in self._slots)
+            counts = sorted(((a.requests, a.name) for a in self._adapters.values()), reverse=True)
+            requests = {name: n for n, name in counts[:MAX_ADAPTER_LABELS]}
+            if len(counts) > MAX_ADAPTER_LABELS:
+                requests["other"] = sum(n for n, _ in counts[MAX_ADAPTER_LABELS:])
+            return AdapterStats(
+                loaded=len(self._adapters),
+                resident=sum(a is not None for a in self._slots),
+                max_loras=self.max_loras,
+                loads=self.loads,
+                load_seconds=self.load_seconds_total,
+                requests=requests,
+            )
 
     # -- the device loop -----------------------------------------------------------------------
 
@@ -183,8 +211,9 @@ class AdapterRegistry:
         started = time.perf_counter()
         weights = self._read(path)
         seconds = time.perf_counter() - started
-        self.loads += 1
-        self.load_seconds_total += seconds
+        with self._counts_lock:
+            self.loads += 1
+            self.load_seconds_total += seconds
         return weights, seconds
 
     def _info(self, a: Adapter) -> AdapterInfo:

@@ -97,6 +97,7 @@ class Orchestrator:
         self.config = config
         limits = engine.limits
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
+        self.metrics.adapter_stats = adapters.stats if adapters is not None else None
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
         warmup = self._background_warmup()  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.lora.adapters import make_adapters, peft_model, reference_greedy
-from tests.server_process import REPO, ServerProcess, free_port
+from tests.server_process import REPO, ServerProcess, free_port, metric
 
 KEY = "lora-secret"
 MAX_TOKENS = 6
@@ -122,6 +122,12 @@ def test_load_and_unload_over_http_behind_the_api_key(server, adapters, expected
     assert _completion(server, "mlp-r16-rs") == expected["mlp-r16-rs"][1]
     statuses = {m["id"]: m["status"] for m in httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"] if m.get("parent")}
     assert list(statuses.values()).count("resident") == 2  # max_loras=2: one of the three is not
+
+    scraped = httpx.get(f"{server.url}/metrics").text
+    assert metric(server, "pathserve_lora_adapters_loaded") == 3
+    assert metric(server, "pathserve_lora_adapters_resident") == 2
+    assert metric(server, "pathserve_lora_loads_total") >= 3 and metric(server, "pathserve_lora_load_seconds_total") > 0
+    assert metric(server, "pathserve_lora_requests_total", '{adapter="mlp-r16-rs"}') == 1, scraped
 
     gone = {"lora_name": "mlp-r16-rs"}
     assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json=gone, headers=AUTH).status_code == 200

@@ -71,3 +71,17 @@ def test_prefix_keys_differ_per_adapter_and_per_load():
     assert block_keys(ids, 16, adapter_salt(None, 0)) == base
     a1, a2, b1 = (block_keys(ids, 16, adapter_salt(n, v)) for n, v in (("a", 1), ("a", 2), ("b", 1)))
     assert len({base[0], a1[0], a2[0], b1[0]}) == 4
+
+
+def test_stats_bound_the_per_adapter_labels():
+    from serving.lora.registry import MAX_ADAPTER_LABELS
+
+    registry, _, _ = _registry(max_loras=1, max_cpu_loras=1)
+    for i in range(MAX_ADAPTER_LABELS + 5):
+        registry.load(f"a{i}", f"/a{i}")
+    for i in range(MAX_ADAPTER_LABELS + 5):
+        assert registry.acquire(f"a{i}") is not None
+        registry.release(f"a{i}", i + 1)
+    stats = registry.stats()
+    assert len(stats.requests) == MAX_ADAPTER_LABELS + 1 and stats.requests["other"] == 5
+    assert stats.loaded == MAX_ADAPTER_LABELS + 5 and stats.resident == 1 and stats.loads > stats.loaded
