@@ -12,27 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.lora.layout import stack_shapes
 from serving.lora.peft import LoraWeights
 from serving.models.config import ModelConfig
 from serving.models.lora import LoraBatch
-from serving.models.params import LAYER_MATMULS, param_shapes
 
 KEY = "lora"
-
-
-def stack_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """name -> (a's shape, b's shape) of the stacked adapters."""
-    shapes = param_shapes(cfg)
-    slots = max_loras + 1
-    return {
-        name: ((cfg.num_layers, slots, shapes[name][0], max_rank), (cfg.num_layers, slots, max_rank, shapes[name][1]))
-        for name in LAYER_MATMULS
-    }
-
-
-def stack_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
-    """Device bytes of the stacked adapters (what `deploy plan` counts)."""
-    return sum(int(np.prod(a) + np.prod(b)) for a, b in stack_shapes(cfg, max_loras, max_rank).values()) * dtype_bytes
 
 
 def init_stack(cfg: ModelConfig, max_loras: int, max_rank: int, dtype, sharding) -> dict:
