@@ -13,14 +13,15 @@ ADAPTERS = (
 )
 
 
-def make_adapter(base_dir: Path, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int) -> Path:
+def make_adapter(
+    base_dir: Path, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int, std: float = 0.1
+) -> Path:
     """A PEFT adapter of random A and B (peft's own init leaves B zero: no delta to test)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = _base(base_dir)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0
     )
@@ -28,26 +29,34 @@ def make_adapter(base_dir: Path, out: Path, rank: int, alpha: int, targets: list
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0.0, 0.1)
+                p.normal_(0.0, std)
     model.save_pretrained(out)
     return out
 
 
-def make_adapters(base_dir: Path, root: Path) -> dict[str, Path]:
+def make_adapters(base_dir: Path, root: Path, std: float = 0.1) -> dict[str, Path]:
     """Every adapter of ADAPTERS under root/<name>."""
     return {
-        name: make_adapter(base_dir, root / name, rank, alpha, targets, rslora, seed)
+        name: make_adapter(base_dir, root / name, rank, alpha, targets, rslora, seed, std)
         for seed, (name, rank, alpha, targets, rslora) in enumerate(ADAPTERS)
     }
 
 
-def peft_model(base_dir: Path, adapter_dir: Path | None):
-    """transformers' Llama with the adapter applied unmerged (None: the base model)."""
+def _base(base_dir: Path):
+    """transformers' model of a Hugging Face directory, or of a GGUF file (dequantized), float32."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if base_dir.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(base_dir.parent), gguf_file=base_dir.name, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+
+
+def peft_model(base_dir: Path, adapter_dir: Path | None):
+    """transformers' Llama with the adapter applied unmerged (None: the base model)."""
+    from peft import PeftModel
+
+    base = _base(base_dir).eval()
     return base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
