@@ -3,6 +3,8 @@ transformers + peft (unmerged) reference they are compared with."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 # (name, rank, alpha, target modules, rsLoRA): different ranks, subsets and scalings.
@@ -43,7 +45,13 @@ def make_adapters(base_dir: Path, root: Path, std: float = 0.1) -> dict[str, Pat
 
 
 def _base(base_dir: Path):
-    """transformers' model of a Hugging Face directory, or of a GGUF file (dequantized), float32."""
+    """transformers' model of a Hugging Face directory, or of a GGUF file (dequantized), float32:
+    a copy of the one read first (dequantizing a GGUF takes a while)."""
+    return copy.deepcopy(_read_base(base_dir))
+
+
+@functools.cache
+def _read_base(base_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
