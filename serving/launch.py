@@ -21,7 +21,6 @@ from serving.checkpoints.model_source import (
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.memory import check_devices
-from serving.errors import ConfigError
 from serving.models.params import int8_entries
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.executor import Executor
@@ -66,8 +65,6 @@ def launch(cfg: ServingConfig, source: str | None) -> Launched:
     model, engine, params, warmup = _bring_up(cfg, source)
     make_executor, lockstep = Executor, None
     if is_multiprocess():
-        if cfg.lora.enabled:  # each process would need the adapter writes too: not done yet
-            raise ConfigError("max_loras / lora_input_adapters_path: LoRA adapters are not served on runtime=multicontroller yet")
         if not is_leader():
             raise RuntimeError("launch() runs on process 0; the other processes run follow_plans()")
 
@@ -80,7 +77,10 @@ def launch(cfg: ServingConfig, source: str | None) -> Launched:
     if cfg.lora.enabled:
         from serving.lora.serving import make_registry
 
-        adapters = make_registry(cfg.lora, model.config, params)
+        def write_everywhere(slot, weights, path):  # on the device thread, once the executor exists
+            lockstep.write_adapter(slot, weights, path)
+
+        adapters = make_registry(cfg.lora, model.config, params, write_everywhere if is_multiprocess() else None)
     orchestrator = Orchestrator(
         engine, params, model.tokenizer, cfg.orchestrator, make_executor, adapters=adapters
     ).start()

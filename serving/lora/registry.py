@@ -2,7 +2,8 @@
 
 Plain Python over two callables, so the policy is tested without a device:
 `read(path) -> LoraWeights` (storage -> host, validated against the base model) and
-`write(slot, weights)` (host -> device slot `slot`, 1..max_loras; slot 0 is the base model).
+`write(slot, weights, path)` (host -> device slot `slot`, 1..max_loras; slot 0 is the base model;
+`path` for a multi-host leader, whose followers read the adapter themselves).
 
 1. `load(name, path)` (any thread: start-up, the HTTP and gRPC fronts) reads the adapter into host
    memory and makes it known. `unload(name)` forgets it at once for new requests; requests running
@@ -82,7 +83,7 @@ class AdapterRegistry:
     def __init__(
         self,
         read: Callable[[str], LoraWeights],
-        write: Callable[[int, LoraWeights], None],
+        write: Callable[[int, LoraWeights, str], None],
         max_loras: int,
         max_cpu_loras: int,
     ):
@@ -171,7 +172,7 @@ class AdapterRegistry:
                 if weights is None:  # dropped from host memory: read it again
                     weights, adapter.load_seconds = self._timed_read(adapter.path)
                     adapter.weights = weights
-                self._write(slot, weights)
+                self._write(slot, weights, adapter.path)
                 previous = self._slots[slot]
                 if previous is not None:
                     previous.slot = 0

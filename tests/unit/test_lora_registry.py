@@ -20,7 +20,7 @@ def _registry(max_loras=2, max_cpu_loras=3):
         reads.append(path)
         return LoraWeights(1, {"wq": (np.zeros((1, 2, 1)), np.zeros((1, 1, 2)))}, 1.0)
 
-    registry = AdapterRegistry(read, lambda slot, w: writes.append(slot), max_loras, max_cpu_loras)
+    registry = AdapterRegistry(read, lambda slot, w, path: writes.append(slot), max_loras, max_cpu_loras)
     return registry, reads, writes
 
 
