@@ -27,6 +27,7 @@ from serving.engine.partitioning import (
 )
 from serving.lora.layout import stack_bytes
 from serving.models.config import ModelConfig
+from serving.models.params import LAYER_MATMULS
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Plan:
     hbm_bytes_per_chip: float  # physical HBM
     bytes_limit_per_chip: float  # what the runtime lets a program use
     temporaries_bytes_per_chip: float  # estimate: one prefill call's layer, logits
-    lora_bytes_per_chip: float  # LoRA adapters' device slots: max_loras x max_lora_rank, every chip a copy
+    lora_bytes_per_chip: float  # LoRA adapters' device slots: max_loras x max_lora_rank, split as the weights
     headroom_bytes_per_chip: float  # bytes_limit - (weights + KV cache + temporaries)
     step_time_s: float
     bound: str  # "memory" or "compute"
@@ -151,7 +152,7 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
     refusal = shortfall(use, limit, f"{cfg.model_name} on {cfg.tpu.accelerator} {cfg.tpu.topology}")
     if refusal:
         raise DeployError(_does_not_fit(refusal, serving, where, use, limit, chips))
-    lora = _lora_bytes(model, serving)
+    lora = _lora_bytes(model, serving, where)
     if use.total + lora > limit:
         raise DeployError(
             f"serving.max_loras: {serving.lora.max_loras} adapter slots of rank {serving.max_lora_rank} take "
@@ -193,13 +194,18 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
     )
 
 
-def _lora_bytes(model: ModelConfig, serving: ServingConfig) -> int:
-    """Bytes per chip of the stacked LoRA adapters (serving.lora.layout) in the compute dtype: the
-    engine keeps a whole copy on every chip."""
+def _lora_bytes(model: ModelConfig, serving: ServingConfig, where: Placement) -> int:
+    """Bytes per chip of the stacked LoRA adapters (serving.lora.layout) in the compute dtype, each
+    matmul's a split as its weight's input dimension and b as its output (serving.lora.stack)."""
     lora = serving.lora
     if not lora.enabled:
         return 0
-    return stack_bytes(model, lora.max_loras, lora.max_lora_rank, DTYPE_BYTES[serving.dtype])
+    splits = {}
+    for name in LAYER_MATMULS:
+        layers, fan_in, fan_out = where.weight_spec(name)
+        split = [math.prod(where.axes[a] for a in (*layers, *dim)) for dim in (fan_in, fan_out)]
+        splits[name] = (split[0], split[1])
+    return stack_bytes(model, lora.max_loras, lora.max_lora_rank, DTYPE_BYTES[serving.dtype], splits)
 
 
 def _does_not_fit(

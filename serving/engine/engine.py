@@ -49,6 +49,7 @@ from serving.kernels import backend
 from serving.lora import stack as lora_stack
 from serving.models import decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import unstack_layers
+from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -143,8 +144,10 @@ class Engine(ChunkedPrefill):
             out = unstacked_shardings(shardings, self.model.config.num_layers) if self.mesh.size > 1 else None
             params = jax.jit(unstack_layers, out_shardings=out)(params)
         if self.config.max_loras:  # the LoRA adapters' device slots, all zeros (serving.lora.stack)
+            specs = {name: self.placement.weight_spec(name) for name in LAYER_MATMULS}
             params[lora_stack.KEY] = lora_stack.init_stack(
-                self.model.config, self.config.max_loras, self.config.max_lora_rank, self._dtype, replicated(self.mesh)
+                self.model.config, self.config.max_loras, self.config.max_lora_rank, self._dtype,
+                lora_stack.stack_shardings(self.mesh, specs),
             )
         return params
 

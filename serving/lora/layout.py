@@ -20,6 +20,14 @@ def stack_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, t
     }
 
 
-def stack_bytes(cfg: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
-    """Device bytes of the stacked adapters (what `deploy plan` counts)."""
-    return sum(math.prod(a) + math.prod(b) for a, b in stack_shapes(cfg, max_loras, max_rank).values()) * dtype_bytes
+def stack_bytes(
+    cfg: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int, splits: dict[str, tuple[int, int]] | None = None
+) -> int:
+    """Device bytes of the stacked adapters, per chip when `splits` says over how many chips each
+    matmul's a and b are split (their base weight's input and output splits; serving.lora.stack)."""
+    splits = splits or {}
+    total = 0
+    for name, (a, b) in stack_shapes(cfg, max_loras, max_rank).items():
+        split_a, split_b = splits.get(name, (1, 1))
+        total += math.prod(a) // split_a + math.prod(b) // split_b
+    return total * dtype_bytes

@@ -4,6 +4,10 @@ model), each adapter zero-padded to `max_lora_rank` (see serving.models.lora for
 They live in the params pytree under "lora", so every compiled step that takes the params reads
 them; writing a slot replaces those arrays with new ones of the same shape and placement (nothing
 recompiles). Writes happen on the device loop's thread, between steps.
+
+Placement follows the base weights' (`stack_shardings`): a's `in` dimension is split as its
+matmul's input dimension is, b's `out` as its output (a w_down's a over the mlp axes, a wq's b over
+the heads axes), so each chip holds the part of every adapter its shard of the weight multiplies.
 """
 
 from __future__ import annotations
@@ -21,11 +25,26 @@ KEY = "lora"
 
 
 def init_stack(cfg: ModelConfig, max_loras: int, max_rank: int, dtype, sharding) -> dict:
-    """All-zero stacked adapters, placed with `sharding`."""
+    """All-zero stacked adapters, placed with `sharding` (one for all, or `stack_shardings`'s)."""
     stack = {
         name: (jnp.zeros(a, dtype), jnp.zeros(b, dtype)) for name, (a, b) in stack_shapes(cfg, max_loras, max_rank).items()
     }
     return jax.device_put(stack, sharding)
+
+
+def stack_shardings(mesh, weight_specs: dict[str, tuple]) -> dict:
+    """name -> (a's, b's) NamedSharding from each matmul weight's partitioning spec
+    (weight_specs[name]: ([layers axes], [in axes], [out axes]), serving.engine.partitioning)."""
+    from jax.sharding import NamedSharding
+
+    from serving.engine.sharding import partition_spec
+
+    out = {}
+    for name, (layers, fan_in, fan_out) in weight_specs.items():
+        a = partition_spec((layers, (), fan_in, ()))
+        b = partition_spec((layers, (), (), fan_out))
+        out[name] = (NamedSharding(mesh, a), NamedSharding(mesh, b))
+    return out
 
 
 @jax.jit
@@ -45,7 +64,8 @@ def write_slot(params: dict, slot: int, weights: LoraWeights | None) -> None:
             wa, wb = weights.matrices[name]
             pa[:, :, : weights.rank], pb[:, : weights.rank, :] = wa, wb
         new[name] = (pa, pb)
-    params[KEY] = _write(stack, jnp.int32(slot), new)
+    written = _write(stack, jnp.int32(slot), new)
+    params[KEY] = jax.device_put(written, jax.tree.map(lambda x: x.sharding, stack))  # as placed
 
 
 def lora_batch(params: dict, rows: jax.Array) -> LoraBatch | None:

@@ -390,8 +390,8 @@ def test_dockerfile_jax_version_matches_the_deployment_image_tags():
 
 def test_lora_adapters_render_into_the_engine_args_and_the_plan_counts_their_slots(tmp_path):
     """lora_input_adapters_path and max_loras go to the engine container as flags; the plan adds
-    max_loras + 1 slots of every layer matmul's a [in, r] and b [r, out] per chip (a whole copy
-    each) to the memory, out of the headroom."""
+    max_loras + 1 slots of every layer matmul's a [in, r] and b [r, out] to the memory, out of the
+    headroom, split over tensor=4 as the weights are (heads, kv heads, mlp; embed whole)."""
     base = CONFIGS / "llama3.1-8b-v6e-4.yml"
     adapters = ("lora_input_adapters_path=gs://my-bucket/adapters", "max_loras=4", "max_lora_rank=16")
     deployment = load_deployment(base, adapters)
@@ -399,7 +399,8 @@ def test_lora_adapters_render_into_the_engine_args_and_the_plan_counts_their_slo
     assert all(flag in json.dumps(lws) for flag in adapters)
     plain, plan = make_plan(load_deployment(base)), make_plan(deployment)
     e, q, kv, mlp, layers = 4096, 4096, 1024, 14336, 32  # Llama 3.1 8B
-    per_slot = 16 * ((e + q) * 2 + (e + kv) * 2 + (e + mlp) * 3)  # wq, wo; wk, wv; gate, up, down
+    # per chip: wq, wo; wk, wv; gate, up, down (embed never split, the other side over 4 chips)
+    per_slot = 16 * ((e + q // 4) * 2 + (e + kv // 4) * 2 + (e + mlp // 4) * 3)
     expected = layers * 5 * per_slot * 2  # 4 adapters + the base model's zeros, bfloat16
     assert plain.lora_bytes_per_chip == 0 and plan.lora_bytes_per_chip == expected
     assert plan.headroom_bytes_per_chip == pytest.approx(plain.headroom_bytes_per_chip - expected)
