@@ -36,8 +36,10 @@ def stack_shardings(mesh, weight_specs: dict[str, tuple]) -> dict:
     """name -> (a's, b's) NamedSharding from each matmul weight's partitioning spec
     (weight_specs[name]: ([layers axes], [in axes], [out axes]), serving.engine.partitioning)."""
     from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from serving.engine.sharding import partition_spec
+    def partition_spec(spec: tuple) -> P:  # as serving.engine.sharding's (which imports this package)
+        return P(*(None if not dim else dim[0] if len(dim) == 1 else tuple(dim) for dim in spec))
 
     out = {}
     for name, (layers, fan_in, fan_out) in weight_specs.items():
