@@ -96,3 +96,37 @@ def test_adapter_shapes_and_ranks_that_do_not_fit_are_refused_naming_the_tensor(
         read_adapter(str(tmp_path / "dora"), cfg, max_rank=16)
     with pytest.raises(AdapterError, match="not found"):
         read_adapter(str(tmp_path / "missing"), cfg, max_rank=16)
+
+
+def test_int8_kv_cache_with_adapters_stays_within_the_int8_cache_bound(setup):
+    """Prefill and decode through an int8 KV cache, three adapters and the base model in one batch:
+    within tests/test_quantization.py's bound for the int8 cache (2% of the largest logit) of
+    transformers + peft (float, unmerged)."""
+    base, adapters, cfg, params = setup
+    params = dict(params)
+    params["lora"] = init_stack(cfg, max_loras=3, max_rank=16, dtype=jnp.float32, sharding=None)
+    for slot, (name, *_rest) in enumerate(ADAPTERS, start=1):
+        write_slot(params, slot, read_adapter(str(adapters[name]), cfg, max_rank=16))
+    slots = jnp.array([1, 2, 3, 0], jnp.int32)
+    refs = [peft_model(base, adapters[a[0]]) for a in ADAPTERS] + [peft_model(base, None)]
+    prompt = PROMPTS[1]
+    tokens = jnp.asarray([prompt] * 4)
+    lengths = jnp.full((4,), len(prompt), jnp.int32)
+    _, kv = prefill(params, tokens, lengths, cfg, quantized_kv=True, lora=lora_batch(params, slots))
+    cache = init_cache(cfg, batch=4, length=64, quantized=True)
+    for row in range(4):
+        cache = store_prefix(cache, type(kv)(kv.k[:, row : row + 1], kv.v[:, row : row + 1]), row)
+    extra = [3, 250, 17, 99]
+    for step, token in enumerate(extra):
+        out, cache = decode_step(
+            params, jnp.full((4,), token, jnp.int32), jnp.full((4,), len(prompt) + step, jnp.int32), cache, cfg,
+            lora=lora_batch(params, slots),
+        )
+        base_expected = reference_logits(refs[3], prompt + extra[: step + 1])[-1]
+        for row in range(4):
+            expected = reference_logits(refs[row], prompt + extra[: step + 1])[-1]
+            scale = np.abs(expected).max()
+            assert np.abs(np.asarray(out[row]) - expected).max() <= 0.02 * scale
+            if row < 3:  # the bound tells the adapters apart
+                assert np.abs(expected - base_expected).max() > 0.1 * scale
+    assert cache.k.dtype == jnp.int8
