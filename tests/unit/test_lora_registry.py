@@ -85,3 +85,15 @@ def test_stats_bound_the_per_adapter_labels():
     stats = registry.stats()
     assert len(stats.requests) == MAX_ADAPTER_LABELS + 1 and stats.requests["other"] == 5
     assert stats.loaded == MAX_ADAPTER_LABELS + 5 and stats.resident == 1 and stats.loads > stats.loaded
+
+
+def test_config_keys():
+    from serving.config import ConfigError, load_config
+
+    assert not load_config(None, []).lora.enabled and load_config(None, []).engine.max_loras == 0
+    cfg = load_config(None, ["lora_input_adapters_path=gs://b/adapters"])
+    assert (cfg.lora.max_loras, cfg.lora.max_cpu_loras, cfg.engine.max_loras, cfg.server.max_loras) == (4, 4, 4, 4)
+    cfg = load_config(None, ["max_loras=2", "max_cpu_loras=8", "max_lora_rank=64"])
+    assert (cfg.lora.max_loras, cfg.lora.max_cpu_loras, cfg.engine.max_lora_rank) == (2, 8, 64)
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        load_config(None, ["max_loras=4", "max_cpu_loras=2"])
