@@ -22,7 +22,7 @@ from tests.conftest import DATA
 from tests.lora.adapters import ADAPTERS, make_adapters, peft_model, reference_greedy, reference_logits
 
 RTOL = 1e-4  # of the largest logit
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 PROMPTS = ["The lighthouse keeper opened the door and", "Three things every gardener knows:"]
 NAMES = [a[0] for a in ADAPTERS]
 
@@ -111,7 +111,7 @@ def test_served_greedy_tokens_equal_peft_batched_with_the_base_model(smollm2_pat
     registry = make_registry(cfg.lora, model.config, params)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator, adapters=registry).start()
     try:
-        jobs = [(p, name) for p in PROMPTS for name in [*NAMES, None]]
+        jobs = [(PROMPTS[0], name) for name in [*NAMES, None]] + [(PROMPTS[1], NAMES[1])]
         ids = {p: model.tokenizer.encode_prompt(p) for p in PROMPTS}
         handles = [orchestrator.submit(ids[p], SamplingParams(max_tokens=MAX_TOKENS, adapter=n)) for p, n in jobs]
         vocab = model.tokenizer.vocab_size
