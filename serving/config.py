@@ -10,7 +10,7 @@ import difflib
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -51,6 +51,23 @@ class EngineConfig:
     # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
     logical_axis_rules: tuple = ()
     replicate_quant_scale: bool = False
+    max_loras: int = 0  # LoRA adapters' device slots (0: none; serving.lora)
+    max_lora_rank: int = 16
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (serving.lora): where adapters are loaded from at start-up, how many sit
+    on the device (`max_loras`) and on the host (`max_cpu_loras`) at once, their largest rank."""
+
+    lora_input_adapters_path: str = ""
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,7 @@ class ServerConfig:
     api_key: str = ""
     grpc_port: int = 9000
     unknown_request_fields: str = "reject"
+    max_loras: int = 0  # LoRA adapters served: the adapter APIs (gRPC service v1) are on
 
 
 class ServingConfig(BaseModel):
@@ -223,6 +241,15 @@ class ServingConfig(BaseModel):
     unknown_request_fields: Literal["reject", "warn"] = "reject"
     # JetStream's gRPC API (jetstream_proto.Orchestrator) beside HTTP; 0 turns it off.
     grpc_port: int = Field(default=9000, ge=0, le=65535)
+    # Multi-LoRA (serving.lora): every sub-directory of lora_input_adapters_path (MaxText's key; local
+    # or gs://) is a PEFT adapter named by it, loaded at start-up; more come and go at run time.
+    # max_loras adapters sit on the device at once (0: none, or 4 when lora_input_adapters_path is
+    # set), max_cpu_loras in host memory (0: max_loras); beyond both, least recently used first out,
+    # read from storage again when asked for. Every adapter's rank is at most max_lora_rank.
+    lora_input_adapters_path: str = ""
+    max_loras: int = Field(default=0, ge=0)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int = Field(default=0, ge=0)
 
     @property
     def engine(self) -> EngineConfig:
@@ -231,7 +258,15 @@ class ServingConfig(BaseModel):
             **part.__dict__,
             "decode_slot_buckets": tuple(self.decode_slot_buckets),
             "logical_axis_rules": normalize_rules(self.logical_axis_rules),
+            "max_loras": self.lora.max_loras,
         })
+
+    @property
+    def lora(self) -> LoraConfig:
+        loras = self.max_loras or (4 if self.lora_input_adapters_path else 0)
+        return LoraConfig(
+            self.lora_input_adapters_path, loras, self.max_lora_rank, max(self.max_cpu_loras, loras)
+        )
 
     @property
     def devices(self) -> DevicesConfig:
@@ -239,7 +274,7 @@ class ServingConfig(BaseModel):
 
     @property
     def server(self) -> ServerConfig:
-        return self._part(ServerConfig)
+        return replace(self._part(ServerConfig), max_loras=self.lora.max_loras)
 
     @property
     def orchestrator(self) -> OrchestratorConfig:
@@ -273,6 +308,8 @@ class ServingConfig(BaseModel):
                 f"prefill_chunk_size ({self.prefill_chunk_size}) must not exceed "
                 f"max_prefill_predict_length ({self.max_prefill_predict_length})"
             )
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if any(b < 1 for b in self.decode_slot_buckets):
             raise ValueError(f"decode_slot_buckets must be positive slot counts, got {self.decode_slot_buckets}")
         unsupported = weights_unsupported(self.quantization, self.weight_dtype)

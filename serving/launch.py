@@ -73,7 +73,17 @@ def launch(cfg: ServingConfig, source: str | None) -> Launched:
             lockstep = LockstepExecutor(Executor(engine, params), PlanChannel())
             return lockstep
 
-    orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator, make_executor).start()
+    adapters = None
+    if cfg.lora.enabled:
+        from serving.lora.serving import make_registry
+
+        def write_everywhere(slot, weights, path):  # on the device thread, once the executor exists
+            lockstep.write_adapter(slot, weights, path)
+
+        adapters = make_registry(cfg.lora, model.config, params, write_everywhere if is_multiprocess() else None)
+    orchestrator = Orchestrator(
+        engine, params, model.tokenizer, cfg.orchestrator, make_executor, adapters=adapters
+    ).start()
     if is_multiprocess():
         exit_when_loop_dies(
             lambda: orchestrator.alive,

@@ -30,6 +30,7 @@ class SamplingParams:
     0 (score the prompt only). `n`: independent choices from one prefill, choice i seeded with
     `choice_seed(i)`. `grammar`: tokens it forbids are masked at every step. `speculative`: False
     opts out of speculative decoding (the output is the same either way, in distribution).
+    `adapter`: a LoRA adapter's id (serving.lora).
     """
 
     max_tokens: int = 16
@@ -43,6 +44,11 @@ class SamplingParams:
     n: int = 1
     grammar: Grammar | None = None
     speculative: bool = True  # False: this request never speculates (the server's method aside)
+    # LoRA: the adapter the request names (None: the base model); the device loop fills in the
+    # device slot it holds while running (0: none) and its load's version (for the prefix cache key).
+    adapter: str | None = None
+    lora_slot: int = 0
+    lora_version: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -21,11 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.api import playground, prometheus
+from serving.api import lora, playground, prometheus
 from serving.api.errors import api_error_handler, error_response, validation_error_handler
 from serving.api.gate import Gate
 from serving.api.state import ServerState
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
+from serving.lora.errors import UnknownAdapterError
 from serving.openai import convert
 from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -141,7 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
                     "created": state.created,
                     "owned_by": "pathserve",
                     "max_model_len": state.config.max_target_length,
-                }
+                },
+                *lora.model_entries(state),
             ],
         }
 
@@ -153,6 +156,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _openai(state, body, request)
 
+    lora.mount(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     playground.mount(app)  # GET /: the web playground (serving/api/static/)
     return app
 
@@ -163,10 +167,12 @@ def create_app(state: ServerState) -> FastAPI:
 async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Request) -> Response:
     """Both OpenAI generation routes: submit (n choices), then one body or server-sent events."""
     state.unknown_fields.check(body)
-    _check_model(state, body.model)
+    assert state.orchestrator is not None  # the gate answers 503 before that
+    adapter = convert.adapter_of(body.model, state.model_name, state.orchestrator.adapters)
     tokenizer = state.tokenizer
     ids = convert.prompt_ids(body, tokenizer)
     params = convert.openai_sampling(body, tokenizer, len(ids), state.config.max_target_length)
+    params = dataclasses.replace(params, adapter=adapter)
     submit = (state, ids, params, body.stop_strings(), convert.prompt_param(body), asyncio.get_running_loop())
     if params.grammar is not None:  # compiling a grammar (the first time: importing its library) takes a while
         handles = await asyncio.to_thread(_submit_choices, *submit)
@@ -174,7 +180,7 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
         handles = _submit_choices(*submit)
     chat = isinstance(body, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created, model = int(time.time()), state.model_name
+    created, model = int(time.time()), adapter or state.model_name
     if not body.stream:
         completions = await _complete_all(handles, request)
         return JSONResponse(convert.response_body(body, rid, created, model, completions, ids, tokenizer))
@@ -200,16 +206,6 @@ async def _http_error_handler(_request: Request, exc: Exception) -> JSONResponse
     return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model and model != state.model_name:
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
 def _submit(
     state: ServerState,
     prompt_ids: list[int],
@@ -233,6 +229,8 @@ def _submit_choices(
     assert state.orchestrator is not None  # the gate answers 503 before that
     try:
         return state.orchestrator.submit_choices(prompt_ids, sampling, stops, loop=loop)
+    except UnknownAdapterError as exc:  # unloaded since the request was checked
+        raise APIError(404, str(exc), param="model", code="model_not_found") from None
     except GenerationError as exc:
         param = prompt_param if exc.field == "prompt" else exc.field  # "prompt" or "messages"
         raise APIError(400, str(exc), param=param, code=exc.code) from None

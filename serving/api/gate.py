@@ -15,7 +15,7 @@ from serving.api.state import ServerState
 from serving.openai.errors import error_body
 
 GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
-API_ROUTES = GENERATION_ROUTES | {"/v1/models"}
+API_ROUTES = GENERATION_ROUTES | {"/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 OPEN_ROUTES = frozenset(
     {"/healthcheck", "/startupz", "/readyz", "/livez", "/metrics", "/openapi.json", "/docs"}
 )

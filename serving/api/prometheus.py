@@ -47,6 +47,8 @@ class _Collector(Collector):
         if metrics is not None:
             with metrics.lock:
                 yield from _engine_metrics(metrics)
+            if metrics.adapter_stats is not None:
+                yield from _adapter_metrics(metrics.adapter_stats())
 
 
 def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
@@ -114,6 +116,27 @@ def _speculative_metrics(m: EngineMetrics) -> Iterator[Metric]:
         gauge = GaugeMetricFamily(name, help_text, labels=["method"])
         gauge.add_metric(method, value)
         yield gauge
+
+
+def _adapter_metrics(stats) -> Iterator[Metric]:
+    """LoRA adapters (serving.lora.registry.AdapterStats)."""
+    for name, help_text, value in (
+        ("pathserve_lora_adapters_loaded", "LoRA adapters the server serves by name", stats.loaded),
+        ("pathserve_lora_adapters_resident", "LoRA adapters holding a device slot", stats.resident),
+        ("pathserve_lora_max_loras", "LoRA adapters' device slots (max_loras)", stats.max_loras),
+    ):
+        yield GaugeMetricFamily(name, help_text, value=value)
+    yield CounterMetricFamily("pathserve_lora_loads", "LoRA adapter reads from storage", value=stats.loads)
+    yield CounterMetricFamily(
+        "pathserve_lora_load_seconds", "seconds spent reading LoRA adapters from storage", value=stats.load_seconds
+    )
+    requests = CounterMetricFamily(
+        "pathserve_lora_requests", "requests admitted per LoRA adapter (the most requested; the rest as other)",
+        labels=["adapter"],
+    )
+    for adapter, count in sorted(stats.requests.items()):
+        requests.add_metric([adapter], count)
+    yield requests
 
 
 def _histogram(name: str, help_text: str, histogram: Histogram) -> HistogramMetricFamily:

@@ -18,13 +18,14 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from serving.batch import files, manifest, rows
 from serving.batch.errors import BatchError
 from serving.config import ServingConfig
 from serving.errors import GenerationError, QueueFullError
+from serving.lora.errors import UnknownAdapterError
 from serving.openai import convert
 from serving.openai.errors import APIError
 from serving.openai.fields import UnknownFieldPolicy
@@ -206,10 +207,12 @@ class _Job:
                 self.cfg.max_target_length,
                 default_seed=zlib.crc32(custom_id.encode()),
             )
+            adapter = convert.adapter_of(row.body.model, self.model_name, self.orchestrator.adapters)
+            params = replace(params, adapter=adapter)
             handles = await self._submit(ids, params, row.body.stop_strings())
             completions = await asyncio.gather(*(self._drain(h) for h in handles))
             body = convert.response_body(
-                row.body, record_id, int(time.time()), self.model_name, completions, ids, self.tokenizer
+                row.body, record_id, int(time.time()), adapter or self.model_name, completions, ids, self.tokenizer
             )
             self._advance(sum(c.completion_tokens for c in completions))
             return rows.ok_record(record_id, custom_id, body)
@@ -220,6 +223,9 @@ class _Job:
             self._advance(0)
             code = exc.code or "invalid_request"
             return rows.error_record(record_id, custom_id, code, str(exc))
+        except UnknownAdapterError as exc:  # unloaded since the row was checked
+            self._advance(0)
+            return rows.error_record(record_id, custom_id, "model_not_found", str(exc))
         finally:
             self.room.release()
 

@@ -25,7 +25,9 @@ from serving.engine.partitioning import (
     describe,
     placement,
 )
+from serving.lora.layout import stack_bytes
 from serving.models.config import ModelConfig
+from serving.models.params import LAYER_MATMULS
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Plan:
     hbm_bytes_per_chip: float  # physical HBM
     bytes_limit_per_chip: float  # what the runtime lets a program use
     temporaries_bytes_per_chip: float  # estimate: one prefill call's layer, logits
+    lora_bytes_per_chip: float  # LoRA adapters' device slots: max_loras x max_lora_rank, split as the weights
     headroom_bytes_per_chip: float  # bytes_limit - (weights + KV cache + temporaries)
     step_time_s: float
     bound: str  # "memory" or "compute"
@@ -149,6 +152,13 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
     refusal = shortfall(use, limit, f"{cfg.model_name} on {cfg.tpu.accelerator} {cfg.tpu.topology}")
     if refusal:
         raise DeployError(_does_not_fit(refusal, serving, where, use, limit, chips))
+    lora = _lora_bytes(model, serving, where)
+    if use.total + lora > limit:
+        raise DeployError(
+            f"serving.max_loras: {serving.lora.max_loras} adapter slots of rank {serving.max_lora_rank} take "
+            f"{lora / 1e9:.2f} GB per chip, more than the {(limit - use.total) / 1e9:.2f} GB the weights, KV cache "
+            "and temporaries leave"
+        )
     memory_time = (weights_per_chip + kv_per_chip) / slice_.accelerator.hbm_bandwidth
     compute_time = 2 * model.num_params * slots / (chips * slice_.accelerator.bf16_flops)
     step = max(memory_time, compute_time)
@@ -170,17 +180,32 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         slots_per_chip=slots // math.prod(mesh[a] for a in k.spec[1]),
         kv_bytes_per_chip=kv_per_chip,
         kv_capacity_tokens=slots * serving.max_target_length,
-        kv_tokens_that_fit_per_chip=int((limit - weights_per_chip - use.temporaries) // kv_token_chip),
+        kv_tokens_that_fit_per_chip=int((limit - weights_per_chip - use.temporaries - lora) // kv_token_chip),
         hbm_bytes_per_chip=hbm,
         bytes_limit_per_chip=float(limit),
         temporaries_bytes_per_chip=float(use.temporaries),
-        headroom_bytes_per_chip=float(limit - use.total),
+        lora_bytes_per_chip=float(lora),
+        headroom_bytes_per_chip=float(limit - use.total - lora),
         step_time_s=step,
         bound="memory" if memory_time >= compute_time else "compute",
         tokens_per_s=slots / step,
         shardings=_shardings(where),
         replication=list(where.notes),
     )
+
+
+def _lora_bytes(model: ModelConfig, serving: ServingConfig, where: Placement) -> int:
+    """Bytes per chip of the stacked LoRA adapters (serving.lora.layout) in the compute dtype, each
+    matmul's a split as its weight's input dimension and b as its output (serving.lora.stack)."""
+    lora = serving.lora
+    if not lora.enabled:
+        return 0
+    splits = {}
+    for name in LAYER_MATMULS:
+        layers, fan_in, fan_out = where.weight_spec(name)
+        split = [math.prod(where.axes[a] for a in (*layers, *dim)) for dim in (fan_in, fan_out)]
+        splits[name] = (split[0], split[1])
+    return stack_bytes(model, lora.max_loras, lora.max_lora_rank, DTYPE_BYTES[serving.dtype], splits)
 
 
 def _does_not_fit(
@@ -225,6 +250,7 @@ def format_plan(plan: Plan) -> str:
             f"and {plan.slots_per_chip} slots per chip, {plan.kv_bytes_per_chip / gb:.2f} GB per chip",
         ),
         ("temporaries (estimate)", f"{plan.temporaries_bytes_per_chip / gb:.2f} GB per chip"),
+        *((("LoRA adapter slots", f"{plan.lora_bytes_per_chip / gb:.3f} GB per chip"),) if plan.lora_bytes_per_chip else ()),
         (
             "memory per chip",
             f"{(plan.bytes_limit_per_chip - plan.headroom_bytes_per_chip) / gb:.2f} GB of the bytes_limit "
@@ -233,7 +259,7 @@ def format_plan(plan: Plan) -> str:
         ),
         (
             "KV tokens that fit",
-            f"{plan.kv_tokens_that_fit_per_chip} in what the weights and temporaries leave "
+            f"{plan.kv_tokens_that_fit_per_chip} in what the weights, temporaries and adapters leave "
             f"({plan.kv_tokens_that_fit_per_chip // plan.max_target_length} slots of {plan.max_target_length})",
         ),
         ("decode step (roofline)", f"{plan.step_time_s * 1e3:.2f} ms, {plan.bound}-bound"),

@@ -30,6 +30,7 @@ import numpy as np
 from serving.engine.api import PrefillRow
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, is_stop, stacked_sampling
+from serving.lora import stack as lora_stack
 from serving.models import KVCache, prefill
 from serving.models.cache import gather_history, store_chunks
 
@@ -170,6 +171,7 @@ class ChunkedPrefill:
             starts=starts if window else None,
             history=history,
             quantized_kv=state.cache.quantized,
+            lora=lora_stack.lora_batch(params, sampling.lora_slot),
         )
         rows = jnp.arange(tokens.shape[0])
         last = self._decodable(logits[rows, lengths - 1], None)  # [rows, vocab]

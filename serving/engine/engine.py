@@ -47,8 +47,10 @@ from serving.engine.speculative import Speculative
 from serving.engine.state import DecodeState, Logprobs, Prefix, SlotSampling, is_stop, slot_sampling
 from serving.errors import GenerationError
 from serving.kernels import backend
+from serving.lora import stack as lora_stack
 from serving.models import decode_step, init_cache, prefill, store_prefix
 from serving.models.llama import unstack_layers
+from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -140,11 +142,17 @@ class Engine(ChunkedPrefill, Speculative):
         in the backend's layout (`ops.prepare`), layers unstacked when scan_layers=false."""
         shardings = param_shardings(self.model.params, self.mesh, self.placement)
         params = self.ops.prepare(jax.device_put(self.model.params, shardings))
-        if self.config.scan_layers:
-            return params
-        # A backend's own layout runs on one device only; on a mesh each layer keeps its spec.
-        out = unstacked_shardings(shardings, self.model.config.num_layers) if self.mesh.size > 1 else None
-        return jax.jit(unstack_layers, out_shardings=out)(params)
+        if not self.config.scan_layers:
+            # A backend's own layout runs on one device only; on a mesh each layer keeps its spec.
+            out = unstacked_shardings(shardings, self.model.config.num_layers) if self.mesh.size > 1 else None
+            params = jax.jit(unstack_layers, out_shardings=out)(params)
+        if self.config.max_loras:  # the LoRA adapters' device slots, all zeros (serving.lora.stack)
+            specs = {name: self.placement.weight_spec(name) for name in LAYER_MATMULS}
+            params[lora_stack.KEY] = lora_stack.init_stack(
+                self.model.config, self.config.max_loras, self.config.max_lora_rank, self._dtype,
+                lora_stack.stack_shardings(self.mesh, specs),
+            )
+        return params
 
     def release_loaded_params(self) -> LoadedModel:
         """Drop this engine's hold on the loaded params once `load_params` has placed them: where
@@ -185,6 +193,7 @@ class Engine(ChunkedPrefill, Speculative):
                 max_tokens=zeros(),
                 stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
                 logprobs=jnp.zeros((slots,), bool),
+                lora_slot=zeros(),
             ),
         )
         return jax.device_put(state, self._state_shardings())
@@ -287,6 +296,7 @@ class Engine(ChunkedPrefill, Speculative):
                 max_tokens=slots,
                 stop_ids=rows,
                 logprobs=slots,
+                lora_slot=slots,
             ),
         )
 
@@ -302,7 +312,10 @@ class Engine(ChunkedPrefill, Speculative):
         self, params, tokens, true_length, sampling: SlotSampling, keys, mask, static, choices, logprobs,
         prompt_logprobs,
     ) -> Prefix:
-        logits, kv = prefill(params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache)
+        logits, kv = prefill(
+            params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
+            lora=lora_stack.lora_batch(params, sampling.lora_slot[None]),
+        )
         last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
         last = self._decodable(last, mask)
         last = jnp.broadcast_to(last, (choices, last.shape[-1]))  # [choices, vocab]
@@ -374,7 +387,10 @@ class Engine(ChunkedPrefill, Speculative):
 
         def step(state: DecodeState, _):
             positions = jnp.minimum(state.positions, max_len - 1)
-            logits, cache = decode_step(params, state.tokens, positions, state.cache, **static, window=window)
+            logits, cache = decode_step(
+                params, state.tokens, positions, state.cache, **static, window=window,
+                lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
+            )
             keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
             # Free and finished slots are not drawn: greedy, whatever their request asked.
             sampling = state.sampling._replace(

@@ -148,6 +148,11 @@ class Placement:
     def cache_bytes_per_chip(self) -> int:
         return sum(leaf.bytes_per_chip(self.axes) for leaf in self.cache.values())
 
+    def weight_spec(self, name: str) -> Spec:
+        """The spec ([layers], [in], [out]) of layer matmul `name`, float or int8 (its values)."""
+        leaf = self.params.get(("layers", name)) or self.params[("layers", name, "values")]
+        return leaf.spec
+
 
 class _Splitter:
     """Maps each leaf's logical names through the rules onto this mesh, and remembers where a

@@ -40,6 +40,7 @@ from serving.engine.api import ResultTokens
 from serving.engine.sampling import argmax, kept, sample, token_logprobs
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, SlotSampling, is_stop
+from serving.lora import stack as lora_stack
 from serving.models import KVCache, prefill
 from serving.models.cache import store_chunks
 from serving.request import MAX_LOGPROBS
@@ -167,7 +168,7 @@ class Speculative:
         history = KVCache(*(None if c is None else c[:, :num_slots, :window] for c in full.cache))
         logits, kv = prefill(
             params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, history=history,
-            quantized_kv=full.cache.quantized,
+            quantized_kv=full.cache.quantized, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
         )
         vocab = logits.shape[-1]
         logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)

@@ -24,6 +24,7 @@ class SlotSampling(NamedTuple):
     max_tokens: jax.Array  # int32
     stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded
     logprobs: jax.Array  # bool: the request wants its tokens' logprobs
+    lora_slot: jax.Array  # int32: the device slot of the request's LoRA adapter (0: none)
 
 
 class Logprobs(NamedTuple):
@@ -77,6 +78,7 @@ def slot_sampling(sampling: SamplingParams) -> SlotSampling:
         max_tokens=np.int32(sampling.max_tokens),
         stop_ids=stop,
         logprobs=np.bool_(sampling.wants_logprobs),
+        lora_slot=np.int32(sampling.lora_slot),
     )
 
 

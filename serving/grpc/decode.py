@@ -48,12 +48,6 @@ class Prompt:
 
 def check_supported(request: pb.DecodeRequest) -> None:
     """Refuse what this server does not do, rather than silently doing something else."""
-    if request.lora_adapter_id:
-        raise RequestError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"lora_adapter_id: LoRA adapters are not supported (got {request.lora_adapter_id!r}); "
-            "leave it empty for the base model",
-        )
     if request.num_samples < 0:
         raise invalid("num_samples", f"must be 0 or 1, got {request.num_samples}")
     if request.num_samples > 1:
@@ -94,10 +88,12 @@ def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
 
 
 def sampling(request: pb.DecodeRequest, tokenizer: Tokenizer) -> SamplingParams:
-    """Greedy decoding of max_tokens tokens, ending early at the model's end-of-sequence tokens."""
+    """Greedy decoding of max_tokens tokens, ending early at the model's end-of-sequence tokens,
+    with the LoRA adapter `lora_adapter_id` names (empty: the base model)."""
     if request.max_tokens <= 0:
         raise invalid("max_tokens", f"must be positive, got {request.max_tokens}")
-    return SamplingParams(max_tokens=request.max_tokens, stop_ids=tokenizer.eos_ids)
+    adapter = request.lora_adapter_id or None
+    return SamplingParams(max_tokens=request.max_tokens, stop_ids=tokenizer.eos_ids, adapter=adapter)
 
 
 def refusal(exc: GenerationError, prompt: Prompt) -> RequestError:

@@ -16,6 +16,7 @@ import grpc
 
 from serving.errors import UserError
 from serving.grpc import jetstream_pb2_grpc as pb_grpc
+from serving.grpc.adapters import add_adapter_service
 from serving.grpc.service import OrchestratorService
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class GrpcServer:
     async def _serve(self) -> None:
         server = grpc.aio.server(options=OPTIONS)
         pb_grpc.add_OrchestratorServicer_to_server(OrchestratorService(self.state), server)
+        if self.state.config.max_loras:  # JetStream's adapter service (service v1)
+            add_adapter_service(self.state, server)
         try:
             self.port = server.add_insecure_port(self.address)
         except RuntimeError as exc:

@@ -3,7 +3,8 @@
 Decode passes the same checks as an HTTP generation request, in gRPC's terms: the model still
 loading or the server draining -> UNAVAILABLE; a missing or wrong API key (when one is set) ->
 UNAUTHENTICATED; a bad field -> INVALID_ARGUMENT naming it; a full admission queue ->
-RESOURCE_EXHAUSTED (retry later); LoRA adapters and several samples -> UNIMPLEMENTED. A stream
+RESOURCE_EXHAUSTED (retry later); a `lora_adapter_id` the server does not know -> NOT_FOUND;
+several samples -> UNIMPLEMENTED. A stream
 counts as a request in flight, so a SIGTERM drain waits for it; a client that cancels (or goes
 away) cancels its request, which frees the decode slot at the next step.
 
@@ -25,6 +26,7 @@ from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.grpc import decode
 from serving.grpc import jetstream_pb2 as pb
 from serving.grpc import jetstream_pb2_grpc as pb_grpc
+from serving.lora.errors import UnknownAdapterError
 
 if TYPE_CHECKING:
     from serving.api.state import ServerState
@@ -68,7 +70,7 @@ class OrchestratorService(pb_grpc.OrchestratorServicer):
     ) -> tuple[RequestHandle, decode.Prompt]:
         """Check the call and the request, then queue it; raises decode.RequestError."""
         state = self.state
-        if state.api_key and not _authorized(context, state.api_key):
+        if state.api_key and not authorized(context, state.api_key):
             raise decode.RequestError(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "a valid API key is required (metadata authorization: Bearer KEY)",
@@ -85,6 +87,8 @@ class OrchestratorService(pb_grpc.OrchestratorServicer):
         sampling = decode.sampling(request, orchestrator.tokenizer)
         try:
             handle = orchestrator.submit(prompt.ids, sampling, loop=asyncio.get_running_loop())
+        except UnknownAdapterError as exc:
+            raise decode.RequestError(grpc.StatusCode.NOT_FOUND, f"lora_adapter_id: {exc}") from None
         except GenerationError as exc:
             raise decode.refusal(exc, prompt) from None
         except QueueFullError as exc:
@@ -112,7 +116,7 @@ async def _responses(handle: RequestHandle, prompt: decode.Prompt) -> AsyncItera
         yield decode.response("", completion.token_ids[sent:])
 
 
-def _authorized(context: grpc.aio.ServicerContext, api_key: str) -> bool:
+def authorized(context: grpc.aio.ServicerContext, api_key: str) -> bool:
     metadata = dict(context.invocation_metadata() or ())
     scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from serving.models.cache import KVCache, quantize_kv, read_history, write_new_tokens
 from serving.models.config import ModelConfig
 from serving.models.layers import apply_rope, attention, rms_norm, rope_frequencies, rope_tables
+from serving.models.lora import LoraBatch, LoraLayer
 from serving.models.ops import XLA, XlaOps
 from serving.models.params import LAYER_MATMULS, param_shapes
 from serving.models.quantization import QuantizedWeight, int8_dot
@@ -54,12 +55,18 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
 
 
 def _project_qkv(
-    cfg: ModelConfig, ops: XlaOps, layer: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
+    cfg: ModelConfig,
+    ops: XlaOps,
+    layer: dict,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    lora: LoraLayer | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [batch, seq, kv_heads, groups, head_dim]; k, v [batch, seq, kv_heads, head_dim]."""
     batch, seq, _ = x.shape
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q, k, v = ops.matmuls(h, layer, ("wq", "wk", "wv"))
+    q, k, v = _matmuls(ops, h, layer, ("wq", "wk", "wv"), lora)
     q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)
     k = k.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
@@ -68,14 +75,22 @@ def _project_qkv(
 
 
 def _attention_out_and_mlp(
-    cfg: ModelConfig, ops: XlaOps, layer: dict, x: jax.Array, attn: jax.Array
+    cfg: ModelConfig, ops: XlaOps, layer: dict, x: jax.Array, attn: jax.Array, lora: LoraLayer | None = None
 ) -> jax.Array:
     """Residual output projection, then the residual SwiGLU MLP. x [batch, seq, embed]."""
     batch, seq, _ = x.shape
-    x = x + ops.matmul(attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim), layer["wo"])
+    (out,) = _matmuls(ops, attn.reshape(batch, seq, cfg.num_heads * cfg.head_dim), layer, ("wo",), lora)
+    x = x + out
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    gate, up = ops.matmuls(h, layer, ("w_gate", "w_up"))
-    return x + ops.matmul(jax.nn.silu(gate) * up, layer["w_down"])
+    gate, up = _matmuls(ops, h, layer, ("w_gate", "w_up"), lora)
+    (down,) = _matmuls(ops, jax.nn.silu(gate) * up, layer, ("w_down",), lora)
+    return x + down
+
+
+def _matmuls(ops: XlaOps, x: jax.Array, layer: dict, names: tuple[str, ...], lora: LoraLayer | None):
+    """x @ layer[name] for each name, through the backend's ops, plus each row's LoRA delta."""
+    outs = ops.matmuls(x, layer, names) if len(names) > 1 else (ops.matmul(x, layer[names[0]]),)
+    return outs if lora is None else lora.add(x, outs, names)
 
 
 def _run_layers(
@@ -162,8 +177,10 @@ def prefill(
     starts: jax.Array | None = None,
     history: KVCache | None = None,
     quantized_kv: bool = False,
+    lora: LoraBatch | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run a padded prompt, or a chunk of one, for every row.
+    """Run a padded prompt, or a chunk of one, for every row (row b with the LoRA adapter of slot
+    lora.rows[b], serving.models.lora; without `lora`, the base model).
 
     tokens [batch, seq] (padded), true_lengths [batch] (the tokens of each row that count).
     Without `starts` the rows start at position 0. With them, row b's tokens sit at positions
@@ -190,7 +207,8 @@ def prefill(
 
     def body(x, layer_and_index):
         layer, index = layer_and_index
-        q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin)
+        adapters = None if lora is None else lora.at_layer(index)
+        q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin, adapters)
         keys, values = k, v
         if quantized_kv:
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
@@ -198,7 +216,7 @@ def prefill(
         if history is not None:
             old_k, old_v = read_history(history, index, k.dtype)
             keys, values = jnp.concatenate([old_k, keys], axis=1), jnp.concatenate([old_v, values], axis=1)
-        return _attention_out_and_mlp(cfg, ops, layer, x, attention(q, keys, values, mask)), (k, v)
+        return _attention_out_and_mlp(cfg, ops, layer, x, attention(q, keys, values, mask), adapters), (k, v)
 
     x, (ks, vs) = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
     return _logits(params, cfg, x, ops), KVCache(ks, vs)
@@ -214,8 +232,9 @@ def decode_step(
     dtype: jnp.dtype = jnp.float32,
     window: int | None = None,
     ops: XlaOps = XLA,
+    lora: LoraBatch | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Advance every row by one token.
+    """Advance every row by one token (each with its LoRA adapter of `lora`, as `prefill`).
 
     tokens [batch] attend to the cache entries before their positions [batch] and to themselves,
     then are written at those positions. Returns logits [batch, vocab] and the updated cache.
@@ -231,7 +250,8 @@ def decode_step(
 
     def body(x, layer_and_index):
         layer, index = layer_and_index
-        q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin)
+        adapters = None if lora is None else lora.at_layer(index)
+        q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin, adapters)
         k, v = k[:, 0], v[:, 0]  # [batch, kv_heads, head_dim]
         if cache.quantized:  # attend to the token as the cache will hold it
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
@@ -240,7 +260,7 @@ def decode_step(
         else:
             stored = KVCache(k, v)
         out = ops.decode_attention(q, cache, index, positions, k, v, window)
-        return _attention_out_and_mlp(cfg, ops, layer, x, out), stored
+        return _attention_out_and_mlp(cfg, ops, layer, x, out, adapters), stored
 
     x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
     return _logits(params, cfg, x[:, 0], ops), write_new_tokens(cache, positions, new)

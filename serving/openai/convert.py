@@ -241,3 +241,19 @@ def response_body(
 
 def _has_tools(body: OpenAIRequest) -> bool:
     return isinstance(body, ChatCompletionRequest) and bool(body.tools)
+
+
+def adapter_of(model: str | None, base_model: str, adapters) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model, named or left out);
+    404 naming it when it is neither. `adapters`: the server's registry (None: no adapters)."""
+    if not model or model == base_model:
+        return None
+    if adapters is not None and any(a.name == model for a in adapters.list()):
+        return model
+    raise APIError(
+        404,
+        f"The model `{model}` does not exist; this server serves {base_model!r}"
+        + (" and its LoRA adapters (GET /v1/models)" if adapters is not None else ""),
+        param="model",
+        code="model_not_found",
+    )

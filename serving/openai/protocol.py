@@ -226,3 +226,17 @@ class ChatCompletionRequest(_OpenAI):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter (`lora_path` accepted and unused, as vLLM does)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = None

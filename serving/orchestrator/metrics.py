@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # Seconds: from a millisecond to a couple of minutes.
 LATENCY_BUCKETS = (
@@ -69,6 +71,9 @@ class EngineMetrics:
     time_per_output_token: Histogram = field(default_factory=Histogram)
     prefill_step: Histogram = field(default_factory=Histogram)
     generate_step: Histogram = field(default_factory=Histogram)
+    # The LoRA adapters' numbers (serving.lora.registry.AdapterStats), read at each scrape; None
+    # when the server has no adapters.
+    adapter_stats: Callable[[], Any] | None = None
 
     def observe(self, name: str, value: float) -> None:
         with self.lock:

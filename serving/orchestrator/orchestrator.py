@@ -28,21 +28,27 @@
 5. The engine's background warmup (serving.engine.warmup) starts a shape only after an idle turn
    and none after a busy one, so its compiles keep out of the way of requests (the executor tells
    it: serving.orchestrator.executor.Executor.idle / run / close).
+6. A request naming a LoRA adapter (serving.lora.registry) takes its adapter's device slot as it
+   leaves the queue (the adapter written there first if not resident); when every slot of
+   max_loras is held by running requests it waits at the head of the queue, as for a decode slot.
+   Its choices give the slot back as they finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
 from serving.errors import QueueFullError, ShuttingDownError
+from serving.lora.errors import UnknownAdapterError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.prefix_cache import PrefixCache
@@ -59,6 +65,9 @@ from serving.orchestrator.streams import (
 )
 from serving.request import SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from serving.lora.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +86,21 @@ class Orchestrator:
         tokenizer: Tokenizer,
         config: OrchestratorConfig,
         make_executor: Callable[[EngineAPI, Any], Executor] = Executor,
+        adapters: AdapterRegistry | None = None,
     ):
         """`make_executor(engine, params)` builds the executor on the device thread (multi-host:
-        serving.orchestrator.lockstep's, which broadcasts each plan first)."""
+        serving.orchestrator.lockstep's, which broadcasts each plan first). `adapters`: the LoRA
+        adapters (None: requests naming one are refused as unknown)."""
         self.engine = engine
+        self.adapters = adapters
+        self._adapter_of: dict[int, tuple[str, int]] = {}  # request id -> (adapter, version) it holds
         self._make_executor = make_executor
         self.params = params
         self.tokenizer = tokenizer
         self.config = config
         limits = engine.limits
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
+        self.metrics.adapter_stats = adapters.stats if adapters is not None else None
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
         warmup = self._background_warmup()  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
@@ -198,6 +212,10 @@ class Orchestrator:
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
         self.engine.limits.check(len(prompt_ids), sampling)  # n choices need no more than the slots
+        if sampling.adapter is not None:
+            if self.adapters is None:
+                raise UnknownAdapterError(sampling.adapter)
+            self.adapters.check(sampling.adapter)
         matchers = self._matchers(sampling)
         stops = tuple(s for s in stop_strings if s)
         requests = [
@@ -334,6 +352,7 @@ class Orchestrator:
         a submitter never sees a head that is neither queued nor held."""
         taken: list[list[Request]] = []
         cancelled: list[Request] = []
+        unknown: list[Request] = []  # their adapter was unloaded while they waited
         with self._submit_lock:
             while True:
                 head, self._held = self._held, None
@@ -345,16 +364,43 @@ class Orchestrator:
                 if head.sampling.n > room and not head.cancelled.is_set():
                     self._held = head
                     break
+                lora = None if head.cancelled.is_set() else self._acquire_adapter(head)
+                if lora is False:  # every adapter slot held by running requests: wait for one
+                    self._held = head
+                    break
                 group = [head, *(self._queue.get_nowait() for _ in range(head.sampling.n - 1))]
-                if head.cancelled.is_set():
-                    cancelled.extend(group)
+                if head.cancelled.is_set() or (lora is None and head.sampling.adapter is not None):
+                    (cancelled if head.cancelled.is_set() else unknown).extend(group)
                     continue
+                if lora:
+                    self._hold_adapter(group, *lora)
                 taken.append(group)
                 room -= len(group)
                 self._num_in_slots += len(group)
         for request in cancelled:
             self._finish(request, "cancelled")
+        for request in unknown:
+            self._finish(request, "error")
         return taken
+
+    def _acquire_adapter(self, head: Request) -> tuple[int, int] | bool | None:
+        """(device slot, version) of the head's adapter; () without one; False when no slot is
+        free; None when the adapter is no longer loaded."""
+        name = head.sampling.adapter
+        if name is None or self.adapters is None:
+            return ()
+        try:
+            lora = self.adapters.acquire(name, head.sampling.n)
+        except UnknownAdapterError:
+            log.warning("request %d: LoRA adapter %r was unloaded before it ran", head.request_id, name)
+            return None
+        return False if lora is None else lora
+
+    def _hold_adapter(self, group: list[Request], slot: int, version: int) -> None:
+        """The group's requests run with the adapter's device slot until each finishes."""
+        for request in group:
+            request.sampling = dataclasses.replace(request.sampling, lora_slot=slot, lora_version=version)
+            self._adapter_of[request.request_id] = (request.sampling.adapter, version)
 
     def _left_slots(self, count: int) -> None:
         """`count` requests the device loop took have finished: their room is free for `submit`."""
@@ -412,6 +458,9 @@ class Orchestrator:
                 log.info("profile written")
 
     def _finish(self, request: Request, reason: str) -> None:
+        held = self._adapter_of.pop(request.request_id, None)
+        if held is not None:
+            self.adapters.release(*held)
         request.tokens.put((END, reason))
 
 

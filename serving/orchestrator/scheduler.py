@@ -44,7 +44,7 @@ import numpy as np
 from serving.engine.api import PrefillRow
 from serving.engine.limits import Limits, finishes_at_first_token, prefills_whole
 from serving.orchestrator.plan import Admission, PrefixLoad, PrefixStore, StepOutcome, StepPlan, Waiting
-from serving.orchestrator.prefix_cache import PrefixCache, block_keys
+from serving.orchestrator.prefix_cache import PrefixCache, adapter_salt, block_keys
 from serving.orchestrator.proposers import Speculator
 from serving.request import SamplingParams
 
@@ -194,7 +194,8 @@ class Scheduler:
         slot = heapq.heappop(self._free)
         entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling)
         if self.prefix_cache is not None:
-            entry.keys = block_keys(request.prompt_ids, self.prefix_cache.block)
+            salt = adapter_salt(request.sampling.adapter, request.sampling.lora_version)
+            entry.keys = block_keys(request.prompt_ids, self.prefix_cache.block, salt)
         load = self._load(slot, entry)
         self.prefilling[slot] = entry
         return load

@@ -386,3 +386,23 @@ def test_dockerfile_jax_version_matches_the_deployment_image_tags():
     for path in DEPLOYMENTS:
         assert set(load_deployment(path).images.jax_versions().values()) == {version}, path.name
     assert 'ENTRYPOINT ["pathserve"]' in dockerfile and "pathwaysutils" in dockerfile
+
+
+def test_lora_adapters_render_into_the_engine_args_and_the_plan_counts_their_slots(tmp_path):
+    """lora_input_adapters_path and max_loras go to the engine container as flags; the plan adds
+    max_loras + 1 slots of every layer matmul's a [in, r] and b [r, out] to the memory, out of the
+    headroom, split over tensor=4 as the weights are (heads, kv heads, mlp; embed whole)."""
+    base = CONFIGS / "llama3.1-8b-v6e-4.yml"
+    adapters = ("lora_input_adapters_path=gs://my-bucket/adapters", "max_loras=4", "max_lora_rank=16")
+    deployment = load_deployment(base, adapters)
+    lws = next(o for o in render(deployment) if o["kind"] == "LeaderWorkerSet")
+    assert all(flag in json.dumps(lws) for flag in adapters)
+    plain, plan = make_plan(load_deployment(base)), make_plan(deployment)
+    e, q, kv, mlp, layers = 4096, 4096, 1024, 14336, 32  # Llama 3.1 8B
+    # per chip: wq, wo; wk, wv; gate, up, down (embed never split, the other side over 4 chips)
+    per_slot = 16 * ((e + q // 4) * 2 + (e + kv // 4) * 2 + (e + mlp // 4) * 3)
+    expected = layers * 5 * per_slot * 2  # 4 adapters + the base model's zeros, bfloat16
+    assert plain.lora_bytes_per_chip == 0 and plan.lora_bytes_per_chip == expected
+    assert plan.headroom_bytes_per_chip == pytest.approx(plain.headroom_bytes_per_chip - expected)
+    with pytest.raises(DeployError, match=r"serving\.max_loras"):
+        make_plan(load_deployment(base, ("max_loras=4000", "max_lora_rank=64")))

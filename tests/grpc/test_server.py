@@ -160,7 +160,7 @@ def test_a_jetstream_v022_client_with_session_cache_and_priority_is_served(serve
         ({"token_ids": [1, 10**6]}, "INVALID_ARGUMENT", "token_content.token_ids"),
         ({"token_ids": [5] * MAX_TARGET}, "INVALID_ARGUMENT", "token_content.token_ids"),
         ({"text": "word " * (MAX_TARGET + 8)}, "INVALID_ARGUMENT", "text_content.text"),
-        ({"lora_adapter_id": "sql-adapter"}, "UNIMPLEMENTED", "lora_adapter_id"),
+        ({"lora_adapter_id": "sql-adapter"}, "NOT_FOUND", "lora_adapter_id"),  # no such adapter here
         ({"num_samples": 2}, "UNIMPLEMENTED", "num_samples"),
         ({"num_samples": -1}, "INVALID_ARGUMENT", "num_samples"),
     ],

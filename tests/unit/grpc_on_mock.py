@@ -50,7 +50,7 @@ def main() -> None:
         _code(stub, pb.DecodeRequest(max_tokens=0, text_content=pb.DecodeRequest.TextContent(text="ab")),
               grpc.StatusCode.INVALID_ARGUMENT)
         lora = pb.DecodeRequest(max_tokens=2, text_content=pb.DecodeRequest.TextContent(text="ab"), lora_adapter_id="x")
-        _code(stub, lora, grpc.StatusCode.UNIMPLEMENTED)
+        _code(stub, lora, grpc.StatusCode.NOT_FOUND)  # an adapter this server does not know
 
         orchestrator.stop(timeout=10)  # nothing drains the queue any more: fill it, then one more
         idle = Orchestrator(MockEngine(slots=1), {}, TOKENIZER, cfg.orchestrator)

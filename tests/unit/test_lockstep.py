@@ -148,3 +148,35 @@ def test_a_followers_background_warmup_compiles_on_keepalives_holds_on_plans_and
     assert lockstep.follow(Executor(Engine(), params=None), channel) == 2
     assert ran == [(1, ["busy"]), (2, ["busy", "idle", "busy"])]
     assert warmup.told == ["busy", "idle", "busy", "stop", "met"]
+
+
+def test_an_adapter_write_reaches_each_follower_between_the_same_plans(monkeypatch):
+    """Process 0 broadcasts the write before writing its own slot; a follower reads the adapter from
+    its path and writes the same slot before the next plan."""
+    import serving.lora.serving
+    import serving.lora.stack
+
+    done: list = []
+
+    class Executor:
+        engine = type("Engine", (), {"model": type("M", (), {"config": "cfg"})(), "config": type("C", (), {"max_lora_rank": 8})()})()
+        params = None
+
+        def run(self, plan, on_first_token=None) -> None:
+            done.append(plan)
+
+    def from_storage(params, slot, path, model, rank):
+        done.append(("read and write", slot, path, model, rank))
+
+    monkeypatch.setattr(serving.lora.serving, "write_from_storage", from_storage)
+    messages = iter(["plan 1", lockstep.AdapterWrite(2, "gs://b/a"), "plan 2", lockstep.STOP])
+    channel = type("Channel", (), {"receive": lambda self: next(messages)})()
+    monkeypatch.setattr(lockstep, "meet_at_exit", lambda: None)
+    assert lockstep.follow(Executor(), channel) == 2
+    assert done == ["plan 1", ("read and write", 2, "gs://b/a", "cfg", 8), "plan 2"]
+
+    sent: list = []
+    leader = lockstep.LockstepExecutor(Executor(), type("Channel", (), {"send": lambda self, m: sent.append(m)})())
+    monkeypatch.setattr(serving.lora.stack, "write_slot", lambda params, slot, weights: sent.append(("wrote", slot)))
+    leader.write_adapter(3, "weights", "gs://b/c")
+    assert sent == [lockstep.AdapterWrite(3, "gs://b/c"), ("wrote", 3)]
