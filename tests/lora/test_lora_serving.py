@@ -145,3 +145,31 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(served, expected, 
 def test_adapters_listed_at_start_up(served):
     _, orchestrator = served
     assert sorted(a.name for a in orchestrator.adapters.list()) == sorted([*(a[0] for a in ADAPTERS), "extra-r2"])
+
+
+def test_speculation_verifies_under_each_slots_adapter(tiny_model_dir, adapters, expected):
+    """With n-gram speculation the verify call scores each slot's proposals under that slot's own
+    adapter: the tokens stay peft's for the adapter (verifying under the base model would accept
+    the base model's continuation instead)."""
+    root, made = adapters
+    model, orchestrator = _serve(
+        tiny_model_dir, root, speculative_method="ngram", num_speculative_tokens=3,
+        speculative_cost_ratio=0.0, speculative_min_acceptance=0.0,
+    )  # fmt: skip
+    try:
+        ids = model.tokenizer.encode(TEXT)
+        prompt = ids[:6] * 3  # a repetitive prompt; the tiny random model soon repeats itself too
+        names = [None, *list(made)[:2]]
+        tokens = 32
+        want = {
+            name: reference_greedy(peft_model(tiny_model_dir, made[name] if name else None), prompt, tokens,
+                                   model.tokenizer.vocab_size)
+            for name in names
+        }  # fmt: skip
+        assert len({tuple(w) for w in want.values()}) == len(names)  # the adapters change the tokens
+        for name in names:  # one at a time: below speculative_max_slots, each proposes alone
+            handle = orchestrator.submit(prompt, SamplingParams(max_tokens=tokens, adapter=name))
+            assert handle.result().token_ids == want[name], name
+        assert orchestrator.metrics.spec_rounds > 0, want  # the tokens came through verify calls
+    finally:
+        orchestrator.stop(timeout=30)
