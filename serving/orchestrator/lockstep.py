@@ -134,6 +134,11 @@ class LockstepExecutor:
     def timings(self):
         return self.executor.timings
 
+    @property
+    def background_warmup(self):
+        """This process's engine's background warmup (Executor.background_warmup)."""
+        return self.executor.background_warmup
+
     def run(self, plan: Any, on_first_token: Callable | None = None) -> Any:
         self.channel.send(plan)
         self._last_sent = time.monotonic()

@@ -165,6 +165,12 @@ def test_an_adapter_write_reaches_each_follower_between_the_same_plans(monkeypat
         def run(self, plan, on_first_token=None) -> None:
             done.append(plan)
 
+        def idle(self) -> None:  # the device loop's calls an executor takes (serving.orchestrator.executor)
+            pass
+
+        def close(self) -> None:
+            pass
+
     def from_storage(params, slot, path, model, rank):
         done.append(("read and write", slot, path, model, rank))
 
@@ -180,3 +186,17 @@ def test_an_adapter_write_reaches_each_follower_between_the_same_plans(monkeypat
     monkeypatch.setattr(serving.lora.stack, "write_slot", lambda params, slot, weights: sent.append(("wrote", slot)))
     leader.write_adapter(3, "weights", "gs://b/c")
     assert sent == [lockstep.AdapterWrite(3, "gs://b/c"), ("wrote", 3)]
+
+
+def test_the_leaders_executor_answers_for_the_warmup_as_its_executor_does():
+    """The orchestrator's loop reads the warmup through whichever executor it has (a lockstep
+    leader's too) and tells it idle / close through it."""
+    warmup = _Warmup()
+    engine = type("Engine", (), {"background_warmup": warmup, "init_decode_state": lambda self: "state"})()
+    sent: list = []
+    leader = lockstep.LockstepExecutor(
+        Executor(engine, params=None), type("Channel", (), {"send": lambda self, m: sent.append(m)})()
+    )
+    assert leader.background_warmup is warmup
+    leader.idle()
+    assert warmup.told == ["idle"]
