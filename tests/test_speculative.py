@@ -194,7 +194,7 @@ def test_sampled_speculation_draws_the_plain_distribution(tiny, random_draft, to
     temperature = 1.5  # a flat distribution: many cells, a sharper test
     sampling = SlotSampling(
         key=None, temperature=jnp.float32(temperature), top_k=jnp.int32(top.get("top_k", 0)),
-        top_p=jnp.float32(top.get("top_p", 1.0)), max_tokens=None, stop_ids=None, logprobs=None,
+        top_p=jnp.float32(top.get("top_p", 1.0)), max_tokens=None, stop_ids=None, logprobs=None, lora_slot=None,
     )
     # n-gram-like proposals: the likely first token, then a likely second one; and unlikely ones
     best = int(jnp.argmax(first_logits))
