@@ -12,17 +12,13 @@ A row with temperature > 0 draws from these tokens, in this order (README, "Samp
 
 Nothing sorts the vocabulary, which on CPU costs more than a decode step. Every cut is a threshold
 on the scaled logits, `scaled >= cutoff`, found per row:
-- from the MAX_CANDIDATES best tokens (`lax.top_k`, in order): a top-k up to that size, with its
-  top-p, runs on them exactly as on a sorted vocabulary; so does a top-p alone (no top-k) whenever
-  the candidates hold at least top_p of the whole vocabulary's mass (then the cut lies among them:
-  the token after the last candidate has better tokens holding at least top_p).
-- otherwise (a larger k, or candidates holding less than top_p: a flat distribution) bisection over
-  the float32 values (as ordered integers, so the threshold found is exact): on the count of tokens
-  >= t for the k-th value, on the mass of tokens > t for top-p. Each pass is one masked sum over
-  the vocabulary, at most 32 passes.
-The draw is an inverse CDF (one uniform per row): over the candidates when every kept token is one
-of them (the cut above the last candidate), else over the vocabulary in order (block sums, then
-one block). Not Gumbel-max: a Gumbel per token costs as much as the rest of the sampler on CPU.
+- k up to MAX_CANDIDATES: `lax.top_k` gives the best tokens in order, and step 3 runs on them
+  exactly as on a sorted vocabulary when k is set.
+- otherwise bisection over the float32 values (as ordered integers, so the threshold found is
+  exact): on the count of tokens >= t for the k-th value, on the mass of tokens > t for top-p.
+  Each pass is one masked sum over the vocabulary, at most 32 passes.
+The draw is an inverse CDF in vocabulary order (one uniform per row, block sums, then one block),
+not Gumbel-max: a Gumbel per token costs as much as the rest of the sampler on CPU.
 
 Only rows that sample pay: nothing past the argmax runs when no row samples; the sampling rows are
 gathered and drawn ROWS_PER_CHUNK at a time, and in a chunk each method runs only when one of its
@@ -100,7 +96,7 @@ def argmax(logits: jax.Array) -> jax.Array:
 def kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """[batch, vocab] bool: the tokens each row (every row sampling) may draw."""
     scaled, weights = _scale(logits, temperature)
-    cutoff, _ = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
+    cutoff = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
     return scaled >= cutoff[:, None]
 
 
@@ -124,22 +120,11 @@ def _draw_sampling_rows(greedy: jax.Array, sampling: jax.Array, *rows: jax.Array
 def _draw(
     logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> jax.Array:
-    """Temperature, top-k and top-p sampling for every row: among the candidates where they hold
-    every kept token, else over the vocabulary."""
+    """Temperature, top-k and top-p sampling for every row."""
     scaled, weights = _scale(logits, temperature)
-    cutoff, (ranked, ids, inside) = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
+    cutoff = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
     uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-    none = jnp.zeros(uniform.shape, jnp.int32)
-
-    def among_candidates() -> jax.Array:
-        mass = jnp.where(ranked >= cutoff[:, None], jnp.exp(ranked - ranked[:, :1]), 0.0)
-        return jnp.take_along_axis(ids, _inverse_cdf(mass, uniform)[:, None], axis=-1)[:, 0]
-
-    def over_vocabulary() -> jax.Array:
-        return _inverse_cdf(jnp.where(scaled >= cutoff[:, None], weights, 0.0), uniform)
-
-    short = lax.cond(jnp.any(inside), among_candidates, lambda: none)
-    return jnp.where(inside, short, lax.cond(jnp.any(~inside), over_vocabulary, lambda: none))
+    return _inverse_cdf(jnp.where(scaled >= cutoff[:, None], weights, 0.0), uniform)
 
 
 def _scale(logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -150,10 +135,8 @@ def _scale(logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Ar
 
 def _cutoffs(
     scaled: jax.Array, weights: jax.Array, top_k: jax.Array, top_p: jax.Array, sampling: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """[batch] float32: the smallest scaled logit each row keeps (-inf: all of them); and the
-    candidates (their scaled logits [batch, size] best first, their ids, and [batch] whether every
-    token the row keeps is among them; all False where no row took the candidates).
+) -> jax.Array:
+    """[batch] float32: the smallest scaled logit each row keeps (-inf: all of them).
 
     Rows where `sampling` is False get -inf, and a method runs only when some sampling row needs
     it, so that a row's cutoff depends on its own parameters alone.
@@ -161,53 +144,29 @@ def _cutoffs(
     vocab = scaled.shape[-1]
     k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     size = min(MAX_CANDIDATES, vocab)
-    cuts = sampling & ((k < vocab) | (top_p < 1))
-    by_candidates = cuts & ((k <= size) | (k == vocab))
+    by_candidates = sampling & (k < vocab) & (k <= size)
+    by_bisection = sampling & ~by_candidates & ((k < vocab) | (top_p < 1))
     none = jnp.full(k.shape, -jnp.inf, jnp.float32)
-    no_candidates = (
-        jnp.zeros((*k.shape, size), jnp.float32),
-        jnp.zeros((*k.shape, size), jnp.int32),
-        jnp.zeros(k.shape, bool),
-        none,
-    )
 
-    def candidates():
-        return _candidate_cutoff(scaled, weights, k, top_p, size)
-
-    ranked, ids, decided, from_candidates = lax.cond(jnp.any(by_candidates), candidates, lambda: no_candidates)
-    decided = by_candidates & decided
-    cutoff = jnp.where(decided, from_candidates, none)
-    # every kept token is a candidate where the cut lies above the last candidate (or all are)
-    inside = decided & ((cutoff > ranked[:, -1]) | (size == vocab))
-    by_bisection = cuts & ~decided
+    def candidates() -> jax.Array:
+        return _candidate_cutoff(scaled, k, top_p, size)
 
     def bisection() -> jax.Array:
         return _bisection_cutoff(scaled, weights, k, jnp.where(by_bisection, top_p, 1.0), by_bisection)
 
-    cutoff = jnp.where(by_bisection, lax.cond(jnp.any(by_bisection), bisection, lambda: none), cutoff)
-    return cutoff, (ranked, ids, inside)
+    cutoff = jnp.where(by_candidates, lax.cond(jnp.any(by_candidates), candidates, lambda: none), none)
+    return jnp.where(by_bisection, lax.cond(jnp.any(by_bisection), bisection, lambda: none), cutoff)
 
 
-def _candidate_cutoff(
-    scaled: jax.Array, weights: jax.Array, k: jax.Array, top_p: jax.Array, size: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """From each row's `size` best tokens (scaled logits best first, and ids): whether they decide
-    its cut ([batch] bool: k <= size, or a top-p alone whose candidates hold at least top_p of the
-    vocabulary's mass, `weights` summed), and the cut, as on a sorted vocabulary."""
-    vocab = scaled.shape[-1]
-    ranked, ids = lax.top_k(scaled, size)  # [batch, size], best first
+def _candidate_cutoff(scaled: jax.Array, k: jax.Array, top_p: jax.Array, size: int) -> jax.Array:
+    """Cutoffs for rows with k <= size, from their `size` best tokens, as on a sorted vocabulary."""
+    ranked = lax.top_k(scaled, size)[0]  # [batch, size], best first
     in_top_k = jnp.arange(size)[None, :] < k[:, None]
-    mass = jnp.where(in_top_k, jnp.exp(ranked - ranked[:, :1]), 0.0)
-    # probabilities over exactly k tokens, or (no top-k) over the whole vocabulary
-    total = jnp.where(k <= size, jnp.sum(mass, axis=-1), jnp.sum(weights, axis=-1))
-    probs = mass / total[:, None]
-    running = _running_sum(probs)
-    before = running - probs  # mass of the better tokens
+    probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+    before = _running_sum(probs) - probs  # mass of the better tokens
     keep = in_top_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
     last = jnp.sum(keep, axis=-1) - 1  # keep is a prefix holding the best token
-    decided = (k <= size) | (size == vocab) | (running[:, -1] >= top_p)
-    cutoff = jnp.take_along_axis(ranked, last[:, None], axis=-1)[:, 0]
-    return ranked, ids.astype(jnp.int32), decided, cutoff
+    return jnp.take_along_axis(ranked, last[:, None], axis=-1)[:, 0]
 
 
 def _bisection_cutoff(
