@@ -67,7 +67,6 @@ def main(argv: list[str] | None = None, prog: str = "pathserve bench overhead") 
     try:
         print("offline engine and HTTP server: loading both ...", flush=True)
         _expect(offline, "ready")
-        Path(f.name).unlink()
         with Server(args, ns.out / "serve-overhead-server.log") as server:
             server.wait_ready()
             model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
@@ -93,6 +92,7 @@ def main(argv: list[str] | None = None, prog: str = "pathserve bench overhead") 
                 point["ratio"] = best_http / best_offline
                 points.append(point)
     finally:
+        Path(f.name).unlink(missing_ok=True)  # also when the offline engine failed to load
         offline.stdin.close()
         offline.wait(timeout=60)
         log.close()
