@@ -54,7 +54,7 @@ lint: install
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache $${XDG_CACHE_HOME:-$$HOME/.cache}/pathserve/tests-jax-cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache $${PATHSERVE_TEST_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/pathserve/tests}
 
 # Regenerate manifests/ from configs/deployments/ (a test fails when they are out of date).
 manifests: install

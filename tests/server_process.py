@@ -26,8 +26,8 @@ class ServerProcess:
     def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None, cwd: Path = REPO):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        # Kept after stop() for assertions; in the test session's $PATHSERVE_HOME, removed with it.
-        logs = Path(os.environ["PATHSERVE_HOME"]) / "server-logs"
+        # Kept after stop() for assertions; in the test session's scratch directory, removed with it.
+        logs = Path(os.environ.get("PATHSERVE_TEST_SCRATCH") or tempfile.gettempdir()) / "server-logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process
             "w+", prefix="pathserve-serve-", suffix=".log", dir=logs, delete=False

@@ -16,22 +16,15 @@ from serving.checkpoints.checkpoint import read_metadata
 from serving.checkpoints.convert import convert
 from serving.checkpoints.errors import CheckpointError
 from serving.checkpoints.hf import load_hf_params, read_hf_config
+from serving.checkpoints.model_source import default_checkpoint_dir
 from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
 from serving.checkpoints.verify import verify
 from serving.models import prefill
+from tests.cli import call_cli, run_cli
 from tests.conftest import DATA, make_hf_llama
 
 TOKENS = jnp.asarray([[5, 17, 250, 3, 99, 42, 7, 1, 300, 11, 64, 2]])
 LENGTHS = jnp.array([12])
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-m", "serving.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def logits(params, cfg):
@@ -129,7 +122,7 @@ def test_meta_two_shards_convert_to_the_same_logits_as_hf(tmp_path):
     # Meta checkpoints are bfloat16: compare against the HF model rounded the same way.
     expected = logits(load_hf_params(hf_dir, cfg, "bfloat16"), cfg)
     meta_dir = write_meta_checkpoint(hf_dir, tmp_path / "meta")
-    result = run_cli("convert", str(meta_dir), str(tmp_path / "ckpt"), "--dtype", "float32", "--quiet")
+    result = call_cli("convert", str(meta_dir), str(tmp_path / "ckpt"), "--dtype", "float32", "--quiet")
     assert result.returncode == 0, result.stderr
     metadata = read_metadata(str(tmp_path / "ckpt"))
     assert metadata.source_format == "meta"
@@ -227,7 +220,7 @@ def test_default_model_is_converted_once_into_pathserve_home(tmp_path):
     )
     assert second.returncode == 0 and "converting" not in second.stderr
     assert json.loads(first.stdout) == json.loads(second.stdout)
-    assert (tmp_path / "home" / "checkpoints" / "smollm2-135m-instruct" / "pathserve.json").is_file()
+    assert (Path(env_home["PATHSERVE_HOME"]) / "checkpoints" / default_checkpoint_dir().name / "pathserve.json").is_file()
 
 
 def _env() -> dict:
@@ -244,7 +237,7 @@ def test_verify_names_a_flipped_byte(tiny_model_dir, tmp_path):
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x40
     chunk.write_bytes(bytes(data))
-    result = run_cli("verify", str(ckpt))
+    result = call_cli("verify", str(ckpt))
     assert result.returncode == 2
     assert "BAD layers.w_up[" in result.stdout and "Traceback" not in result.stderr
     assert "layers.w_up" in result.stderr or "failed verification" in result.stderr
@@ -252,10 +245,10 @@ def test_verify_names_a_flipped_byte(tiny_model_dir, tmp_path):
 
 def test_existing_destination_is_refused_unless_overwrite(tiny_model_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert run_cli("convert", str(tiny_model_dir), str(ckpt), "--quiet").returncode == 0
-    again = run_cli("convert", str(tiny_model_dir), str(ckpt), "--quiet")
+    assert call_cli("convert", str(tiny_model_dir), str(ckpt), "--quiet").returncode == 0
+    again = call_cli("convert", str(tiny_model_dir), str(ckpt), "--quiet")
     assert again.returncode == 2 and "--overwrite" in again.stderr
-    replaced = run_cli(
+    replaced = call_cli(
         "convert", str(tiny_model_dir), str(ckpt), "--quiet", "--overwrite", "--quantize", "int8"
     )
     assert replaced.returncode == 0, replaced.stderr
@@ -274,13 +267,13 @@ def test_truncated_safetensors_leaves_nothing_at_dst(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-2000])
-    result = run_cli("convert", str(broken), str(tmp_path / "ckpt"), "--quiet")
+    result = call_cli("convert", str(broken), str(tmp_path / "ckpt"), "--quiet")
     assert result.returncode == 2 and "truncated" in result.stderr and "Traceback" not in result.stderr
     _assert_nothing_written(tmp_path, tmp_path / "ckpt")
 
 
 def test_wrong_shape_for_the_config_names_the_tensor(tiny_model_dir, tmp_path):
-    result = run_cli(
+    result = call_cli(
         "convert", str(tiny_model_dir), str(tmp_path / "ckpt"), "--model-config", "tiny-random", "--quiet"
     )
     assert result.returncode == 2
@@ -289,23 +282,23 @@ def test_wrong_shape_for_the_config_names_the_tensor(tiny_model_dir, tmp_path):
 
 
 def test_bad_convert_arguments(tiny_model_dir, tmp_path):
-    missing = run_cli("convert", str(tmp_path / "nothing"), str(tmp_path / "ckpt"))
+    missing = call_cli("convert", str(tmp_path / "nothing"), str(tmp_path / "ckpt"))
     assert missing.returncode == 2 and "not found" in missing.stderr
-    bad_format = run_cli("convert", str(tiny_model_dir), str(tmp_path / "ckpt"), "--format", "onnx")
+    bad_format = call_cli("convert", str(tiny_model_dir), str(tmp_path / "ckpt"), "--format", "onnx")
     assert bad_format.returncode == 2 and "--format" in bad_format.stderr
-    wrong_format = run_cli("convert", str(tiny_model_dir), str(tmp_path / "ckpt"), "--format", "gguf")
+    wrong_format = call_cli("convert", str(tiny_model_dir), str(tmp_path / "ckpt"), "--format", "gguf")
     assert wrong_format.returncode == 2 and "Traceback" not in wrong_format.stderr
     _assert_nothing_written(tmp_path, tmp_path / "ckpt")
-    not_a_checkpoint = run_cli("inspect", str(tmp_path))
+    not_a_checkpoint = call_cli("inspect", str(tmp_path))
     assert not_a_checkpoint.returncode == 2 and "pathserve.json" in not_a_checkpoint.stderr
 
 
 def test_inspect_prints_table_and_json(tiny_model_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     convert(tiny_model_dir, str(ckpt), quantize="int8", progress=False)
-    table = run_cli("inspect", str(ckpt))
+    table = call_cli("inspect", str(ckpt))
     assert table.returncode == 0 and "layers.wq.values" in table.stdout and "int8" in table.stdout
-    as_json = json.loads(run_cli("inspect", str(ckpt), "--json").stdout)
+    as_json = json.loads(call_cli("inspect", str(ckpt), "--json").stdout)
     assert as_json["quantization"] == "int8" and as_json["source_format"] == "hf"
     assert set(as_json["tensors"]["layers.wq.values"]["sha256"]) == {
         "layers.wq.values[0]",
@@ -316,7 +309,7 @@ def test_inspect_prints_table_and_json(tiny_model_dir, tmp_path):
 def test_gguf_source_in_raises_for_a_truncated_file(tmp_path, smollm2_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(smollm2_path.read_bytes()[: 10 << 20])
-    result = run_cli("convert", str(broken), str(tmp_path / "ckpt"), "--quiet")
+    result = call_cli("convert", str(broken), str(tmp_path / "ckpt"), "--quiet")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     _assert_nothing_written(tmp_path, tmp_path / "ckpt")
     with pytest.raises(CheckpointError):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+from tests import cli
 from tests.gcs_emulator import create_bucket, emulator_env, fake_gcs_server
 
 BUCKET = "pathserve-test"
@@ -22,10 +21,8 @@ def gcs(tmp_path_factory):
 
 
 def run_cli(url: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, **emulator_env(url)}
-    return subprocess.run(
-        [sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    """A subprocess: gcsfs and tensorstore read the emulator's address from the environment once."""
+    return cli.run_cli(*args, env=emulator_env(url))
 
 
 def test_convert_inspect_verify_and_generate_from_a_bucket(gcs, tiny_model_dir, tmp_path):

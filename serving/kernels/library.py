@@ -27,6 +27,7 @@ from serving.home import pathserve_home
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 # XLA custom call target -> the handler symbol the library exports.
 TARGETS = {
     "pathserve_f32_matmul": "PathserveF32Matmul",
@@ -123,7 +124,9 @@ def require() -> None:
 def _build(compiler: str) -> Path:
     sources = sorted(HERE.glob("*.cc"))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(version.encode() + jax.__version__.encode())
+    command = [compiler, *COMPILE_FLAGS, "-I", jax.ffi.include_dir()]
+    # Keyed by everything the library is made of: sources, compiler, flags, jax's FFI headers.
+    digest = hashlib.sha256(version.encode() + jax.__version__.encode() + " ".join(command).encode())
     for path in sorted([*sources, *HERE.glob("*.h")]):
         digest.update(path.name.encode() + path.read_bytes())
     library = pathserve_home() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
@@ -131,7 +134,6 @@ def _build(compiler: str) -> Path:
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
-    command = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-I", jax.ffi.include_dir()]
     log.info("compiling the CPU kernels into %s", library)
     result = subprocess.run(
         [*command, *map(str, sources), "-o", str(partial)], capture_output=True, text=True

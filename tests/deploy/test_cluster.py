@@ -3,8 +3,6 @@ tests write LWS and Pod status themselves, playing the controllers' part)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,16 +13,11 @@ from serving.deploy.config import load_deployment
 from serving.deploy.errors import DeployError
 from serving.deploy.kube import apply
 from serving.deploy.manifests import render
+from tests.cli import call_cli
 from tests.deploy.conftest import CONFIGS, install_crd
 
 BASE = CONFIGS / "llama3.1-8b-v6e-4.yml"
 BATCH = CONFIGS / "llama3.1-8b-batch-v6e-4.yml"
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=180
-    )
 
 
 def variant(tmp_path, base=BASE, **changes):
@@ -67,7 +60,7 @@ def write_lws_status(client, name: str, available: bool, ready: int) -> None:
 
 def test_missing_lws_crd_tells_the_user_to_install_it(kube, apiserver, tmp_path):
     path = variant(tmp_path, name="no-crd-yet")
-    result = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
+    result = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "install LeaderWorkerSet (LWS)" in result.stderr and "Traceback" not in result.stderr
 
@@ -75,7 +68,7 @@ def test_missing_lws_crd_tells_the_user_to_install_it(kube, apiserver, tmp_path)
 def test_apply_creates_then_is_idempotent_then_patches(lws_installed, apiserver, tmp_path):
     client = lws_installed
     path = variant(tmp_path, name="llama-apply")
-    first = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
+    first = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
     assert first.returncode == 0, first.stderr
     assert first.stdout.split("\n")[:2] == [
         "LeaderWorkerSet/llama-apply created",
@@ -86,7 +79,7 @@ def test_apply_creates_then_is_idempotent_then_patches(lws_installed, apiserver,
     services = client.resources.get(api_version="v1", kind="Service")
     svc_version = client.get(services, name="llama-apply", namespace="default").metadata.resourceVersion
 
-    second = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
+    second = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
     assert second.returncode == 0, second.stderr
     assert (
         "LeaderWorkerSet/llama-apply unchanged" in second.stdout
@@ -98,7 +91,7 @@ def test_apply_creates_then_is_idempotent_then_patches(lws_installed, apiserver,
     )
 
     changed = variant(tmp_path, name="llama-apply", replicas=2, serving={"per_device_batch_size": 4})
-    third = run_cli("deploy", "apply", str(changed), "--kubeconfig", str(apiserver))
+    third = call_cli("deploy", "apply", str(changed), "--kubeconfig", str(apiserver))
     assert third.returncode == 0, third.stderr
     assert (
         "LeaderWorkerSet/llama-apply configured" in third.stdout
@@ -113,9 +106,9 @@ def test_apply_creates_then_is_idempotent_then_patches(lws_installed, apiserver,
 def test_status_reports_conditions_and_leader_readiness(lws_installed, apiserver, tmp_path):
     client = lws_installed
     path = variant(tmp_path, name="llama-status")
-    assert run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver)).returncode == 0
+    assert call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver)).returncode == 0
 
-    before = run_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
+    before = call_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
     assert before.returncode == 0, before.stderr
     assert "0/1 replicas ready, not available" in before.stdout
     assert "leader pod llama-status-0: not found" in before.stdout
@@ -129,7 +122,7 @@ def test_status_reports_conditions_and_leader_readiness(lws_installed, apiserver
     }
     client.create(pods, body=pod, namespace="default")
     write_lws_status(client, "llama-status", available=False, ready=0)
-    progressing = run_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
+    progressing = call_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
     assert "Available=False GroupsNotReady" in progressing.stdout
     assert "leader pod llama-status-0: not ready (Pending)" in progressing.stdout
 
@@ -141,7 +134,7 @@ def test_status_reports_conditions_and_leader_readiness(lws_installed, apiserver
         content_type="application/merge-patch+json",
     )
     write_lws_status(client, "llama-status", available=True, ready=1)
-    ready = run_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
+    ready = call_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
     assert "1/1 replicas ready, Available" in ready.stdout
     assert "leader pod llama-status-0: ready" in ready.stdout
 
@@ -163,7 +156,7 @@ def test_apply_wait_returns_when_available(lws_installed, apiserver, tmp_path):
 
     controller = threading.Thread(target=play_controller, daemon=True)
     controller.start()
-    result = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver), "--wait", "60")
+    result = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver), "--wait", "60")
     controller.join(timeout=60)
     assert result.returncode == 0, result.stderr
     assert "not available" in result.stdout
@@ -172,7 +165,7 @@ def test_apply_wait_returns_when_available(lws_installed, apiserver, tmp_path):
 
 def test_apply_wait_times_out_with_a_clear_message(lws_installed, apiserver, tmp_path):
     path = variant(tmp_path, name="llama-slow")
-    result = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver), "--wait", "2")
+    result = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver), "--wait", "2")
     assert result.returncode == 2
     assert "did not become Available within 2 s" in result.stderr and "Traceback" not in result.stderr
 
@@ -180,8 +173,8 @@ def test_apply_wait_times_out_with_a_clear_message(lws_installed, apiserver, tmp
 def test_delete_removes_everything(lws_installed, apiserver, tmp_path):
     client = lws_installed
     path = variant(tmp_path, name="llama-delete")
-    assert run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver)).returncode == 0
-    result = run_cli("deploy", "delete", str(path), "--kubeconfig", str(apiserver))
+    assert call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver)).returncode == 0
+    result = call_cli("deploy", "delete", str(path), "--kubeconfig", str(apiserver))
     assert result.returncode == 0, result.stderr
     assert (
         "Service/llama-delete deleted" in result.stdout
@@ -191,9 +184,9 @@ def test_delete_removes_everything(lws_installed, apiserver, tmp_path):
 
     with pytest.raises(NotFoundError):
         get_lws(client, "llama-delete")
-    again = run_cli("deploy", "delete", str(path), "--kubeconfig", str(apiserver))
+    again = call_cli("deploy", "delete", str(path), "--kubeconfig", str(apiserver))
     assert "LeaderWorkerSet/llama-delete not found" in again.stdout
-    status = run_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
+    status = call_cli("deploy", "status", str(path), "--kubeconfig", str(apiserver))
     assert "LeaderWorkerSet llama-delete: not found" in status.stdout
 
 
@@ -227,14 +220,14 @@ def test_rendered_objects_pass_server_side_validation(lws_installed):
 
 
 def test_batch_job_needs_its_crd_then_applies(kube, apiserver):
-    first = run_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
+    first = call_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
     assert first.returncode == 2
     assert "install the PathwaysJob controller" in first.stderr
     install_crd(kube, "pathways-job.pathways.domain", "PathwaysJob")
-    second = run_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
+    second = call_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
     assert second.returncode == 0, second.stderr
     assert "PathwaysJob/llama-8b-batch created" in second.stdout
-    third = run_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
+    third = call_cli("deploy", "apply", str(BATCH), "--kubeconfig", str(apiserver))
     assert "PathwaysJob/llama-8b-batch unchanged" in third.stdout
 
 

@@ -3,14 +3,12 @@ coordinator at the leader; validated against the CRD, the Kubernetes schema and 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import yaml
 
 from serving.deploy.config import load_deployment
 from serving.deploy.crds import validate_object
 from serving.deploy.manifests import render
+from tests.cli import call_cli
 from tests.deploy.conftest import CONFIGS
 
 V6E_405B = CONFIGS / "llama3.1-405b-int8-v6e-16.yml"  # v6e 4x4: 16 chips on 4 hosts
@@ -22,10 +20,6 @@ def multicontroller(tmp_path, **changes):
     path = tmp_path / f"{data['name']}-{data.get('kind', 'serve')}.yml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=180)
 
 
 def test_every_host_runs_pathserve_on_its_chips_and_only_the_leader_serves(tmp_path):
@@ -58,18 +52,18 @@ def test_pod_templates_match_the_kubernetes_schema(kubernetes_schema, tmp_path):
 
 def test_applies_to_the_api_server(lws_installed, apiserver, tmp_path):
     path = multicontroller(tmp_path)
-    first = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
+    first = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
     assert first.returncode == 0, first.stderr
     assert "LeaderWorkerSet/llama-405b-mc created" in first.stdout
     resource = lws_installed.resources.get(api_version="leaderworkerset.x-k8s.io/v1", kind="LeaderWorkerSet")
     stored = lws_installed.get(resource, name="llama-405b-mc", namespace="default").to_dict()
     assert stored["spec"]["leaderWorkerTemplate"]["size"] == 4
-    again = run_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
+    again = call_cli("deploy", "apply", str(path), "--kubeconfig", str(apiserver))
     assert again.returncode == 0 and "LeaderWorkerSet/llama-405b-mc unchanged" in again.stdout, again.stderr
 
 
 def test_batch_is_refused_naming_the_runtime(tmp_path):
     path = multicontroller(tmp_path, kind="batch", batch={"input": "gs://b/in/", "output": "gs://b/out/"})
-    result = run_cli("deploy", "render", str(path))
+    result = call_cli("deploy", "render", str(path))
     assert result.returncode == 2
     assert "runtime: multicontroller" in result.stderr and "Traceback" not in result.stderr

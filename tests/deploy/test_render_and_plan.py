@@ -17,17 +17,12 @@ from serving.deploy.crds import validate_object
 from serving.deploy.errors import DeployError
 from serving.deploy.manifests import render
 from serving.deploy.plan import make_plan
+from tests.cli import call_cli
 from tests.deploy.conftest import CONFIGS, REPO
 
 DEPLOYMENTS = sorted(CONFIGS.glob("*.yml"))
 V6E_405B = CONFIGS / "llama3.1-405b-int8-v6e-16.yml"
 V6E_405B_SIDECAR = CONFIGS / "llama3.1-405b-int8-v6e-16-jetstream-http.yml"
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.mark.parametrize("path", DEPLOYMENTS, ids=lambda p: p.stem)
@@ -223,7 +218,7 @@ def test_the_seeds_flags_without_the_recipe_file_are_refused_with_the_numbers_an
     data["serving"] = {k: v for k, v in data["serving"].items() if k != "base_config"}
     variant = tmp_path / "no-recipe.yml"
     variant.write_text(yaml.safe_dump(data))
-    result = run_cli("deploy", "plan", str(variant), *SEED_FLAGS, "dtype=bfloat16")
+    result = call_cli("deploy", "plan", str(variant), *SEED_FLAGS, "dtype=bfloat16")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     for text in (
         "params 25.91 GB + KV cache 10.90 GB + temporaries",
@@ -234,10 +229,10 @@ def test_the_seeds_flags_without_the_recipe_file_are_refused_with_the_numbers_an
         "max_target_length",
     ):
         assert text in result.stderr, result.stderr
-    assert run_cli("deploy", "plan", str(V6E_405B), *SEED_FLAGS).returncode == 0
+    assert call_cli("deploy", "plan", str(V6E_405B), *SEED_FLAGS).returncode == 0
     data["serving"]["model_name"] = "llama3.1-405b"
     variant.write_text(yaml.safe_dump(data))
-    result = run_cli("deploy", "plan", str(variant))
+    result = call_cli("deploy", "plan", str(variant))
     assert result.returncode == 2 and "serving.model_name: set model_name instead" in result.stderr
 
 
@@ -253,9 +248,9 @@ def test_overrides_of_serving_mean_what_they_mean_for_serve(tmp_path):
         serving__scan_layers=True,
     )
     assert make_plan(load_deployment(V6E_405B, overrides)) == make_plan(load_deployment(variant))
-    plan = json.loads(run_cli("deploy", "plan", str(V6E_405B), "--json", *overrides).stdout)
+    plan = json.loads(call_cli("deploy", "plan", str(V6E_405B), "--json", *overrides).stdout)
     assert plan["slots"] == 16 and plan["max_target_length"] == 4096
-    result = run_cli("deploy", "render", str(V6E_405B), *overrides)
+    result = call_cli("deploy", "render", str(V6E_405B), *overrides)
     assert result.returncode == 0, result.stderr
     lws = next(yaml.safe_load_all(result.stdout))
     validate_object(lws)
@@ -268,12 +263,12 @@ def test_overrides_of_serving_mean_what_they_mean_for_serve(tmp_path):
         ("per_device_batch_sise=2", "did you mean 'per_device_batch_size'"),
         ("scan_layers", "key=value"),
     ):
-        result = run_cli("deploy", "render", str(V6E_405B), bad)
+        result = call_cli("deploy", "render", str(V6E_405B), bad)
         assert result.returncode == 2 and named in result.stderr, result.stderr
 
 
 def test_405b_in_bfloat16_on_v6e_16_is_refused_naming_the_numbers_and_the_flags():
-    result = run_cli(
+    result = call_cli(
         "deploy",
         "plan",
         str(V6E_405B),
@@ -297,7 +292,7 @@ def test_405b_in_bfloat16_on_v6e_16_is_refused_naming_the_numbers_and_the_flags(
 def test_a_tensor_16_variant_has_no_reason_to_exist():
     """tensor=16 alone: 8 kv heads cannot split 16 ways, so wk / wv and the KV cache sit whole on every
     chip, and even one slot per chip does not fit."""
-    result = run_cli(
+    result = call_cli(
         "deploy",
         "plan",
         str(V6E_405B),
@@ -350,7 +345,7 @@ def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
 def test_bad_configs_exit_2_naming_the_field(tmp_path, changes, must_mention):
     path = _write_variant(tmp_path, V6E_405B, **changes)
     for action in ("plan", "render"):
-        result = run_cli("deploy", action, str(path))
+        result = call_cli("deploy", action, str(path))
         assert result.returncode == 2, result.stdout + result.stderr
         assert "Traceback" not in result.stderr
         for text in must_mention:
@@ -358,10 +353,10 @@ def test_bad_configs_exit_2_naming_the_field(tmp_path, changes, must_mention):
 
 
 def test_plan_and_render_cli(tmp_path):
-    result = run_cli("deploy", "plan", str(V6E_405B))
+    result = call_cli("deploy", "plan", str(V6E_405B))
     assert result.returncode == 0, result.stderr
     assert "16 / 4" in result.stdout and "memory-bound" in result.stdout
-    result = run_cli("deploy", "render", str(V6E_405B), "-o", str(tmp_path))
+    result = call_cli("deploy", "render", str(V6E_405B), "-o", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / f"{V6E_405B.stem}.yaml").read_text() == (
         REPO / "manifests" / f"{V6E_405B.stem}.yaml"
