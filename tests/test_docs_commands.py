@@ -135,6 +135,17 @@ ELSEWHERE = {
     ),
 }
 
+DEPLOYED = "configs/deployments/llama3.1-405b-int8-v6e-16.yml"
+ELSEWHERE |= {
+    f".venv/bin/pathserve deploy {verb} {DEPLOYED}{extra}": (
+        "tests/deploy/test_cluster.py",
+        f'run_cli("deploy", "{verb}", str(',
+        "variants of configs/deployments/llama3.1-8b-v6e-4.yml against a real kube-apiserver and etcd "
+        "with the CRDs (no TPU nodes: the test sets the Available condition); no GKE cluster is reachable here",
+    )
+    for verb, extra in (("apply", " --wait 1800"), ("status", ""), ("delete", ""))
+}
+
 # 3. Commands that cannot run here: exact text -> why.
 CANNOT = {
     "make test": "the whole suite, this test included; CI runs it (.ci/run)",
@@ -256,6 +267,20 @@ def test_links_between_pages_resolve():
                 if anchor not in anchors:
                     broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert broken == []
+
+
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:serving|tests|configs|loadtest|tools|manifests|docs)/[\w./*-]+)")
+
+
+def test_the_repository_paths_the_pages_name_exist():
+    """`serving/...`, `tests/...`, `configs/...` and the like, in prose and commands alike."""
+    missing = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for path in REPO_PATH.findall(page.read_text()):
+            path = path.rstrip(".,;:")
+            if "{" not in path and not list(REPO.glob(path.rstrip("/"))):
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+    assert missing == []
 
 
 def test_the_readme_is_a_front_page_and_no_page_is_long():
