@@ -1,6 +1,7 @@
 """The pages of README.md and docs/ stay true: links resolve, repository paths exist, the README stays a
 front page and no page grows long, the usage synopses (`text` blocks) name options the commands have,
-and the architecture page's figures on the import graph are the source's. Their shell commands and
+and the architecture page's figures on the import graph are the source's; the configuration page names
+every key and the architecture page every method of the engine contract. Their shell commands and
 Python examples: tests/test_docs_commands.py."""
 
 from __future__ import annotations
@@ -135,3 +136,18 @@ def test_the_architecture_page_counts_what_the_boundary_test_skips():
         assert all(f"`{module}`" in page for module in cycle), cycle
     words = ["no", "one", "two", "three", "four", "five", "six"]
     assert f"would close {words[len(closed)]} cycle" in page, len(closed)
+
+
+def test_the_configuration_page_names_every_key():
+    from serving.config import ServingConfig
+
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert [key for key in ServingConfig.model_fields if f"`{key}`" not in page] == []
+
+
+def test_the_architecture_page_names_every_method_of_the_engine_contract():
+    tree = ast.parse((REPO / "serving" / "engine" / "api.py").read_text())
+    (contract,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineAPI"]
+    methods = [f.name for f in contract.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
+    page = (REPO / "docs" / "architecture.md").read_text()
+    assert methods and [name for name in methods if f"`{name}`" not in page] == []
