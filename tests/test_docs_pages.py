@@ -1,7 +1,8 @@
 """The pages of README.md and docs/ stay true: links resolve, repository paths exist, the README stays a
 front page and no page grows long, the usage synopses (`text` blocks) name options the commands have,
 and the architecture page's figures on the import graph are the source's; the configuration page names
-every key and the architecture page every method of the engine contract. Their shell commands and
+every key, the architecture page every method of the engine contract, the development page every
+`PATHSERVE_*` variable. Their shell commands and
 Python examples: tests/test_docs_commands.py."""
 
 from __future__ import annotations
@@ -151,3 +152,15 @@ def test_the_architecture_page_names_every_method_of_the_engine_contract():
     methods = [f.name for f in contract.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
     page = (REPO / "docs" / "architecture.md").read_text()
     assert methods and [name for name in methods if f"`{name}`" not in page] == []
+
+
+def test_the_development_page_names_every_pathserve_variable_the_code_reads():
+    """Each `PATHSERVE_*` name written as a string in serving/, loadtest/ or tests/."""
+    names = {
+        name
+        for folder in ("serving", "loadtest", "tests")
+        for path in (REPO / folder).rglob("*.py")
+        for name in re.findall(r"[\"'](PATHSERVE_[A-Z_]+)[\"']", path.read_text())
+    }
+    page = (REPO / "docs" / "development.md").read_text()
+    assert names and sorted(name for name in names if f"`{name}`" not in page) == []
