@@ -2,8 +2,7 @@
 front page and no page grows long, the usage synopses (`text` blocks) name options the commands have,
 and the architecture page's figures on the import graph are the source's; the configuration page names
 every key, the architecture page every method of the engine contract, the development page every
-`PATHSERVE_*` variable. Their shell commands and
-Python examples: tests/test_docs_commands.py."""
+`PATHSERVE_*` variable. Their shell commands and Python examples: tests/test_docs_commands.py."""
 
 from __future__ import annotations
 
