@@ -13,7 +13,7 @@ Each command of a `bash` / `sh` / `shell` / `console` block of README.md and doc
 
 A command in neither fails `test_every_command_is_accounted_for`, naming its file and line; a
 table entry no document holds any more fails too. Python blocks all run (they need only a server).
-The pages themselves (links, paths, lengths, usage synopses) are checked by tests/test_docs_pages.py.
+The pages themselves (links, paths, lengths, usage synopses) are checked by tests/unit/test_docs_pages.py.
 """
 
 from __future__ import annotations
