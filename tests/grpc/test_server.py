@@ -1,7 +1,8 @@
 """JetStream's gRPC API on a real `pathserve serve` process (the tiny model, 4 slots, queue of 4),
 through stubs generated in the test from the shipped .proto: the same greedy text as HTTP
 /generate, old clients' fields, errors, backpressure, cancellation, a seed-style HTTP sidecar, the
-gRPC benchmark, and last the SIGTERM drain that ends the server."""
+gRPC benchmark, and the SIGTERM drain that ends the server (the session's shared one: that test runs
+last of all, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,10 @@ import httpx
 import pytest
 
 from serving.text.tokenizer import load_tokenizer
+from tests.conftest import TINY_MAX_PREFILL, TINY_MAX_TARGET, TINY_SLOTS
 from tests.server_process import ServerProcess, free_port, metric, wait_for
 
-SLOTS, QUEUE = 4, 4
-MAX_PREFILL, MAX_TARGET = 64, 2048
-OVERRIDES = [
-    f"per_device_batch_size={SLOTS}",
-    f"max_queued_requests={QUEUE}",
-    f"max_prefill_predict_length={MAX_PREFILL}",
-    f"max_target_length={MAX_TARGET}",
-    "decode_steps_per_call=2",
-    "enable_model_warmup=true",
-]
+SLOTS, MAX_PREFILL, MAX_TARGET = TINY_SLOTS, TINY_MAX_PREFILL, TINY_MAX_TARGET
 PROMPTS = ["The history of the lighthouse is closely tied to", "Le café du coin — naïve, 東京 ☕"]
 # Prompts whose greedy completion on the tiny model runs past 1,000 tokens (no end-of-sequence).
 LONG = ["Story number 1:", "Story number 3:", "Story number 5:"]
@@ -44,28 +37,9 @@ class GrpcServer:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, stubs):
-    port = free_port()
-    process = ServerProcess.pathserve(str(tiny_model_dir), *OVERRIDES, f"grpc_port={port}")
-    address = f"127.0.0.1:{port}"
-    seen: list[tuple[bool, int]] = []  # (HealthCheck is_live, HTTP /healthcheck status)
-    deadline = time.monotonic() + 300
-    with grpc.insecure_channel(address) as channel:
-        health = stubs.pb_grpc.OrchestratorStub(channel).HealthCheck
-        while time.monotonic() < deadline and process.proc.poll() is None:
-            try:
-                live = health(stubs.pb.HealthCheckRequest(), timeout=2).is_live
-                status = httpx.get(f"{process.url}/healthcheck", timeout=2).status_code
-            except (grpc.RpcError, httpx.TransportError):
-                time.sleep(0.05)
-                continue
-            seen.append((live, status))
-            if live:
-                break
-            time.sleep(0.05)
-    process.wait_ready(timeout=30)
-    yield GrpcServer(process, address, seen)
-    process.stop()
+def server(tiny_server):
+    """The session's shared server (tests/conftest.py), which recorded HealthCheck while it started."""
+    return GrpcServer(tiny_server, tiny_server.grpc_address, tiny_server.health_while_starting)
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +320,7 @@ def test_a_second_server_on_the_same_grpc_port_exits_2_naming_grpc_port(server, 
     assert "grpc_port" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.drains_tiny_server  # ends the shared server: runs after every other test (conftest.py)
 def test_sigterm_drains_grpc_streams_and_refuses_new_calls(server, stub, stubs):
     pb, n, max_tokens = stubs.pb, len(LONG), 1000
     prompts = LONG

@@ -18,16 +18,11 @@ from tests.server_process import REPO, ServerProcess
 
 # The tiny model's tokenizer spends about 5 tokens per word (and ChatML adds a system prompt).
 SMALL = ["--max-prompt-words", "12", "--max-output-tokens", "24"]
-OVERRIDES = ["per_device_batch_size=4", "max_prefill_predict_length=256", "max_target_length=512"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    process = ServerProcess.pathserve(
-        str(tiny_model_dir), *OVERRIDES, "enable_model_warmup=true"
-    ).wait_ready()
-    yield process
-    assert process.stop() == 0, process.output()
+def server(tiny_server):
+    return tiny_server  # the session's shared server (tests/conftest.py)
 
 
 def generated_tokens(server: ServerProcess) -> int:

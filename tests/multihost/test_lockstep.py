@@ -37,6 +37,9 @@ ENGINE = [
     "max_target_length=128",
     "cpu_kernels=off",
     "enable_model_warmup=true",
+    # On, unlike the suite's other servers: a leader's executor must answer for the background
+    # warmup while plans flow (its loop once died on it under the lockstep).
+    "enable_background_warmup=true",
     f"liveness_timeout_s={LIVENESS_TIMEOUT_S}",
 ]
 
