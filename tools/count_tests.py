@@ -3,10 +3,9 @@
     python tools/count_tests.py [tests]      # prints: tests N, assertions M (and per-kind counts)
 
 Tests are what pytest collects (each parametrized case counts once). Assertions are counted in the
-source, statically: every `assert` statement, every `pytest.raises` / `pytest.warns` /
-`pytest.approx`-free check that raises (the `with pytest.raises(...)` blocks), and every
-`self.assert*` call. A helper's assertions count once where they are written, however many tests
-call it, so moving repeated checks into a shared fixture lowers nothing it should not.
+source, statically: every `assert` statement, every `pytest.raises` / `pytest.warns` call (a check
+that the code raises or warns), and every `self.assert*` call. A helper's assertions count once,
+where they are written, however many tests call it.
 """
 
 from __future__ import annotations
