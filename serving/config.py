@@ -42,6 +42,7 @@ class EngineConfig:
     quantization: str = ""
     quantize_kvcache: bool = False
     cpu_kernels: str = "auto"
+    enable_background_warmup: bool = True
     decode_steps_per_call: int = 4
     prefill_chunk_size: int = 0
     max_prefill_batch: int = 8
@@ -181,6 +182,10 @@ class ServingConfig(BaseModel):
     # XLA's ops. Never bfloat16 weights.
     cpu_kernels: Literal["auto", "on", "off"] = "auto"
     enable_model_warmup: bool = False
+    # After the warmup, a background thread at the lowest CPU priority compiles a prefix hit's
+    # partial chunks (serving.engine.warmup.BackgroundWarmup); false leaves them to compile at first
+    # use (no compiling beside serving: a test, a benchmark that measures steady state differently).
+    enable_background_warmup: bool = True
     # Engine and runtime (not MaxText flags).
     runtime: Literal["auto", "local", "pathways", "multicontroller"] = "auto"
     decode_steps_per_call: int = Field(default=4, ge=1, le=64)

@@ -29,10 +29,11 @@ def warmup(engine: Engine, params: dict) -> float:
     fresh prompts (rows x length within the per-call budget) and, for every row count whose full
     chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
     at once); a prefix block's save and load; generate for every slot bucket and attention window.
-    Returns the seconds spent. Then starts `engine.background_warmup` (`BackgroundWarmup`), which
-    compiles the partial chunks after cached positions (a prefix hit's rest, a long prompt's last
-    chunk: rows x length at every history window, minutes of compiling in all) at the lowest CPU
-    priority while the server serves; a call that comes before its shape is done compiles it then."""
+    Returns the seconds spent. Then, unless `enable_background_warmup` is off, starts
+    `engine.background_warmup` (`BackgroundWarmup`), which compiles the partial chunks after cached
+    positions (a prefix hit's rest, a long prompt's last chunk: rows x length at every history
+    window, minutes of compiling in all) at the lowest CPU priority while the server serves; a call
+    that comes before its shape is done compiles it then."""
     start = time.perf_counter()
     limits = engine.limits
     state = engine.init_decode_state()
@@ -76,8 +77,7 @@ def warmup(engine: Engine, params: dict) -> float:
         for rows in engine.row_buckets
         if fits(rows, length)
     ]
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    engine.background_warmup = BackgroundWarmup(engine, params, spec, rest)
+    engine.background_warmup = start_background(engine, params, state, rest)
     seconds = time.perf_counter() - start
     log.info(
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
@@ -90,6 +90,16 @@ def warmup(engine: Engine, params: dict) -> float:
         seconds,
     )
     return seconds
+
+
+def start_background(engine: Engine, params: dict, state, shapes: list[tuple[int, int, int]]) -> BackgroundWarmup | None:
+    """A started `BackgroundWarmup` over `shapes` (compiled against `state`'s shapes and shardings),
+    or None when `enable_background_warmup` is off: those shapes then compile at first use."""
+    if not engine.config.enable_background_warmup:
+        log.info("background warmup off: %d prefill shapes after cached positions compile at first use", len(shapes))
+        return None
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return BackgroundWarmup(engine, params, spec, shapes)
 
 
 class BackgroundWarmup:

@@ -74,6 +74,7 @@ def test_yaml_file_then_overrides(tmp_path):
         ("max_target_length=abc", ["max_target_length", "integer"]),
         ("max_target_length=0", ["max_target_length", "greater than 0"]),
         ("scan_layers=maybe", ["scan_layers", "boolean"]),
+        ("enable_background_warmup=later", ["enable_background_warmup", "boolean"]),
         ("ici_tensor_parallelism=0", ["ici_tensor_parallelism"]),
         ("max_target_lenght=8", ["max_target_lenght", "did you mean 'max_target_length'"]),
         ("no_such_key=1", ["unknown config key 'no_such_key'"]),
@@ -181,3 +182,17 @@ def test_compilation_cache_auto_is_pathserve_homes_unless_jax_has_one(monkeypatc
     assert compilation_cache_dir("auto") == ""
     served = read_yaml(config_dir() / "serving" / "default.yml")  # the default model's serving config
     assert load_config(None, [], defaults=served).devices.jax_compilation_cache_dir == "auto"
+
+
+def test_the_background_warmup_is_on_by_default_and_off_by_its_own_key():
+    """enable_background_warmup reaches the engine's part; off, the warmup starts no thread and
+    leaves `engine.background_warmup` None (those shapes compile at first use)."""
+    from types import SimpleNamespace
+
+    from serving.engine.warmup import start_background
+
+    assert load_config().engine.enable_background_warmup is True
+    cfg = load_config(overrides=["enable_model_warmup=true", "enable_background_warmup=false"])
+    assert (cfg.enable_model_warmup, cfg.engine.enable_background_warmup) == (True, False)
+    engine = SimpleNamespace(config=cfg.engine)
+    assert start_background(engine, {}, state=None, shapes=[(1, 16, 128)]) is None
