@@ -18,7 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.errors import ConfigError
-from serving.maxtext import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
+from serving.kernels.support import weights_unsupported
+from serving.maxtext_config import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
 from serving.models.config import ModelConfig
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
@@ -144,7 +145,7 @@ class ServingConfig(BaseModel):
     ici_autoregressive_parallelism: int = Field(default=1, ge=-1)
     ici_tensor_parallelism: int = Field(default=1, ge=-1)
     # MaxText's logical axis rules ([name, [mesh axes]] pairs, serving.engine.partitioning); empty:
-    # base.yml's. A recipe file brings its own (serving.maxtext says how they combine).
+    # base.yml's. A recipe file brings its own (serving.maxtext_config says how they combine).
     logical_axis_rules: list[list[Any]] = Field(default_factory=list)
     override_logical_axis_rules: bool = False
     replicate_quant_scale: bool = False  # int8 weights' scales whole on every chip
@@ -371,18 +372,6 @@ def resolve_parallelism(sizes: tuple[int, int, int], devices: int) -> tuple[int,
     return tuple(devices // known if s == -1 else s for s in sizes)  # type: ignore[return-value]
 
 
-def weights_unsupported(quantization: str, weight_dtype: str, isa: str | None = None) -> str | None:
-    """Why the CPU kernels (serving.kernels) cannot multiply these weights, or None when they can:
-    the one statement of that rule, for `cpu_kernels=on` here and for the backend choice at run time.
-    `isa`: the instruction set the kernels run with (serving.kernels.library.ISA_FLAGS); None asks
-    only what holds on every CPU. AVX-512 takes float32, int8w and int8 (W8A8); AVX2 the two int8."""
-    if quantization not in ("int8", "int8w") and weight_dtype != "float32":
-        return f"they take float32 or int8 weights, not weight_dtype={weight_dtype}"
-    if isa == "avx2" and quantization not in ("int8", "int8w"):
-        return "on AVX2 (no AVX-512 VNNI) they take int8 weights (quantization=int8w or int8), not float32"
-    return None
-
-
 def config_dir() -> Path:
     """Where `models/*.yml` presets live: $PATHSERVE_CONFIG_DIR or the repository's configs/."""
     env = os.environ.get(CONFIG_DIR_ENV)
@@ -410,13 +399,13 @@ def load_config(
     """Serving keys over `defaults`: from a YAML file (optional), then `key=value` overrides; validated.
 
     The file is pathserve's serving YAML (configs/serving/), or a MaxText config file (a
-    `base_config:` chain, serving.maxtext), read as MaxText reads one with the overrides after it.
+    `base_config:` chain, serving.maxtext_config), read as MaxText reads one with the overrides after it.
     MaxText keys with no effect on serving are dropped (and logged); unknown keys are errors."""
     values: dict[str, Any] = dict(defaults or {})
     parsed = parse_overrides(overrides)
     source = str(path) if path else "overrides"
     if path and is_maxtext_file(path):
-        from serving import maxtext
+        from serving import maxtext_config as maxtext
 
         values.update(maxtext.load(str(path), parsed, _preset_keys_or_none))
     else:
@@ -440,7 +429,7 @@ RETIRED_KEYS = {
 
 def is_maxtext_file(path: str | os.PathLike) -> bool:
     """A MaxText config: pathserve's copy of a MaxText path, or a YAML file with a base_config."""
-    from serving import maxtext
+    from serving import maxtext_config as maxtext
 
     if not Path(path).is_file():
         return maxtext.is_config_file(str(path))  # resolve_config_path names it if it is not ours
@@ -456,7 +445,7 @@ def _preset_keys_or_none(name: str) -> dict[str, Any] | None:
 
 
 def preset_model_keys(name: str) -> dict[str, Any]:
-    """A preset's architecture under MaxText's key names (serving.maxtext.MODEL_KEYS)."""
+    """A preset's architecture under MaxText's key names (serving.maxtext_config.MODEL_KEYS)."""
     model = load_model_config(name)
     return {key: getattr(model, field) for key, field in MODEL_KEYS.items()}
 

@@ -19,7 +19,7 @@ from serving.checkpoints import cli as checkpoint_cli
 from serving.config import ConfigError, ServingConfig, config_dir, load_config, read_yaml
 from serving.deploy import cli as deploy_cli
 from serving.errors import GenerationError, UserError
-from serving.maxtext import is_config_file
+from serving.maxtext_config import is_config_file
 
 if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
     from serving.launch import Launched
