@@ -21,6 +21,7 @@ from serving.errors import ConfigError
 from serving.kernels.support import weights_unsupported
 from serving.maxtext_config import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
 from serving.models.config import ModelConfig
+from serving.quantization_mode import decide_quantization
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
 _Part = TypeVar("_Part")
@@ -321,8 +322,7 @@ class ServingConfig(BaseModel):
         unsupported = weights_unsupported(self.quantization, self.weight_dtype)
         if self.cpu_kernels == "on" and unsupported:
             raise ValueError(f"cpu_kernels=on, but the CPU kernels cannot be used: {unsupported}")
-        if self.checkpoint_is_quantized and not self.quantization:
-            raise ValueError("checkpoint_is_quantized=true requires quantization=int8 (or int8w)")
+        decide_quantization(self.quantization, self.checkpoint_is_quantized)  # the flags' own rule
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
