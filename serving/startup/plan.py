@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from serving.checkpoints.checkpoint import is_checkpoint
 from serving.checkpoints.maxtext_restore import is_maxtext_checkpoint
@@ -100,7 +101,8 @@ def plan_launch(
             updates["per_device_batch_size"] = float(per_device)
             origins["per_device_batch_size"] = f"{FROM_PROFILE} ({why})"
     checkpoint = is_checkpoint(source) or is_maxtext_checkpoint(source)
-    return LaunchPlan(cfg.model_copy(update=updates), source, model, quantization, checkpoint, origins)
+    frozen = MappingProxyType(origins)  # read, never written back
+    return LaunchPlan(cfg.model_copy(update=updates), source, model, quantization, checkpoint, frozen)
 
 
 def _sized(cfg: ServingConfig, model: ModelConfig, quantization: Quantization, devices: Sequence):
