@@ -7,14 +7,16 @@ left after the weights (its placement's own bytes, serving.engine.partitioning).
 gives is never changed: the memory check of serving.engine.memory still refuses one that does not fit.
 
 Plain Python: the bytes come from the placement, the memory from the devices (or the host's
-available memory for CPU devices, which report none).
+memory for CPU devices, which report none).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from serving.engine.partitioning import MESH_AXES, Numerics, placement
 from serving.models.config import ModelConfig
@@ -61,7 +63,7 @@ def size_slots(
 
 def memory_per_chip(devices: Sequence) -> int | None:
     """The smallest `bytes_limit` the devices report, or for CPU devices (which report none) the
-    host's available memory shared among them; None when neither is known."""
+    host's memory shared among them; None when neither is known."""
     limits = []
     for device in devices:
         try:
@@ -72,20 +74,18 @@ def memory_per_chip(devices: Sequence) -> int | None:
             limits.append(int(stats["bytes_limit"]))
     if limits:
         return min(limits)
-    host = host_available_memory()
+    host = host_memory()
     return host // max(1, len(devices)) if host else None
 
 
-def host_available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), else physical memory; None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
+def host_memory() -> int | None:
+    """The host's memory: physical memory, or the container's limit (cgroup v2) when lower; None
+    when unknown. Not what is free now: the same machine sizes the same slots whatever else runs."""
+    sizes = []
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sizes.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    with contextlib.suppress(OSError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            sizes.append(int(limit))
+    return min(sizes) if sizes else None
