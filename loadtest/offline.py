@@ -12,18 +12,19 @@ from serving.request import SamplingParams
 
 def _load(cfg: ServingConfig, source: str | None):
     """(engine, params, tokenizer) with warmup done and its background compiles settled."""
-    from serving.checkpoints.model_source import effective_config, load_model
     from serving.engine.engine import Engine
     from serving.runtime import init_runtime, make_mesh
+    from serving.startup.plan import plan_launch
 
     init_runtime(cfg.devices)
-    cfg = effective_config(source, cfg)
-    model = load_model(source, cfg)
-    engine = Engine(model, cfg.engine, make_mesh(cfg.devices))
+    plan = plan_launch(cfg, source)
+    model = plan.load()
+    engine = Engine(model, plan.engine, make_mesh(plan.config.devices))
     params = engine.load_params()
-    if cfg.enable_model_warmup:
+    if plan.config.enable_model_warmup:
         engine.warmup(params)
-        engine.background_warmup.wait()  # a settled engine, as the HTTP side waits for its server's
+        if engine.background_warmup is not None:  # a settled engine, as the HTTP side waits for its server's
+            engine.background_warmup.wait()
     return engine, params, model.tokenizer
 
 

@@ -18,115 +18,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.errors import ConfigError
-from serving.maxtext import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
+from serving.kernels.support import weights_unsupported
+from serving.maxtext_config import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
 from serving.models.config import ModelConfig
+from serving.quantization_mode import decide_quantization
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
 _Part = TypeVar("_Part")
-
-
-# Each component gets only its own part of the config: a frozen dataclass whose fields are the
-# ServingConfig keys it reads, under the same (MaxText) names. ServingConfig.<part> builds them.
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the engine compiles: slots, shapes, numerics, backend."""
-
-    per_device_batch_size: float = 1.0
-    max_prefill_predict_length: int = 1024
-    max_target_length: int = 2048
-    scan_layers: bool = True
-    dtype: str = "float32"
-    weight_dtype: str = "float32"
-    quantization: str = ""
-    quantize_kvcache: bool = False
-    cpu_kernels: str = "auto"
-    enable_background_warmup: bool = True
-    decode_steps_per_call: int = 4
-    prefill_chunk_size: int = 0
-    max_prefill_batch: int = 8
-    prefill_batch_tokens: int = 0
-    prefix_block_size: int = 64
-    decode_slot_buckets: tuple[int, ...] = ()
-    # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
-    logical_axis_rules: tuple = ()
-    replicate_quant_scale: bool = False
-    max_loras: int = 0  # LoRA adapters' device slots (0: none; serving.lora)
-    max_lora_rank: int = 16
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """Multi-LoRA serving (serving.lora): where adapters are loaded from at start-up, how many sit
-    on the device (`max_loras`) and on the host (`max_cpu_loras`) at once, their largest rank."""
-
-    lora_input_adapters_path: str = ""
-    max_loras: int = 0
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_loras > 0
-
-
-@dataclass(frozen=True)
-class DevicesConfig:
-    """Where the engine runs: the JAX runtime, the mesh's shape, the compilation cache."""
-
-    runtime: str = "auto"
-    jax_compilation_cache_dir: str = ""
-    # runtime=multicontroller (serving.runtime): empty / 0 / -1 fall back to the environment.
-    coordinator_address: str = ""
-    num_processes: int = 0
-    process_id: int = -1
-    distributed_timeout_s: int = 60
-    ici_fsdp_parallelism: int = 1
-    ici_autoregressive_parallelism: int = 1
-    ici_tensor_parallelism: int = 1
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (serving.orchestrator.proposers, serving.engine.speculative)."""
-
-    speculative_method: str = "none"
-    num_speculative_tokens: int = 4
-    speculative_model: str = ""
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    speculative_max_slots: int = 4
-    speculative_min_acceptance: float = 0.2
-    speculative_cost_ratio: float = 2.2
-
-
-@dataclass(frozen=True)
-class OrchestratorConfig:
-    """The device loop's settings."""
-
-    max_queued_requests: int = 256
-    prefix_cache: str = "on"
-    prefix_cache_bytes: int = 256 << 20
-    profiler_steps: int = 0  # trace this many generate calls at start (with profile_dir)
-    profile_dir: str = ""
-    profiler_port: int = 0  # jax.profiler.start_server when set
-    speculative: SpeculativeConfig = SpeculativeConfig()
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The front-ends' settings (HTTP and gRPC): probes, drain, limits, auth."""
-
-    max_target_length: int = 2048  # reported by /v1/models, the default room for max_tokens
-    max_queued_requests: int = 256  # readiness fails while the queue is full
-    liveness_timeout_s: float = 60.0
-    drain_timeout_s: float = 30.0
-    max_request_body_bytes: int = 1 << 20
-    api_key: str = ""
-    grpc_port: int = 9000
-    unknown_request_fields: str = "reject"
-    max_loras: int = 0  # LoRA adapters served: the adapter APIs (gRPC service v1) are on
 
 
 class ServingConfig(BaseModel):
@@ -144,7 +42,7 @@ class ServingConfig(BaseModel):
     ici_autoregressive_parallelism: int = Field(default=1, ge=-1)
     ici_tensor_parallelism: int = Field(default=1, ge=-1)
     # MaxText's logical axis rules ([name, [mesh axes]] pairs, serving.engine.partitioning); empty:
-    # base.yml's. A recipe file brings its own (serving.maxtext says how they combine).
+    # base.yml's. A recipe file brings its own (serving.maxtext_config says how they combine).
     logical_axis_rules: list[list[Any]] = Field(default_factory=list)
     override_logical_axis_rules: bool = False
     replicate_quant_scale: bool = False  # int8 weights' scales whole on every chip
@@ -320,8 +218,7 @@ class ServingConfig(BaseModel):
         unsupported = weights_unsupported(self.quantization, self.weight_dtype)
         if self.cpu_kernels == "on" and unsupported:
             raise ValueError(f"cpu_kernels=on, but the CPU kernels cannot be used: {unsupported}")
-        if self.checkpoint_is_quantized and not self.quantization:
-            raise ValueError("checkpoint_is_quantized=true requires quantization=int8 (or int8w)")
+        decide_quantization(self.quantization, self.checkpoint_is_quantized)  # the flags' own rule
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
@@ -358,6 +255,117 @@ class ServingConfig(BaseModel):
         )
 
 
+# Each component gets only its own part of the config: a frozen dataclass whose fields are the
+# ServingConfig keys it reads, under the same (MaxText) names. ServingConfig.<part> builds them.
+# Each default is written once, on ServingConfig's field; a part's default is read from there.
+
+
+def _default(key: str) -> Any:
+    """ServingConfig's default for `key` (a list as a tuple: the parts are frozen)."""
+    value = ServingConfig.model_fields[key].get_default(call_default_factory=True)
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine compiles: slots, shapes, numerics, backend."""
+
+    per_device_batch_size: float = _default("per_device_batch_size")
+    max_prefill_predict_length: int = _default("max_prefill_predict_length")
+    max_target_length: int = _default("max_target_length")
+    scan_layers: bool = _default("scan_layers")
+    dtype: str = _default("dtype")
+    weight_dtype: str = _default("weight_dtype")
+    quantization: str = _default("quantization")
+    quantize_kvcache: bool = _default("quantize_kvcache")
+    cpu_kernels: str = _default("cpu_kernels")
+    enable_background_warmup: bool = _default("enable_background_warmup")
+    decode_steps_per_call: int = _default("decode_steps_per_call")
+    prefill_chunk_size: int = _default("prefill_chunk_size")
+    max_prefill_batch: int = _default("max_prefill_batch")
+    prefill_batch_tokens: int = _default("prefill_batch_tokens")
+    prefix_block_size: int = _default("prefix_block_size")
+    decode_slot_buckets: tuple[int, ...] = _default("decode_slot_buckets")
+    # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
+    logical_axis_rules: tuple = _default("logical_axis_rules")
+    replicate_quant_scale: bool = _default("replicate_quant_scale")
+    max_loras: int = _default("max_loras")  # LoRA adapters' device slots (0: none; serving.lora)
+    max_lora_rank: int = _default("max_lora_rank")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (serving.lora): where adapters are loaded from at start-up, how many sit
+    on the device (`max_loras`) and on the host (`max_cpu_loras`) at once, their largest rank."""
+
+    lora_input_adapters_path: str = _default("lora_input_adapters_path")
+    max_loras: int = _default("max_loras")
+    max_lora_rank: int = _default("max_lora_rank")
+    max_cpu_loras: int = _default("max_cpu_loras")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+
+@dataclass(frozen=True)
+class DevicesConfig:
+    """Where the engine runs: the JAX runtime, the mesh's shape, the compilation cache."""
+
+    runtime: str = _default("runtime")
+    jax_compilation_cache_dir: str = _default("jax_compilation_cache_dir")
+    # runtime=multicontroller (serving.runtime): empty / 0 / -1 fall back to the environment.
+    coordinator_address: str = _default("coordinator_address")
+    num_processes: int = _default("num_processes")
+    process_id: int = _default("process_id")
+    distributed_timeout_s: int = _default("distributed_timeout_s")
+    ici_fsdp_parallelism: int = _default("ici_fsdp_parallelism")
+    ici_autoregressive_parallelism: int = _default("ici_autoregressive_parallelism")
+    ici_tensor_parallelism: int = _default("ici_tensor_parallelism")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (serving.orchestrator.proposers, serving.engine.speculative)."""
+
+    speculative_method: str = _default("speculative_method")
+    num_speculative_tokens: int = _default("num_speculative_tokens")
+    speculative_model: str = _default("speculative_model")
+    prompt_lookup_min: int = _default("prompt_lookup_min")
+    prompt_lookup_max: int = _default("prompt_lookup_max")
+    speculative_max_slots: int = _default("speculative_max_slots")
+    speculative_min_acceptance: float = _default("speculative_min_acceptance")
+    speculative_cost_ratio: float = _default("speculative_cost_ratio")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The device loop's settings."""
+
+    max_queued_requests: int = _default("max_queued_requests")
+    prefix_cache: str = _default("prefix_cache")
+    prefix_cache_bytes: int = _default("prefix_cache_bytes")
+    profiler_steps: int = _default("profiler_steps")  # trace this many generate calls at start (with profile_dir)
+    profile_dir: str = _default("profile_dir")
+    profiler_port: int = _default("profiler_port")  # jax.profiler.start_server when set
+    speculative: SpeculativeConfig = SpeculativeConfig()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The front-ends' settings (HTTP and gRPC): probes, drain, limits, auth."""
+
+    max_target_length: int = _default("max_target_length")  # reported by /v1/models, the default room for max_tokens
+    max_queued_requests: int = _default("max_queued_requests")  # readiness fails while the queue is full
+    liveness_timeout_s: float = _default("liveness_timeout_s")
+    drain_timeout_s: float = _default("drain_timeout_s")
+    max_request_body_bytes: int = _default("max_request_body_bytes")
+    api_key: str = _default("api_key")
+    grpc_port: int = _default("grpc_port")
+    unknown_request_fields: str = _default("unknown_request_fields")
+    max_loras: int = _default("max_loras")  # LoRA adapters served: the adapter APIs (gRPC service v1) are on
+
+
 def resolve_parallelism(sizes: tuple[int, int, int], devices: int) -> tuple[int, int, int]:
     """MaxText's -1: the one axis set to -1 gets `devices` over the product of the others."""
     if -1 not in sizes:
@@ -369,18 +377,6 @@ def resolve_parallelism(sizes: tuple[int, int, int], devices: int) -> tuple[int,
             "not a whole number"
         )
     return tuple(devices // known if s == -1 else s for s in sizes)  # type: ignore[return-value]
-
-
-def weights_unsupported(quantization: str, weight_dtype: str, isa: str | None = None) -> str | None:
-    """Why the CPU kernels (serving.kernels) cannot multiply these weights, or None when they can:
-    the one statement of that rule, for `cpu_kernels=on` here and for the backend choice at run time.
-    `isa`: the instruction set the kernels run with (serving.kernels.library.ISA_FLAGS); None asks
-    only what holds on every CPU. AVX-512 takes float32, int8w and int8 (W8A8); AVX2 the two int8."""
-    if quantization not in ("int8", "int8w") and weight_dtype != "float32":
-        return f"they take float32 or int8 weights, not weight_dtype={weight_dtype}"
-    if isa == "avx2" and quantization not in ("int8", "int8w"):
-        return "on AVX2 (no AVX-512 VNNI) they take int8 weights (quantization=int8w or int8), not float32"
-    return None
 
 
 def config_dir() -> Path:
@@ -410,13 +406,13 @@ def load_config(
     """Serving keys over `defaults`: from a YAML file (optional), then `key=value` overrides; validated.
 
     The file is pathserve's serving YAML (configs/serving/), or a MaxText config file (a
-    `base_config:` chain, serving.maxtext), read as MaxText reads one with the overrides after it.
+    `base_config:` chain, serving.maxtext_config), read as MaxText reads one with the overrides after it.
     MaxText keys with no effect on serving are dropped (and logged); unknown keys are errors."""
     values: dict[str, Any] = dict(defaults or {})
     parsed = parse_overrides(overrides)
     source = str(path) if path else "overrides"
     if path and is_maxtext_file(path):
-        from serving import maxtext
+        from serving import maxtext_config as maxtext
 
         values.update(maxtext.load(str(path), parsed, _preset_keys_or_none))
     else:
@@ -440,7 +436,7 @@ RETIRED_KEYS = {
 
 def is_maxtext_file(path: str | os.PathLike) -> bool:
     """A MaxText config: pathserve's copy of a MaxText path, or a YAML file with a base_config."""
-    from serving import maxtext
+    from serving import maxtext_config as maxtext
 
     if not Path(path).is_file():
         return maxtext.is_config_file(str(path))  # resolve_config_path names it if it is not ours
@@ -456,7 +452,7 @@ def _preset_keys_or_none(name: str) -> dict[str, Any] | None:
 
 
 def preset_model_keys(name: str) -> dict[str, Any]:
-    """A preset's architecture under MaxText's key names (serving.maxtext.MODEL_KEYS)."""
+    """A preset's architecture under MaxText's key names (serving.maxtext_config.MODEL_KEYS)."""
     model = load_model_config(name)
     return {key: getattr(model, field) for key, field in MODEL_KEYS.items()}
 

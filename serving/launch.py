@@ -9,29 +9,25 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from serving.checkpoints.checkpoint import is_checkpoint, read_metadata
-from serving.checkpoints.model_source import (
-    LoadedModel,
-    effective_config,
-    load_model,
-    stored_int8,
-)
+from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.memory import check_devices
-from serving.models.params import int8_entries
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.lockstep import LockstepExecutor, PlanChannel, exit_when_loop_dies, follow
 from serving.runtime import init_runtime, make_mesh
+from serving.startup.plan import LaunchPlan, plan_launch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Launched:
+    plan: LaunchPlan
     model: LoadedModel
     engine: Engine
     orchestrator: Orchestrator
@@ -52,17 +48,20 @@ class Launched:
             f"{self.engine.max_concurrent_decodes} slots, "
             f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
             f"{self.engine.placement.axes}, {what['backend']} backend; "
-            f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s"
+            f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s; from: {self.plan.origins_line()}"
         )
 
 
-def launch(cfg: ServingConfig, source: str | None) -> Launched:
+def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> Launched:
     """Everything up to a running device loop; raises the loader's errors (ConfigError, CheckpointError, ...).
+    `origins`: where each key of `cfg` came from (serving.startup.profile), for the ready line and
+    for sizing the serving profile's slots to the memory.
 
     On a multi-controller slice this is process 0's path: its executor broadcasts every plan to the
     followers (`follow_plans`), and the process exits non-zero if the lockstep breaks."""
     started = time.perf_counter()
-    model, engine, params, warmup = _bring_up(cfg, source)
+    plan, model, engine, params, warmup = _bring_up_planned(cfg, source, origins)
+    cfg = plan.config
     make_executor, lockstep = Executor, None
     if is_multiprocess():
         if not is_leader():
@@ -91,36 +90,44 @@ def launch(cfg: ServingConfig, source: str | None) -> Launched:
             lambda: time.monotonic() - orchestrator.last_progress if orchestrator.has_work else 0.0,
             max_stall_s=cfg.liveness_timeout_s + cfg.distributed_timeout_s,
         )
-    return Launched(model, engine, orchestrator, warmup, time.perf_counter() - started)
+    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started)
 
 
-def follow_plans(cfg: ServingConfig, source: str | None) -> int:
+def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> int:
     """A follower process of a multi-controller slice: the same bring-up as process 0 (every
     compiled call is collective), then execute process 0's plans until it stops; returns the
     number of plans executed. Raises when the leader is gone (a failed collective)."""
-    model, engine, params, _ = _bring_up(cfg, source)
+    _, model, engine, params, _ = _bring_up_planned(cfg, source, origins)
     log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
     return follow(Executor(engine, params), PlanChannel())
 
 
 def _bring_up(cfg: ServingConfig, source: str | None):
+    """(model, engine, params, warmup seconds): `_bring_up_planned` without the plan."""
+    return _bring_up_planned(cfg, source)[1:]
+
+
+def _bring_up_planned(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
+    """Runtime, the one plan, placement and restore, the engine, warmup, in that order."""
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
-    cfg = effective_config(source, cfg)
+    import jax
+
+    plan = plan_launch(cfg, source, jax.devices(), origins)
+    cfg = plan.config
     mesh = make_mesh(cfg.devices)
     # On a mesh of more than one device (a Pathways slice behind one controller, or the processes of
     # a multi-controller one) each array is restored straight onto its shards: never the whole
     # model on one device (405B in int8 is 8x a v6e chip's memory) or, per process, every shard.
-    shardings = restore_shardings(source or cfg.load_parameters_path, cfg, mesh) if mesh.size > 1 else None
+    shardings = restore_shardings(plan, mesh) if mesh.size > 1 else None
     if shardings is not None:
         what = (
             f"process {_process_index()} restores only the shards its devices hold" if is_multiprocess()
             else f"each array restored onto its shards over {mesh.size} devices"
         )
         print(f"pathserve: {what}", file=sys.stderr, flush=True)
-    model = load_model(source, cfg, shardings=shardings)
-    engine = Engine(model, cfg.engine, mesh)
+    engine = Engine(plan.load(shardings), plan.engine, mesh)
     check_devices(
-        model.config, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
+        plan.model, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
     if cfg.speculative_method != "none":  # the warmup compiles its verify calls
@@ -132,27 +139,22 @@ def _bring_up(cfg: ServingConfig, source: str | None):
     params = engine.load_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
-    return model, engine, params, warmup
+    return plan, model, engine, params, warmup
 
 
-def restore_shardings(source: str | None, cfg: ServingConfig, mesh) -> dict | None:
+def restore_shardings(plan: LaunchPlan, mesh) -> dict | None:
     """For a converted or MaxText checkpoint restored as stored (no quantization on load): each
     params leaf's NamedSharding on `mesh`, as the engine will place it, so that every process reads
     only the chunks of its own shards. None where the weights are built on the host instead."""
-    source = source or cfg.load_parameters_path
-    stored = stored_int8(source) if source else None
-    if stored is None or not set(int8_entries(cfg.quantization)) <= set(stored):
+    if not plan.restored_as_stored():
         return None  # not a checkpoint, or quantized while loading: the whole tensor is needed on the host
     from jax.sharding import NamedSharding
 
-    from serving.config import model_description
-    from serving.engine.partitioning import Numerics
     from serving.engine.sharding import engine_placement, partition_spec
 
-    model = read_metadata(source).config if is_checkpoint(source) else model_description(cfg)
-    e = cfg.engine
+    e = plan.engine
     slots = max(1, int(e.per_device_batch_size * mesh.size))
-    where = engine_placement(model, Numerics.of(e, int8=stored), mesh, slots, e.max_target_length)
+    where = engine_placement(plan.model, plan.numerics(), mesh, slots, e.max_target_length)
     return {path: NamedSharding(mesh, partition_spec(leaf.spec)) for path, leaf in where.params.items()}
 
 

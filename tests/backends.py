@@ -36,8 +36,8 @@ def expected_backend(quantization: str = "int8w") -> str:
     """The backend name the ready line and `--json` report for a model of float32 weights under
     `quantization` (by default the serving default's, int8w) under cpu_kernels=auto on one CPU
     device: the kernels where they run here and take those weights (float32: AVX-512 only)."""
-    from serving.config import weights_unsupported
     from serving.kernels import library
+    from serving.kernels.support import weights_unsupported
 
     if choice() == "off" or not kernels_run_here()[0]:
         return "xla"

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from serving.checkpoints.model_source import load_model
-from serving.config import ServingConfig, weights_unsupported
+from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.kernels import cpu_attention, cpu_matmul, library
 from serving.kernels.backend import CpuKernelOps
 from serving.kernels.cpu_matmul import PackedWeight
 from serving.kernels.packing import AmxFloat32, amx_float32, pack_for_cpu_kernels
+from serving.kernels.support import weights_unsupported
 from serving.models import (
     KVCache,
     decode_step,

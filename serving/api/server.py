@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from types import FrameType
 
 import uvicorn
@@ -71,8 +72,11 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
-    """Serve until SIGTERM; returns the process exit status (2 when the model cannot be loaded)."""
+def serve(
+    cfg: ServingConfig, source: str | None, host: str, port: int, origins: Mapping[str, str] | None = None
+) -> int:
+    """Serve until SIGTERM; returns the process exit status (2 when the model cannot be loaded).
+    `origins`: where each key of `cfg` came from (serving.launch.launch)."""
     state = ServerState(config=cfg.server, api_key=cfg.api_key or os.environ.get(API_KEY_ENV, ""))
     config = uvicorn.Config(
         create_app(state),
@@ -89,7 +93,7 @@ def serve(cfg: ServingConfig, source: str | None, host: str, port: int) -> int:
     except UserError as exc:
         print(f"pathserve serve: error: {exc}", file=sys.stderr)
         return 2
-    loader = threading.Thread(target=_load, args=(cfg, state, server, source), name="loader", daemon=True)
+    loader = threading.Thread(target=_load, args=(cfg, state, server, source, origins), name="loader", daemon=True)
     _say(f"listening on http://{host}:{port} (loading the model; /readyz says when to send requests)")
     loader.start()
     server.run()
@@ -119,11 +123,13 @@ def _start_grpc(state: ServerState, host: str, http_port: int):
     return grpc_server
 
 
-def _load(cfg: ServingConfig, state: ServerState, server: _Server, source: str | None) -> None:
+def _load(
+    cfg: ServingConfig, state: ServerState, server: _Server, source: str | None, origins: Mapping[str, str] | None
+) -> None:
     from serving.launch import launch
 
     try:
-        launched = launch(cfg, source)
+        launched = launch(cfg, source, origins)
     except UserError as exc:
         state.startup_error = str(exc)
         server.should_exit = True

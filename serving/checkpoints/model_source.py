@@ -22,6 +22,7 @@ from serving.config import ConfigError, ServingConfig
 from serving.home import pathserve_home
 from serving.models import ModelConfig, quantize_params, with_int8_activations
 from serving.models.params import int8_entries
+from serving.quantization_mode import Quantization, decide_quantization
 from serving.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,32 +100,32 @@ def _default_config(gguf: Path) -> ModelConfig:
     return GGUFFile(gguf).model_config(DEFAULT_MODEL_NAME)
 
 
-def effective_config(source: str | None, cfg: ServingConfig) -> ServingConfig:
-    """`cfg` as the checkpoint it will load describes itself: an int8 checkpoint implies
-    checkpoint_is_quantized=true and a quantization (ours: weight-only int8w, as converted; MaxText's:
-    int8, W8A8, as MaxText serves it); a float checkpoint refuses checkpoint_is_quantized=true. A
-    flag set explicitly (on the command line or in a config file) that contradicts the checkpoint is
-    refused, naming both."""
-    source = source or cfg.load_parameters_path
+def checkpoint_quantization(source: str | None, cfg: ServingConfig) -> Quantization:
+    """What `quantization` means for `cfg` serving `source`: serving.quantization_mode's rule over
+    what the checkpoint stores (an int8 checkpoint of ours implies int8w, as converted; MaxText's
+    implies int8, W8A8, as MaxText serves it)."""
     stored = stored_int8(source) if source else None
-    if stored is None:
-        return cfg
-    explicit = cfg.model_fields_set
-    if not stored:
-        if cfg.checkpoint_is_quantized:
-            raise ConfigError(f"checkpoint_is_quantized=true, but {source} holds float weights")
-        return cfg
-    implied = "int8" if is_maxtext_checkpoint(source) else "int8w"
-    if "quantization" in explicit and not cfg.quantization:
-        raise ConfigError(
-            f"quantization='' contradicts {source}, whose weights are int8 (quantization=int8 or int8w)"
-        )
-    if "checkpoint_is_quantized" in explicit and not cfg.checkpoint_is_quantized:
-        raise ConfigError(
-            f"checkpoint_is_quantized=False contradicts {source}, whose weights are int8 (checkpoint_is_quantized=true)"
-        )
-    quantization = cfg.quantization if "quantization" in explicit else implied
-    return cfg.model_copy(update={"quantization": quantization, "checkpoint_is_quantized": True})
+    implied = "int8" if stored and is_maxtext_checkpoint(source) else "int8w"
+    return decide_quantization(
+        cfg.quantization, cfg.checkpoint_is_quantized, cfg.model_fields_set, stored, implied, source or ""
+    )
+
+
+def describe_model(source: str, cfg: ServingConfig) -> ModelConfig:
+    """The model `source` describes (its metadata, config.json, GGUF header), without its weights;
+    a MaxText checkpoint carries none: `model_name` and MaxText's architecture keys describe it."""
+    if is_checkpoint(source):
+        return read_metadata(source).config
+    if is_maxtext_checkpoint(source):
+        from serving.config import model_description
+
+        return model_description(cfg)
+    return _open(Path(source)).config
+
+
+def _open(path: Path, model: ModelConfig | None = None):
+    """The source at `path`, as `model` describes it (default: its own description)."""
+    return open_source(path, config=model or (_default_config(path) if _is_default_model(path) else None))
 
 
 def stored_int8(source: str) -> tuple[str, ...] | None:
@@ -139,14 +140,13 @@ def stored_int8(source: str) -> tuple[str, ...] | None:
     return None
 
 
-def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
-    """A checkpoint written by `pathserve convert`, with the quantization `cfg` asks for.
+def load_converted(path: str, cfg: ServingConfig, quantization: Quantization, shardings: Mapping | None = None) -> LoadedModel:
+    """A checkpoint written by `pathserve convert`, quantized as decided (`quantization`).
 
     `shardings` (runtime leaf path -> jax sharding): restore each array onto its devices, each
     process reading only its shards (serving.launch passes them on any mesh of more than one device)."""
     from serving.checkpoints.restore import load_checkpoint_tokenizer, restore_params
 
-    cfg = effective_config(path, cfg)
     metadata = read_metadata(path)
     params = restore_params(path, metadata, weight_dtype=cfg.weight_dtype, shardings=shardings)
     if not metadata.tokenizer_files:  # converted from a MaxText checkpoint, which has none
@@ -156,24 +156,23 @@ def load_converted(path: str, cfg: ServingConfig, shardings: Mapping | None = No
         if cfg.tokenizer_path:
             log.info("tokenizer_path=%s not used: %s carries its own tokenizer", cfg.tokenizer_path, path)
     fmt = f"pathserve {'int8' if metadata.quantization else metadata.dtype}"
-    return LoadedModel(metadata.config, _quantized_as_asked(params, cfg), tokenizer, path, fmt)
+    return LoadedModel(metadata.config, quantized(params, quantization), tokenizer, path, fmt)
 
 
-def load_maxtext(path: str, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
-    """A MaxText inference checkpoint (serving.checkpoints.maxtext_layout), for the model
+def load_maxtext(
+    path: str, cfg: ServingConfig, quantization: Quantization, model: ModelConfig, shardings: Mapping | None = None
+) -> LoadedModel:
+    """A MaxText inference checkpoint (serving.checkpoints.maxtext_layout), for the `model` that
     `model_name` (and MaxText's architecture keys) describe, with the tokenizer of `tokenizer_path`."""
     from serving.checkpoints.layout import NUMPY_DTYPES
     from serving.checkpoints.maxtext_restore import restore_maxtext
-    from serving.config import model_description
 
-    cfg = effective_config(path, cfg)
     layout = read_layout(path)
     if layout is None:
         raise CheckpointError(f"{path}: not a MaxText checkpoint")
-    model = model_description(cfg)
     params = restore_maxtext(path, model, cfg.model_name, NUMPY_DTYPES[cfg.weight_dtype], shardings, layout)
     tokenizer = load_tokenizer_path(cfg.tokenizer_path, path)
-    return LoadedModel(model, _quantized_as_asked(params, cfg), tokenizer, path, f"maxtext {layout.kind}")
+    return LoadedModel(model, quantized(params, quantization), tokenizer, path, f"maxtext {layout.kind}")
 
 
 def load_tokenizer_path(tokenizer_path: str, checkpoint: str) -> Tokenizer:
@@ -213,25 +212,31 @@ MAXTEXT_TOKENIZER_ASSETS = {
 
 def load_model(source: str | None, cfg: ServingConfig, shardings: Mapping | None = None) -> LoadedModel:
     """Load SOURCE (or `load_parameters_path`, or the default model) as `cfg` asks; `shardings`
-    apply to a converted or MaxText checkpoint (see load_converted)."""
+    apply to a converted or MaxText checkpoint (see load_converted). Start-up resolves once and
+    calls `load_resolved` (serving.startup.plan); this is that path for a tool or a test."""
     source = source or cfg.load_parameters_path or default_checkpoint()
+    return load_resolved(source, cfg, checkpoint_quantization(source, cfg), describe_model(source, cfg), shardings)
+
+
+def load_resolved(
+    source: str, cfg: ServingConfig, quantization: Quantization, model: ModelConfig, shardings: Mapping | None = None
+) -> LoadedModel:
+    """SOURCE as resolved (serving.startup.plan): `model` its description, `quantization` decided;
+    `cfg` gives the weights' dtype and the tokenizer path."""
     if is_checkpoint(source):
-        return load_converted(source, cfg, shardings)
+        return load_converted(source, cfg, quantization, shardings)
     if is_maxtext_checkpoint(source):
-        return load_maxtext(source, cfg, shardings)
-    if cfg.checkpoint_is_quantized:
-        raise ConfigError(f"checkpoint_is_quantized=true, but {source} is not an int8 checkpoint")
-    path = Path(source)
-    opened = open_source(path, config=_default_config(path) if _is_default_model(path) else None)
+        return load_maxtext(source, cfg, quantization, model, shardings)
+    opened = _open(Path(source), model)
     params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype)
     if not opened.tokenizer_files:
-        raise CheckpointError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
+        raise CheckpointError(f"{source}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
     tokenizer = tokenizer_from_files(opened.tokenizer_files)
-    return LoadedModel(opened.config, _quantized_as_asked(params, cfg), tokenizer, str(path), opened.format)
+    return LoadedModel(opened.config, quantized(params, quantization), tokenizer, str(Path(source)), opened.format)
 
 
-def _quantized_as_asked(params: dict, cfg: ServingConfig) -> dict:
-    """params with the entries `cfg.quantization` quantizes in int8 (those already int8 kept), and
-    under quantization=int8 (W8A8) every int8 matmul quantizing its input per token."""
-    params = quantize_params(params, int8_entries(cfg.quantization))
-    return with_int8_activations(params) if cfg.quantization == "int8" else params
+def quantized(params: dict, quantization: Quantization) -> dict:
+    """params with the entries `quantization` holds in int8 (those already int8 kept), and under
+    W8A8 (quantization=int8) every int8 matmul quantizing its input per token."""
+    params = quantize_params(params, quantization.int8)
+    return with_int8_activations(params) if quantization.activations else params

@@ -7,6 +7,7 @@ exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serving.checkpoints import cli as checkpoint_cli
-from serving.config import ConfigError, ServingConfig, config_dir, load_config, read_yaml
+from serving.config import ConfigError, ServingConfig, load_config
 from serving.deploy import cli as deploy_cli
 from serving.errors import GenerationError, UserError
-from serving.maxtext import is_config_file
+from serving.maxtext_config import is_config_file
+from serving.startup.profile import Given, given_config
 
 if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
     from serving.launch import Launched
@@ -193,8 +195,8 @@ def _launch(ns: argparse.Namespace) -> Launched:
     """The engine and its device loop, exactly as `serve` starts them (the same defaults)."""
     from serving.launch import launch
 
-    cfg, source = _serving_config(ns, ONE_SHOT_DEFAULTS)
-    return launch(cfg, source)
+    given, source = _given(ns, ONE_SHOT_DEFAULTS)
+    return launch(given.config, source, given.origins)
 
 
 def _stream(launched: Launched, prompt_ids: list[int], sampling: SamplingParams):
@@ -242,18 +244,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_perplexity(ns: argparse.Namespace) -> int:
-    from serving.checkpoints.model_source import effective_config, load_model
     from serving.engine.engine import Engine
     from serving.runtime import init_runtime, make_mesh
+    from serving.startup.plan import plan_launch
 
     try:
         text = ns.text_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise GenerationError(f"cannot read --text-file {ns.text_file}: {exc}") from None
-    cfg, source = _serving_config(ns, ONE_SHOT_DEFAULTS)
-    init_runtime(cfg.devices)
-    cfg = effective_config(source, cfg)
-    engine = Engine(load_model(source, cfg), cfg.engine, make_mesh(cfg.devices))
+    given, source = _given(ns, ONE_SHOT_DEFAULTS)
+    init_runtime(given.config.devices)
+    plan = plan_launch(given.config, source)
+    engine = Engine(plan.load(), plan.engine, make_mesh(plan.config.devices))
     params = engine.load_params()
     ids = engine.model.tokenizer.encode_prompt(text)
     window = min(ns.window, engine.limits.max_prefill_length)
@@ -310,24 +312,17 @@ def _chat(ns: argparse.Namespace, launched: Launched) -> int:
         messages.append({"role": "assistant", "content": _checked(handle.completion).text})
 
 
-def _serving_config(
-    ns: argparse.Namespace, command_defaults: dict | None = None
-) -> tuple[ServingConfig, str | None]:
-    """Config and SOURCE for the commands that start the engine, checked before any work.
-
-    The default model gets configs/serving/default.yml (int8, as `serve` runs it) under
-    `command_defaults`; a config file and key=value overrides go over both."""
+def _given(ns: argparse.Namespace, command_defaults: dict | None = None) -> tuple[Given, str | None]:
+    """The config (with where each key came from: serving.startup.profile) and SOURCE. The serving
+    profile applies to any model unless a MaxText config file is given; `command_defaults` over it,
+    a config file and key=value overrides over both."""
     maxtext, source, overrides = split_args(ns.args)
     if maxtext and ns.config:
         raise ConfigError(f"both a MaxText config file ({maxtext}) and --config {ns.config}: give one")
     if source and "://" not in source and not Path(source).exists():
         raise ConfigError(f"SOURCE not found: {source}")
-    config = maxtext or ns.config
-    # The default model gets the CPU-friendly defaults; any other model is served as configured.
-    default_model = not (source or config or any(o.startswith("load_parameters_path=") for o in overrides))
-    defaults = dict(read_yaml(config_dir() / "serving" / "default.yml")) if default_model else {}
-    defaults = {**defaults, **(command_defaults or {}), **_env_defaults()}
-    return load_config(config, overrides, defaults=defaults), source
+    given = given_config(maxtext or ns.config, overrides, source, command_defaults, _env_defaults())
+    return given, source
 
 
 def _env_defaults() -> dict[str, str]:
@@ -343,24 +338,25 @@ def _env_defaults() -> dict[str, str]:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from serving.api.server import serve
 
-    cfg, source = _serving_config(ns)
-    if not _is_leader(cfg):
-        return _follow(ns.command, cfg, source)
-    return serve(cfg, source, ns.host, ns.port)
+    given, source = _given(ns)
+    if not _is_leader(given.config):
+        return _follow(ns.command, given, source)
+    return serve(given.config, source, ns.host, ns.port, given.origins)
 
 
 def cmd_batch(ns: argparse.Namespace) -> int:
     from serving.batch.runner import run_batch
 
-    cfg, source = _serving_config(ns)
-    start = None
+    given, source = _given(ns)
+    cfg, launched = given.config, None
     if not _is_leader(cfg):
-        return _follow(ns.command, cfg, source)
+        return _follow(ns.command, given, source)
+    from serving.launch import launch
+
+    start = functools.partial(launch, origins=given.origins)
     if cfg.runtime == "multicontroller":
         # The followers bring the engine up whatever is left to run: so does process 0.
-        from serving.launch import launch
-
-        launched = launch(cfg, source)
+        launched = launch(cfg, source, given.origins)
         start = lambda cfg, source: launched  # noqa: E731
     try:
         summary = run_batch(
@@ -368,7 +364,7 @@ def cmd_batch(ns: argparse.Namespace) -> int:
             progress=not ns.quiet, start=start,
         )
     finally:
-        if start is not None:
+        if launched is not None:
             launched.orchestrator.stop(timeout=30)
     print(summary.to_json())
     return 0
@@ -387,7 +383,7 @@ def _is_leader(cfg: ServingConfig) -> bool:
     return jax.process_index() == 0
 
 
-def _follow(command: str, cfg: ServingConfig, source: str | None) -> int:
+def _follow(command: str, given: Given, source: str | None) -> int:
     """A follower of a multi-controller slice: no servers, no reader; execute process 0's plans."""
     import jax
 
@@ -396,7 +392,7 @@ def _follow(command: str, cfg: ServingConfig, source: str | None) -> int:
     where = f"process {jax.process_index()} of {jax.process_count()}"
     print(f"pathserve {command}: {where} follows process 0 (no servers here)", file=sys.stderr, flush=True)
     try:
-        executed = follow_plans(cfg, source)
+        executed = follow_plans(given.config, source, given.origins)
     except UserError:
         raise
     except Exception as exc:  # a failed collective: process 0 (or another peer) is gone

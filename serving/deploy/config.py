@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serving.config import ConfigError, ServingConfig, build, load_config, parse_overrides, read_yaml
 from serving.deploy.errors import DeployError
-from serving.maxtext import is_config_file
+from serving.maxtext_config import is_config_file
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _JAX_TAG = re.compile(r"jax-(\d+\.\d+\.\d+\S*)")

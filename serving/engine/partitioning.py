@@ -6,7 +6,7 @@ same shapes and specs, so the plan cannot drift from what the engine places.
 
 Every leaf carries MaxText's logical axis names, dimension by dimension, and the active
 `logical_axis_rules` (MaxText's `base.yml` by default, a recipe file's where one is given; see
-serving.maxtext) map them to mesh axes exactly as MaxText (Flax) does: rules are read in order, and
+serving.maxtext_config) map them to mesh axes exactly as MaxText (Flax) does: rules are read in order, and
 a rule names the mesh axes of the first dimension of its logical name not yet assigned, unless one
 of those mesh axes is already taken by another dimension of the same array. The names:
 
@@ -42,7 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from serving.maxtext import Rules, base_rules, normalize_rules
+from serving.maxtext_config import Rules, base_rules, normalize_rules
 from serving.models.config import ModelConfig
 from serving.models.params import EMBEDDING, LAYER_KEYS, int8_entries, param_shapes
 

@@ -12,8 +12,9 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from serving.config import ConfigError, weights_unsupported
+from serving.errors import ConfigError
 from serving.kernels import cpu_attention, cpu_matmul, library, packing
+from serving.kernels.support import weights_unsupported
 from serving.models.cache import KVCache
 from serving.models.config import ModelConfig
 from serving.models.ops import XLA, XlaOps

@@ -36,7 +36,10 @@ def _proposed(server, method):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_serve_speculates_with_the_same_text(tiny_model_dir, tmp_path, method):
-    extra = ["enable_model_warmup=true"] if method == "ngram" else [f"speculative_model={tiny_model_dir}"]
+    extra = (
+        ["enable_model_warmup=true"] if method == "ngram"
+        else [f"speculative_model={tiny_model_dir}", "enable_model_warmup=false"]  # not the serving profile's
+    )
     server = ServerProcess.pathserve(
         str(tiny_model_dir), *OVERRIDES, f"speculative_method={method}", *extra
     ).wait_ready()

@@ -54,6 +54,7 @@ OVERRIDES = [
     f"max_queued_requests={QUEUE}",
     "max_prefill_predict_length=64",
     f"max_target_length={LONG + 2048}",
+    "enable_model_warmup=false",  # the serving profile's warmup would compile every window up to LONG
 ]
 SYSTEM = "Be brief."
 QUESTION = "Tell me about lighthouses and ships."

@@ -29,15 +29,15 @@ def main(path: str, process_id: int, port: int, flags: list[str]) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from serving.checkpoints.model_source import effective_config, load_model
     from serving.launch import restore_shardings
     from serving.models import prefill
+    from serving.startup.plan import plan_launch
 
-    cfg = effective_config(path, cfg)
-    mesh = make_mesh(cfg.devices)
-    shardings = restore_shardings(path, cfg, mesh)
+    plan = plan_launch(cfg, path)
+    mesh = make_mesh(plan.config.devices)
+    shardings = restore_shardings(plan, mesh)
     assert shardings is not None, "restored as stored: no quantization on load"
-    model = load_model(path, cfg, shardings=shardings)
+    model = plan.load(shardings)
     held = total = 0
     for array in jax.tree.leaves(model.params):
         total += array.nbytes

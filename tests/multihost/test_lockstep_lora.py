@@ -31,7 +31,10 @@ def test_a_pair_serves_each_adapter_through_one_device_slot(tiny_model_dir, adap
     from serving.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    engine = [a for a in ENGINE if not a.startswith(("enable_model_warmup", "enable_background_warmup"))]
+    engine = [
+        *(a for a in ENGINE if not a.startswith(("enable_model_warmup", "enable_background_warmup"))),
+        "enable_model_warmup=false",
+    ]
     lora = [f"lora_input_adapters_path={adapters[0]}", "max_loras=1"]
     coordinator = free_port()
     pair = [

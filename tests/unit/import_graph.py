@@ -1,6 +1,8 @@
 """The import graph of a source tree, read from the files (nothing is imported): for boundary tests.
 
-Imports under `if TYPE_CHECKING:` are left out (they never run); imports inside functions count.
+Imports inside functions count. Imports under `if TYPE_CHECKING:` never run: `graph` leaves them
+out by default and `type_only_imports` lists them, so that a test can count them and say which
+cycles they would close (`graph(..., type_checking=True)`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
     return out
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that the file imports (absolute imports only)."""
+def imports_of(path: Path, known: set[str], type_checking: bool = False) -> set[str]:
+    """The modules of `known` that the file imports (absolute imports only); those under
+    `if TYPE_CHECKING:` only with `type_checking`."""
     found: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
             test = node.test
             name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
-            if name == "TYPE_CHECKING":
+            if name == "TYPE_CHECKING" and not type_checking:
                 for child in node.orelse:
                     self.visit(child)
                 return
@@ -47,11 +50,18 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return {name for name in found if name in known}
 
 
-def graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports."""
+def graph(root: Path, package: str, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (with `type_checking`, also those it
+    imports for annotations only)."""
     modules = module_names(root, package)
     known = set(modules)
-    return {name: imports_of(path, known) - {name} for name, path in modules.items()}
+    return {name: imports_of(path, known, type_checking) - {name} for name, path in modules.items()}
+
+
+def type_only_imports(root: Path, package: str) -> list[str]:
+    """"module -> target" for each import of the package that runs only under TYPE_CHECKING."""
+    at_run_time, with_types = graph(root, package), graph(root, package, type_checking=True)
+    return sorted(f"{m} -> {t}" for m, targets in with_types.items() for t in targets - at_run_time[m])
 
 
 def collapse(edges: dict[str, set[str]], depth: int) -> dict[str, set[str]]:

@@ -1,5 +1,9 @@
 """The boundaries the design states (../shared/DESIGN.md), checked on the source: no cycles, a model that names no backend,
-front-ends and deploy without JAX. Each check is also shown to fail on a tree that breaks it."""
+front-ends and deploy without JAX. Each check is also shown to fail on a tree that breaks it.
+
+"No cycles" is of the imports that run. Imports under `if TYPE_CHECKING:` (annotations only) are
+counted and pinned here, with the cycles they would close: a new one fails the test until it is
+listed (or removed)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.import_graph import collapse, cycles, graph
+from tests.unit.import_graph import collapse, cycles, graph, type_only_imports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +33,43 @@ def test_the_serving_package_has_no_import_cycles():
     assert cycles(collapse(edges, 2)) == []  # nor between its packages (serving.engine, ...)
 
 
+# Imports for annotations only (under TYPE_CHECKING), and the cycles they would close if they ran.
+TYPE_ONLY_IMPORTS = [
+    "serving.api.app -> serving.orchestrator",
+    "serving.api.app -> serving.request",
+    "serving.api.state -> serving.orchestrator",
+    "serving.api.state -> serving.text.tokenizer",
+    "serving.batch.runner -> serving.orchestrator",
+    "serving.engine.chunked -> serving.engine.warmup",
+    "serving.engine.warmup -> serving.engine.engine",
+    "serving.grpc.adapters -> serving.api.state",
+    "serving.grpc.decode -> serving.text.tokenizer",
+    "serving.grpc.server -> serving.api.state",
+    "serving.grpc.service -> serving.api.state",
+    "serving.grpc.service -> serving.orchestrator",
+    "serving.openai.convert -> serving.orchestrator",
+    "serving.openai.convert -> serving.text.tokenizer",
+    "serving.openai.logprobs -> serving.text.tokenizer",
+    "serving.openai.streaming -> serving.orchestrator",
+    "serving.openai.streaming -> serving.text.tokenizer",
+    "serving.openai.tool_calls -> serving.text.tokenizer",
+    "serving.orchestrator.orchestrator -> serving.lora.registry",
+    "serving.orchestrator.streams -> serving.orchestrator.orchestrator",
+]
+CYCLES_WITH_TYPE_ONLY_IMPORTS = [
+    ["serving.engine.engine", "serving.engine.chunked", "serving.engine.warmup", "serving.engine.engine"],
+    ["serving.orchestrator.orchestrator", "serving.orchestrator.streams", "serving.orchestrator.orchestrator"],
+]
+PACKAGE_CYCLES_WITH_TYPE_ONLY_IMPORTS = [["serving.api", "serving.grpc", "serving.api"]]
+
+
+def test_imports_for_annotations_only_are_counted_with_the_cycles_they_would_close():
+    assert type_only_imports(REPO, "serving") == TYPE_ONLY_IMPORTS
+    edges = graph(REPO, "serving", type_checking=True)
+    assert cycles(edges) == CYCLES_WITH_TYPE_ONLY_IMPORTS
+    assert cycles(collapse(edges, 2)) == PACKAGE_CYCLES_WITH_TYPE_ONLY_IMPORTS
+
+
 def test_the_model_imports_nothing_of_serving_outside_it():
     assert _violations_of_the_model_boundary(graph(REPO, "serving")) == []
 
@@ -44,6 +85,10 @@ def test_the_checks_fail_on_a_tree_that_breaks_them(tmp_path):
     edges = graph(tmp_path, "serving")
     assert cycles(edges) == [["serving.kernels.cpu", "serving.models.llama", "serving.kernels.cpu"]]
     assert _violations_of_the_model_boundary(edges) == ["serving.models.llama -> serving.kernels.cpu"]
+    (kernels / "cpu.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import serving.models.llama\n")
+    assert cycles(graph(tmp_path, "serving")) == []  # the import that closed it runs only for types
+    assert type_only_imports(tmp_path, "serving") == ["serving.kernels.cpu -> serving.models.llama"]
+    assert cycles(graph(tmp_path, "serving", type_checking=True)) != []
 
 
 NO_JAX = (

@@ -196,3 +196,22 @@ def test_the_background_warmup_is_on_by_default_and_off_by_its_own_key():
     assert (cfg.enable_model_warmup, cfg.engine.enable_background_warmup) == (True, False)
     engine = SimpleNamespace(config=cfg.engine)
     assert start_background(engine, {}, state=None, shapes=[(1, 16, 128)]) is None
+
+
+def test_each_default_is_written_once_on_servingconfig_and_the_parts_read_it():
+    """A component's part built with no arguments equals ServingConfig's defaults' part."""
+    from serving.config import (
+        DevicesConfig,
+        EngineConfig,
+        LoraConfig,
+        OrchestratorConfig,
+        ServerConfig,
+        ServingConfig,
+        SpeculativeConfig,
+    )
+
+    cfg = ServingConfig()
+    assert (cfg.engine, cfg.lora, cfg.devices, cfg.server) == (EngineConfig(), LoraConfig(), DevicesConfig(), ServerConfig())
+    assert (cfg.orchestrator, cfg.speculative) == (OrchestratorConfig(), SpeculativeConfig())
+    source = (Path(__file__).parents[2] / "serving" / "config.py").read_text()
+    assert source.count("max_lora_rank: int = Field(default=16") == 1 and "max_lora_rank: int = 16" not in source

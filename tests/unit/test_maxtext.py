@@ -1,4 +1,4 @@
-"""MaxText config files read as MaxText reads them (serving.maxtext), and the JetStream guide's engine
+"""MaxText config files read as MaxText reads them (serving.maxtext_config), and the JetStream guide's engine
 arguments, verbatim, through `pathserve deploy plan` (no JAX)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _rules(cfg) -> dict[str, list]:
 
 
 def test_the_guides_arguments_load_with_the_recipes_rules_and_name_the_keys_without_effect(caplog):
-    with caplog.at_level(logging.WARNING, logger="serving.maxtext"):
+    with caplog.at_level(logging.WARNING, logger="serving.maxtext_config"):
         cfg = load_config(GUIDE_ARGS[0], GUIDE_ARGS[1:])
     assert (cfg.model_name, cfg.load_parameters_path, cfg.per_device_batch_size) == (
         "llama3.1-405b", "CHECKPOINT_PATH", 10.0,

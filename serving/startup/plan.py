@@ -1,0 +1,117 @@
+"""Start-up's one resolved value: flags, config files and the checkpoint's own description, resolved
+once into a frozen `LaunchPlan` before anything is placed. Placement, restore, the engine and the
+kernels read it; nothing writes back.
+
+1. SOURCE: the argument, else `load_parameters_path`, else the default model (converted once).
+2. The checkpoint's description: its model (metadata, config.json, a GGUF header; a MaxText
+   checkpoint's from `model_name` and MaxText's architecture keys) and what it stores in int8.
+3. Quantization, decided by serving.quantization_mode's one rule over the flags and (2).
+4. Slots: a count the serving profile proposed is sized to the memory and the model
+   (serving.startup.slots); a count the user gave stays.
+5. Where each figure came from (serving.startup.profile's origins, plus the checkpoint and the
+   memory), for the ready line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from serving.checkpoints.checkpoint import is_checkpoint
+from serving.checkpoints.maxtext_restore import is_maxtext_checkpoint
+from serving.checkpoints.model_source import (
+    LoadedModel,
+    checkpoint_quantization,
+    default_checkpoint,
+    describe_model,
+    load_resolved,
+)
+from serving.config import EngineConfig, ServingConfig
+from serving.engine.partitioning import Numerics
+from serving.models.config import ModelConfig
+from serving.quantization_mode import Quantization
+from serving.startup.profile import FROM_DEFAULT, FROM_PROFILE
+from serving.startup.slots import memory_per_chip, size_slots
+
+FROM_CHECKPOINT = "the checkpoint"
+# The figures the ready line says the origin of: (label, ServingConfig key).
+FIGURES = (
+    ("slots", "per_device_batch_size"),
+    ("quantization", "quantization"),
+    ("warmup", "enable_model_warmup"),
+    ("prefix cache", "prefix_cache"),
+    ("max_target_length", "max_target_length"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What start-up resolved: the config as served, the source, the model, the weights' numerics."""
+
+    config: ServingConfig  # quantization and checkpoint_is_quantized as decided, slots as sized
+    source: str
+    model: ModelConfig  # the checkpoint's own description
+    quantization: Quantization
+    checkpoint: bool = False  # a converted or MaxText checkpoint (Orbax): restorable onto shards
+    origins: Mapping[str, str] = field(default_factory=dict)  # ServingConfig key -> where it came from
+
+    @property
+    def engine(self) -> EngineConfig:
+        return self.config.engine
+
+    def numerics(self) -> Numerics:
+        """The placement's numerics: the config's dtypes and rules, the int8 entries as decided."""
+        return Numerics.of(self.config, int8=self.quantization.int8)
+
+    def restored_as_stored(self) -> bool:
+        """A checkpoint whose arrays are restored as they are stored (nothing quantized on load), so
+        each can go straight onto its shards."""
+        return self.checkpoint and not self.quantization.quantized_on_load
+
+    def origins_line(self) -> str:
+        """Where the ready line's figures came from, e.g. 'slots: serving profile, quantization: command line'."""
+        return ", ".join(f"{label}: {self.origins.get(key, FROM_DEFAULT)}" for label, key in FIGURES)
+
+    def load(self, shardings: Mapping | None = None) -> LoadedModel:
+        """The weights and tokenizer, as resolved (`shardings`: see restore_shardings)."""
+        return load_resolved(self.source, self.config, self.quantization, self.model, shardings)
+
+
+def plan_launch(
+    cfg: ServingConfig,
+    source: str | None,
+    devices: Sequence | None = None,
+    origins: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """Resolve `cfg` and SOURCE (see the module docstring). `devices`: those the engine will run on
+    (the profile's slots are sized to their memory; None sizes nothing); `origins`: where each key
+    of `cfg` came from (serving.startup.profile.Given)."""
+    source = source or cfg.load_parameters_path or default_checkpoint()
+    quantization = checkpoint_quantization(source, cfg)
+    model = describe_model(source, cfg)
+    origins = dict(origins or {})
+    updates: dict = {"quantization": quantization.mode, "checkpoint_is_quantized": quantization.checkpoint_is_quantized}
+    if quantization.stored and "quantization" not in cfg.model_fields_set:
+        origins["quantization"] = FROM_CHECKPOINT
+    if devices is not None and origins.get("per_device_batch_size") == FROM_PROFILE and cfg.runtime != "multicontroller":
+        sized = _sized(cfg.model_copy(update=updates), model, quantization, devices)
+        if sized is not None:
+            per_device, why = sized
+            updates["per_device_batch_size"] = float(per_device)
+            origins["per_device_batch_size"] = f"{FROM_PROFILE} ({why})"
+    checkpoint = is_checkpoint(source) or is_maxtext_checkpoint(source)
+    frozen = MappingProxyType(origins)  # read, never written back
+    return LaunchPlan(cfg.model_copy(update=updates), source, model, quantization, checkpoint, frozen)
+
+
+def _sized(cfg: ServingConfig, model: ModelConfig, quantization: Quantization, devices: Sequence):
+    """(slots per device, why) for the profile's count sized to the memory; None when unknown.
+    Multi-controller processes keep the profile's count: each process must choose the same."""
+    memory = memory_per_chip(devices)
+    if memory is None:
+        return None
+    asked = max(1, int(cfg.per_device_batch_size))
+    numerics = Numerics.of(cfg, int8=quantization.int8)
+    sized = size_slots(model, numerics, cfg.parallelism(len(devices)), asked, cfg.max_target_length, memory)
+    return sized.per_device, sized.describe(asked * len(devices))

@@ -1,0 +1,91 @@
+"""Decode slots sized to the memory and the model, for a slot count the serving profile proposes.
+
+The profile's 64 slots were measured on SmolLM2-135M (47 MB of float32 KV cache per slot at 1024
+positions); Llama 3.2 1B's slot holds 64 MiB, a 70B's several GB. So a profile's figure is the most
+slots, and a model gets fewer when its cache would not fit: at most KV_SHARE of the memory a chip has
+left after the weights (its placement's own bytes, serving.engine.partitioning). A count the user
+gives is never changed: the memory check of serving.engine.memory still refuses one that does not fit.
+
+Plain Python: the bytes come from the placement, the memory from the devices (or the host's
+memory for CPU devices, which report none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving.engine.partitioning import MESH_AXES, Numerics, placement
+from serving.models.config import ModelConfig
+
+KV_SHARE = 0.5  # of a chip's memory left after the weights, what the KV cache may take
+
+
+@dataclass(frozen=True)
+class SizedSlots:
+    """The slots per device chosen, and the figures behind them."""
+
+    per_device: int
+    fit: int  # slots (in all) the memory holds
+    memory_per_chip: int  # bytes
+    kv_per_slot_per_chip: int  # bytes
+
+    def describe(self, asked: int) -> str:
+        gib = 1 << 30
+        return (
+            f"memory allows {self.fit} of {asked}: {self.kv_per_slot_per_chip / (1 << 20):.0f} MiB of KV cache "
+            f"per slot, {KV_SHARE:.0%} of {self.memory_per_chip / gib:.1f} GiB per chip after the weights"
+        )
+
+
+def size_slots(
+    model: ModelConfig,
+    numerics: Numerics,
+    parallelism: tuple[int, int, int],
+    per_device: int,
+    length: int,
+    memory_per_chip: int,
+) -> SizedSlots:
+    """At most `per_device` slots per device, as many as `memory_per_chip` holds (at least one)."""
+    axes = dict(zip(MESH_AXES, parallelism, strict=True))
+    devices = parallelism[0] * parallelism[1] * parallelism[2]
+    one = placement(model, numerics, axes, devices, length)  # one slot per device
+    params = one.params_bytes_per_chip()
+    kv_per_slot = max(1, one.cache_bytes_per_chip() // devices)
+    room = max(0, int(KV_SHARE * (memory_per_chip - params)))
+    fit = max(1, room // kv_per_slot)
+    chosen = max(1, min(per_device, fit // devices))
+    return SizedSlots(chosen, fit, memory_per_chip, kv_per_slot)
+
+
+def memory_per_chip(devices: Sequence) -> int | None:
+    """The smallest `bytes_limit` the devices report, or for CPU devices (which report none) the
+    host's memory shared among them; None when neither is known."""
+    limits = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # backends without memory stats raise or return None
+            stats = None
+        if (stats or {}).get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    if limits:
+        return min(limits)
+    host = host_memory()
+    return host // max(1, len(devices)) if host else None
+
+
+def host_memory() -> int | None:
+    """The host's memory: physical memory, or the container's limit (cgroup v2) when lower; None
+    when unknown. Not what is free now: the same machine sizes the same slots whatever else runs."""
+    sizes = []
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sizes.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    with contextlib.suppress(OSError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            sizes.append(int(limit))
+    return min(sizes) if sizes else None
