@@ -199,6 +199,7 @@ def test_generate_and_perplexity_take_an_int8_checkpoint_without_flags(smollm2_c
     assert 1 < out["perplexity"] < 100 and out["quantization"] == "int8w"
 
 
+@pytest.mark.slow  # converts the default model in an empty home (docs/development.md)
 def test_default_model_is_converted_once_into_pathserve_home(tmp_path):
     env_home = {"PATHSERVE_HOME": str(tmp_path / "home")}
     args = ("generate", "--prompt", "Hello", "--max-tokens", "2", "--json")

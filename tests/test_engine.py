@@ -137,6 +137,7 @@ def test_limits_are_errors_the_caller_sees(tiny):
         engine.limits.pad([])
 
 
+@pytest.mark.slow  # 256 positions of SmolLM2 through the engine and twice teacher-forced (docs/development.md)
 def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     """Greedy top-1 agreement >= 95% over 256 positions between the int8 and the float KV cache,
     both fed the float cache's greedy continuation (teacher forcing: one early flip would otherwise

@@ -24,6 +24,8 @@ from serving.deploy.plan import make_plan
 from tests.conftest import make_hf_tokenizer
 from tests.deploy.conftest import CONFIGS
 
+pytestmark = pytest.mark.slow  # one 16-device process runs every case (docs/development.md)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = """name: {name}
 num_layers: 2

@@ -16,6 +16,8 @@ import pytest
 from tests.backends import expected_backend
 from tests.server_process import REPO, ServerProcess, free_port, metric, wait_for
 
+pytestmark = pytest.mark.slow  # the real model's server, its 64 slots warmed up (docs/development.md)
+
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -34,6 +34,7 @@ def _proposed(server, method):
     return float(re.search(pattern, text, re.M).group(1))
 
 
+@pytest.mark.slow  # two servers, each compiling its verify calls (docs/development.md)
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_serve_speculates_with_the_same_text(tiny_model_dir, tmp_path, method):
     extra = (

@@ -90,6 +90,7 @@ def test_int8_weights_with_adapters_agree_with_float_peft_as_int8_does(smollm2, 
         assert np.exp(nll(ours)) <= np.exp(nll(expected)) * 1.02, name
 
 
+@pytest.mark.slow  # peft's batched reference on SmolLM2 (docs/development.md)
 def test_served_greedy_tokens_equal_peft_batched_with_the_base_model(smollm2_path, adapters, references, tmp_path):
     from serving.checkpoints.model_source import load_model
     from serving.engine.engine import Engine

@@ -26,6 +26,8 @@ import pytest
 
 from tests.server_process import REPO, ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # three servers over 4 + 4 + 8 virtual devices (docs/development.md)
+
 PROMPTS = [f"{word} number {i}" for i, word in enumerate(["the", "a", "one", "two", "red", "blue", "cat", "sun"])]
 MAX_TOKENS = 12
 LIVENESS_TIMEOUT_S = 10
