@@ -30,6 +30,7 @@ OVERRIDES = [
     "max_target_length=1536",
     "decode_steps_per_call=4",
     "cpu_kernels=off",  # XLA's ops: the logits the test computes itself, and no kernel build
+    "enable_model_warmup=false",  # the serving profile's warmup: minutes for 20 slots up to 1536
 ]
 TEXT = "The history of the lighthouse is closely tied to the history of ships and of the sea."
 PROMPT = "The history of the lighthouse is closely tied to"

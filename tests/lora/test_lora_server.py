@@ -54,6 +54,7 @@ def server(tiny_model_dir, adapters):
         "per_device_batch_size=4",
         "max_prefill_predict_length=64",
         "max_target_length=256",
+        "enable_model_warmup=false",  # as before the serving profile applied to any model
         f"lora_input_adapters_path={adapters[0]}",
         "max_loras=2",
         f"grpc_port={grpc_port}",
