@@ -29,7 +29,7 @@ serve: install
 
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The web playground's test (tests/browser/) drives Debian's chromium with playwright; chromium-driver
 # (its WebDriver) comes along for selenium. Installed with apt-get when missing (CI runs as root);
