@@ -309,4 +309,5 @@ def test_python_examples_run_against_the_server(block: Block, server, stubs_dir)
         [sys.executable, "-c", code], cwd=stubs_dir, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, f"{block.path}:{block.line}:\n{run.stderr[-3000:]}"
-    assert run.stdout.strip(), f"{block.path}:{block.line} printed nothing"
+    # It printed (a sampled reply of the tiny random model may be empty: an end-of-sequence first).
+    assert run.stdout, f"{block.path}:{block.line} printed nothing"

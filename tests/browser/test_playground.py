@@ -55,6 +55,9 @@ OVERRIDES = [
     "max_prefill_predict_length=64",
     f"max_target_length={LONG + 2048}",
     "enable_model_warmup=false",  # the serving profile's warmup would compile every window up to LONG
+    # 4 steps a call, as the Stop test's bound counts them (the serving profile's 2 also doubles
+    # the page's redraws of a reply growing to LONG tokens: Stop's click waited 60 s for a busy page).
+    "decode_steps_per_call=4",
 ]
 SYSTEM = "Be brief."
 QUESTION = "Tell me about lighthouses and ships."
