@@ -60,7 +60,7 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
     On a multi-controller slice this is process 0's path: its executor broadcasts every plan to the
     followers (`follow_plans`), and the process exits non-zero if the lockstep breaks."""
     started = time.perf_counter()
-    plan, model, engine, params, warmup = _bring_up_planned(cfg, source, origins)
+    plan, model, engine, params, warmup = _bring_up(cfg, source, origins)
     cfg = plan.config
     make_executor, lockstep = Executor, None
     if is_multiprocess():
@@ -97,17 +97,12 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
     """A follower process of a multi-controller slice: the same bring-up as process 0 (every
     compiled call is collective), then execute process 0's plans until it stops; returns the
     number of plans executed. Raises when the leader is gone (a failed collective)."""
-    _, model, engine, params, _ = _bring_up_planned(cfg, source, origins)
+    _, model, engine, params, _ = _bring_up(cfg, source, origins)
     log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
     return follow(Executor(engine, params), PlanChannel())
 
 
-def _bring_up(cfg: ServingConfig, source: str | None):
-    """(model, engine, params, warmup seconds): `_bring_up_planned` without the plan."""
-    return _bring_up_planned(cfg, source)[1:]
-
-
-def _bring_up_planned(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
+def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
     """Runtime, the one plan, placement and restore, the engine, warmup, in that order."""
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     import jax

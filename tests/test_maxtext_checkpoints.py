@@ -370,7 +370,7 @@ import jax
 from serving.config import load_config
 from serving.launch import _bring_up
 cfg = load_config(None, sys.argv[2:])
-model, engine, params, _ = _bring_up(cfg, sys.argv[1])
+_, model, engine, params, _ = _bring_up(cfg, sys.argv[1])
 gc.collect()
 placed = sum(a.nbytes for a in jax.tree.leaves(params))
 live = sum(a.nbytes for a in jax.live_arrays())
