@@ -27,9 +27,13 @@ GRPC_PORT ?= 9000
 serve: install
 	$(BIN)/pathserve serve --host $(HOST) --port $(PORT) grpc_port=$(GRPC_PORT)
 
+# Two workers (pytest-xdist): one runs while the other waits on a server, a subprocess or a
+# compile. Tests are grouped by module and the shared tiny server's users stay on one worker
+# (tests/conftest.py says how); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # The web playground's test (tests/browser/) drives Debian's chromium with playwright; chromium-driver
 # (its WebDriver) comes along for selenium. Installed with apt-get when missing (CI runs as root);

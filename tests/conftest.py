@@ -224,8 +224,27 @@ TINY_SERVER_ARGS = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `drains_tiny_server` stop the shared server: they run after every other test."""
-    items.sort(key=lambda item: item.get_closest_marker("drains_tiny_server") is not None)
+    """The order and the groups that `make test`'s two workers (pytest-xdist, `--dist loadgroup`)
+    run by:
+    - every test that uses the shared tiny server is in one group, so one worker starts it once;
+      tests marked `drains_tiny_server` stop it, so they run last;
+    - every other test is grouped by its module, so module-scoped engines are built once;
+    - modules with a `slow` test come first: a worker that draws one late would run alone at the end.
+    Plain `pytest` (one process) runs the same order."""
+    for item in items:
+        group = "tiny_server" if "tiny_server" in getattr(item, "fixturenames", ()) else _module(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+    slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(
+        key=lambda item: (
+            _module(item) not in slow_modules,
+            item.get_closest_marker("drains_tiny_server") is not None,
+        )
+    )
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session")

@@ -34,3 +34,37 @@ def test_a_session_removes_its_scratch_and_keeps_its_home_in_the_cache(tmp_path)
     assert not os.path.exists(printed["SCRATCH"])
     assert os.listdir(tmp_path) == []
     assert printed["HOME"] == str(tmp_path.parent / "kept-cache" / "home")
+
+
+ORDER = """
+import sys, pytest
+class Spy:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            print("ITEM", item.nodeid, item.get_closest_marker("xdist_group").args[0], flush=True)
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Spy()]))
+"""
+
+
+def test_the_workers_groups_keep_the_shared_server_on_one_worker_and_its_drain_last():
+    """`make test`'s two workers (`-n 2 --dist loadgroup`) run by the groups tests/conftest.py marks."""
+    files = ["tests/test_sampling.py", "tests/grpc/test_server.py", "tests/api/test_server.py", "tests/test_sharding.py"]
+    result = subprocess.run(
+        [sys.executable, "-c", ORDER, *files], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    items = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("ITEM ")]
+    groups = {node: group for node, group in items}
+    order = [node for node, _ in items]
+    assert set(groups.values()) == {
+        "tiny_server", "tests/test_sampling.py", "tests/api/test_server.py", "tests/test_sharding.py"
+    }
+    # The server's users share one group; tests with a server of their own keep their module's.
+    assert groups["tests/api/test_server.py::test_healthcheck_is_503_until_ready_then_200"] == "tiny_server"
+    assert groups["tests/api/test_server.py::test_serve_exits_2_when_the_model_cannot_be_loaded"] == (
+        "tests/api/test_server.py"
+    )
+    # The drain runs last; the module with a `slow` test first.
+    assert order[-1] == "tests/grpc/test_server.py::test_sigterm_drains_grpc_streams_and_refuses_new_calls"
+    slow = [node.startswith("tests/test_sharding.py::") for node in order]
+    assert slow == sorted(slow, reverse=True) and any(slow)

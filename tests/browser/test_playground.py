@@ -231,7 +231,10 @@ def test_stop_ends_the_stream_and_frees_the_slot(page, server):
             "() => { const r = [...document.querySelectorAll('#messages li.assistant')].at(-1);"
             " return r && r.dataset.state === 'streaming' && r.querySelector('.content').textContent.length > 0; }"
         )
-        page.click("#stop")
+        # The click event itself: Page.click first waits for two animation frames with the button
+        # in one place, and a 2-core machine redrawing the stream under load may not give it those
+        # within a minute (seen: "locator resolved to <button id=stop>" and nothing more).
+        page.locator("#stop").dispatch_event("click")
     finally:
         page.unroute("**/v1/chat/completions", never_at_end_of_sequence)
     # The server saw the client go: the request ends as cancelled, not at its length, and its slot
