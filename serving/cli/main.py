@@ -47,6 +47,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -130,6 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--output", required=True, help="a directory or gs:// prefix for the results")
     batch.add_argument("--shard-size", type=_positive_int, default=1000, help="input lines per shard")
     batch.add_argument("--restart", action="store_true", help="discard earlier results under --output")
+    batch.add_argument(
+        "--worker-id",
+        default=None,
+        help="this worker's name among many on one output; stable across its restarts (e.g. the "
+        "pod's index), it takes back its own claims at once (default: unique to this process)",
+    )
+    batch.add_argument(
+        "--lease-seconds",
+        type=_positive_float,
+        default=60.0,
+        help="a shard whose worker stopped renewing its claim this long is taken over by another",
+    )
     batch.add_argument("--quiet", action="store_true", help="no progress on stderr")
     batch.set_defaults(handler=cmd_batch)
 
@@ -361,7 +383,7 @@ def cmd_batch(ns: argparse.Namespace) -> int:
     try:
         summary = run_batch(
             ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart,
-            progress=not ns.quiet, start=start,
+            progress=not ns.quiet, start=start, worker_id=ns.worker_id, lease_s=ns.lease_seconds,
         )
     finally:
         if launched is not None:
