@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from serving.deploy import gateway
 from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
@@ -59,7 +60,7 @@ def engine_container(cfg: DeploymentConfig, tpu: Slice, leader: bool) -> dict[st
 
 def _pod(cfg: DeploymentConfig, tpu: Slice, role: str) -> dict[str, Any]:
     return {
-        "metadata": {"labels": {**labels(cfg), "role": role}},
+        "metadata": {"labels": {**labels(cfg), "role": role, **(gateway.engine_type_labels(cfg) if role == "leader" else {})}},
         "spec": {
             "nodeSelector": tpu_node_selector(tpu),
             "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
