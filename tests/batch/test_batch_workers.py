@@ -81,7 +81,7 @@ def test_four_workers_two_killed_at_seeded_random_points_lose_and_repeat_nothing
     gcs, tiny_model_dir, expected, tmp_path  # noqa: F811
 ):
     rng = random.Random(44)
-    rows = prompts(80)
+    rows = prompts(60)  # 12 shards of 5 (the note's run: 400 lines, measured by hand)
     for path in write_files(tmp_path, rows, 2):
         upload(gcs, f"kill4-in/{path.name}", path.read_bytes())
     args = _args("kill4", tiny_model_dir, 5)
@@ -94,7 +94,7 @@ def test_four_workers_two_killed_at_seeded_random_points_lose_and_repeat_nothing
 
     kills = []
     for n, victim in enumerate(victims):
-        target = done() + rng.randint(1, 4)
+        target = done() + rng.randint(1, 3)
         deadline = time.monotonic() + 240
         while workers[victim].poll() is None and done() < target and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -112,7 +112,7 @@ def test_four_workers_two_killed_at_seeded_random_points_lose_and_repeat_nothing
     assert kills, "no worker was killed: the job finished before the first kill point"
     live = [p for p in workers.values() if p.returncode is None]
     summaries = [finish(p, timeout=300) for p in live]
-    assert all(s["rows_ok"] == 80 and s["shards"] == 16 for s in summaries)
+    assert all(s["rows_ok"] == 60 and s["shards"] == 12 for s in summaries)
     _check_output(gcs, "kill4-out", rows, expected)
     claims = _claims(gcs, "kill4-out")
-    assert len(claims) == 16 and all(c["state"] == "done" for c in claims)
+    assert len(claims) == 12 and all(c["state"] == "done" for c in claims)
