@@ -2,7 +2,8 @@
 lets many batch workers share an output prefix without a coordinator.
 
 `create(name, data)` succeeds only if no object `name` exists; `replace(name, data, generation)`
-only if the object is still at `generation` (the one `read` returned). On `gs://` these are GCS's
+only if the object is still at `generation` (the one `read` returned). `write_fenced` writes a
+shard's results only while its claim is the writer's (see serving.batch.claims). On `gs://` these are GCS's
 own preconditions (`ifGenerationMatch=0` and `ifGenerationMatch=<generation>`), checked by the
 storage service, so two workers can never both win. On a local directory an exclusive `flock` on
 one lock file makes the check and the write one step (workers on one machine or one shared POSIX
@@ -34,8 +35,16 @@ class ConditionalStore(Protocol):
     def replace(self, name: str, data: bytes, generation: int) -> int | None:
         """Overwrite `name` if it is still at `generation`; the new generation, or None when not."""
 
-    def names(self, prefix: str) -> list[str]:
-        """Names of the objects under `prefix` (a folder name, relative to the store)."""
+    def generation(self, name: str) -> int:
+        """The generation of a plain object (a shard's results), 0 when absent (locally: 1 when
+        it exists, as the local store fences results by the claim instead)."""
+
+    def write_fenced(
+        self, name: str, data: bytes, claim: str, claim_generation: int, results_generation: int
+    ) -> bool:
+        """Write the plain object `name` whole, only if the claim object `claim` is still at
+        `claim_generation` (locally, checked under the lock) or `name` is still at
+        `results_generation` (GCS, checked by the service); False when it was not written."""
 
 
 def store(url: str) -> ConditionalStore:
@@ -70,19 +79,27 @@ class GcsStore:
     def replace(self, name: str, data: bytes, generation: int) -> int | None:
         return self._upload(name, data, generation)
 
-    def _upload(self, name: str, data: bytes, generation: int) -> int | None:
+    def _upload(self, name: str, data: bytes, generation: int, content_type: str = "application/json") -> int | None:
         from google.api_core import exceptions
 
         blob = self._blob(name)
         try:
-            blob.upload_from_string(data, content_type="application/json", if_generation_match=generation)
+            blob.upload_from_string(data, content_type=content_type, if_generation_match=generation)
         except exceptions.PreconditionFailed:
             return None
         return int(blob.generation)
 
-    def names(self, prefix: str) -> list[str]:
-        base = f"{self.prefix}/" if self.prefix else ""
-        return sorted(b.name[len(base) :] for b in self.bucket.list_blobs(prefix=f"{base}{prefix}/"))
+    def generation(self, name: str) -> int:
+        blob = self.bucket.get_blob(self._blob(name).name)
+        return 0 if blob is None else int(blob.generation)
+
+    def write_fenced(
+        self, name: str, data: bytes, claim: str, claim_generation: int, results_generation: int
+    ) -> bool:
+        if self._upload(name, data, results_generation, "application/jsonl") is not None:
+            return True
+        found = self.read(name)  # a retried upload whose first try landed fails its precondition
+        return found is not None and found[0] == data
 
 
 def _gcs_client():
@@ -147,13 +164,26 @@ class LocalStore:
                 return None
             return self._write(name, data, generation + 1)
 
-    def names(self, prefix: str) -> list[str]:
-        directory = os.path.join(self.root, prefix)
-        try:
-            found = os.listdir(directory)
-        except FileNotFoundError:
-            return []
-        return sorted(f"{prefix}/{n}" for n in found if not n.endswith(".tmp"))
+    def generation(self, name: str) -> int:
+        return 1 if os.path.exists(os.path.join(self.root, name)) else 0
+
+    def write_fenced(
+        self, name: str, data: bytes, claim: str, claim_generation: int, results_generation: int
+    ) -> bool:
+        path = os.path.join(self.root, name)
+        tmp = os.path.join(self.root, files.TMP_DIR, f"{os.path.basename(name)}.{uuid.uuid4().hex}")
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with self._locked():
+            current = self._read(claim)
+            if current is None or current[1] != claim_generation:
+                os.remove(tmp)
+                return False
+            os.replace(tmp, path)
+        return True
 
 
 def create_new(url: str, data: bytes) -> bool:

@@ -11,7 +11,10 @@ by one worker or many at once on the same input and output.
    claimed as soon as the current one's rows are all in. Leases are renewed while shards run.
 4. A finished shard is written behind, whole or not at all, by a worker still holding its claim,
    then its claim is marked done with its counts. With nothing left to claim, a worker waits for
-   the shards others hold, and takes over any whose lease expired (a killed worker's).
+   the shards others hold, and takes over any whose lease expired (a killed worker's). A shard
+   whose claim this worker lost goes back into its queue.
+5. At the end the done claims must cover every shard; else (or when lease renewals kept failing)
+   the run fails naming the shards missing.
 A rerun (or a restarted worker) skips done shards and redoes interrupted ones from their start,
 so every input line ends up in exactly one output record.
 """
@@ -31,8 +34,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from serving.batch import conditional, files, manifest, rows
-from serving.batch.claims import CLAIMS_DIR, Claims, Held
-from serving.batch.errors import BatchError
+from serving.batch.claims import CLAIMS_DIR, MIN_LEASE_S, Claims, Held
+from serving.batch.errors import BatchError, IncompleteError
 from serving.config import ServingConfig
 from serving.errors import GenerationError, QueueFullError
 from serving.lora.errors import UnknownAdapterError
@@ -55,6 +58,7 @@ class Started(Protocol):
 
 RETRY_FULL_QUEUE_S = 0.01
 DEFAULT_LEASE_S = 60.0  # a dead worker's shard is taken over this long after its last renewal
+RENEWAL_TRIES = 3  # failed renewals of one claim in a row (3/4 of a lease) before the worker stops
 POLL_S = 1.0  # how often a worker with nothing left to claim looks again
 
 
@@ -92,18 +96,23 @@ def run_batch(
     first one's plan and claim shards (serving.batch.claims). `start` brings up the engine
     behind an orchestrator (default: serving.launch.launch, as `serve` does), only when some shard
     is left to run. `worker_id`: a name stable across restarts of one worker lets it take back
-    its own claims at once (default: unique to this process)."""
+    its own claims at once (default: unique to this process). Raises IncompleteError when the
+    job's done claims do not cover every shard at the end, or renewals of a lease kept failing."""
+    if lease_s < MIN_LEASE_S:
+        raise BatchError(f"--lease-seconds {lease_s:g}: at least {MIN_LEASE_S:g}")
     started = time.perf_counter()
     files.check_output(output_url)
     inputs = files.list_inputs(input_url)
     fingerprint = manifest.fingerprint(input_url, inputs, source, cfg, shard_size)
     job = _plan_or_join(output_url, inputs, fingerprint, shard_size, restart)
     worker = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    claims = Claims(conditional.store(output_url), job.job, worker, lease_s)
+    output_names = {s.id: s.output_name for s in job.shards}
+    claims = Claims(conditional.store(output_url), job.job, worker, lease_s, results_name=output_names.__getitem__)
     done = _done(job, claims, output_url)
     pending = [s for s in job.shards if s.id not in done]
     _note(f"{len(job.shards)} shards, {len(job.shards) - len(pending)} already finished (worker {worker})", progress)
     ran: list[str] = []
+    failed = None
     if pending:
         if start is None:
             from serving.launch import launch as start
@@ -113,7 +122,7 @@ def run_batch(
         try:
             run = _Job(orchestrator, started_engine.model_name, cfg, job, output_url, claims, progress)
             asyncio.run(run.run(pending))
-            ran = run.ran
+            ran, failed = run.ran, run.failed
         finally:
             orchestrator.stop(timeout=30)
     files.remove_stale_temporaries(output_url, older_than_s=2 * lease_s)
@@ -129,6 +138,11 @@ def run_batch(
     )
     job.finished = {s.id: done[s.id] for s in job.shards if s.id in done}
     manifest.save(output_url, job)  # the same content whichever worker writes it last
+    missing = [s.id for s in job.shards if s.id not in done]
+    if failed is not None or missing:
+        shown = ", ".join(missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+        why = f"{failed}; " if failed is not None else ""
+        raise IncompleteError(f"--output {output_url}: {why}{len(missing)} shards not finished: {shown or 'none'}")
     files.write_atomic(files.join(output_url, manifest.SUMMARY), summary.to_json().encode())
     return summary
 
@@ -193,6 +207,11 @@ def _note(message: str, progress: bool) -> None:
         print(f"pathserve batch: {message}", file=sys.stderr, flush=True)
 
 
+def _warn(message: str) -> None:
+    """A note printed even with --quiet: something went wrong."""
+    print(f"pathserve batch: warning: {message}", file=sys.stderr, flush=True)
+
+
 class _Job:
     """The asyncio side of a run: rows in, records out, shards written behind."""
 
@@ -214,6 +233,10 @@ class _Job:
         self.output_url = output_url
         self.claims = claims
         self.held: dict[str, Held] = {}  # claims this worker holds and renews
+        self.shards = {s.id: s for s in job.shards}
+        self.requeued: dict[str, manifest.Shard] = {}  # shards whose claim this worker lost
+        self.renewal_failures: dict[str, int] = {}  # shard id -> failed renewals in a row
+        self.failed: str | None = None  # why this worker stopped taking shards
         self.ran: list[str] = []  # shards this worker finished
         self.capacity = orchestrator.capacity  # slots + max_queued_requests: what submit admits at once
         self.unknown_fields = UnknownFieldPolicy(cfg.unknown_request_fields)
@@ -245,11 +268,18 @@ class _Job:
         offset = zlib.crc32(self.claims.worker.encode()) % len(pending)
         order = pending[offset:] + pending[:offset]
         try:
-            while order:
+            while self.failed is None:
+                order += [s for s in self.requeued.values() if s not in order]
+                self.requeued.clear()
+                busy = [w for w in writes if not w.done()]
+                if not order:  # only this worker's writes left: they may lose a claim (requeued)
+                    if not busy:
+                        break
+                    await asyncio.wait(busy, return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 claimed, order = await asyncio.to_thread(self._claim_next, order)
                 if claimed is None:
                     if order:  # other workers hold the rest: look again after a while
-                        busy = [w for w in writes if not w.done()]
                         await asyncio.wait(busy, timeout=POLL_S) if busy else await asyncio.sleep(POLL_S)
                     continue
                 shard, held = claimed
@@ -278,14 +308,37 @@ class _Job:
                 left.append(shard)
         return None, left
 
+    def _lose(self, held: Held, why: str) -> None:
+        """This run of the shard is dropped; the shard goes back into the queue (unless this worker
+        stopped taking shards), to be found done by another worker or claimed again."""
+        _warn(f"shard {held.shard_id}: {why}; dropping this run of it")
+        if self.held.get(held.shard_id) is held:  # not a later claim of it by this worker
+            del self.held[held.shard_id]
+        if self.failed is None:
+            self.requeued[held.shard_id] = self.shards[held.shard_id]
+
     async def _renew_leases(self) -> None:
-        """Push every held claim's lease forward, a few times per lease."""
+        """Renew every held claim a few times per lease. A renewal that raises (a transient storage
+        error) is logged and retried at the next round; RENEWAL_TRIES in a row stop the worker."""
         while True:
             await asyncio.sleep(self.claims.lease_s / 4)
             for held in list(self.held.values()):
-                if not await asyncio.to_thread(self.claims.renew, held):
-                    _note(f"shard {held.shard_id}: its lease was taken over; dropping this run of it", self.progress)
-                    self.held.pop(held.shard_id, None)
+                await self._renew(held)
+
+    async def _renew(self, held: Held) -> None:
+        try:
+            ours = await asyncio.to_thread(self.claims.renew, held)
+        except Exception as exc:  # any storage error: retried, counted
+            tries = self.renewal_failures.get(held.shard_id, 0) + 1
+            self.renewal_failures[held.shard_id] = tries
+            _warn(f"shard {held.shard_id}: renewing its claim failed ({tries} in a row): {exc!r}")
+            if tries >= RENEWAL_TRIES and self.failed is None:
+                self.failed = f"renewing the claim of shard {held.shard_id} failed {tries} times in a row"
+                _warn(f"{self.failed}: taking no more shards")
+            return
+        self.renewal_failures.pop(held.shard_id, None)
+        if not ours:
+            self._lose(held, "another worker took its claim over")
 
     async def _row(self, shard: manifest.Shard, number: int, raw: bytes) -> dict[str, Any]:
         record_id = f"batch_req_{shard.file_index}_{number}"
@@ -351,10 +404,12 @@ class _Job:
         claim is marked done with the counts (the summary adds them up)."""
         records = await asyncio.gather(*tasks)
         if not await asyncio.to_thread(self.claims.renew, held):  # taken over: theirs is kept
-            self.held.pop(shard.id, None)
+            self._lose(held, "another worker took its claim over")
             return
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-        await asyncio.to_thread(files.write_atomic, files.join(self.output_url, shard.output_name), data)
+        if not await asyncio.to_thread(self.claims.write_results, held, data):
+            self._lose(held, "another worker took its claim over before its results were written")
+            return
         counts = {
             "rows_ok": sum(r["error"] is None for r in records),
             "rows_failed": sum(r["error"] is not None for r in records),
@@ -365,9 +420,12 @@ class _Job:
                 r["response"]["body"]["usage"]["completion_tokens"] for r in records if r["response"]
             ),
         }
-        self.held.pop(shard.id, None)
         if await asyncio.to_thread(self.claims.finish, held, counts):
+            if self.held.get(shard.id) is held:
+                del self.held[shard.id]
             self.ran.append(shard.id)
+        else:
+            self._lose(held, "another worker took its claim over before it was marked done")
 
 
 def _read(shard: manifest.Shard) -> list[tuple[int, bytes]]:

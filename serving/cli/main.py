@@ -47,6 +47,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _lease_seconds(text: str) -> float:
+    """--lease-seconds: at least serving.batch.claims.MIN_LEASE_S (renewals come every lease / 4)."""
+    from serving.batch.claims import MIN_LEASE_S
+
+    value = _positive_float(text)
+    if value < MIN_LEASE_S:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_LEASE_S:g} seconds, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -148,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     batch.add_argument(
         "--lease-seconds",
-        type=_positive_float,
+        type=_lease_seconds,
         default=60.0,
         help="a shard whose worker stopped renewing its claim this long is taken over by another",
     )
@@ -367,6 +377,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_batch(ns: argparse.Namespace) -> int:
+    from serving.batch.errors import IncompleteError
     from serving.batch.runner import run_batch
 
     given, source = _given(ns)
@@ -385,6 +396,9 @@ def cmd_batch(ns: argparse.Namespace) -> int:
             ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart,
             progress=not ns.quiet, start=start, worker_id=ns.worker_id, lease_s=ns.lease_seconds,
         )
+    except IncompleteError as exc:  # not a usage error: the run itself fell short
+        print(f"pathserve batch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if launched is not None:
             launched.orchestrator.stop(timeout=30)

@@ -25,7 +25,7 @@ from serving.engine.engine import Engine
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.conftest import DATA
-from tests.gcs_emulator import create_bucket, emulator_env, fake_gcs_server
+from tests.gcs_emulator import create_bucket, emulator_env, fake_gcs_server, read_claims
 
 BUCKET = "batch-bucket"
 # Warmup off (the serving profile would turn it on): each of the many runs compiles what it uses.
@@ -200,7 +200,7 @@ def test_kill_9_at_random_points_then_rerun_loses_and_repeats_nothing(
     rng = random.Random(7)
 
     def finished() -> int:
-        return len(_done_claims(gcs, "kill-out"))
+        return sum(c["state"] == "done" for c in read_claims(gcs, BUCKET, "kill-out"))
 
     kills = 0
     for _ in range(3):
@@ -225,19 +225,6 @@ def test_kill_9_at_random_points_then_rerun_loses_and_repeats_nothing(
     assert summary["rows_ok"] == 200 and summary["shards"] == 21
     assert summary["shards_skipped"] > 0  # the reruns resumed: earlier runs' shards were kept
     assert all(r["response"]["body"]["choices"][0]["text"] == expected[r["custom_id"]] for r in records)
-
-
-def _done_claims(url: str, prefix: str) -> list[str]:
-    """Names of the shard claims marked done (serving.batch.claims) under the output."""
-    with urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o?prefix={prefix}/_claims/", timeout=10) as r:
-        items = json.loads(r.read()).get("items", [])
-    done = []
-    for item in items:
-        quoted = urllib.request.quote(item["name"], safe="")
-        with urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o/{quoted}?alt=media", timeout=10) as r:
-            if json.loads(r.read())["state"] == "done":
-                done.append(item["name"])
-    return done
 
 
 def test_bad_lines_become_error_records_and_the_rest_succeed(tiny_model_dir, tmp_path):

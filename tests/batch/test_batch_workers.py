@@ -5,11 +5,9 @@ with workers killed by SIGKILL at seeded random points and restarted, nothing is
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import time
-import urllib.request
 
 from tests.batch.test_batch import (  # noqa: F401 - gcs and expected are fixtures
     BUCKET,
@@ -24,7 +22,7 @@ from tests.batch.test_batch import (  # noqa: F401 - gcs and expected are fixtur
     upload,
     write_files,
 )
-from tests.gcs_emulator import emulator_env
+from tests.gcs_emulator import emulator_env, read_claims
 
 LEASE = "10"  # seconds: a killed worker's shard is taken over this long after its last renewal
 
@@ -42,17 +40,6 @@ def _args(gcs_prefix: str, tiny_model_dir, shard_size: int) -> list[str]:
         str(tiny_model_dir),
         *OVERRIDES,
     ]
-
-
-def _claims(url: str, prefix: str) -> list[dict]:
-    with urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o?prefix={prefix}/_claims/", timeout=10) as r:
-        items = json.loads(r.read()).get("items", [])
-    out = []
-    for item in items:
-        quoted = urllib.request.quote(item["name"], safe="")
-        with urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}/o/{quoted}?alt=media", timeout=10) as r:
-            out.append(json.loads(r.read()))
-    return out
 
 
 def _check_output(gcs, prefix: str, rows: list[dict], expected) -> list[dict]:  # noqa: F811
@@ -90,7 +77,7 @@ def test_four_workers_two_killed_at_seeded_random_points_lose_and_repeat_nothing
     victims = rng.sample(sorted(workers), 2)
 
     def done() -> int:
-        return sum(c["state"] == "done" for c in _claims(gcs, "kill4-out"))
+        return sum(c["state"] == "done" for c in read_claims(gcs, BUCKET, "kill4-out"))
 
     kills = []
     for n, victim in enumerate(victims):
@@ -114,5 +101,5 @@ def test_four_workers_two_killed_at_seeded_random_points_lose_and_repeat_nothing
     summaries = [finish(p, timeout=300) for p in live]
     assert all(s["rows_ok"] == 60 and s["shards"] == 12 for s in summaries)
     _check_output(gcs, "kill4-out", rows, expected)
-    claims = _claims(gcs, "kill4-out")
+    claims = read_claims(gcs, BUCKET, "kill4-out")
     assert len(claims) == 12 and all(c["state"] == "done" for c in claims)
