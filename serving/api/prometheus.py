@@ -100,24 +100,25 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
 
 
 def _protocol_info(m: EngineMetrics, stats) -> Iterator[Metric]:
-    """The model-server protocol's info gauges: LoRA adapters (value: when they were last read,
-    so a picker keeps the newest series) and the KV cache's shape in blocks (value 1)."""
-    lora = GaugeMetricFamily(
-        metric_names.LORA_INFO,
-        "LoRA adapters: slots (max_lora), resident on the device, named by waiting requests",
-        labels=list(metric_names.LORA_LABELS),
-    )
-    resident = stats.resident_names if stats is not None else ()
-    max_lora = stats.max_loras if stats is not None else 0
-    lora.add_metric([str(max_lora), ",".join(resident), ",".join(m.waiting_adapters)], m.adapters_updated)
-    yield lora
-    blocks = m.kv_tokens_capacity // m.kv_block_size if m.kv_block_size else 0
+    """The model-server protocol's info gauges: LoRA adapters, only when LoRA is configured
+    (value: when they were last read, so a picker keeps the newest series), and the prefix cache's
+    shape in blocks (value 1), which the picker's prefix scorer sizes its index by."""
+    if stats is not None and stats.max_loras > 0:
+        lora = GaugeMetricFamily(
+            metric_names.LORA_INFO,
+            "LoRA adapters: slots (max_lora), resident on the device, named by waiting requests",
+            labels=list(metric_names.LORA_LABELS),
+        )
+        labels = [str(stats.max_loras), ",".join(stats.resident_names), ",".join(m.waiting_adapters)]
+        lora.add_metric(labels, m.adapters_updated)
+        yield lora
     cache = GaugeMetricFamily(
         metric_names.CACHE_CONFIG_INFO,
-        "KV cache shape: tokens per block and the engine's KV capacity in blocks",
+        "prefix cache shape: tokens per block and the blocks it retains at most "
+        "(prefix_cache_bytes / bytes per block)",
         labels=list(metric_names.CACHE_CONFIG_LABELS),
     )
-    cache.add_metric([str(m.kv_block_size), str(blocks)], 1.0)
+    cache.add_metric([str(m.kv_block_size), str(m.prefix_cache_blocks)], 1.0)
     yield cache
 
 

@@ -84,7 +84,7 @@ def picker_config(cfg: DeploymentConfig) -> dict[str, Any]:
                             "queuedRequestsSpec": metric_names.QUEUED_REQUESTS,
                             "runningRequestsSpec": metric_names.RUNNING_REQUESTS,
                             "kvUsageSpec": metric_names.KV_CACHE_USAGE,
-                            "loraSpec": metric_names.LORA_INFO,
+                            **({"loraSpec": metric_names.LORA_INFO} if cfg.serving_config().lora.max_loras > 0 else {}),
                             "cacheInfoSpec": metric_names.CACHE_CONFIG_INFO,
                         }
                     ],

@@ -63,6 +63,7 @@ class EngineMetrics:
     prefix_cache_hits: int = 0  # prompt blocks found in the prefix cache at admission
     prefix_cache_misses: int = 0  # prompt blocks looked up and not found
     prefix_cache_bytes: int = 0  # bytes of the blocks the prefix cache holds
+    prefix_cache_blocks: int = 0  # blocks the prefix cache retains at most (cache-config info)
     speculative_method: str = "none"  # speculative decoding's proposer
     spec_proposed: int = 0  # proposed tokens verified
     spec_accepted: int = 0  # of them accepted

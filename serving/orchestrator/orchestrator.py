@@ -103,6 +103,10 @@ class Orchestrator:
         self.metrics.adapter_stats = adapters.stats if adapters is not None else None
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
         self.metrics.kv_block_size = limits.prefix_block
+        # The cache-config info's num_gpu_blocks, as the picker's prefix scorer reads it: the blocks
+        # the prefix cache retains at most.
+        if config.prefix_cache == "on" and engine.prefix_block_bytes:
+            self.metrics.prefix_cache_blocks = config.prefix_cache_bytes // engine.prefix_block_bytes
         self.metrics.adapters_updated = time.time()
         warmup = self._background_warmup()  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0

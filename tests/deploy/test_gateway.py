@@ -67,9 +67,8 @@ def test_the_picker_reads_our_metric_names_for_the_leaders_engine_type():
         "queuedRequestsSpec": metric_names.QUEUED_REQUESTS,
         "runningRequestsSpec": metric_names.RUNNING_REQUESTS,
         "kvUsageSpec": metric_names.KV_CACHE_USAGE,
-        "loraSpec": metric_names.LORA_INFO,
         "cacheInfoSpec": metric_names.CACHE_CONFIG_INFO,
-    }
+    }  # no loraSpec: this deployment has no LoRA adapters
     assert extractor["parameters"]["engineLabelKey"] == ENGINE_TYPE_LABEL
     leader = objects[("LeaderWorkerSet", cfg.name)]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
     assert leader["metadata"]["labels"][ENGINE_TYPE_LABEL] == ENGINE_TYPE
@@ -147,3 +146,14 @@ def test_batch_replicas_render_n_pathways_jobs_on_one_output_each_its_own_worker
         workers.add(ns.worker_id)
         outputs.add(ns.output)
     assert workers == {j["metadata"]["name"] for j in jobs} and len(outputs) == 1
+
+
+def test_the_picker_reads_lora_info_only_when_lora_is_configured():
+    from serving.deploy.gateway import picker_config
+
+    cfg = load_deployment(REPLICAS)
+    with_lora = cfg.model_copy(update={"serving": {**cfg.serving, "max_loras": 2}})
+    for deployment, expected in ((cfg, False), (with_lora, True)):
+        (extractor,) = [p for p in picker_config(deployment)["plugins"] if p["type"] == "core-metrics-extractor"]
+        (engine,) = extractor["parameters"]["engineConfigs"]
+        assert ("loraSpec" in engine) == expected

@@ -33,9 +33,9 @@ def _adapters(max_loras: int) -> AdapterRegistry:
 
 
 def test_every_protocol_name_is_a_gauge_with_its_labels():
-    orchestrator = Orchestrator(
-        MockEngine(slots=4, max_target_length=512, prefix_block=16), {}, AsciiTokenizer(), OrchestratorConfig()
-    )
+    engine = MockEngine(slots=4, max_target_length=512, prefix_block=16, block_bytes=1000)
+    config = OrchestratorConfig(prefix_cache_bytes=64_500)
+    orchestrator = Orchestrator(engine, {}, AsciiTokenizer(), config, adapters=_adapters(max_loras=2))
     text = render(registry(lambda: (orchestrator.metrics, {}, {})))
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in (
@@ -47,10 +47,19 @@ def test_every_protocol_name_is_a_gauge_with_its_labels():
     ):
         assert families[name].type == "gauge", name
     (lora,) = families[metric_names.LORA_INFO].samples
-    assert lora.labels == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert lora.labels["max_lora"] == "2"
     (cache,) = families[metric_names.CACHE_CONFIG_INFO].samples
-    # 4 slots x 512 positions in blocks of 16 tokens.
-    assert cache.labels == {"block_size": "16", "num_gpu_blocks": str(4 * 512 // 16)} and cache.value == 1
+    # The prefix cache's retained blocks: prefix_cache_bytes / bytes per block.
+    assert cache.labels == {"block_size": "16", "num_gpu_blocks": "64"} and cache.value == 1
+
+
+def test_without_lora_there_is_no_lora_info_and_no_prefix_cache_means_no_blocks():
+    config = OrchestratorConfig(prefix_cache="off")
+    orchestrator = Orchestrator(MockEngine(slots=2, max_target_length=512), {}, AsciiTokenizer(), config)
+    samples = _scrape(orchestrator)
+    assert metric_names.LORA_INFO not in samples
+    assert samples[metric_names.CACHE_CONFIG_INFO][0].labels["num_gpu_blocks"] == "0"
+
 
 
 def test_lora_info_names_the_resident_and_the_waiting_adapters_with_a_fresh_timestamp():
