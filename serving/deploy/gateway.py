@@ -106,11 +106,22 @@ def picker_config(cfg: DeploymentConfig) -> dict[str, Any]:
 
 
 def _rbac(cfg: DeploymentConfig) -> list[Manifest]:
+    """The picker's service account: in its namespace it reads pods, the pool and the
+    InferenceObjectives it watches; cluster-wide it creates token and access reviews, which its
+    authenticated /metrics checks callers with (as the extension's own chart grants)."""
     name = _epp_name(cfg)
     rules = [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch", "list"]},
         {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["get", "watch", "list"]},
+        {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"], "verbs": ["get", "watch", "list"]},
     ]
+    auth_rules = [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
+    ]
+    subjects = [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}]
+    cluster_name = f"{cfg.namespace}-{name}-metrics-auth"  # cluster-scoped: unique across namespaces
+    cluster_meta = {"name": cluster_name, "labels": labels(cfg)}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(cfg, name)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(cfg, name), "rules": rules},
@@ -118,8 +129,16 @@ def _rbac(cfg: DeploymentConfig) -> list[Manifest]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": _meta(cfg, name),
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+            "subjects": subjects,
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        },
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": cluster_meta, "rules": auth_rules},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": cluster_meta,
+            "subjects": subjects,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_name},
         },
     ]
 

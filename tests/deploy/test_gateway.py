@@ -157,3 +157,16 @@ def test_the_picker_reads_lora_info_only_when_lora_is_configured():
         (extractor,) = [p for p in picker_config(deployment)["plugins"] if p["type"] == "core-metrics-extractor"]
         (engine,) = extractor["parameters"]["engineConfigs"]
         assert ("loraSpec" in engine) == expected
+
+
+def test_the_pickers_account_may_read_objectives_and_review_metrics_callers():
+    cfg = load_deployment(REPLICAS)
+    objects = by_kind(render(cfg))
+    role = objects[("Role", f"{cfg.name}-epp")]
+    assert any("inferenceobjectives" in r["resources"] for r in role["rules"])
+    (cluster_role,) = [o for (kind, _), o in objects.items() if kind == "ClusterRole"]
+    resources = {res for rule in cluster_role["rules"] for res in rule["resources"]}
+    assert resources == {"tokenreviews", "subjectaccessreviews"}
+    (binding,) = [o for (kind, _), o in objects.items() if kind == "ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{cfg.name}-epp", "namespace": cfg.namespace}]
