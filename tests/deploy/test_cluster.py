@@ -24,6 +24,8 @@ BUILTIN_DEFINITIONS = {
     "ServiceAccount": "io.k8s.api.core.v1.ServiceAccount",
     "Role": "io.k8s.api.rbac.v1.Role",
     "RoleBinding": "io.k8s.api.rbac.v1.RoleBinding",
+    "ClusterRole": "io.k8s.api.rbac.v1.ClusterRole",
+    "ClusterRoleBinding": "io.k8s.api.rbac.v1.ClusterRoleBinding",
 }
 BATCH = CONFIGS / "llama3.1-8b-batch-v6e-4.yml"
 
