@@ -114,6 +114,10 @@ def test_openai_model_names_an_adapter_and_models_lists_them(server, expected):
 
 
 def test_load_and_unload_over_http_behind_the_api_key(server, adapters, expected):
+    # Make the two start-up adapters resident first, whatever ran before (or not): with
+    # max_loras=2, loading and using a third then leaves exactly two resident.
+    for name in ("attn-r4", "all-r8"):
+        assert _completion(server, name) == expected[name][1]
     path = str(adapters[1]["mlp-r16-rs"])
     body = {"lora_name": "mlp-r16-rs", "lora_path": path}
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=body).status_code == 401
