@@ -99,3 +99,15 @@ def create_bucket(url: str, name: str) -> None:
 
 def apply_env(url: str) -> None:
     os.environ.update(emulator_env(url))
+
+
+def read_claims(url: str, bucket: str, prefix: str) -> list[dict]:
+    """The shard claims (serving.batch.claims) under a batch output `prefix` in the emulator."""
+    with urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}/o?prefix={prefix}/_claims/", timeout=10) as r:
+        items = json.loads(r.read()).get("items", [])
+    out = []
+    for item in items:
+        quoted = urllib.request.quote(item["name"], safe="")
+        with urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}/o/{quoted}?alt=media", timeout=10) as r:
+            out.append(json.loads(r.read()))
+    return out

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from serving import metric_names
 from serving.orchestrator.metrics import EngineMetrics, Histogram
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what JetStream's and most scrapers' parsers expect
@@ -45,21 +46,23 @@ class _Collector(Collector):
             ignored.add_metric([name], count)
         yield ignored
         if metrics is not None:
+            stats = metrics.adapter_stats() if metrics.adapter_stats is not None else None
             with metrics.lock:
                 yield from _engine_metrics(metrics)
-            if metrics.adapter_stats is not None:
-                yield from _adapter_metrics(metrics.adapter_stats())
+                yield from _protocol_info(metrics, stats)
+            if stats is not None:
+                yield from _adapter_metrics(stats)
 
 
 def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
     slots_used = m.active_slots / m.total_slots if m.total_slots else 0.0
     kv_used = m.kv_tokens_used / m.kv_tokens_capacity if m.kv_tokens_capacity else 0.0
     for name, help_text, value in (
-        ("jetstream_prefill_backlog_size", "requests waiting for a decode slot", m.queued),
+        (metric_names.QUEUED_REQUESTS, "requests waiting for a decode slot", m.queued),
         ("jetstream_slots_used_percentage", "fraction of decode slots in use", slots_used),
-        ("pathserve_active_slots", "decode slots in use", m.active_slots),
+        (metric_names.RUNNING_REQUESTS, "decode slots in use: sequences prefilling or decoding", m.active_slots),
         ("pathserve_total_slots", "decode slots", m.total_slots),
-        ("pathserve_kv_cache_usage_ratio", "fraction of KV cache positions in use", kv_used),
+        (metric_names.KV_CACHE_USAGE, "fraction of KV cache positions in use (0-1)", kv_used),
         ("pathserve_kv_cache_tokens_used", "KV cache positions in use", m.kv_tokens_used),
         ("pathserve_prefix_cache_bytes", "bytes of prompt-prefix KV blocks the prefix cache holds",
          m.prefix_cache_bytes),
@@ -94,6 +97,29 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
         ("pathserve_generate_step_seconds", "seconds per generate call (k decode steps)", m.generate_step),
     ):
         yield _histogram(name, help_text, histogram)
+
+
+def _protocol_info(m: EngineMetrics, stats) -> Iterator[Metric]:
+    """The model-server protocol's info gauges: LoRA adapters, only when LoRA is configured
+    (value: when they were last read, so a picker keeps the newest series), and the prefix cache's
+    shape in blocks (value 1), which the picker's prefix scorer sizes its index by."""
+    if stats is not None and stats.max_loras > 0:
+        lora = GaugeMetricFamily(
+            metric_names.LORA_INFO,
+            "LoRA adapters: slots (max_lora), resident on the device, named by waiting requests",
+            labels=list(metric_names.LORA_LABELS),
+        )
+        labels = [str(stats.max_loras), ",".join(stats.resident_names), ",".join(m.waiting_adapters)]
+        lora.add_metric(labels, m.adapters_updated)
+        yield lora
+    cache = GaugeMetricFamily(
+        metric_names.CACHE_CONFIG_INFO,
+        "prefix cache shape: tokens per block and the blocks it retains at most "
+        "(prefix_cache_bytes / bytes per block)",
+        labels=list(metric_names.CACHE_CONFIG_LABELS),
+    )
+    cache.add_metric([str(m.kv_block_size), str(m.prefix_cache_blocks)], 1.0)
+    yield cache
 
 
 def _speculative_metrics(m: EngineMetrics) -> Iterator[Metric]:

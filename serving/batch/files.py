@@ -7,6 +7,7 @@ reader (or a rerun after kill -9) sees a whole file or none.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -106,7 +107,8 @@ def exists(url: str) -> bool:
 
 
 def write_atomic(url: str, data: bytes) -> None:
-    """Write `data` to a temporary name in the same directory / prefix, then move it into place."""
+    """Write `data` whole or not at all: locally to a temporary name in `_tmp/` beside it, then
+    renamed into place; on gs:// as one upload."""
     fs, path = _fs(url)
     directory, name = path.rsplit("/", 1)
     tmp = f"{directory}/{TMP_DIR}/{name}.{uuid.uuid4().hex}"
@@ -119,9 +121,9 @@ def write_atomic(url: str, data: bytes) -> None:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             return
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        fs.mv(tmp, path)  # a server-side copy: the target object appears whole
+        # A GCS object appears whole when its upload completes: no temporary and no move (a
+        # move is a copy and a delete there, and a temporary another worker could sweep away).
+        fs.pipe_file(path, data)
     except Exception as exc:
         raise BatchError(f"cannot write {url}: {exc}") from None
 
@@ -138,6 +140,22 @@ def check_output(url: str) -> None:
         raise BatchError(f"--output {url}: cannot reach bucket gs://{bucket}: {exc}") from None
     if not found:
         raise BatchError(f"--output {url}: bucket gs://{bucket} does not exist or is not accessible")
+
+
+def remove_stale_temporaries(output_url: str, older_than_s: float) -> None:
+    """Remove local temporaries that writes killed half-way left, but none that a live worker may
+    still be writing (those are seconds old)."""
+    if is_gcs(output_url):
+        return
+    directory = join(output_url, TMP_DIR)
+    now = time.time()
+    for name in list_names(directory):
+        path = join(directory, name)
+        try:
+            if now - os.path.getmtime(path) > older_than_s:
+                os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def remove(url: str) -> None:

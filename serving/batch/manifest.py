@@ -53,10 +53,13 @@ class Manifest:
     fingerprint: dict[str, Any]
     shards: list[Shard]
     finished: dict[str, dict[str, int]] = field(default_factory=dict)  # shard id -> its counts
+    # Names this job's shard claims (serving.batch.claims); "" in a manifest of before claims.
+    job: str = ""
 
     def to_json(self) -> str:
         return json.dumps(
             {
+                "job": self.job,
                 "fingerprint": self.fingerprint,
                 "shards": [asdict(s) for s in self.shards],
                 "finished": self.finished,
@@ -68,7 +71,9 @@ class Manifest:
     def from_json(cls, text: str, where: str) -> Manifest:
         try:
             data = json.loads(text)
-            return cls(data["fingerprint"], [Shard(**s) for s in data["shards"]], data["finished"])
+            return cls(
+                data["fingerprint"], [Shard(**s) for s in data["shards"]], data["finished"], data.get("job", "")
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise BatchError(
                 f"{where}: not a pathserve batch manifest ({exc}); use --restart to start over"
@@ -134,3 +139,11 @@ def load(output_url: str) -> Manifest | None:
 
 def save(output_url: str, manifest: Manifest) -> None:
     files.write_atomic(files.join(output_url, MANIFEST), manifest.to_json().encode())
+
+
+def create(output_url: str, manifest: Manifest) -> bool:
+    """Write the manifest only if there is none: of workers starting together, one plans the job
+    and the others read its plan. False when another worker's was there first."""
+    from serving.batch.conditional import create_new
+
+    return create_new(files.join(output_url, MANIFEST), manifest.to_json().encode())

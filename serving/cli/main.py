@@ -47,6 +47,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _lease_seconds(text: str) -> float:
+    """--lease-seconds: at least serving.batch.claims.MIN_LEASE_S (renewals come every lease / 4)."""
+    from serving.batch.claims import MIN_LEASE_S
+
+    value = _positive_float(text)
+    if value < MIN_LEASE_S:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_LEASE_S:g} seconds, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -130,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--output", required=True, help="a directory or gs:// prefix for the results")
     batch.add_argument("--shard-size", type=_positive_int, default=1000, help="input lines per shard")
     batch.add_argument("--restart", action="store_true", help="discard earlier results under --output")
+    batch.add_argument(
+        "--worker-id",
+        default=None,
+        help="this worker's name among many on one output; stable across its restarts (e.g. the "
+        "pod's index), it takes back its own claims at once (default: unique to this process)",
+    )
+    batch.add_argument(
+        "--lease-seconds",
+        type=_lease_seconds,
+        default=60.0,
+        help="a shard whose worker stopped renewing its claim this long is taken over by another",
+    )
     batch.add_argument("--quiet", action="store_true", help="no progress on stderr")
     batch.set_defaults(handler=cmd_batch)
 
@@ -345,6 +377,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_batch(ns: argparse.Namespace) -> int:
+    from serving.batch.errors import IncompleteError
     from serving.batch.runner import run_batch
 
     given, source = _given(ns)
@@ -361,8 +394,11 @@ def cmd_batch(ns: argparse.Namespace) -> int:
     try:
         summary = run_batch(
             ns.input, ns.output, source, cfg, shard_size=ns.shard_size, restart=ns.restart,
-            progress=not ns.quiet, start=start,
+            progress=not ns.quiet, start=start, worker_id=ns.worker_id, lease_s=ns.lease_seconds,
         )
+    except IncompleteError as exc:  # not a usage error: the run itself fell short
+        print(f"pathserve batch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if launched is not None:
             launched.orchestrator.stop(timeout=30)

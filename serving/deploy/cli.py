@@ -66,12 +66,12 @@ def _load(ns: argparse.Namespace) -> DeploymentConfig:
 
 def checked_manifests(cfg: DeploymentConfig) -> list[Manifest]:
     """Render after every check: plan (topology, mesh, fit, tags) and the CRD schemas when present."""
-    from serving.deploy.crds import validate_object
+    from serving.deploy.crds import CRD_FILES, validate_object
 
     make_plan(cfg)
     objects = render(cfg)
     for obj in objects:
-        if obj["apiVersion"] != "v1":
+        if (obj["apiVersion"].rpartition("/")[0], obj["kind"]) in CRD_FILES:
             validate_object(obj)
     return objects
 

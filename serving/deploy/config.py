@@ -89,6 +89,15 @@ class Batch(_Strict):
     max_restarts: int = Field(default=3, ge=0)
 
 
+class Gateway(_Strict):
+    """The InferencePool and endpoint picker in front of the replicas (serving.deploy.gateway)."""
+
+    enabled: bool | None = None  # default: rendered when replicas > 1
+    endpoint_picker_image: str = "ghcr.io/llm-d/llm-d-router-endpoint-picker:0.0.3"
+    cpu: str = "2"
+    memory: str = "4Gi"
+
+
 class DeploymentConfig(_Strict):
     """One serving deployment (LeaderWorkerSet + Service) or one batch job (PathwaysJob)."""
 
@@ -108,7 +117,8 @@ class DeploymentConfig(_Strict):
     tpu: TPU
     images: Images
     scratch: str
-    replicas: int = Field(default=1, ge=0)
+    replicas: int = Field(default=1, ge=0)  # LeaderWorkerSet groups, each a whole model copy
+    gateway: Gateway = Gateway()
     ports: Ports = Ports()
     probes: Probes = Probes()
     resources: Resources = Resources()
@@ -132,6 +142,12 @@ class DeploymentConfig(_Strict):
     def _batch_needs_io(self) -> DeploymentConfig:
         if self.kind == "batch" and self.batch is None:
             raise ValueError("kind: batch needs a batch section with input and output")
+        return self
+
+    @model_validator(mode="after")
+    def _gateway_serves(self) -> DeploymentConfig:
+        if self.gateway.enabled and self.kind != "serve":
+            raise ValueError("gateway.enabled: an InferencePool fronts serving replicas; kind: batch has none")
         return self
 
     @model_validator(mode="after")

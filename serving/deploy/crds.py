@@ -1,4 +1,4 @@
-"""The CRDs we render for (LeaderWorkerSet, PathwaysJob): finding them, validating against them,
+"""The CRDs we render for (LeaderWorkerSet, PathwaysJob, InferencePool): finding them, validating against them,
 and adapting them for older API servers.
 
 The CRD files are not in this repository: they are read from $PATHSERVE_CRD_DIR (default
@@ -21,11 +21,14 @@ CRD_DIR_ENV = "PATHSERVE_CRD_DIR"
 CRD_FILES = {
     ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
     ("pathways-job.pathways.domain", "PathwaysJob"): "pathways-job.pathways.domain_pathwaysjobs.yaml",
+    ("inference.networking.k8s.io", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
 }
 WHERE_TO_GET = (
     "get them from the LWS release (https://github.com/kubernetes-sigs/lws, "
     "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml) and the pathways-job project "
-    "(https://github.com/google/pathways-job, config/crd/bases/), and point PATHSERVE_CRD_DIR at them"
+    "(https://github.com/google/pathways-job, config/crd/bases/), InferencePool's from the Gateway API "
+    "Inference Extension (https://github.com/kubernetes-sigs/gateway-api-inference-extension, "
+    "config/crd/bases/), and point PATHSERVE_CRD_DIR at them"
 )
 
 

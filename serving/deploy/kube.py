@@ -22,6 +22,8 @@ INSTALL_HINT = {
     "kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/latest/download/manifests.yaml",
     "PathwaysJob": "install the PathwaysJob controller and CRD in the cluster first "
     "(https://github.com/google/pathways-job)",
+    "InferencePool": "install the Gateway API Inference Extension's CRDs first: kubectl apply -f "
+    "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/latest/download/manifests.yaml",
 }
 
 
@@ -106,8 +108,8 @@ def apply(client, objects: list[Manifest]) -> list[Applied]:
     from kubernetes.dynamic.exceptions import ApiException
 
     results = []
-    for obj in objects:
-        resource = _resource(client, obj)
+    resources = [_resource(client, obj) for obj in objects]  # a missing CRD: nothing applied
+    for obj, resource in zip(objects, resources, strict=True):
         try:
             action = _apply_one(client, resource, obj)
         except ApiException as exc:

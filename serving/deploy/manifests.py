@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.deploy import multicontroller
+from serving.deploy import gateway, multicontroller
 from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
@@ -35,11 +35,10 @@ WORKER_PORT = 38679  # Pathways server on each TPU host
 
 def render(cfg: DeploymentConfig) -> list[Manifest]:
     """Every object of the deployment, in apply order."""
-    if cfg.runtime == "multicontroller":
-        return [multicontroller.leader_worker_set(cfg), service(cfg)]
-    if cfg.kind == "batch":
-        return [pathways_job(cfg)]
-    return [leader_worker_set(cfg), service(cfg)]
+    if cfg.kind == "batch" and cfg.runtime != "multicontroller":
+        return [pathways_job(cfg, index) for index in range(cfg.replicas)]
+    lws = multicontroller.leader_worker_set(cfg) if cfg.runtime == "multicontroller" else leader_worker_set(cfg)
+    return [lws, service(cfg), *(gateway.render(cfg) if gateway.enabled(cfg) else [])]
 
 
 def _jax_tag(cfg: DeploymentConfig) -> str:
@@ -140,7 +139,7 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
     """One group per replica: a leader (RM, proxy, engine) plus one worker pod per TPU host."""
     tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
     leader = {
-        "metadata": {"labels": {**labels(cfg), "role": "leader"}},
+        "metadata": {"labels": {**gateway.leader_labels(cfg), **gateway.engine_type_labels(cfg)}},
         "spec": {
             "containers": [
                 resource_manager_container(cfg, tpu),
@@ -182,16 +181,28 @@ def service(cfg: DeploymentConfig) -> Manifest:
     }
 
 
-def pathways_job(cfg: DeploymentConfig) -> Manifest:
-    """A batch run: `pathserve batch` as the main container, colocated with the Pathways head."""
+def pathways_job(cfg: DeploymentConfig, index: int = 0) -> Manifest:
+    """A batch worker: `pathserve batch` as the main container, colocated with the Pathways head.
+
+    PathwaysJob has no replicas of its own (one job is one Pathways cluster), so `replicas: N`
+    renders N jobs, `NAME-0` .. `NAME-{N-1}` (one: `NAME`), on the same input and output: they
+    share the work through shard claims (serving.batch.claims). Each job's worker id is its name,
+    stable across the job's restarts, so a restarted worker takes back its own claims at once."""
     if cfg.batch is None:
         raise DeployError("batch: a PathwaysJob needs the batch section (input, output)")
     tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    name = cfg.name if cfg.replicas == 1 else f"{cfg.name}-{index}"
     main = {
         "name": "batch",
         "image": cfg.images.engine,
         "command": ["pathserve"],
-        "args": ["batch", f"--input={cfg.batch.input}", f"--output={cfg.batch.output}", *cfg.serving_args()],
+        "args": [
+            "batch",
+            f"--input={cfg.batch.input}",
+            f"--output={cfg.batch.output}",
+            f"--worker-id={name}",
+            *cfg.serving_args(),
+        ],
         "env": [{"name": "JAX_PLATFORMS", "value": "proxy"}],
         "resources": {
             "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
@@ -201,7 +212,7 @@ def pathways_job(cfg: DeploymentConfig) -> Manifest:
     return {
         "apiVersion": PATHWAYS_JOB_API,
         "kind": "PathwaysJob",
-        "metadata": metadata(cfg),
+        "metadata": {**metadata(cfg), "name": name},
         "spec": {
             "maxRestarts": cfg.batch.max_restarts,
             "pathwaysVersion": _jax_tag(cfg),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from serving.deploy import gateway
 from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
@@ -57,9 +58,17 @@ def engine_container(cfg: DeploymentConfig, tpu: Slice, leader: bool) -> dict[st
     }
 
 
+def _pod_labels(cfg: DeploymentConfig, role: str) -> dict[str, str]:
+    """A leader's: the labels the pool selects (gateway.leader_labels) and the engine type; a
+    worker's: the deployment's labels and its role."""
+    if role == "leader":
+        return {**gateway.leader_labels(cfg), **gateway.engine_type_labels(cfg)}
+    return {**labels(cfg), "role": role}
+
+
 def _pod(cfg: DeploymentConfig, tpu: Slice, role: str) -> dict[str, Any]:
     return {
-        "metadata": {"labels": {**labels(cfg), "role": role}},
+        "metadata": {"labels": _pod_labels(cfg, role)},
         "spec": {
             "nodeSelector": tpu_node_selector(tpu),
             "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],

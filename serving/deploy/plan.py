@@ -58,6 +58,7 @@ class Plan:
     step_time_s: float
     bound: str  # "memory" or "compute"
     tokens_per_s: float  # per replica, all slots decoding at full context
+    replicas: int  # LeaderWorkerSet groups: the totals below are per replica times this
     shardings: dict[str, str]  # weight family / "kv cache" -> the mesh axes of each dimension
     replication: list[str]  # where a dimension does not divide over its axes and is replicated
 
@@ -189,6 +190,7 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         step_time_s=step,
         bound="memory" if memory_time >= compute_time else "compute",
         tokens_per_s=slots / step,
+        replicas=cfg.replicas,
         shardings=_shardings(where),
         replication=list(where.notes),
     )
@@ -264,6 +266,11 @@ def format_plan(plan: Plan) -> str:
         ),
         ("decode step (roofline)", f"{plan.step_time_s * 1e3:.2f} ms, {plan.bound}-bound"),
         ("decode throughput (roofline)", f"{plan.tokens_per_s:.0f} tokens/s per replica"),
+        (
+            f"{plan.replicas} replica(s)",
+            f"{plan.chips * plan.replicas} chips, {plan.slots * plan.replicas} slots, "
+            f"{plan.tokens_per_s * plan.replicas:.0f} tokens/s in all at that batch",
+        ),
         *((f"sharding: {family}", axes) for family, axes in plan.shardings.items()),
         *(("replicated", note) for note in plan.replication),
     ]

@@ -62,6 +62,7 @@ class AdapterStats:
     loads: int  # reads from storage
     load_seconds: float  # their total time
     requests: dict[str, int]  # adapter (at most MAX_ADAPTER_LABELS, then "other") -> requests admitted
+    resident_names: tuple[str, ...] = ()  # the adapters holding a device slot, by name
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class AdapterRegistry:
                 loads=self.loads,
                 load_seconds=self.load_seconds_total,
                 requests=requests,
+                resident_names=tuple(sorted(a.name for a in self._slots if a is not None and not a.unloaded)),
             )
 
     # -- the device loop -----------------------------------------------------------------------

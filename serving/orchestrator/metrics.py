@@ -55,11 +55,15 @@ class EngineMetrics:
     total_slots: int = 0
     kv_tokens_used: int = 0
     kv_tokens_capacity: int = 0
+    kv_block_size: int = 0  # tokens per KV block as the prefix cache counts them (cache-config info)
+    waiting_adapters: tuple[str, ...] = ()  # LoRA adapters named by requests waiting for a slot
+    adapters_updated: float = 0.0  # time.time() of the last turn that set waiting_adapters
     requests_finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
     requests_rejected: int = 0
     prefix_cache_hits: int = 0  # prompt blocks found in the prefix cache at admission
     prefix_cache_misses: int = 0  # prompt blocks looked up and not found
     prefix_cache_bytes: int = 0  # bytes of the blocks the prefix cache holds
+    prefix_cache_blocks: int = 0  # blocks the prefix cache retains at most (cache-config info)
     speculative_method: str = "none"  # speculative decoding's proposer
     spec_proposed: int = 0  # proposed tokens verified
     spec_accepted: int = 0  # of them accepted

@@ -102,6 +102,12 @@ class Orchestrator:
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
         self.metrics.adapter_stats = adapters.stats if adapters is not None else None
         self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
+        self.metrics.kv_block_size = limits.prefix_block
+        # The cache-config info's num_gpu_blocks, as the picker's prefix scorer reads it: the blocks
+        # the prefix cache retains at most.
+        if config.prefix_cache == "on" and engine.prefix_block_bytes:
+            self.metrics.prefix_cache_blocks = config.prefix_cache_bytes // engine.prefix_block_bytes
+        self.metrics.adapters_updated = time.time()
         warmup = self._background_warmup()  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
         # Unbounded: `submit` bounds what the server holds (`_admits`), slots included.
@@ -170,6 +176,17 @@ class Orchestrator:
         (it left the queue but still waits)."""
         held = self._held
         return self._queue.qsize() + (held.sampling.n if held is not None else 0)
+
+    def _record_waiting_adapters(self) -> None:
+        """The adapters the waiting requests name, for the endpoint picker's LoRA affinity
+        (the model-server protocol's `waiting_lora_adapters`), with the time of this reading."""
+        with self._queue.mutex:
+            waiting = [r.sampling.adapter for r in self._queue.queue]
+        held = self._held
+        names = {name for name in [*waiting, held.sampling.adapter if held is not None else None] if name}
+        with self.metrics.lock:
+            self.metrics.waiting_adapters = tuple(sorted(names))
+            self.metrics.adapters_updated = time.time()
 
     @property
     def capacity(self) -> int:
@@ -284,6 +301,8 @@ class Orchestrator:
             self._left_slots(len(cancelled))
             self.metrics.queued = self._waiting()
             self.metrics.active_slots = scheduler.num_used
+            if self.adapters is not None:
+                self._record_waiting_adapters()
             warmup = executor.background_warmup
             self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
             if plan.empty:

@@ -17,6 +17,16 @@ from tests.cli import call_cli
 from tests.deploy.conftest import CONFIGS, install_crd
 
 BASE = CONFIGS / "llama3.1-8b-v6e-4.yml"
+# The endpoint picker's objects (serving.deploy.gateway), by the API server's definition names.
+BUILTIN_DEFINITIONS = {
+    "Deployment": "io.k8s.api.apps.v1.Deployment",
+    "ConfigMap": "io.k8s.api.core.v1.ConfigMap",
+    "ServiceAccount": "io.k8s.api.core.v1.ServiceAccount",
+    "Role": "io.k8s.api.rbac.v1.Role",
+    "RoleBinding": "io.k8s.api.rbac.v1.RoleBinding",
+    "ClusterRole": "io.k8s.api.rbac.v1.ClusterRole",
+    "ClusterRoleBinding": "io.k8s.api.rbac.v1.ClusterRoleBinding",
+}
 BATCH = CONFIGS / "llama3.1-8b-batch-v6e-4.yml"
 
 
@@ -90,7 +100,10 @@ def test_apply_creates_then_is_idempotent_then_patches(lws_installed, apiserver,
         client.get(services, name="llama-apply", namespace="default").metadata.resourceVersion == svc_version
     )
 
-    changed = variant(tmp_path, name="llama-apply", replicas=2, serving={"per_device_batch_size": 4})
+    # Two replicas without the pool (tests/deploy/test_gateway.py applies one): a patch of the LWS.
+    changed = variant(
+        tmp_path, name="llama-apply", replicas=2, gateway={"enabled": False}, serving={"per_device_batch_size": 4}
+    )
     third = call_cli("deploy", "apply", str(changed), "--kubeconfig", str(apiserver))
     assert third.returncode == 0, third.stderr
     assert (
@@ -241,9 +254,13 @@ def test_services_and_pod_templates_match_the_kubernetes_schema(kubernetes_schem
             template = obj["spec"]["leaderWorkerTemplate"]
             for key in ("leaderTemplate", "workerTemplate"):
                 assert kubernetes_schema(template[key], "io.k8s.api.core.v1.PodTemplateSpec") == []
-        else:
+        elif obj["kind"] == "PathwaysJob":
             template = obj["spec"]["controller"]["template"]
             assert kubernetes_schema(template, "io.k8s.api.core.v1.PodTemplateSpec") == []
+        elif obj["kind"] in BUILTIN_DEFINITIONS:
+            assert kubernetes_schema(obj, BUILTIN_DEFINITIONS[obj["kind"]]) == [], obj["kind"]
+        else:
+            assert obj["kind"] == "InferencePool"  # validated against its CRD (test_gateway.py)
     svc = render(load_deployment(BASE))[1]
     svc["spec"]["ports"][0]["prot"] = 1
     assert any("prot" in e for e in kubernetes_schema(svc, "io.k8s.api.core.v1.Service"))

@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from serving.metric_names import LORA_INFO
 from tests.lora.adapters import make_adapters, peft_model, reference_greedy
 from tests.server_process import REPO, ServerProcess, free_port, metric
 
@@ -112,6 +114,10 @@ def test_openai_model_names_an_adapter_and_models_lists_them(server, expected):
 
 
 def test_load_and_unload_over_http_behind_the_api_key(server, adapters, expected):
+    # Make the two start-up adapters resident first, whatever ran before (or not): with
+    # max_loras=2, loading and using a third then leaves exactly two resident.
+    for name in ("attn-r4", "all-r8"):
+        assert _completion(server, name) == expected[name][1]
     path = str(adapters[1]["mlp-r16-rs"])
     body = {"lora_name": "mlp-r16-rs", "lora_path": path}
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json=body).status_code == 401
@@ -129,6 +135,11 @@ def test_load_and_unload_over_http_behind_the_api_key(server, adapters, expected
     assert metric(server, "pathserve_lora_adapters_resident") == 2
     assert metric(server, "pathserve_lora_loads_total") >= 3 and metric(server, "pathserve_lora_load_seconds_total") > 0
     assert metric(server, "pathserve_lora_requests_total", '{adapter="mlp-r16-rs"}') == 1, scraped
+    # The model-server protocol's LoRA info gauge names the two resident adapters.
+    (info,) = next(f for f in text_string_to_metric_families(scraped) if f.name == LORA_INFO).samples
+    resident = {name for name, status in statuses.items() if status == "resident"}
+    assert info.labels["max_lora"] == "2" and set(info.labels["running_lora_adapters"].split(",")) == resident
+    assert info.labels["waiting_lora_adapters"] == "" and info.value > 0
 
     gone = {"lora_name": "mlp-r16-rs"}
     assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json=gone, headers=AUTH).status_code == 200
