@@ -21,7 +21,7 @@ from serving.errors import GenerationError
 from serving.request import SamplingParams
 
 MIN_BUCKET = 16
-MAX_STOP_IDS = 8
+MAX_STOP_IDS = 16  # end-of-sequence ids and a request's stop_token_ids
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 
 
@@ -54,13 +54,15 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
 
 def prefills_whole(sampling: SamplingParams) -> bool:
     """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
-    several choices, logprobs, the prompt's logprobs, a grammar's first mask) instead of chunks."""
+    several choices, logprobs, the prompt's logprobs, a grammar's first mask, the prompt's tokens for
+    a repetition penalty) instead of chunks."""
     return (
         sampling.n > 1
         or sampling.wants_logprobs
         or sampling.prompt_logprobs is not None
         or sampling.grammar is not None
         or sampling.max_tokens < 1
+        or sampling.repetition_penalty != 1  # reads the whole prompt's tokens, which only a whole prefill has
     )
 
 
@@ -129,7 +131,11 @@ class Limits:
                 field="n",
             )
         if len(sampling.stop_ids) > MAX_STOP_IDS:
-            raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
+            raise GenerationError(
+                f"at most {MAX_STOP_IDS} stop token ids per request (the model's end-of-sequence ids "
+                f"and stop_token_ids), got {len(sampling.stop_ids)}",
+                field="stop_token_ids",
+            )
 
     def pad(self, prompt_ids: list[int]) -> list[int]:
         """The prompt (or chunk) zero-padded to its bucket."""
