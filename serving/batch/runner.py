@@ -198,7 +198,7 @@ class _Job:
             row = rows.parse(raw, record_id)
             custom_id = row.custom_id
             self.unknown_fields.check(row.body)  # an error record naming them, unless warn
-            ids = convert.prompt_ids(row.body, self.tokenizer)
+            ids = convert.prompt_ids(row.body, self.tokenizer, self.cfg.max_target_length)
             # Without a seed a row samples from one derived from its id: a rerun gives the same text.
             params = convert.openai_sampling(
                 row.body,
