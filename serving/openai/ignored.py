@@ -33,15 +33,19 @@ def ignored_fields(body: BaseModel) -> list[str]:
     return [name for name in IGNORED if name in body.model_fields_set and getattr(body, name, None) is not None]
 
 
-def headers(body: BaseModel) -> dict[str, str]:
-    """The response header naming what `body` sent that is ignored (none: no header); logs each
-    name the first time."""
+def note(body: BaseModel) -> list[str]:
+    """The IGNORED fields `body` sets; each name is logged the first time a request sends it (a
+    batch line has no response header: this log says it)."""
     names = ignored_fields(body)
-    if not names:
-        return {}
     with _lock:
         new = [n for n in names if n not in _logged]
         _logged.update(new)
     for name in new:
         log.info("ignoring request field %r (logged once): %s", name, IGNORED[name])
-    return {HEADER: "; ".join(f"{name}: {IGNORED[name]}" for name in names)}
+    return names
+
+
+def headers(body: BaseModel) -> dict[str, str]:
+    """The response header naming what `body` sent that is ignored, with why (none: no header)."""
+    names = note(body)
+    return {HEADER: "; ".join(f"{name}: {IGNORED[name]}" for name in names)} if names else {}
