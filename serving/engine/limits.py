@@ -4,7 +4,8 @@ its shapes, by the orchestrator at submit time, by the offline driver and by the
 Two ways into a slot:
 - whole: one `prefill` of the prompt padded to a power-of-two length bucket from MIN_BUCKET up to
   max_prefill_predict_length (MaxText's meaning: the largest single prefill), then `insert`. Requests
-  that need the prefill's own outputs take it: n > 1 choices, logprobs, prompt logprobs, a grammar.
+  that need the prefill's own outputs take it: n > 1 choices, logprobs, prompt logprobs, a grammar,
+  a repetition penalty (it reads every prompt token).
 - chunked: `prefill_slots` writes the prompt into its slot in chunks of at most
   `prefill_chunk_size` tokens, several prompts per compiled call; a prompt may then be as long as
   max_target_length - max_tokens. Every other request takes it.
