@@ -10,13 +10,14 @@
   `decode_steps_per_call` tokens in one compiled call (one, with grammar `masks`), attending over
   the smallest cache window that holds `max_position` plus those steps; a slot stops at a stop id,
   at its max_tokens, or at max_target_length. Slots that asked for logprobs get them from the same
-  call: log_softmax of the logits after temperature and the mask, before top-k / top-p.
+  call: log_softmax of the logits after the mask, the logit processing and temperature, before
+  min-p / top-k / top-p.
 - `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
+- `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
 
 Every sampling call (both prefills, generate, verify) first processes each row's logits: bad words,
 min_tokens, logit bias and penalties (serving.engine.penalties), over the slot's token history that
 the decode state keeps and each step updates; logprobs are those of the processed logits.
-- `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
 
 All shapes are static; the decode state is donated to the compiled steps and comes back updated.
 The compute backend (XLA's ops or the CPU kernels) is chosen once here, with its weight layout.
