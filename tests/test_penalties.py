@@ -166,3 +166,33 @@ def test_the_chunked_path_applies_bias_bad_words_and_min_tokens(tiny):
         ref = reference_logits(raw[i], list(prompt), tokens[3][:i], rows[3])
         assert ref[token] >= ref.max() - ATOL
     assert tokens[3].count(t) < 6
+
+
+def test_a_grammar_mask_composes_with_the_bias_and_penalties(tiny):
+    """A structured output's mask applies first: a bias cannot bring back a token it forbids, and
+    among the tokens it allows the bias and penalties act as without it."""
+    model, engine, params = tiny
+    prompt = model.tokenizer.encode(TEXT)[:9]
+    allowed = [7, 11, 40, 41, 42]
+    words = -(-VOCAB // 32)
+    mask = np.zeros((engine.max_concurrent_decodes, words), np.uint32)
+    for token in allowed:
+        mask[:, token // 32] |= np.uint32(1 << (token % 32))
+    mask = mask.view(np.int32)
+    rows = [
+        SamplingParams(max_tokens=5, logit_bias=((100, 100.0),)),  # forbidden by the mask: no effect
+        SamplingParams(max_tokens=5, logit_bias=((41, 100.0),)),  # allowed: always chosen
+        SamplingParams(max_tokens=5, logit_bias=((41, 3.0),), frequency_penalty=2.0, presence_penalty=2.0),
+    ]
+    state = engine.init_decode_state()
+    for slot, s in enumerate(rows):
+        prefix, _ = engine.prefill(params, engine.limits.pad(prompt), len(prompt), s, mask[0])
+        state = engine.insert(prefix, state, slot)
+    tokens = [[] for _ in rows]
+    for _ in range(4):
+        state, result = engine.generate(params, state, masks=mask)
+        for slot in range(len(rows)):
+            if np.asarray(result.valid)[0, slot]:
+                tokens[slot].append(int(np.asarray(result.tokens)[0, slot]))
+    assert all(t in allowed for out in tokens for t in out) and all(len(out) == 4 for out in tokens)
+    assert tokens[1] == [41] * 4 and tokens[2] != [41] * 4
