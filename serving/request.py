@@ -135,8 +135,10 @@ class SamplingParams:
 
 
 class TokenLogprob(NamedTuple):
-    """One position's token with its logprob and the best alternatives (token, logprob), best first."""
+    """One position's token with its logprob and the best alternatives (token, logprob), best first;
+    `rank`: 1 + how many tokens are likelier (computed for the prompt's logprobs only; else None)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None

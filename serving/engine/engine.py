@@ -339,7 +339,9 @@ class Engine(ChunkedPrefill, Speculative):
         if prompt_logprobs:  # the prompt as given, over the whole vocabulary: no temperature, no mask
             raw = logits[0, :-1]
             nxt = tokens[0, 1:]
-            scored = Logprobs(nxt, *token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32)))
+            chosen, top_ids, top = token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32))
+            rank = 1 + jnp.sum(jax.nn.log_softmax(raw, axis=-1) > chosen[:, None], axis=-1, dtype=jnp.int32)
+            scored = Logprobs(nxt, chosen, top_ids, top, rank)
         # What the host reads back, replicated: every process of a multi-host slice reads it.
         first, first_logprobs, scored = jax.lax.with_sharding_constraint(
             (first, first_logprobs, scored), replicated(self.mesh)
@@ -468,7 +470,8 @@ class Engine(ChunkedPrefill, Speculative):
 
 def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
     """Host copies ([rows] numpy) as one TokenLogprob per row."""
+    ranks = [None] * len(lp.ids) if lp.rank is None else [int(r) for r in lp.rank]
     return [
-        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)))
-        for t, c, ids, top in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, strict=True)
+        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)), rank)
+        for t, c, ids, top, rank in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, ranks, strict=True)
     ]

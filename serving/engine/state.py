@@ -53,6 +53,7 @@ class Logprobs(NamedTuple):
     chosen: jax.Array  # float32
     top_ids: jax.Array  # int32, best first
     top: jax.Array  # float32
+    rank: jax.Array | None = None  # int32 [rows]: 1 + the tokens likelier than the chosen one
 
 
 class Prefix(NamedTuple):

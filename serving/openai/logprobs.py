@@ -7,8 +7,8 @@
   "bytes"}]}], "refusal": None}`.
 - vLLM's prompt_logprobs: one entry per prompt token, None for the first, else a map from token
   id to `{"logprob", "rank", "decoded_token"}` holding the prompt's token and the best
-  `prompt_logprobs` alternatives (rank 1: the most likely; a prompt token outside the alternatives
-  the engine returns, MAX_LOGPROBS, has rank None).
+  `prompt_logprobs` alternatives (rank 1: the most likely; a prompt token's rank counts the whole
+  vocabulary).
 A token that is not whole UTF-8 is written `bytes:\\xNN...` (its `bytes` field has the real
 bytes). A logprob of -inf (a token a grammar forbids) is left out of the alternatives.
 """
@@ -101,9 +101,7 @@ def prompt_logprobs(
         if entry is None:
             out.append(None)
             continue
-        ranked = [t for t, _ in entry.top]
-        rank = ranked.index(token) + 1 if token in ranked else None
-        position = {str(token): item(token, entry.logprob, rank)}
+        position = {str(token): item(token, entry.logprob, entry.rank)}
         for i, (t, v) in enumerate(entry.top[:num_top]):
             if math.isfinite(v):
                 position.setdefault(str(t), item(t, v, i + 1))
