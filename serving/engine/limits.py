@@ -110,6 +110,13 @@ class Limits:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""
         if prompt_length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
+        if sampling.repetition_penalty != 1 and prompt_length > self.max_prefill_length:
+            raise GenerationError(
+                f"repetition_penalty reads every prompt token, so the prompt is prefilled in one call: at most "
+                f"max_prefill_predict_length={self.max_prefill_length} tokens, got {prompt_length}",
+                field="repetition_penalty",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
         if prefills_whole(sampling):
             self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:
