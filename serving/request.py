@@ -10,6 +10,11 @@ from typing import NamedTuple
 
 # At most this many alternatives per position (OpenAI's limit for top_logprobs and logprobs).
 MAX_LOGPROBS = 20
+# The per-request tables the device keeps for every slot have fixed sizes (serving.engine.state):
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's own limit)
+MAX_BAD_WORDS = 32  # bad_words token sequences (each word tokenized with and without a leading space)
+MAX_BAD_WORD_TOKENS = 8  # tokens in one bad word's sequence
+LOGIT_BIAS_LIMIT = 100.0  # |bias| (OpenAI's range, -100..100)
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,19 @@ class SamplingParams:
     `choice_seed(i)`. `grammar`: tokens it forbids are masked at every step. `speculative`: False
     opts out of speculative decoding (the output is the same either way, in distribution).
     `adapter`: a LoRA adapter's id (serving.lora).
+
+    Logit processing, applied on the device in this order before the sampler (vLLM's order and
+    definitions; serving.engine.penalties): `bad_words` (token sequences: the last token of each
+    is forbidden right after the others were generated), `min_tokens` (the stop ids are forbidden
+    until that many tokens were generated), `logit_bias` ((token, bias) pairs added to the logits),
+    then the penalties over the tokens generated so far: `repetition_penalty` (divides a positive
+    logit, multiplies a negative one, for tokens of the prompt or the output), `frequency_penalty`
+    (minus the penalty times the token's count) and `presence_penalty` (minus it once). `min_p`
+    (after temperature): tokens less likely than min_p times the best token's probability are cut.
+
+    Read by the stream assembler only (serving.orchestrator.streams): `include_stop_str_in_output`
+    (a stop string or stop token's text stays in the text), `skip_special_tokens`,
+    `spaces_between_special_tokens` (with special tokens shown, a space on each side of one).
     """
 
     max_tokens: int = 16
@@ -49,6 +67,16 @@ class SamplingParams:
     adapter: str | None = None
     lora_slot: int = 0
     lora_version: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
@@ -65,6 +93,34 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """The logit-processing fields' ranges (vLLM's and OpenAI's), each error naming its field."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2**20:  # also rejects NaN
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias: {token}: {bias} must be a token id and a bias in [-100, 100]")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words makes {len(self.bad_words)} token sequences, at most {MAX_BAD_WORDS}")
+        for word in self.bad_words:
+            if not 0 < len(word) <= MAX_BAD_WORD_TOKENS or min(word) < 0:
+                raise ValueError(f"bad_words: a word of {len(word)} tokens, each must have 1..{MAX_BAD_WORD_TOKENS}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty over generated (or prompt) tokens is set."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def wants_logprobs(self) -> bool:
@@ -79,8 +135,10 @@ class SamplingParams:
 
 
 class TokenLogprob(NamedTuple):
-    """One position's token with its logprob and the best alternatives (token, logprob), best first."""
+    """One position's token with its logprob and the best alternatives (token, logprob), best first;
+    `rank`: 1 + how many tokens are likelier (computed for the prompt's logprobs only; else None)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None

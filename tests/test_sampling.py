@@ -73,7 +73,7 @@ def _params(combos) -> tuple:
     return jnp.array(t, jnp.float32), jnp.array(k, jnp.int32), jnp.array(p, jnp.float32)
 
 
-def _draw(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0) -> np.ndarray:
+def _draw(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, min_p=0.0) -> np.ndarray:
     """NUM_DRAWS tokens from one row of logits, each with a key of its own."""
     n = NUM_DRAWS
     keys = jax.random.split(jax.random.PRNGKey(seed), n)
@@ -84,6 +84,7 @@ def _draw(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0) -> np.ndarray:
             jnp.full((n,), temperature, jnp.float32),
             jnp.full((n,), top_k, jnp.int32),
             jnp.full((n,), top_p, jnp.float32),
+            jnp.full((n,), min_p, jnp.float32),
         )
     )
 
@@ -150,6 +151,25 @@ def test_draws_follow_the_reference_probabilities(temperature, top_k, top_p):
         expected.append(NUM_DRAWS * probs[~big].sum())
     chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True))
     assert chi2 < stats.chi2.isf(1e-4, len(expected) - 1), (chi2, len(expected))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.05), (1.5, 40, 0.9, 0.1)])
+def test_min_p_draws_follow_vllms_definition(temperature, top_k, top_p, min_p):
+    """vLLM's min_p: after temperature, tokens whose probability is below min_p times the best
+    token's are dropped, then top-k and top-p run on what is left."""
+    logits = np.random.default_rng(6).normal(size=(1, VOCAB)).astype(np.float32) * 1.5
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    cut = np.where(probs >= min_p, logits, -np.inf).astype(np.float32)  # probs / max(probs) >= min_p
+    expected = reference_probs(cut, [temperature], [top_k], [top_p])[0]
+    assert 5 < (expected > 0).sum() < (probs > 0).sum()  # min_p cuts, and leaves a few
+    draws = _draw(jnp.asarray(logits), temperature, top_k, top_p, seed=9, min_p=min_p)
+    assert expected[draws].min() > 0  # nothing min_p (or top-k, top-p) drops
+    counts, expected = np.bincount(draws, minlength=VOCAB), expected * NUM_DRAWS
+    big = expected >= 5
+    observed, cells = [*counts[big], counts[~big].sum()], [*expected[big], expected[~big].sum()]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, cells, strict=True) if e > 0)
+    assert chi2 < stats.chi2.isf(1e-4, sum(e > 0 for e in cells) - 1), chi2
 
 
 def test_temperature_one_follows_the_distribution():

@@ -70,10 +70,21 @@ def test_verify_with_an_int8_kv_cache_emits_greedy_tokens(tiny_model_dir):
     _check_greedy(model, engine, engine.load_params(), modes=("mixed",))
 
 
-def _check_greedy(model, engine, params, modes):
+def test_verify_with_penalties_emits_plain_decodings_greedy_tokens(tiny):
+    """The penalised distribution is the target: a proposal counts in the penalties of the positions
+    after it, as the tokens plain decoding generated there do."""
+    model, engine, params = tiny
+    ids = model.tokenizer.encode(TEXT)
+    sampling = SamplingParams(
+        max_tokens=14, repetition_penalty=1.5, frequency_penalty=0.9, presence_penalty=0.4,
+        logit_bias=((ids[2], 2.0),), bad_words=((ids[1],), (ids[3], ids[4])),
+    )
+    _check_greedy(model, engine, params, modes=("right", "mixed"), sampling=sampling)
+
+
+def _check_greedy(model, engine, params, modes, sampling=SamplingParams(max_tokens=14)):  # noqa: B008
     ids = model.tokenizer.encode(TEXT)
     prompts = [ids[:7], ids[10:30], ids[40:45]]
-    sampling = SamplingParams(max_tokens=14)
     expected = _plain(engine, params, prompts, sampling, 13)
     rng = np.random.default_rng(0)
     for mode in modes:
@@ -136,11 +147,13 @@ def _first_two_distribution(logits_after, first_logits, proposals, sampling, dra
     vocab = first_logits.shape[0]
     seed = 8 if speculative else 7  # independent samples
     keys = jax.random.split(jax.random.PRNGKey(seed), draws * 4).reshape(draws, 4, 2)
-    rows = sampling._replace(**{f: jnp.broadcast_to(getattr(sampling, f), (draws,)) for f in ("temperature", "top_k", "top_p")})
+    drawn = ("temperature", "top_k", "top_p", "min_p")
+    rows = sampling._replace(**{f: jnp.broadcast_to(getattr(sampling, f), (draws,)) for f in drawn})
+    params = [getattr(rows, f) for f in drawn]
 
     def plain():
-        t1 = sample(jnp.broadcast_to(first_logits, (draws, vocab)), keys[:, 0], *rows[1:4])
-        t2 = sample(logits_after[t1], keys[:, 1], *rows[1:4])
+        t1 = sample(jnp.broadcast_to(first_logits, (draws, vocab)), keys[:, 0], *params)
+        t2 = sample(logits_after[t1], keys[:, 1], *params)
         return t1, t2
 
     def spec():
@@ -152,7 +165,7 @@ def _first_two_distribution(logits_after, first_logits, proposals, sampling, dra
         props = jnp.broadcast_to(jnp.asarray(proposals, jnp.int32), (draws, 2))
         tokens, accepted = verify_tokens(logits, props, jnp.full((draws,), 2, jnp.int32), keys[:, :3], rows)
         # rejected at once: the second token comes from the next call, after the first one
-        again = sample(logits_after[tokens[:, 0]], keys[:, 3], *rows[1:4])
+        again = sample(logits_after[tokens[:, 0]], keys[:, 3], *params)
         return tokens[:, 0], jnp.where(accepted >= 1, tokens[:, 1], again)
 
     t1, t2 = jax.jit(spec if speculative else plain)()
@@ -181,7 +194,7 @@ def _draft_greedy(draft, context, count):
     return tokens[len(context) :]
 
 
-@pytest.mark.parametrize("top", [dict(), dict(top_k=20, top_p=0.9)])
+@pytest.mark.parametrize("top", [dict(), dict(top_k=20, top_p=0.9, min_p=0.05)])
 def test_sampled_speculation_draws_the_plain_distribution(tiny, random_draft, top):
     model = tiny[0]
     context = model.tokenizer.encode(TEXT)[:12]
@@ -192,9 +205,9 @@ def test_sampled_speculation_draws_the_plain_distribution(tiny, random_draft, to
     first_logits = logits[0, len(context) - 1, :vocab]
     logits_after = logits[:, len(context), :vocab]
     temperature = 1.5  # a flat distribution: many cells, a sharper test
-    sampling = SlotSampling(
-        key=None, temperature=jnp.float32(temperature), top_k=jnp.int32(top.get("top_k", 0)),
-        top_p=jnp.float32(top.get("top_p", 1.0)), max_tokens=None, stop_ids=None, logprobs=None, lora_slot=None,
+    sampling = SlotSampling(*(None for _ in SlotSampling._fields))._replace(
+        temperature=jnp.float32(temperature), top_k=jnp.int32(top.get("top_k", 0)),
+        top_p=jnp.float32(top.get("top_p", 1.0)), min_p=jnp.float32(top.get("min_p", 0.0)),
     )
     # n-gram-like proposals: the likely first token, then a likely second one; and unlikely ones
     best = int(jnp.argmax(first_logits))

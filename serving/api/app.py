@@ -28,7 +28,7 @@ from serving.api.gate import Gate
 from serving.api.state import ServerState
 from serving.errors import GenerationError, QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
-from serving.openai import convert
+from serving.openai import convert, ignored
 from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from serving.openai.streaming import ChoiceStream
@@ -170,7 +170,7 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
     assert state.orchestrator is not None  # the gate answers 503 before that
     adapter = convert.adapter_of(body.model, state.model_name, state.orchestrator.adapters)
     tokenizer = state.tokenizer
-    ids = convert.prompt_ids(body, tokenizer)
+    ids = convert.prompt_ids(body, tokenizer, state.config.max_target_length)
     params = convert.openai_sampling(body, tokenizer, len(ids), state.config.max_target_length)
     params = dataclasses.replace(params, adapter=adapter)
     submit = (state, ids, params, body.stop_strings(), convert.prompt_param(body), asyncio.get_running_loop())
@@ -183,7 +183,9 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
     created, model = int(time.time()), adapter or state.model_name
     if not body.stream:
         completions = await _complete_all(handles, request)
-        return JSONResponse(convert.response_body(body, rid, created, model, completions, ids, tokenizer))
+        return JSONResponse(
+            convert.response_body(body, rid, created, model, completions, ids, tokenizer), headers=ignored.headers(body)
+        )
     streams = [ChoiceStream(body, (rid, created, model), tokenizer, ids, h) for h in handles]
 
     def usage(completions: list[Completion]) -> Iterable[dict[str, Any]]:
@@ -194,7 +196,7 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
                 "usage": convert.usage(completions),
             }
 
-    return _sse(streams, usage)
+    return _sse(streams, usage, ignored.headers(body))
 
 
 def _probe(ok: bool, status: str) -> JSONResponse:
@@ -281,7 +283,9 @@ async def _complete_all(handles: list[RequestHandle], request: Request) -> list[
 
 
 def _sse(
-    streams: list[ChoiceStream], usage: Callable[[list[Completion]], Iterable[dict[str, Any]]]
+    streams: list[ChoiceStream],
+    usage: Callable[[list[Completion]], Iterable[dict[str, Any]]],
+    headers: dict[str, str],
 ) -> StreamingResponse:
     """OpenAI's server-sent events: each choice's chunks as its tokens arrive (choices interleaved),
     the usage chunk if asked, then `[DONE]`. A client that goes away cancels every choice."""
@@ -320,7 +324,7 @@ def _sse(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+    return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS | headers)
 
 
 def _event(record: dict[str, Any]) -> str:

@@ -39,7 +39,7 @@ from serving.batch.errors import BatchError, IncompleteError
 from serving.config import ServingConfig
 from serving.errors import GenerationError, QueueFullError
 from serving.lora.errors import UnknownAdapterError
-from serving.openai import convert
+from serving.openai import convert, ignored
 from serving.openai.errors import APIError
 from serving.openai.fields import UnknownFieldPolicy
 
@@ -347,7 +347,8 @@ class _Job:
             row = rows.parse(raw, record_id)
             custom_id = row.custom_id
             self.unknown_fields.check(row.body)  # an error record naming them, unless warn
-            ids = convert.prompt_ids(row.body, self.tokenizer)
+            ignored.note(row.body)  # fields with no effect here (metadata, user, ...): logged once
+            ids = convert.prompt_ids(row.body, self.tokenizer, self.cfg.max_target_length)
             # Without a seed a row samples from one derived from its id: a rerun gives the same text.
             params = convert.openai_sampling(
                 row.body,

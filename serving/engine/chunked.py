@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.engine import penalties
 from serving.engine.api import PrefillRow
 from serving.engine.sharding import replicated
-from serving.engine.state import DecodeState, is_stop, stacked_sampling
+from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
 from serving.models import KVCache, prefill
 from serving.models.cache import gather_history, store_chunks
@@ -173,14 +174,28 @@ class ChunkedPrefill:
             quantized_kv=state.cache.quantized,
             lora=lora_stack.lora_batch(params, sampling.lora_slot),
         )
-        rows = jnp.arange(tokens.shape[0])
+        count = tokens.shape[0]
+        rows = jnp.arange(count)
         last = self._decodable(logits[rows, lengths - 1], None)  # [rows, vocab]
+        # Nothing generated yet, and no repetition penalty here (limits.prefills_whole): the
+        # penalties change nothing; bad words, min_tokens and the bias apply.
+        nothing = jnp.zeros((count,), jnp.int32)
+        last = penalties.process(last, sampling, nothing, penalties.no_recent(count), None, final)
         first = self._sample(last, jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys), sampling)
         finished = is_stop(first, sampling.stop_ids) | (sampling.max_tokens <= 1)
         parked = self.config.max_target_length - 1  # an inactive row's harmless write position
 
         def put(old, new):
             return old.at[slots].set(new.astype(old.dtype), mode="drop")
+
+        # a final row's sequence starts: its first token, no prompt tokens kept (other rows drop)
+        started = jnp.where(final, slots, self.max_concurrent_decodes)
+        counts, recent = penalties.started(first, last.shape[-1])
+        history = TokenHistory(
+            counts=state.history.counts.at[started].set(counts, mode="drop"),
+            prompt=state.history.prompt.at[started].set(False, mode="drop"),
+            recent=state.history.recent.at[started].set(recent, mode="drop"),
+        )
 
         new_state = DecodeState(
             cache=store_chunks(state.cache, kv, slots, starts),
@@ -189,6 +204,7 @@ class ChunkedPrefill:
             generated=put(state.generated, jnp.ones_like(first)),
             active=put(state.active, final & ~finished),
             sampling=jax.tree.map(put, state.sampling, sampling._replace(key=keys)),
+            history=history,
         )
         return new_state, jax.lax.with_sharding_constraint(first, replicated(self.mesh))
 

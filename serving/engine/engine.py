@@ -10,9 +10,14 @@
   `decode_steps_per_call` tokens in one compiled call (one, with grammar `masks`), attending over
   the smallest cache window that holds `max_position` plus those steps; a slot stops at a stop id,
   at its max_tokens, or at max_target_length. Slots that asked for logprobs get them from the same
-  call: log_softmax of the logits after temperature and the mask, before top-k / top-p.
+  call: log_softmax of the logits after the mask, the logit processing and temperature, before
+  min-p / top-k / top-p.
 - `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
 - `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
+
+Every sampling call (both prefills, generate, verify) first processes each row's logits: bad words,
+min_tokens, logit bias and penalties (serving.engine.penalties), over the slot's token history that
+the decode state keeps and each step updates; logprobs are those of the processed logits.
 
 All shapes are static; the decode state is donated to the compiled steps and comes back updated.
 The compute backend (XLA's ops or the CPU kernels) is chosen once here, with its weight layout.
@@ -31,9 +36,10 @@ from jax.sharding import Mesh
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
+from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
-from serving.engine.limits import MAX_STOP_IDS, Limits
+from serving.engine.limits import Limits
 from serving.engine.partitioning import Numerics
 from serving.engine.sampling import apply_mask, sample, token_logprobs
 from serving.engine.sharding import (
@@ -44,7 +50,16 @@ from serving.engine.sharding import (
     unstacked_shardings,
 )
 from serving.engine.speculative import Speculative
-from serving.engine.state import DecodeState, Logprobs, Prefix, SlotSampling, is_stop, slot_sampling
+from serving.engine.state import (
+    DecodeState,
+    Logprobs,
+    Prefix,
+    SlotSampling,
+    TokenHistory,
+    is_stop,
+    slot_sampling,
+    stacked_sampling,
+)
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.lora import stack as lora_stack
@@ -117,7 +132,7 @@ class Engine(ChunkedPrefill, Speculative):
         )
         self._logprobs_fn = jax.jit(partial(self._prompt_logprobs_impl, static=static))
         state_shardings = self._state_shardings()
-        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(4,), out_shardings=state_shardings)
+        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(5,), out_shardings=state_shardings)
         cache_dtype = jnp.int8 if config.quantize_kvcache else self._dtype
         if self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype):
             self.windows = [config.max_target_length]  # attention reads only each row's positions
@@ -185,16 +200,8 @@ class Engine(ChunkedPrefill, Speculative):
             positions=zeros(),
             generated=zeros(),
             active=jnp.zeros((slots,), bool),
-            sampling=SlotSampling(
-                key=jnp.zeros((slots, 2), jnp.uint32),
-                temperature=jnp.zeros((slots,), jnp.float32),
-                top_k=zeros(),
-                top_p=jnp.ones((slots,), jnp.float32),
-                max_tokens=zeros(),
-                stop_ids=jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
-                logprobs=jnp.zeros((slots,), bool),
-                lora_slot=zeros(),
-            ),
+            sampling=jax.tree.map(jnp.asarray, stacked_sampling([], slots)),  # neutral, inactive
+            history=penalties.init_history(slots, self._num_decodable),
         )
         return jax.device_put(state, self._state_shardings())
 
@@ -239,7 +246,9 @@ class Engine(ChunkedPrefill, Speculative):
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, choice: int = 0) -> DecodeState:
         sampling = prefix.sampling._replace(key=prefix.keys[choice])
         first = prefix.first_tokens[choice]
-        return self._insert_fn(prefix.kv, prefix.length, first, sampling, decode_state, jnp.int32(slot))
+        return self._insert_fn(
+            prefix.kv, prefix.length, first, sampling, prefix.prompt_seen, decode_state, jnp.int32(slot)
+        )
 
     @property
     def decode_steps_per_call(self) -> int:
@@ -288,20 +297,12 @@ class Engine(ChunkedPrefill, Speculative):
             positions=slots,
             generated=slots,
             active=slots,
-            sampling=SlotSampling(
-                key=rows,
-                temperature=slots,
-                top_k=slots,
-                top_p=slots,
-                max_tokens=slots,
-                stop_ids=rows,
-                logprobs=slots,
-                lora_slot=slots,
-            ),
+            sampling=SlotSampling(*(rows for _ in SlotSampling._fields)),
+            history=TokenHistory(*(rows for _ in TokenHistory._fields)),
         )
 
     def _sample(self, logits: jax.Array, keys: jax.Array, sampling: SlotSampling) -> jax.Array:
-        return sample(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p)
+        return sample(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
     def _decodable(self, logits: jax.Array, mask: jax.Array | None) -> jax.Array:
         """[batch, vocab] logits of the tokens the tokenizer can decode, -inf where `mask` forbids."""
@@ -318,8 +319,18 @@ class Engine(ChunkedPrefill, Speculative):
         )
         last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
         last = self._decodable(last, mask)
-        last = jnp.broadcast_to(last, (choices, last.shape[-1]))  # [choices, vocab]
+        vocab = last.shape[-1]
+        seen = penalties.prompt_tokens(tokens[0], true_length, vocab)
         batched = jax.tree.map(lambda x: jnp.broadcast_to(x, (choices, *jnp.shape(x))), sampling)
+        nothing = jnp.zeros((choices,), jnp.int32)
+        last = penalties.process(
+            jnp.broadcast_to(last, (choices, vocab)),  # [choices, vocab]
+            batched,
+            nothing,
+            penalties.no_recent(choices),
+            lambda: (jnp.zeros((choices, vocab), jnp.int32), jnp.broadcast_to(seen, (choices, vocab))),
+            jnp.ones((choices,), bool),
+        )
         first = self._sample(last, jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys), batched)
         first_logprobs = None
         if logprobs:
@@ -328,21 +339,29 @@ class Engine(ChunkedPrefill, Speculative):
         if prompt_logprobs:  # the prompt as given, over the whole vocabulary: no temperature, no mask
             raw = logits[0, :-1]
             nxt = tokens[0, 1:]
-            scored = Logprobs(nxt, *token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32)))
+            chosen, top_ids, top = token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32))
+            rank = 1 + jnp.sum(jax.nn.log_softmax(raw, axis=-1) > chosen[:, None], axis=-1, dtype=jnp.int32)
+            scored = Logprobs(nxt, chosen, top_ids, top, rank)
         # What the host reads back, replicated: every process of a multi-host slice reads it.
         first, first_logprobs, scored = jax.lax.with_sharding_constraint(
             (first, first_logprobs, scored), replicated(self.mesh)
         )
-        return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored)
+        return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored, seen)
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
         logits, _ = prefill(params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache)
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 
-    def _insert_impl(self, kv, length, first, one: SlotSampling, state: DecodeState, slot) -> DecodeState:
+    def _insert_impl(self, kv, length, first, one: SlotSampling, seen, state: DecodeState, slot) -> DecodeState:
         finished = is_stop(first, one.stop_ids) | (one.max_tokens <= 1)
         sampling = jax.tree.map(lambda all_, x: all_.at[slot].set(x), state.sampling, one)
+        counts, recent = penalties.started(first[None], seen.shape[0])
+        history = TokenHistory(
+            counts=state.history.counts.at[slot].set(counts[0]),
+            prompt=state.history.prompt.at[slot].set(seen),
+            recent=state.history.recent.at[slot].set(recent[0]),
+        )
         return DecodeState(
             cache=store_prefix(state.cache, kv, slot),
             tokens=state.tokens.at[slot].set(first),
@@ -350,6 +369,7 @@ class Engine(ChunkedPrefill, Speculative):
             generated=state.generated.at[slot].set(1),
             active=state.active.at[slot].set(~finished),
             sampling=sampling,
+            history=history,
         )
 
     def _free_impl(self, state: DecodeState, slot) -> DecodeState:
@@ -366,6 +386,8 @@ class Engine(ChunkedPrefill, Speculative):
         def first(x):
             return x[:num_slots]
 
+        # The token history stays whole (a [slots, vocab] copy per call would cost what a step
+        # of a small batch does): rows [0, num_slots) are read and written in place.
         state = full._replace(
             tokens=first(full.tokens),
             positions=first(full.positions),
@@ -373,6 +395,7 @@ class Engine(ChunkedPrefill, Speculative):
             active=first(full.active),
             sampling=jax.tree.map(first, full.sampling),
         )
+        rows = jnp.arange(num_slots)
         if masks is not None:
             masks = masks[:num_slots]
         num_top = min(MAX_LOGPROBS, self._num_decodable)
@@ -397,6 +420,11 @@ class Engine(ChunkedPrefill, Speculative):
                 temperature=jnp.where(state.active, state.sampling.temperature, 0.0)
             )
             logits = self._decodable(logits, masks)
+            history = state.history
+            logits = penalties.process(
+                logits, sampling, state.generated, history.recent[:num_slots],
+                lambda: (history.counts[:num_slots], history.prompt[:num_slots]), state.active,
+            )
             token = self._sample(logits, keys, sampling)
             wants = state.active & state.sampling.logprobs
             chosen, top_ids, top = jax.lax.cond(
@@ -416,6 +444,7 @@ class Engine(ChunkedPrefill, Speculative):
                 generated=generated,
                 active=valid & ~done,
                 sampling=state.sampling,
+                history=penalties.record(history, rows, token[:, None], valid[:, None]),
             )
             return new_state, ResultTokens(token, valid, done, chosen, top_ids, top)
 
@@ -434,13 +463,15 @@ class Engine(ChunkedPrefill, Speculative):
             generated=back(full.generated, state.generated),
             active=back(full.active, state.active),
             sampling=full.sampling,
+            history=state.history,
         )
         return full, ResultTokens(*(widen(x) for x in result))
 
 
 def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
     """Host copies ([rows] numpy) as one TokenLogprob per row."""
+    ranks = [None] * len(lp.ids) if lp.rank is None else [int(r) for r in lp.rank]
     return [
-        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)))
-        for t, c, ids, top in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, strict=True)
+        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)), rank)
+        for t, c, ids, top, rank in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, ranks, strict=True)
     ]

@@ -4,7 +4,8 @@ its shapes, by the orchestrator at submit time, by the offline driver and by the
 Two ways into a slot:
 - whole: one `prefill` of the prompt padded to a power-of-two length bucket from MIN_BUCKET up to
   max_prefill_predict_length (MaxText's meaning: the largest single prefill), then `insert`. Requests
-  that need the prefill's own outputs take it: n > 1 choices, logprobs, prompt logprobs, a grammar.
+  that need the prefill's own outputs take it: n > 1 choices, logprobs, prompt logprobs, a grammar,
+  a repetition penalty (it reads every prompt token).
 - chunked: `prefill_slots` writes the prompt into its slot in chunks of at most
   `prefill_chunk_size` tokens, several prompts per compiled call; a prompt may then be as long as
   max_target_length - max_tokens. Every other request takes it.
@@ -21,7 +22,7 @@ from serving.errors import GenerationError
 from serving.request import SamplingParams
 
 MIN_BUCKET = 16
-MAX_STOP_IDS = 8
+MAX_STOP_IDS = 16  # end-of-sequence ids and a request's stop_token_ids
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 
 
@@ -54,13 +55,15 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
 
 def prefills_whole(sampling: SamplingParams) -> bool:
     """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
-    several choices, logprobs, the prompt's logprobs, a grammar's first mask) instead of chunks."""
+    several choices, logprobs, the prompt's logprobs, a grammar's first mask, the prompt's tokens for
+    a repetition penalty) instead of chunks."""
     return (
         sampling.n > 1
         or sampling.wants_logprobs
         or sampling.prompt_logprobs is not None
         or sampling.grammar is not None
         or sampling.max_tokens < 1
+        or sampling.repetition_penalty != 1  # reads the whole prompt's tokens, which only a whole prefill has
     )
 
 
@@ -107,6 +110,13 @@ class Limits:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""
         if prompt_length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
+        if sampling.repetition_penalty != 1 and prompt_length > self.max_prefill_length:
+            raise GenerationError(
+                f"repetition_penalty reads every prompt token, so the prompt is prefilled in one call: at most "
+                f"max_prefill_predict_length={self.max_prefill_length} tokens, got {prompt_length}",
+                field="repetition_penalty",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
         if prefills_whole(sampling):
             self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:
@@ -129,7 +139,11 @@ class Limits:
                 field="n",
             )
         if len(sampling.stop_ids) > MAX_STOP_IDS:
-            raise GenerationError(f"at most {MAX_STOP_IDS} stop token ids per request")
+            raise GenerationError(
+                f"at most {MAX_STOP_IDS} stop token ids per request (the model's end-of-sequence ids "
+                f"and stop_token_ids), got {len(sampling.stop_ids)}",
+                field="stop_token_ids",
+            )
 
     def pad(self, prompt_ids: list[int]) -> list[int]:
         """The prompt (or chunk) zero-padded to its bucket."""

@@ -1,8 +1,9 @@
-"""Token sampling per row: greedy, temperature, top-k and top-p, reproducible from a seed.
+"""Token sampling per row: greedy, temperature, min-p, top-k and top-p, reproducible from a seed.
 
 A row with temperature > 0 draws from these tokens, in this order (README, "Sampling"):
 
-1. scaled = logits / temperature.
+1. scaled = logits / temperature; with min_p > 0, the tokens whose probability is below min_p
+   times the best token's are dropped (vLLM's min_p, applied before top-k and top-p).
 2. top-k (0 < k < vocab): the tokens whose scaled logit is at least the k-th largest; ties with the
    k-th are all kept. Probabilities for step 3 are the softmax over exactly k of them.
 3. top-p (p < 1): the smallest best-first prefix whose probability reaches p, i.e. every token
@@ -46,18 +47,25 @@ ROWS_PER_CHUNK = 4
 
 
 def sample(
-    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array | None = None,
 ) -> jax.Array:
     """Pick one token per row.
 
-    logits [batch, vocab] float32; keys [batch] PRNG keys; temperature, top_p [batch] float32;
-    top_k [batch] int32. Rows with temperature 0 take the argmax. Returns [batch] int32.
+    logits [batch, vocab] float32; keys [batch] PRNG keys; temperature, top_p, min_p (None: 0)
+    [batch] float32; top_k [batch] int32. Rows with temperature 0 take the argmax. Returns [batch]
+    int32.
     """
     greedy = argmax(logits)
     sampling = temperature > 0
+    min_p = jnp.zeros_like(top_p) if min_p is None else min_p
     return lax.cond(
         jnp.any(sampling),
-        lambda: _draw_sampling_rows(greedy, sampling, logits, keys, temperature, top_k, top_p),
+        lambda: _draw_sampling_rows(greedy, sampling, logits, keys, temperature, top_k, top_p, min_p),
         lambda: greedy,
     )
 
@@ -93,11 +101,16 @@ def argmax(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
 
 
-def kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def kept(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array | None = None
+) -> jax.Array:
     """[batch, vocab] bool: the tokens each row (every row sampling) may draw."""
     scaled, weights = _scale(logits, temperature)
+    if min_p is None:
+        min_p = jnp.zeros_like(top_p)
+    scaled, weights = _min_p(scaled, weights, min_p)
     cutoff = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
-    return scaled >= cutoff[:, None]
+    return (scaled >= cutoff[:, None]) & ((scaled > -jnp.inf) | (min_p[:, None] <= 0))
 
 
 def _draw_sampling_rows(greedy: jax.Array, sampling: jax.Array, *rows: jax.Array) -> jax.Array:
@@ -118,10 +131,11 @@ def _draw_sampling_rows(greedy: jax.Array, sampling: jax.Array, *rows: jax.Array
 
 
 def _draw(
-    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 ) -> jax.Array:
-    """Temperature, top-k and top-p sampling for every row."""
+    """Temperature, min-p, top-k and top-p sampling for every row."""
     scaled, weights = _scale(logits, temperature)
+    scaled, weights = _min_p(scaled, weights, min_p)
     cutoff = _cutoffs(scaled, weights, top_k, top_p, temperature > 0)
     uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
     return _inverse_cdf(jnp.where(scaled >= cutoff[:, None], weights, 0.0), uniform)
@@ -131,6 +145,18 @@ def _scale(logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Ar
     """scaled logits and exp(scaled - row max), both [batch, vocab]; the best token weighs 1."""
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     return scaled, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+
+
+def _min_p(scaled: jax.Array, weights: jax.Array, min_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """scaled and weights ([batch, vocab]) with the tokens whose probability is below min_p [batch]
+    times the best one's at -inf and 0 (weights are exp(scaled - max): that ratio itself); runs
+    only when some row sets min_p."""
+
+    def cut() -> tuple[jax.Array, jax.Array]:
+        keep = weights >= min_p[:, None]
+        return jnp.where(keep, scaled, -jnp.inf), jnp.where(keep, weights, 0.0)
+
+    return lax.cond(jnp.any(min_p > 0), cut, lambda: (scaled, weights))
 
 
 def _cutoffs(

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from serving.engine import penalties
 from serving.engine.api import ResultTokens
 from serving.engine.sampling import argmax, kept, sample, token_logprobs
 from serving.engine.sharding import replicated
-from serving.engine.state import DecodeState, SlotSampling, is_stop
+from serving.engine.state import RECENT, DecodeState, SlotSampling, TokenHistory, is_stop
 from serving.lora import stack as lora_stack
 from serving.models import KVCache, prefill
 from serving.models.cache import store_chunks
@@ -54,12 +55,13 @@ def verify_tokens(
     logits [batch, k + 1, vocab] float32: position j's logits, after the row's first j proposals;
     proposals [batch, k] int32; num_proposed [batch] int32 (0..k: the real ones); keys [batch, k + 1]
     PRNG keys, keys[:, j] the one plain decoding uses for the row's token j of this call; sampling's
-    temperature, top_k, top_p [batch]. Returns tokens [batch, k + 1] (proposals, then the
+    temperature, top_k, top_p, min_p [batch]. The logits are the processed ones (penalties, bias,
+    bad words: serving.engine.penalties), so p is the distribution plain decoding draws from. Returns tokens [batch, k + 1] (proposals, then the
     correction or bonus token at column `accepted`; past it meaningless) and accepted [batch].
     """
     batch, columns, vocab = logits.shape
     k = columns - 1
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     sampled = temperature > 0
 
     def each(x: jax.Array) -> jax.Array:  # [batch] -> [batch * k], one per proposal
@@ -69,7 +71,7 @@ def verify_tokens(
     drafts = proposals.reshape(batch * k)
 
     def target_probability() -> jax.Array:  # p(d) under the plain sampler's distribution
-        keep = kept(flat, each(temperature), each(top_k), each(top_p))
+        keep = kept(flat, each(temperature), each(top_k), each(top_p), each(min_p))
         scaled = jnp.where(keep, flat / jnp.maximum(each(temperature), 1e-6)[:, None], -jnp.inf)
         chosen = jnp.take_along_axis(scaled, drafts[:, None], axis=-1)[:, 0]
         return jnp.exp(chosen - jax.nn.logsumexp(scaled, axis=-1))
@@ -85,12 +87,12 @@ def verify_tokens(
     rows = jnp.arange(batch)
     at = logits[rows, accepted]  # [batch, vocab]: the position after the accepted prefix
     key = keys[rows, accepted]
-    plain = sample(at, key, temperature, top_k, top_p)
+    plain = sample(at, key, temperature, top_k, top_p, min_p)
     rejected = sampled & (accepted < num_proposed)
     draft = proposals[rows, jnp.minimum(accepted, k - 1)]
 
     def residual() -> jax.Array:  # p without the rejected draft, renormalized
-        keep = kept(at, temperature, top_k, top_p)
+        keep = kept(at, temperature, top_k, top_p, min_p)
         without = keep & (jnp.arange(vocab)[None, :] != draft[:, None])
         without = jnp.where(jnp.any(without, axis=-1, keepdims=True), without, keep)
         ones = jnp.ones_like(top_p)
@@ -160,7 +162,7 @@ class Speculative:
     ) -> tuple[DecodeState, ResultTokens]:
         max_len, total = self.config.max_target_length, self.max_concurrent_decodes
         k = proposals.shape[1]
-        state = jax.tree.map(lambda x: x[:num_slots], full._replace(cache=None))
+        state = jax.tree.map(lambda x: x[:num_slots], full._replace(cache=None, history=None))
         proposals, num_proposed = proposals[:num_slots], num_proposed[:num_slots]
         starts = jnp.minimum(state.positions, max_len - 1)
         fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
@@ -173,6 +175,7 @@ class Speculative:
         vocab = logits.shape[-1]
         logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
         sampling = state.sampling._replace(temperature=jnp.where(state.active, state.sampling.temperature, 0.0))
+        logits = _processed(logits, proposals, state, sampling, full.history)
         column = jnp.arange(k + 1)
         keys = jax.vmap(lambda key, g: jax.vmap(lambda j: jax.random.fold_in(key, g + j))(column))(
             sampling.key, state.generated
@@ -197,8 +200,40 @@ class Speculative:
             generated=back(full.generated, state.generated + count),
             active=back(full.active, state.active & ~jnp.any(done, axis=1)),
             sampling=full.sampling,
+            history=penalties.record(full.history, jnp.arange(num_slots), tokens, valid),
         )
         return new_state, result
+
+
+def _processed(
+    logits: jax.Array, proposals: jax.Array, state: DecodeState, sampling: SlotSampling, history: TokenHistory
+) -> jax.Array:
+    """logits [slots, k + 1, vocab] after each slot's logit processing (serving.engine.penalties),
+    column j as plain decoding would process it after the first j proposals were generated."""
+    slots, columns, vocab = logits.shape
+    column = jnp.arange(columns)
+
+    def each(x: jax.Array) -> jax.Array:  # [slots, ...] -> [slots * (k + 1), ...]
+        return jnp.repeat(x, columns, axis=0)
+
+    seq = jnp.concatenate([history.recent[:slots], proposals], axis=1)  # [slots, RECENT + k]
+    recent = jax.vmap(lambda j: lax.dynamic_slice_in_dim(seq, j, RECENT, axis=1), out_axes=1)(column)
+
+    def counts_so_far() -> tuple[jax.Array, jax.Array]:  # [slots * (k + 1), vocab] each
+        proposed = jnp.cumsum(jax.nn.one_hot(proposals, vocab, dtype=jnp.int32), axis=1)  # [slots, k, vocab]
+        before = jnp.pad(proposed, ((0, 0), (1, 0), (0, 0)))  # column j: the first j proposals
+        counts = history.counts[:slots, None] + before
+        return counts.reshape(-1, vocab), each(history.prompt[:slots])
+
+    flat = penalties.process(
+        logits.reshape(-1, vocab),
+        jax.tree.map(each, sampling),
+        (state.generated[:, None] + column).reshape(-1),
+        recent.reshape(-1, RECENT),
+        counts_so_far,
+        each(state.active),
+    )
+    return flat.reshape(slots, columns, vocab)
 
 
 def _emitted(

@@ -11,7 +11,9 @@ import numpy as np
 
 from serving.engine.limits import MAX_STOP_IDS
 from serving.models import KVCache
-from serving.request import SamplingParams
+from serving.request import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams
+
+RECENT = MAX_BAD_WORD_TOKENS - 1  # generated tokens a bad word's prefix can span
 
 
 class SlotSampling(NamedTuple):
@@ -25,6 +27,23 @@ class SlotSampling(NamedTuple):
     stop_ids: jax.Array  # int32 [MAX_STOP_IDS], -1 padded
     logprobs: jax.Array  # bool: the request wants its tokens' logprobs
     lora_slot: jax.Array  # int32: the device slot of the request's LoRA adapter (0: none)
+    # logit processing (serving.engine.penalties)
+    presence_penalty: jax.Array  # float32
+    frequency_penalty: jax.Array  # float32
+    repetition_penalty: jax.Array  # float32
+    min_p: jax.Array  # float32
+    min_tokens: jax.Array  # int32
+    bias_ids: jax.Array  # int32 [MAX_LOGIT_BIAS], -1 padded
+    bias: jax.Array  # float32 [MAX_LOGIT_BIAS]
+    bad_words: jax.Array  # int32 [MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS], each right-aligned, -1 padded
+
+
+class TokenHistory(NamedTuple):
+    """What the logit processing of each slot reads of its sequence so far (serving.engine.penalties)."""
+
+    counts: jax.Array  # int32 [slots, vocab]: times each token was generated (the output only)
+    prompt: jax.Array  # bool [slots, vocab]: the token is in the prompt (kept by whole prefills)
+    recent: jax.Array  # int32 [slots, RECENT]: the last generated tokens, newest last; -2 before
 
 
 class Logprobs(NamedTuple):
@@ -34,6 +53,7 @@ class Logprobs(NamedTuple):
     chosen: jax.Array  # float32
     top_ids: jax.Array  # int32, best first
     top: jax.Array  # float32
+    rank: jax.Array | None = None  # int32 [rows]: 1 + the tokens likelier than the chosen one
 
 
 class Prefix(NamedTuple):
@@ -46,6 +66,7 @@ class Prefix(NamedTuple):
     sampling: SlotSampling  # the request's (its key unused: `keys`)
     first_logprobs: Logprobs | None  # [choices, ...] when the request wants logprobs
     prompt_logprobs: Logprobs | None  # [bucket - 1, ...]: token i + 1 given tokens 0..i
+    prompt_seen: jax.Array  # bool [vocab]: the prompt's tokens (the repetition penalty's)
 
 
 class DecodeState(NamedTuple):
@@ -59,6 +80,7 @@ class DecodeState(NamedTuple):
     generated: jax.Array  # int32 [slots]: tokens produced so far (the first one included)
     active: jax.Array  # bool [slots]
     sampling: SlotSampling  # [slots, ...]
+    history: TokenHistory  # [slots, ...]
 
 
 def is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -70,6 +92,13 @@ def slot_sampling(sampling: SamplingParams) -> SlotSampling:
     """A request's sampling state as host arrays (its key: PRNGKey(seed))."""
     stop = np.full((MAX_STOP_IDS,), -1, np.int32)
     stop[: len(sampling.stop_ids)] = sampling.stop_ids
+    bias_ids = np.full((MAX_LOGIT_BIAS,), -1, np.int32)
+    bias = np.zeros((MAX_LOGIT_BIAS,), np.float32)
+    for i, (token, value) in enumerate(sampling.logit_bias):
+        bias_ids[i], bias[i] = token, value
+    words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, np.int32)
+    for i, word in enumerate(sampling.bad_words):
+        words[i, MAX_BAD_WORD_TOKENS - len(word) :] = word
     return SlotSampling(
         key=np.asarray(jax.random.PRNGKey(sampling.seed)),
         temperature=np.float32(sampling.temperature),
@@ -79,6 +108,14 @@ def slot_sampling(sampling: SamplingParams) -> SlotSampling:
         stop_ids=stop,
         logprobs=np.bool_(sampling.wants_logprobs),
         lora_slot=np.int32(sampling.lora_slot),
+        presence_penalty=np.float32(sampling.presence_penalty),
+        frequency_penalty=np.float32(sampling.frequency_penalty),
+        repetition_penalty=np.float32(sampling.repetition_penalty),
+        min_p=np.float32(sampling.min_p),
+        min_tokens=np.int32(sampling.min_tokens),
+        bias_ids=bias_ids,
+        bias=bias,
+        bad_words=words,
     )
 
 

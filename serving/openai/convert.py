@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from serving.errors import GenerationError
 from serving.openai import tool_calls
 from serving.openai.errors import APIError
-from serving.openai.logprobs import CompletionLogprobs, chat_logprobs
+from serving.openai.logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest
-from serving.request import Grammar, SamplingParams
+from serving.request import MAX_BAD_WORD_TOKENS, Grammar, SamplingParams
 from serving.text.chat_templates import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -28,9 +28,19 @@ if TYPE_CHECKING:
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
-def prompt_ids(body: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
+def prompt_ids(body: OpenAIRequest, tokenizer: Tokenizer, max_target_length: int) -> list[int]:
     """The prompt's token ids: text, token ids, or chat messages through the chat template (with
-    the tools, in the model's format, unless tool_choice is "none")."""
+    the tools, in the model's format, unless tool_choice is "none"); with truncate_prompt_tokens=k
+    only the last k of them (vLLM's left truncation; -1: k = max_target_length)."""
+    ids = _whole_prompt_ids(body, tokenizer)
+    keep = body.truncate_prompt_tokens
+    if keep is not None:
+        keep = max_target_length if keep == -1 else keep
+        ids = ids[-keep:]
+    return ids
+
+
+def _whole_prompt_ids(body: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
     if isinstance(body, ChatCompletionRequest):
         messages = tool_calls.render(body, tokenizer)
         try:
@@ -54,21 +64,63 @@ def prompt_param(body: OpenAIRequest) -> str:
     return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
 
 
-def sampling(tokenizer: Tokenizer, ignore_eos: bool, **values: Any) -> SamplingParams:
-    """SamplingParams from request values (None = the default); a bad value is a 400 naming it."""
+def sampling(
+    tokenizer: Tokenizer, ignore_eos: bool, stop_token_ids: Sequence[int] = (), **values: Any
+) -> SamplingParams:
+    """SamplingParams from request values (None = the default); a bad value is a 400 naming it.
+    The stop ids are the model's end-of-sequence ids (unless `ignore_eos`) and `stop_token_ids`."""
     top_k = values.pop("top_k") or 0
     top_p = values.pop("top_p")
     seed = values.pop("seed") % (1 << 32)  # any int64 is a valid OpenAI seed; keys take 32 bits
+    _check_token_ids(tokenizer, "stop_token_ids", stop_token_ids)
+    eos = () if ignore_eos else tokenizer.eos_ids
     try:
         return SamplingParams(
             **values,
             seed=seed,
             top_k=max(0, top_k),
             top_p=1.0 if top_p is None else top_p,
-            stop_ids=() if ignore_eos else tokenizer.eos_ids,
+            stop_ids=tuple(dict.fromkeys((*eos, *stop_token_ids))),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split()[0]) from None
+
+
+def _check_token_ids(tokenizer: Tokenizer, name: str, ids: Sequence[int]) -> None:
+    bad = next((i for i in ids if not 0 <= i < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{name}: token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})", param=name)
+
+
+def logit_bias(body: OpenAIRequest, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token id text -> bias) as (id, bias) pairs; a key that is not a token
+    id of the vocabulary is a 400 naming it."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id", param="logit_bias") from None
+        _check_token_ids(tokenizer, "logit_bias", [token])
+        pairs.append((token, bias))
+    return tuple(pairs)
+
+
+def bad_words(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word tokenized alone and after a space (the same
+    word at the start of the text and inside it), the second only where it makes another first
+    token; a word of more than MAX_BAD_WORD_TOKENS tokens is a 400 naming it."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        for ids in (alone, spaced) if spaced[:1] != alone[:1] and len(spaced) == len(alone) else (alone,):
+            if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                raise APIError(
+                    400, f"bad_words: {word!r} is {len(ids)} tokens, at most {MAX_BAD_WORD_TOKENS}", param="bad_words"
+                )
+            sequences.append(ids)
+    return tuple(sequences)
 
 
 def grammar(body: OpenAIRequest, tokenizer: Tokenizer) -> Grammar | None:
@@ -109,9 +161,12 @@ def openai_sampling(
         prompt_logprobs = None
         if body.echo and (logprobs is not None or max_tokens == 0):
             prompt_logprobs = logprobs or 0
+    if body.prompt_logprobs is not None:  # vLLM's: as many alternatives as the larger ask
+        prompt_logprobs = max(prompt_logprobs or 0, body.prompt_logprobs)
     return sampling(
         tokenizer,
         body.ignore_eos,
+        body.stop_token_ids or (),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=body.top_p,
@@ -122,6 +177,16 @@ def openai_sampling(
         n=body.n,
         grammar=grammar(body, tokenizer),
         speculative=body.speculative,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens,
+        logit_bias=logit_bias(body, tokenizer),
+        bad_words=bad_words(body.bad_words or (), tokenizer),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
     )
 
 
@@ -184,7 +249,18 @@ def completion_choice(
             entries = [*(c.prompt_logprobs or [None] * len(ids)), *entries]
             tokens = [*ids, *tokens]
         logprobs = builder.chunk(entries, tokens)
-    return {"index": c.choice, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    choice = {"index": c.choice, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(body, c, ids, tokenizer)
+    return choice
+
+
+def vllm_prompt_logprobs(
+    body: OpenAIRequest, c: Completion, ids: Sequence[int], tokenizer: Tokenizer
+) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs of one completion (the request asked for them)."""
+    entries = c.prompt_logprobs or (None,) * len(ids)
+    return prompt_logprobs(tokenizer, entries, ids, body.prompt_logprobs)
 
 
 def chat_choice(
@@ -215,7 +291,8 @@ def response_body(
     """The whole (non-streamed) response: a text completion or a chat completion, one choice per
     completion. `ids` (the prompt) and `tokenizer` are needed for echo, logprobs and tool calls."""
     choices = [completions] if not isinstance(completions, Sequence) else list(completions)
-    if tokenizer is None and (getattr(body, "echo", False) or body.logprobs is not None or _has_tools(body)):
+    needs_tokenizer = getattr(body, "echo", False) or body.logprobs is not None or body.prompt_logprobs is not None
+    if tokenizer is None and (needs_tokenizer or _has_tools(body)):
         raise ValueError("echo, logprobs and tools need the tokenizer")
     if isinstance(body, CompletionRequest):
         return {
@@ -229,7 +306,7 @@ def response_body(
                   for c in choices],
             "usage": usage(choices),
         }
-    return {
+    chat = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
@@ -237,6 +314,9 @@ def response_body(
         "choices": [chat_choice(body, c, tokenizer) for c in choices],
         "usage": usage(choices),
     }
+    if body.prompt_logprobs is not None:  # vLLM puts a chat request's at the top level
+        chat["prompt_logprobs"] = vllm_prompt_logprobs(body, choices[0], ids, tokenizer)
+    return chat
 
 
 def _has_tools(body: OpenAIRequest) -> bool:

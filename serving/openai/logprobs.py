@@ -5,6 +5,10 @@
   vLLM does); with echo the prompt's tokens come first, the first of them with None.
 - chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}]}], "refusal": None}`.
+- vLLM's prompt_logprobs: one entry per prompt token, None for the first, else a map from token
+  id to `{"logprob", "rank", "decoded_token"}` holding the prompt's token and the best
+  `prompt_logprobs` alternatives (rank 1: the most likely; a prompt token's rank counts the whole
+  vocabulary).
 A token that is not whole UTF-8 is written `bytes:\\xNN...` (its `bytes` field has the real
 bytes). A logprob of -inf (a token a grammar forbids) is left out of the alternatives.
 """
@@ -82,3 +86,24 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob], num_top
         for e in entries
     ]
     return {"content": content, "refusal": None}
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprob | None], ids: Sequence[int], num_top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs of a prompt `ids` (entries[i] for ids[i], the first None)."""
+
+    def item(token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(tokenizer, token)}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token, entry in zip(ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(token): item(token, entry.logprob, entry.rank)}
+        for i, (t, v) in enumerate(entry.top[:num_top]):
+            if math.isfinite(v):
+                position.setdefault(str(t), item(t, v, i + 1))
+        out.append(position)
+    return out

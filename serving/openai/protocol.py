@@ -12,14 +12,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.request import MAX_LOGPROBS
+from serving.request import LOGIT_BIAS_LIMIT, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # OpenAI allows up to 4 stop sequences; vLLM more. Keep it bounded: each is searched per token.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_CHOICES = 128  # n; the engine's slot count is the real bound (a 400 past it)
 
+MAX_STOP_TOKEN_IDS = 8  # with the model's end-of-sequence ids, within the engine's MAX_STOP_IDS
+
 Stop = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
@@ -89,19 +92,34 @@ class _OpenAI(_Sampling):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
+    # vLLM's extra parameters (serving.request.SamplingParams says what each does)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2**20)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS // 2  # each word with and without a leading space
+    )
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="keep the last k prompt tokens; -1: max_target_length")
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _supported(self) -> _OpenAI:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
         if self.ignore_eos and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("ignore_eos: cannot be combined with response_format (its grammar ends at end of sequence)")
+        if self.min_tokens and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("min_tokens: cannot be combined with response_format (its grammar may end sooner)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream: true (as vLLM)")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens: must be >= 1, or -1 for max_target_length")
         return self
 
 
@@ -125,7 +143,7 @@ class CompletionRequest(_OpenAI):
         if self.best_of not in (None, 1):
             raise ValueError("best_of: only 1 is supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix: not supported (inserting text needs a fill-in-the-middle prompt format)")
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -185,8 +203,21 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+class Prediction(_Body):
+    """OpenAI's predicted output: text the answer will largely repeat (a latency hint only)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatCompletionRequest(_OpenAI):
-    """OpenAI's POST /v1/chat/completions; the prompt is the tokenizer's chat template."""
+    """OpenAI's POST /v1/chat/completions; the prompt is the tokenizer's chat template.
+
+    Of OpenAI's fields for its hosted service (docs/request-fields.md): `metadata`,
+    `service_tier`, `prediction`, `prompt_cache_key` and `safety_identifier` are accepted and
+    ignored (serving.openai.ignored says why, in a response header); `store: true`, audio output
+    and `web_search_options` are refused, naming the field.
+    """
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -196,6 +227,29 @@ class ChatCompletionRequest(_OpenAI):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's fields for its hosted service
+    store: bool | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16
+    )
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prediction: Prediction | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="after")
+    def _hosted_fields(self) -> ChatCompletionRequest:
+        if self.store:
+            raise ValueError("store: true is not supported: this server keeps no completions to retrieve later")
+        if self.audio is not None or "audio" in (self.modalities or []):
+            name = "audio" if self.audio is not None else "modalities"
+            raise ValueError(f"{name}: audio output is not supported: this server generates text only")
+        if self.web_search_options is not None:
+            raise ValueError("web_search_options: web search is not supported: this server has no search tool")
+        return self
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
@@ -214,6 +268,8 @@ class ChatCompletionRequest(_OpenAI):
         if self.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
             if self.ignore_eos:
                 raise ValueError("ignore_eos: cannot be combined with a tool_choice that must call a tool")
+            if self.min_tokens:
+                raise ValueError("min_tokens: cannot be combined with a tool_choice that must call a tool")
             if self.stop_strings():
                 raise ValueError("stop: cannot be combined with a tool_choice that must call a tool (it could cut the arguments)")
         return self

@@ -1,6 +1,12 @@
 """Per-request streams: the device loop puts token ids on a request's queue; whoever reads
 `RequestHandle.stream()` (a thread) or `astream()` (asyncio) gets text deltas, detokenized off the
-device thread, never splitting a UTF-8 character, with stop strings held back and cut. A token
+device thread, never splitting a UTF-8 character, with stop strings held back and cut.
+
+As vLLM's detokenizer: a stop string ends the text before it, or after it with
+`include_stop_str_in_output`, and is looked for only once more than `min_tokens` tokens came; the
+stop token that ended a request (an end-of-sequence or a stop_token_ids token) adds no text unless
+`include_stop_str_in_output`; special tokens are left out unless `skip_special_tokens` is false,
+when `spaces_between_special_tokens` puts a space between each and its neighbours. A token
 that comes with its logprobs (a `TokenLogprob`) travels with them into its delta; a request with
 n > 1 choices is n requests (one stream each) admitted together.
 """
@@ -103,7 +109,11 @@ class _Assembler:
 
     def __init__(self, request: Request, tokenizer: Tokenizer):
         self.request = request
-        self.decoder = tokenizer.incremental_decoder()
+        sampling = request.sampling
+        self.decoder = tokenizer.incremental_decoder(sampling.skip_special_tokens)
+        self.tokenizer = tokenizer
+        self.spaced = not sampling.skip_special_tokens and sampling.spaces_between_special_tokens
+        self.after_special = False  # the last token shown was a special token (for `spaced`)
         self.text = ""
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if request.sampling.wants_logprobs else None
@@ -145,12 +155,30 @@ class _Assembler:
             item = item.token
         self.ids.append(item)
         self.times.append(time.perf_counter() - request.submitted)
-        self.text += self.decoder.push(item)
-        stop_at = _find_stop(self.text, request.stop_strings, self.emitted)
-        if stop_at is not None:
-            self.text, self.reason = self.text[:stop_at], "stop"
+        self.text += self._text_of(item)
+        sampling = request.sampling
+        stop = _find_stop(self.text, request.stop_strings, self.emitted) if len(self.ids) > sampling.min_tokens else None
+        if stop is not None:
+            at, length = stop
+            self.text = self.text[: at + length if sampling.include_stop_str_in_output else at]
+            self.reason = "stop"
             return self._delta(len(self.text))
         return self._delta(len(self.text) - self.hold if request.stop_strings else len(self.text))
+
+    def _text_of(self, token: int) -> str:
+        """The text a token adds: none for the stop token that ends the request (unless
+        include_stop_str_in_output); with `spaced`, a space between a special token and its
+        neighbours."""
+        sampling = self.request.sampling
+        if token in sampling.stop_ids and not sampling.include_stop_str_in_output:
+            return ""  # the device stops at it (min_tokens masks it before)
+        text = self.decoder.push(token)
+        if not self.spaced or not text:
+            return text
+        special = self.tokenizer.is_special(token)
+        space = " " if (special or self.after_special) and self.text else ""
+        self.after_special = special
+        return space + text
 
     def _delta(self, safe: int) -> Delta | None:
         if safe <= self.emitted:
@@ -251,6 +279,7 @@ class RequestHandle:
             metrics.observe("time_per_output_token", (times[-1] - times[0]) / (len(times) - 1))
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    positions = [i for s in stops if (i := text.find(s, max(0, start - len(s)))) >= 0]
-    return min(positions) if positions else None
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, int] | None:
+    """The first stop string in `text` that ends past `start`: (where it starts, its length)."""
+    found = [(i, len(s)) for s in stops if (i := text.find(s, max(0, start - len(s)))) >= 0]
+    return min(found) if found else None

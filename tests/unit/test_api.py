@@ -105,6 +105,8 @@ def test_stop_strings_and_jetstream_generate(server):
     [
         # logprobs take the whole prefill, at most max_prefill_predict_length (64) tokens
         ({"prompt": "a" * 65, "max_tokens": 2, "logprobs": 1}, "prompt"),
+        # so does a repetition penalty (it reads every prompt token)
+        ({"prompt": "a" * 65, "max_tokens": 2, "repetition_penalty": 1.2}, "repetition_penalty"),
         ({"prompt": "ab", "max_tokens": 255}, "max_tokens"),
         ({"prompt": "a" * 255, "max_tokens": 2}, "max_tokens"),
         ({"prompt": "ab", "max_tokens": 2, "temperature": -1}, "temperature"),

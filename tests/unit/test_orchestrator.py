@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -54,7 +55,10 @@ def test_more_concurrent_requests_than_slots_all_get_their_own_tokens(orchestrat
 def test_a_stop_id_ends_with_stop_and_a_stop_string_cuts_the_text(orchestrator):
     stop_at_e = SamplingParams(max_tokens=10, stop_ids=tuple(TOKENIZER.encode("e")))
     done = orchestrator.submit(TOKENIZER.encode("ab"), stop_at_e).result()
-    assert (done.text, done.finish_reason) == ("cde", "stop")
+    # the stop token's text is left out, as vLLM does, unless include_stop_str_in_output
+    assert (done.text, done.finish_reason, len(done.token_ids)) == ("cd", "stop", 3)
+    kept = dataclasses.replace(stop_at_e, include_stop_str_in_output=True)
+    assert orchestrator.submit(TOKENIZER.encode("ab"), kept).result().text == "cde"
     cut = orchestrator.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=10), stop_strings=("fg",))
     completion = cut.result()
     assert (completion.text, completion.finish_reason) == ("cde", "stop")
