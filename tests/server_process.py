@@ -81,7 +81,9 @@ class ServerProcess:
             if status == 200 and live is not False:
                 return self
             time.sleep(0.05)
-        raise TimeoutError(f"the server was not ready after {timeout} s:\n{self.output()}")
+        output = self.output()
+        self.stop(timeout=10)  # a server left running would hold its cores for the rest of the session
+        raise TimeoutError(f"the server was not ready after {timeout} s:\n{output}")
 
     def output(self) -> str:
         return Path(self.log.name).read_text()

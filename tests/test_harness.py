@@ -68,3 +68,15 @@ def test_the_workers_groups_keep_the_shared_server_on_one_worker_and_its_drain_l
     assert order[-1] == "tests/grpc/test_server.py::test_sigterm_drains_grpc_streams_and_refuses_new_calls"
     slow = [node.startswith("tests/test_sharding.py::") for node in order]
     assert slow == sorted(slow, reverse=True) and any(slow)
+
+
+def test_a_server_that_is_not_ready_in_time_is_stopped_not_left_running():
+    """wait_ready's timeout stops the process (a server left behind held its cores for the session)."""
+    import pytest
+
+    from tests.server_process import ServerProcess, free_port
+
+    never = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], free_port())
+    with pytest.raises(TimeoutError, match=r"not ready after 0\.5 s"):
+        never.wait_ready(timeout=0.5)
+    assert never.proc.poll() is not None
