@@ -33,7 +33,7 @@ serve: install
 TEST_WORKERS ?= 2
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # The web playground's test (tests/browser/) drives Debian's chromium with playwright; chromium-driver
 # (its WebDriver) comes along for selenium. Installed with apt-get when missing (CI runs as root);

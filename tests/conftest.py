@@ -223,17 +223,39 @@ TINY_SERVER_ARGS = (
 )
 
 
+# The modules with tests on the shared tiny server: `make test`'s workers run them as one group
+# (pytest_xdist_make_scheduler below), so that the server starts once. Collection fails, naming the
+# module, when a test elsewhere asks for `tiny_server`.
+TINY_SERVER_MODULES = frozenset(
+    {
+        "tests/api/test_endpoint_picker_signals.py",
+        "tests/api/test_request_fields.py",
+        "tests/api/test_server.py",
+        "tests/api/test_vllm_bench_client.py",
+        "tests/grpc/test_server.py",
+        "tests/loadtest/test_loadtest.py",
+        "tests/test_docs_commands.py",
+    }
+)
+
+
+def worker_group(nodeid: str) -> str:
+    """The group a test runs in under `make test`'s workers: its module's, or `tiny_server`."""
+    module = nodeid.split("::")[0]
+    return "tiny_server" if module in TINY_SERVER_MODULES else module
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The order and the groups that `make test`'s two workers (pytest-xdist, `--dist loadgroup`)
-    run by:
-    - every test that uses the shared tiny server is in one group, so one worker starts it once;
-      tests marked `drains_tiny_server` stop it, so they run last;
-    - every other test is grouped by its module, so module-scoped engines are built once;
-    - modules with a `slow` test come first: a worker that draws one late would run alone at the end.
+    """The order `make test`'s two workers (pytest-xdist) hand groups out in (worker_group):
+    modules with a `slow` test first (a worker that drew one last would run alone at the end), and
+    the tests marked `drains_tiny_server`, which stop the shared server, after every other test.
     Plain `pytest` (one process) runs the same order."""
-    for item in items:
-        group = "tiny_server" if "tiny_server" in getattr(item, "fixturenames", ()) else _module(item)
-        item.add_marker(pytest.mark.xdist_group(group))
+    strays = {_module(item) for item in items if "tiny_server" in getattr(item, "fixturenames", ())}
+    if strays - TINY_SERVER_MODULES:
+        raise pytest.UsageError(
+            f"tests/conftest.py: add {sorted(strays - TINY_SERVER_MODULES)} to TINY_SERVER_MODULES "
+            "(their tests use the shared tiny server)"
+        )
     slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
     items.sort(
         key=lambda item: (
@@ -241,6 +263,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.get_closest_marker("drains_tiny_server") is not None,
         )
     )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Whole groups to a worker (worker_group), in collection order. xdist's own `--dist loadgroup`
+    reads `xdist_group` marks into node ids, which pytest 9 no longer takes (xdist 3.8)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order above, not the largest group first
+    return ByGroup(config, log)
 
 
 def _module(item: pytest.Item) -> str:

@@ -38,16 +38,17 @@ def test_a_session_removes_its_scratch_and_keeps_its_home_in_the_cache(tmp_path)
 
 ORDER = """
 import sys, pytest
+from tests.conftest import worker_group
 class Spy:
     def pytest_collection_finish(self, session):
         for item in session.items:
-            print("ITEM", item.nodeid, item.get_closest_marker("xdist_group").args[0], flush=True)
+            print("ITEM", item.nodeid, worker_group(item.nodeid), flush=True)
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Spy()]))
 """
 
 
 def test_the_workers_groups_keep_the_shared_server_on_one_worker_and_its_drain_last():
-    """`make test`'s two workers (`-n 2 --dist loadgroup`) run by the groups tests/conftest.py marks."""
+    """`make test`'s two workers (`-n 2`) run by the groups tests/conftest.py gives (worker_group)."""
     files = ["tests/test_sampling.py", "tests/grpc/test_server.py", "tests/api/test_server.py", "tests/test_sharding.py"]
     result = subprocess.run(
         [sys.executable, "-c", ORDER, *files], cwd=REPO, capture_output=True, text=True, timeout=300
@@ -56,14 +57,10 @@ def test_the_workers_groups_keep_the_shared_server_on_one_worker_and_its_drain_l
     items = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("ITEM ")]
     groups = {node: group for node, group in items}
     order = [node for node, _ in items]
-    assert set(groups.values()) == {
-        "tiny_server", "tests/test_sampling.py", "tests/api/test_server.py", "tests/test_sharding.py"
-    }
-    # The server's users share one group; tests with a server of their own keep their module's.
+    assert set(groups.values()) == {"tiny_server", "tests/test_sampling.py", "tests/test_sharding.py"}
+    # A module with tests on the shared server is in its group whole (one worker runs it).
     assert groups["tests/api/test_server.py::test_healthcheck_is_503_until_ready_then_200"] == "tiny_server"
-    assert groups["tests/api/test_server.py::test_serve_exits_2_when_the_model_cannot_be_loaded"] == (
-        "tests/api/test_server.py"
-    )
+    assert groups["tests/api/test_server.py::test_serve_exits_2_when_the_model_cannot_be_loaded"] == "tiny_server"
     # The drain runs last; the module with a `slow` test first.
     assert order[-1] == "tests/grpc/test_server.py::test_sigterm_drains_grpc_streams_and_refuses_new_calls"
     slow = [node.startswith("tests/test_sharding.py::") for node in order]

@@ -38,13 +38,14 @@ def signals(server: ServerProcess) -> dict[str, object]:
         assert family.type == "gauge", name
         return family.samples[0].value
 
-    (lora,) = families[metric_names.LORA_INFO].samples
+    # The LoRA info gauge only where adapters are configured (max_loras > 0): neither server has any.
+    lora = families[metric_names.LORA_INFO].samples if metric_names.LORA_INFO in families else []
     (cache,) = families[metric_names.CACHE_CONFIG_INFO].samples
     return {
         "waiting": gauge(metric_names.QUEUED_REQUESTS),
         "running": gauge(metric_names.RUNNING_REQUESTS),
         "kv": gauge(metric_names.KV_CACHE_USAGE),
-        "lora": lora.labels,
+        "lora": [sample.labels for sample in lora],
         "cache": cache.labels,
     }
 
@@ -94,5 +95,5 @@ def test_the_loaded_servers_signals_make_a_picker_prefer_the_idle_one(tiny_serve
     # A queue-then-KV scorer (the picker's queue and kv-cache-utilization scorers) picks the idle one.
     servers = {"idle": calm, "busy": second}
     assert min(servers, key=lambda s: (servers[s]["waiting"], servers[s]["kv"])) == "idle"
-    assert calm["lora"] == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert calm["lora"] == second["lora"] == []  # no adapters configured: no LoRA info (the picker skips it)
     assert int(calm["cache"]["block_size"]) > 0 and int(calm["cache"]["num_gpu_blocks"]) > 0

@@ -161,7 +161,7 @@ def test_a_streamed_reply_equals_the_greedy_request_and_shows_its_figures(page, 
     ask(page, QUESTION)
     wait_finished(page)
     reply = last_reply(page)
-    assert reply.get_attribute("data-state") == "done"
+    assert reply.get_attribute("data-state") == "done", reply.inner_text()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     expected = authorized(server).post(
         "/v1/chat/completions",

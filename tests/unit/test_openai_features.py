@@ -307,7 +307,7 @@ def test_parallel_tool_calls_false_keeps_one_call():
 
 def test_batch_rows_take_n_logprobs_and_refuse_a_bad_schema(tmp_path):
     from serving.batch.runner import run_batch
-    from tests.unit.test_batch import _records, _start
+    from tests import batch_mock
 
     rows = [
         {"custom_id": "n", "url": "/v1/completions",
@@ -319,9 +319,9 @@ def test_batch_rows_take_n_logprobs_and_refuse_a_bad_schema(tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = ServingConfig(max_target_length=128, max_prefill_predict_length=64)
-    summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=_start([]))
+    summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=batch_mock.start_mock([]))
     assert (summary.rows_ok, summary.rows_failed) == (1, 1)
-    records = _records(tmp_path / "out")
+    records = batch_mock.records(tmp_path / "out")
     choices = records["n"]["response"]["body"]["choices"]
     sampling = SamplingParams(max_tokens=3, temperature=1.0, seed=4, n=2)
     expected = [TOKENIZER.decode(MockEngine().expected(TOKENIZER.encode("ab"), sampling, i)) for i in range(2)]

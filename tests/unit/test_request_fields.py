@@ -24,7 +24,7 @@ def _id(char: str) -> int:
 
 def test_batch_lines_take_truncation_prompt_logprobs_and_penalties_and_log_ignored_fields(tmp_path, caplog, monkeypatch):
     from serving.batch.runner import run_batch
-    from tests.unit.test_batch import _records, _start
+    from tests import batch_mock
 
     body = {
         "prompt": "abcdef", "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": 4, "prompt_logprobs": 1,
@@ -36,9 +36,9 @@ def test_batch_lines_take_truncation_prompt_logprobs_and_penalties_and_log_ignor
     cfg = ServingConfig(max_target_length=128, max_prefill_predict_length=64)
     monkeypatch.setattr(ignored, "_logged", set())  # logged once per process: from now on
     with caplog.at_level(logging.INFO, logger="serving.openai.ignored"):
-        summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=_start([]))
+        summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=batch_mock.start_mock([]))
     assert (summary.rows_ok, summary.rows_failed) == (1, 0)
-    response = _records(tmp_path / "out")["a"]["response"]["body"]
+    response = batch_mock.records(tmp_path / "out")["a"]["response"]["body"]
     assert response["usage"]["prompt_tokens"] == 4
     entries = response["choices"][0]["prompt_logprobs"]
     assert len(entries) == 4 and entries[0] is None and str(_id("d")) in entries[1]

@@ -19,8 +19,8 @@ from serving.openai import fields
 from serving.openai.fields import UnknownFieldPolicy, unknown_fields
 from serving.openai.protocol import ChatCompletionRequest
 from serving.orchestrator import Orchestrator
+from tests import batch_mock
 from tests.unit.test_api import _Running
-from tests.unit.test_batch import _records, _start
 
 TOKENIZER = AsciiTokenizer()
 CHAT = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}
@@ -157,8 +157,8 @@ def test_batch_lines_with_an_unknown_field(tmp_path, mode):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     cfg = ServingConfig(max_target_length=128, max_prefill_predict_length=64, unknown_request_fields=mode)
-    summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=_start([]))
-    records = _records(tmp_path / "out")
+    summary = run_batch(str(source), str(tmp_path / "out"), "mock", cfg, progress=False, start=batch_mock.start_mock([]))
+    records = batch_mock.records(tmp_path / "out")
     if mode == "reject":
         assert (summary.rows_ok, summary.rows_failed) == (1, 2)
         assert records["plain"]["error"] == {
