@@ -197,6 +197,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_hf_tokenizer(directory, vocab=300)
 
 
+def tiny_engine(model_dir: Path, decode_steps_per_call: int):
+    """(model, engine, params) of the tiny model on XLA's ops: 4 slots, prefill 64, target 128, the
+    engine the penalty, speculative and engine-feature tests each build once per module."""
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine.engine import Engine
+
+    cfg = ServingConfig(
+        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128,
+        decode_steps_per_call=decode_steps_per_call, cpu_kernels="off",
+    )
+    engine = Engine(load_model(str(model_dir), cfg), cfg.engine)
+    return engine.model, engine, engine.load_params()
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from serving.config import load_model_config

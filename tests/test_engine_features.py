@@ -9,25 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.checkpoints.model_source import load_model
-from serving.config import ServingConfig
-from serving.engine.engine import Engine
 from serving.models import prefill
 from serving.request import SamplingParams
-from tests.conftest import DATA
+from tests.conftest import DATA, tiny_engine
 
 TEXT = (DATA / "english.txt").read_text()
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    cfg = ServingConfig(
-        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, decode_steps_per_call=3,
-        cpu_kernels="off",
-    )
-    model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg.engine)
-    return model, engine, engine.load_params()
+    return tiny_engine(tiny_model_dir, decode_steps_per_call=3)
 
 
 def _run(engine, params, prompt, sampling, slots=(0,), calls=2, state=None, masks=None):

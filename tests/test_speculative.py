@@ -18,7 +18,7 @@ from serving.engine.speculative import verify_tokens
 from serving.engine.state import SlotSampling
 from serving.models import prefill
 from serving.request import SamplingParams
-from tests.conftest import DATA
+from tests.conftest import DATA, tiny_engine
 
 TEXT = (DATA / "english.txt").read_text()
 K = 3
@@ -26,13 +26,7 @@ K = 3
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    cfg = ServingConfig(
-        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, decode_steps_per_call=1,
-        cpu_kernels="off",
-    )
-    model = load_model(str(tiny_model_dir), cfg)
-    engine = Engine(model, cfg.engine)
-    return model, engine, engine.load_params()
+    return tiny_engine(tiny_model_dir, decode_steps_per_call=1)
 
 
 def _start(engine, params, prompts, sampling):
