@@ -219,4 +219,8 @@ def test_a_killed_follower_fails_liveness_and_stops_the_leader(servers):
     assert 503 in livez, livez  # /livez answered 503 before the process went
     assert all(e == "error" or e.startswith("raised") for e in endings), endings
     assert code != 0
-    assert "lockstep device loop failed" in leader.output()
+    # The leader sees the dead peer either as a failed collective (gloo reports the closed socket)
+    # or as a collective that never returns (the stall watchdog): both are this exit, and which
+    # comes first depends on the machine's load.
+    out = leader.output()
+    assert "lockstep device loop failed" in out or "lockstep device loop made no progress" in out, out[-2000:]
