@@ -103,6 +103,10 @@ class ServingConfig(BaseModel):
     prefix_cache: Literal["on", "off"] = "on"
     prefix_cache_bytes: int = Field(default=256 << 20, ge=0)
     prefix_block_size: int = Field(default=64, ge=1)
+    # The KV cache is a pool of pages of prefix_block_size positions that sequences take as they
+    # grow (serving.orchestrator.pages): its bytes per chip (0: enough for every decode slot to
+    # reach max_target_length at once). per_device_batch_size stays the most sequences decoding.
+    kv_cache_bytes_per_chip: int = Field(default=0, ge=0)
     max_queued_requests: int = Field(default=256, ge=1)
     # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to
     # num_speculative_tokens) and keeps the ones the target would have produced, in one forward
@@ -285,6 +289,7 @@ class EngineConfig:
     max_prefill_batch: int = _default("max_prefill_batch")
     prefill_batch_tokens: int = _default("prefill_batch_tokens")
     prefix_block_size: int = _default("prefix_block_size")
+    kv_cache_bytes_per_chip: int = _default("kv_cache_bytes_per_chip")
     decode_slot_buckets: tuple[int, ...] = _default("decode_slot_buckets")
     # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
     logical_axis_rules: tuple = _default("logical_axis_rules")

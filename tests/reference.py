@@ -20,7 +20,7 @@ from serving.engine.limits import MIN_BUCKET
 from serving.engine.sampling import sample
 from serving.errors import GenerationError
 from serving.kernels import backend
-from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.models import KVCache, decode_step, init_pool, prefill, store_prefix
 from serving.models.llama import unstack_layers
 from serving.request import SamplingParams
 
@@ -85,6 +85,7 @@ class ReferenceDecoder:
         cache = self._cache_with_prompt(
             kv, bucket_length(n + sampling.max_tokens, self.cfg.max_target_length)
         )
+        pages = jnp.ones((1, 1), jnp.int32)  # the sequence is page 1, one page of its whole length
         key = jax.random.PRNGKey(sampling.seed)
         knobs = (
             jnp.array([sampling.temperature], jnp.float32),
@@ -101,7 +102,9 @@ class ReferenceDecoder:
             yield token_id
             if token_id in stop or step == sampling.max_tokens - 1:
                 return
-            next_logits, cache = self._decode(self.params, token, jnp.array([n + step], jnp.int32), cache)
+            next_logits, cache = self._decode(
+                self.params, token, jnp.array([n + step], jnp.int32), cache, pages=pages
+            )
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generated:
         ids = list(self.stream(prompt_ids, sampling))
@@ -109,9 +112,11 @@ class ReferenceDecoder:
         return Generated(ids, self.model.tokenizer.decode(ids), "stop" if finished else "length")
 
     def _cache_with_prompt(self, kv: KVCache, length: int) -> KVCache:
+        """A pool of the scratch page and one page of `length` positions holding the prompt: the
+        contiguous cache of one sequence, whatever page size the engine under test uses."""
         cfg = self.model.config
-        cache = init_cache(cfg, 1, length, jnp.dtype(self.cfg.dtype), quantized=self.cfg.quantize_kvcache)
-        return _store_prefix(cache, kv, 0)
+        cache = init_pool(cfg, 2, length, jnp.dtype(self.cfg.dtype), quantized=self.cfg.quantize_kvcache)
+        return _store_prefix(cache, kv, jnp.ones((1,), jnp.int32))
 
     def negative_log_likelihood(self, token_ids: list[int], window: int) -> tuple[float, int]:
         """Sum of -log p(token | earlier tokens) over non-overlapping windows, and the count."""

@@ -5,9 +5,10 @@ never keeps itself: every call takes the state and returns the new one (the real
 the old buffers). One thread calls an engine at a time (the orchestrator's device loop).
 
 Beside JetStream's whole-prompt `prefill` + `insert`, an engine prefills prompts straight into
-their slots in chunks (`prefill_slots`, several prompts per call), keeps copies of prompt-prefix KV
-blocks for a prefix cache (`save_block` / `load_blocks`; the scheduler decides which, so every host
-of a slice keeps the same ones), and runs `generate` over the first `num_slots` slots only.
+their slots in chunks (`prefill_slots`, several prompts per call), keeps its KV cache in pages of a
+pool that each slot's block table names (`set_pages`: the scheduler decides them, so every host of a
+slice holds the same tables; a prefix shared by two sequences is one set of pages in both tables),
+and runs `generate` over the first `num_slots` slots only.
 
 Two engines implement it: `serving.engine.engine.Engine` (the model on a device mesh) and
 `serving.engine.mock.MockEngine` (outputs computable by hand, for tests of everything above it).
@@ -25,7 +26,6 @@ from serving.engine.limits import Limits
 from serving.request import SamplingParams, TokenLogprob
 
 PrefixT = TypeVar("PrefixT")
-BlockT = TypeVar("BlockT")
 StateT = TypeVar("StateT")
 ParamsT = TypeVar("ParamsT", contravariant=True)
 
@@ -61,6 +61,10 @@ class PrefillRow(NamedTuple):
     start: int  # the position of tokens[0]: the slot's cache already holds positions [0, start)
     final: bool  # the prompt's last chunk: sample the first token and make the slot active
     sampling: SamplingParams  # read by a final row (a request `limits.prefills_whole` turns away)
+    # Tokens the sequence generated before it was preempted (serving.orchestrator.scheduler): its
+    # prompt here is the original prompt and those tokens, and a final row samples the next one,
+    # as a generate step would (PRNG index, counts, min_tokens, max_tokens). 0: a fresh prompt.
+    generated: int = 0
 
 
 class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
@@ -120,17 +124,14 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         ...
 
     @property
-    def prefix_block_bytes(self) -> int:
-        """Device bytes of one `save_block` copy (the prefix cache's budget counts these)."""
+    def page_bytes(self) -> int:
+        """Device bytes of one page of the KV pool on each chip (for the metrics)."""
         ...
 
-    def save_block(self, decode_state: StateT, slot: int, start: int) -> BlockT:
-        """A copy of `slot`'s KV at positions [start, start + limits.prefix_block)."""
-        ...
-
-    def load_blocks(self, decode_state: StateT, slot: int, blocks: Sequence[BlockT]) -> StateT:
-        """Write `blocks` into `slot` back to back from position 0 (block i at i * prefix_block);
-        the slot is left inactive, ready for `prefill_slots` from len(blocks) * prefix_block."""
+    def set_pages(self, decode_state: StateT, pages) -> StateT:
+        """The state with every slot's block table: int32 [slots, limits.max_pages] of page ids in
+        [0, limits.num_pages) (0: the scratch page). Slot s's position t is at page
+        pages[s, t // limits.page_size]; every later call reads and writes through these."""
         ...
 
     def generate(

@@ -18,6 +18,7 @@ import numpy as np
 from serving.config import EngineConfig
 from serving.engine.api import PrefillRow
 from serving.engine.engine import Engine
+from serving.models.cache import dedicated_pages
 from serving.text.tokenizer import Tokenizer
 
 
@@ -41,14 +42,21 @@ class DraftModel:
         if engine.decode_steps_per_call != max(1, num_speculative_tokens - 1):
             raise ValueError("the draft engine must run num_speculative_tokens - 1 decode steps per call")
         self.engine, self.params, self.k = engine, params, num_speculative_tokens
-        self.state = engine.init_decode_state()
+        # Each slot owns max_target_length positions of the draft's pool (its engine_config asks
+        # for that many pages): the draft follows the target's slots and needs no scheduler.
+        limits = engine.limits
+        pages = dedicated_pages(limits.max_concurrent_decodes, limits.max_target_length, limits.page_size)
+        self.state = engine.set_pages(engine.init_decode_state(), pages)
 
     @staticmethod
     def engine_config(target: EngineConfig, num_speculative_tokens: int) -> EngineConfig:
-        """The draft engine's config: the target's slots and lengths, k - 1 steps per generate."""
+        """The draft engine's config: the target's slots and lengths, k - 1 steps per generate, a
+        KV pool in which every slot owns its full length."""
         import dataclasses
 
-        return dataclasses.replace(target, decode_steps_per_call=max(1, num_speculative_tokens - 1))
+        return dataclasses.replace(
+            target, decode_steps_per_call=max(1, num_speculative_tokens - 1), kv_cache_bytes_per_chip=0
+        )
 
     def propose(self, rows: Sequence[PrefillRow]) -> np.ndarray:
         """The draft's k greedy tokens after each final row's sequence: int32 [slots, k] (zeros

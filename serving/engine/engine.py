@@ -40,11 +40,13 @@ from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
 from serving.engine.limits import Limits
+from serving.engine.memory import pool_pages
 from serving.engine.partitioning import Numerics
 from serving.engine.sampling import apply_mask, sample, token_logprobs
 from serving.engine.sharding import (
     cache_shardings,
     engine_placement,
+    mesh_axes,
     param_shardings,
     replicated,
     unstacked_shardings,
@@ -63,7 +65,8 @@ from serving.engine.state import (
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.lora import stack as lora_stack
-from serving.models import decode_step, init_cache, prefill, store_prefix
+from serving.models import decode_step, init_pool, prefill, store_prefix
+from serving.models.cache import SCRATCH_PAGE
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
@@ -114,6 +117,7 @@ class Engine(ChunkedPrefill, Speculative):
             prefill_batch_tokens=config.prefill_batch_tokens,
             prefix_block=config.prefix_block_size,
             decode_buckets=config.decode_slot_buckets,
+            num_pages=self._pool_pages(model, config),
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
@@ -121,8 +125,8 @@ class Engine(ChunkedPrefill, Speculative):
             model.config,
             Numerics.of(config, int8=int8_names(model.params)),
             self.mesh,
-            self.max_concurrent_decodes,
-            config.max_target_length,
+            self.limits.num_pages,
+            self.limits.page_size,
         )
         self._dtype = jnp.dtype(config.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
@@ -149,6 +153,15 @@ class Engine(ChunkedPrefill, Speculative):
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
         self._init_chunked(static)
         self._init_speculative(static)
+
+    def _pool_pages(self, model: LoadedModel, config: EngineConfig) -> int:
+        """The KV pool's pages: kv_cache_bytes_per_chip's worth, or (0) every slot's full length."""
+        if not config.kv_cache_bytes_per_chip:
+            return 0
+        numerics = Numerics.of(config, int8=int8_names(model.params))
+        return pool_pages(
+            model.config, numerics, mesh_axes(self.mesh), config.prefix_block_size, config.kv_cache_bytes_per_chip
+        )
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -186,9 +199,9 @@ class Engine(ChunkedPrefill, Speculative):
         }
 
     def init_decode_state(self) -> DecodeState:
-        slots = self.max_concurrent_decodes
-        cache = init_cache(
-            self.model.config, slots, self.config.max_target_length, self._dtype, quantized=self.config.quantize_kvcache
+        slots, limits = self.max_concurrent_decodes, self.limits
+        cache = init_pool(
+            self.model.config, limits.num_pages, limits.page_size, self._dtype, quantized=self.config.quantize_kvcache
         )
 
         def zeros():  # a buffer of its own for each field: they are donated one by one
@@ -196,6 +209,7 @@ class Engine(ChunkedPrefill, Speculative):
 
         state = DecodeState(
             cache=cache,
+            pages=jnp.zeros((slots, limits.max_pages), jnp.int32),  # every entry the scratch page
             tokens=zeros(),
             positions=zeros(),
             generated=zeros(),
@@ -251,6 +265,11 @@ class Engine(ChunkedPrefill, Speculative):
         )
 
     @property
+    def page_bytes(self) -> int:
+        """Device bytes of one page of the KV pool on each chip (every layer's keys, values, scales)."""
+        return self.placement.cache_bytes_per_chip() // self.limits.num_pages
+
+    @property
     def decode_steps_per_call(self) -> int:
         return self.config.decode_steps_per_call
 
@@ -293,6 +312,7 @@ class Engine(ChunkedPrefill, Speculative):
         slots = rows = replicated(self.mesh)
         return DecodeState(
             cache=cache_shardings(self.mesh, self.placement),
+            pages=rows,
             tokens=slots,
             positions=slots,
             generated=slots,
@@ -363,7 +383,8 @@ class Engine(ChunkedPrefill, Speculative):
             recent=state.history.recent.at[slot].set(recent[0]),
         )
         return DecodeState(
-            cache=store_prefix(state.cache, kv, slot),
+            cache=store_prefix(state.cache, kv, state.pages[slot]),
+            pages=state.pages,
             tokens=state.tokens.at[slot].set(first),
             positions=state.positions.at[slot].set(length),
             generated=state.generated.at[slot].set(1),
@@ -396,6 +417,7 @@ class Engine(ChunkedPrefill, Speculative):
             sampling=jax.tree.map(first, full.sampling),
         )
         rows = jnp.arange(num_slots)
+        pages = full.pages[:num_slots]
         if masks is not None:
             masks = masks[:num_slots]
         num_top = min(MAX_LOGPROBS, self._num_decodable)
@@ -413,6 +435,7 @@ class Engine(ChunkedPrefill, Speculative):
             logits, cache = decode_step(
                 params, state.tokens, positions, state.cache, **static, window=window,
                 lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
+                pages=pages, write_pages=jnp.where(state.active[:, None], pages, SCRATCH_PAGE),
             )
             keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
             # Free and finished slots are not drawn: greedy, whatever their request asked.
@@ -439,6 +462,7 @@ class Engine(ChunkedPrefill, Speculative):
             )
             new_state = DecodeState(
                 cache=cache,
+                pages=state.pages,
                 tokens=jnp.where(valid, token, state.tokens),
                 positions=jnp.where(valid, positions + 1, state.positions),
                 generated=generated,
@@ -458,6 +482,7 @@ class Engine(ChunkedPrefill, Speculative):
 
         full = DecodeState(
             cache=state.cache,
+            pages=full.pages,
             tokens=back(full.tokens, state.tokens),
             positions=back(full.positions, state.positions),
             generated=back(full.generated, state.generated),

@@ -9,9 +9,10 @@ largest temporaries of a step against the runtime's limit, and a refusal names t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from serving.engine.partitioning import DTYPE_BYTES, Placement
+from serving.engine.partitioning import DTYPE_BYTES, Numerics, Placement, placement
 from serving.models.config import ModelConfig
 
 ACTIVATION_DTYPE_BYTES = DTYPE_BYTES
@@ -60,6 +61,22 @@ def _leaf(where: Placement, name: str) -> tuple[str, ...]:
 def _ways(where: Placement, name: str, dim: int) -> int:
     """Into how many pieces weight `name`'s dimension `dim` is split."""
     return max(1, math.prod(where.axes[a] for a in where.params[_leaf(where, name)].spec[dim]))
+
+
+def page_bytes_per_chip(cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], page_size: int) -> tuple[int, int]:
+    """(bytes one page of the KV pool takes on each chip that holds it, every layer's keys and
+    values and scales; into how many pieces the pool's pages are split over the mesh)."""
+    chips = math.prod(axes.values())
+    where = placement(cfg, numerics, axes, chips, page_size)  # pages divide over any split
+    split = max(1, math.prod(axes[a] for a in where.cache[("k",)].spec[1]))
+    return max(1, where.cache_bytes_per_chip() * split // chips), split
+
+
+def pool_pages(cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], page_size: int, kv_bytes_per_chip: int) -> int:
+    """Pages of a KV pool that takes `kv_bytes_per_chip` on each chip (the scratch page included),
+    a multiple of the pieces the pages are split into."""
+    per_page, split = page_bytes_per_chip(cfg, numerics, axes, page_size)
+    return max(1, kv_bytes_per_chip // per_page) * split
 
 
 def memory_use(cfg: ModelConfig, where: Placement, dtype: str, prefill_tokens: int, slots: int) -> MemoryUse:

@@ -59,8 +59,6 @@ def warmup(engine: Engine, params: dict) -> float:
                 batch = [PrefillRow(i, (1,) * chunk, at, True, probe) for i in range(rows)]
                 state, _ = engine.prefill_slots(params, state, batch)
                 shapes += 1
-    if limits.prefix_block <= limits.max_target_length:  # a prefix block kept, then loaded back
-        state = engine.load_blocks(state, 0, [engine.save_block(state, 0, 0)])
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
     steps = engine.config.decode_steps_per_call

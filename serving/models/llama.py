@@ -233,20 +233,27 @@ def decode_step(
     window: int | None = None,
     ops: XlaOps = XLA,
     lora: LoraBatch | None = None,
+    *,
+    pages: jax.Array,
+    write_pages: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token (each with its LoRA adapter of `lora`, as `prefill`).
 
-    tokens [batch] attend to the cache entries before their positions [batch] and to themselves,
-    then are written at those positions. Returns logits [batch, vocab] and the updated cache.
-    Only the first `window` cache positions are read (every row's position must be below it):
-    decode cost follows the longest live sequence, not max_target_length.
+    `cache` is the page pool (serving.models.cache); row b's block table is pages[b]
+    ([batch, max_pages]). tokens [batch] attend to their rows' entries before their positions
+    [batch] and to themselves, then are written at those positions through `write_pages` (default
+    `pages`; a row that must write nowhere points at the scratch page). Returns logits
+    [batch, vocab] and the updated cache. Only the first `window` positions are read (every row's
+    position must be below it): decode cost follows the longest live sequence, not
+    max_target_length.
 
     The cache is read-only inside the layer loop and written once after it, so the loop never
     carries (and copies) the whole cache from layer to layer.
     """
     x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
-    window = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
+    capacity = pages.shape[1] * cache.k.shape[2]
+    window = capacity if window is None else min(window, capacity)
 
     def body(x, layer_and_index):
         layer, index = layer_and_index
@@ -259,8 +266,9 @@ def decode_step(
             k, v = kq.astype(dtype) * ks.astype(dtype), vq.astype(dtype) * vs.astype(dtype)
         else:
             stored = KVCache(k, v)
-        out = ops.decode_attention(q, cache, index, positions, k, v, window)
+        out = ops.decode_attention(q, cache, index, positions, k, v, window, pages)
         return _attention_out_and_mlp(cfg, ops, layer, x, out, adapters), stored
 
     x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
-    return _logits(params, cfg, x[:, 0], ops), write_new_tokens(cache, positions, new)
+    write_pages = pages if write_pages is None else write_pages
+    return _logits(params, cfg, x[:, 0], ops), write_new_tokens(cache, positions, new, write_pages)

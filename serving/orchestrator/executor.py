@@ -1,10 +1,11 @@
 """Execute: run a `StepPlan` on an engine. The only code that calls the engine (and so the device);
-it owns the decode state and the prefix cache's blocks (key -> the engine's copy; the scheduler's
-index decides which keys, so every host of a multi-host slice keeps the same ones). Every host runs
-the same plans in the same order.
+it owns the decode state and the host copy of every slot's block table (the scheduler decides the
+tables, so every host of a multi-host slice holds the same ones). Every host runs the same plans in
+the same order.
 
-Order within a plan: frees, prefix loads, whole admissions (prefill + insert each), the
-`prefill_slots` call, evictions, stores, the generate call (over the plan's `num_slots`).
+Order within a plan: frees and preemptions, the changed block tables (one write of the whole
+table), whole admissions (prefill + insert each), the `prefill_slots` call, the generate call (over
+the plan's `num_slots`).
 
 Host syncs: each first token (the plan's stream needs it, and whether the generate call runs
 depends on it; with n > 1 choices or logprobs, the prefill's outputs in one read; a
@@ -53,7 +54,8 @@ class Executor:
         self.engine = engine
         self.params = params
         self.state = engine.init_decode_state()
-        self.blocks: dict[bytes, object] = {}  # the prefix cache: key -> the engine's block
+        limits = engine.limits
+        self.pages = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)  # the block tables
         self.timings = Timings()
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
@@ -63,10 +65,13 @@ class Executor:
         if (warmup := self.background_warmup) is not None:
             warmup.busy()
         engine, self.timings = self.engine, Timings()
-        for slot in plan.frees:
+        for slot in (*plan.frees, *plan.preempted):
             self.state = engine.free_resource(self.state, slot)
-        for load in plan.loads:
-            self.state = engine.load_blocks(self.state, load.slot, [self.blocks[key] for key in load.keys])
+        if plan.page_tables:
+            for slot, pages in plan.page_tables:
+                self.pages[slot] = 0
+                self.pages[slot, : len(pages)] = pages
+            self.state = engine.set_pages(self.state, self.pages)
         firsts = _Firsts()
         for admission in plan.admissions:
             self._admit(admission, firsts, on_first_token)
@@ -81,10 +86,6 @@ class Executor:
                         on_first_token(row.slot, token, None, None)
                     firsts.tokens.append(token)
                     firsts.logprobs.append(None)
-        for key in plan.evictions:
-            del self.blocks[key]
-        for store in plan.stores:
-            self.blocks[store.key] = engine.save_block(self.state, store.slot, store.start)
         outcome = StepOutcome(tuple(firsts.tokens), first_logprobs=tuple(firsts.logprobs),
                               prompt_logprobs=tuple(firsts.prompt_logprobs))
         samplings = plan.first_token_samplings

@@ -12,8 +12,8 @@
       generate call runs over the smallest slot bucket if any slot decodes (with speculative
       decoding on and proposals, a verify call: serving.orchestrator.proposers); the result is a
       `StepPlan`;
-   b. execute (serving.orchestrator.executor): free_resource, load_blocks, prefill + insert per
-      whole admission, one prefill_slots call, save_block per store, then generate (k steps per
+   b. execute (serving.orchestrator.executor): free_resource, set_pages, prefill + insert per
+      whole admission, one prefill_slots call, then generate (k steps per
       call), on the engine;
    c. deliver: each first token (at once, before the generate call) and each slot's new tokens go
       to their request's stream; finished slots are free for (a) on the next turn, so a waiting
@@ -51,7 +51,6 @@ from serving.errors import QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.metrics import EngineMetrics
-from serving.orchestrator.prefix_cache import PrefixCache
 from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
 from serving.orchestrator.streams import (
@@ -101,12 +100,12 @@ class Orchestrator:
         limits = engine.limits
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
         self.metrics.adapter_stats = adapters.stats if adapters is not None else None
-        self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
-        self.metrics.kv_block_size = limits.prefix_block
-        # The cache-config info's num_gpu_blocks, as the picker's prefix scorer reads it: the blocks
-        # the prefix cache retains at most.
-        if config.prefix_cache == "on" and engine.prefix_block_bytes:
-            self.metrics.prefix_cache_blocks = config.prefix_cache_bytes // engine.prefix_block_bytes
+        self.metrics.kv_tokens_capacity = (limits.num_pages - 1) * limits.page_size  # page 0 is scratch
+        self.metrics.kv_block_size = limits.page_size
+        # The cache-config info's num_gpu_blocks, as the picker's prefix scorer reads it: the pages
+        # a cached prefix may stay in (the pool is the prefix cache).
+        if config.prefix_cache == "on":
+            self.metrics.prefix_cache_blocks = limits.num_pages - 1
         self.metrics.adapters_updated = time.time()
         warmup = self._background_warmup()  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
@@ -286,7 +285,9 @@ class Orchestrator:
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
         executor = self._make_executor(engine, self.params)
-        scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, self._prefix_cache(), self._speculator())
+        scheduler = Scheduler(
+            engine.limits, engine.decode_steps_per_call, self.config.prefix_cache == "on", self._speculator()
+        )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
             masks = {
@@ -332,14 +333,6 @@ class Orchestrator:
             self._record(scheduler)
         executor.close()
 
-    def _prefix_cache(self) -> PrefixCache | None:
-        """The prefix cache's index (None with prefix_cache=off): blocks of the engine's size,
-        within prefix_cache_bytes of the engine's copies."""
-        if self.config.prefix_cache != "on":
-            return None
-        limits = self.engine.limits
-        return PrefixCache(limits.prefix_block, self.engine.prefix_block_bytes, self.config.prefix_cache_bytes)
-
     def _speculator(self) -> Speculator | None:
         """Speculative decoding's proposer and policy (None with speculative_method=none)."""
         config = self.config.speculative
@@ -351,13 +344,15 @@ class Orchestrator:
 
     def _record(self, scheduler: Scheduler) -> None:
         """The scheduler's slots and prefix cache into the metrics, after a turn."""
-        metrics, cache = self.metrics, scheduler.prefix_cache
+        metrics, pool = self.metrics, scheduler.pool
         with metrics.lock:
             metrics.active_slots = scheduler.num_used
             metrics.kv_tokens_used = scheduler.kv_tokens_used()
-            if cache is not None:
-                metrics.prefix_cache_hits, metrics.prefix_cache_misses = cache.hits, cache.misses
-                metrics.prefix_cache_bytes = cache.bytes_used
+            metrics.kv_pages_used = pool.num_used
+            metrics.preemptions = scheduler.preemptions
+            if scheduler.prefix_caching:
+                metrics.prefix_cache_hits, metrics.prefix_cache_misses = pool.hits, pool.misses
+                metrics.prefix_cache_bytes = pool.num_cached * self.engine.page_bytes
             if scheduler.speculator is not None:
                 stats = scheduler.speculator.stats
                 metrics.speculative_method = scheduler.speculator.config.speculative_method

@@ -51,27 +51,11 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class PrefixLoad:
-    """Write the cached blocks `keys` (block i: prompt positions [i * block, (i + 1) * block)) into
-    `slot` from position 0; its prompt's first chunk then starts after them."""
-
-    slot: int
-    keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class PrefixStore:
-    """Keep a copy of `slot`'s KV at [start, start + block) under `key` (after the turn's prefill)."""
-
-    key: bytes
-    slot: int
-    start: int
-
-
-@dataclass(frozen=True)
 class StepPlan:
-    """One turn of the device loop, executed in this order: frees, prefix loads, whole admissions,
-    one `prefill_slots` call (`rows`), prefix-cache evictions, then stores, one generate call.
+    """One turn of the device loop, executed in this order: frees (cancelled requests' slots) and
+    preemptions (slots whose sequence gave up its pages and prefills again: made inactive), the
+    block tables that changed (`page_tables`: slot -> its pages in order, the rest of its row
+    scratch), whole admissions, one `prefill_slots` call (`rows`), one generate call.
 
     `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped when
     no slot is active after the prefills (`running` slots were active before them, and a slot whose
@@ -82,11 +66,10 @@ class StepPlan:
     """
 
     frees: tuple[int, ...] = ()
-    loads: tuple[PrefixLoad, ...] = ()
+    preempted: tuple[int, ...] = ()
+    page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
     admissions: tuple[Admission, ...] = ()
     rows: tuple[PrefillRow, ...] = ()
-    evictions: tuple[bytes, ...] = ()
-    stores: tuple[PrefixStore, ...] = ()
     decode_steps: int = 0
     running: int = 0
     max_position: int = 0
@@ -101,7 +84,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.frees or self.loads or self.admissions or self.rows or self.decode_steps)
+        return not (self.frees or self.preempted or self.page_tables or self.admissions or self.rows or self.decode_steps)
 
     @property
     def first_token_slots(self) -> tuple[int, ...]:
