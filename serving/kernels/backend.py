@@ -41,10 +41,10 @@ class CpuKernelOps(XlaOps):
         out = self.matmul(x, weight)
         return tuple(jnp.split(out, _running_sums(list(weight.parts[:-1])), axis=-1))
 
-    def decode_attention(self, q, cache: KVCache, layer, positions, k_new, v_new, window):
+    def decode_attention(self, q, cache: KVCache, layer, positions, k_new, v_new, window, pages):
         if not self.reads_cache_in_place_for(cache.k.dtype, q):
-            return super().decode_attention(q, cache, layer, positions, k_new, v_new, window)
-        out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new)
+            return super().decode_attention(q, cache, layer, positions, k_new, v_new, window, pages)
+        out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new, pages)
         return out[:, None].astype(q.dtype)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
