@@ -84,7 +84,18 @@ def select(
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
+    On TPUs (every device a TPU) decode attention runs JAX's Pallas paged-attention kernel
+    (serving.kernels.tpu_paged), or XLA's where that does not import; `cpu_kernels` names the CPU
+    kernels, so only `on` changes that (it raises there, as on any device but one CPU).
     `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops."""
+    if cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices):
+        try:
+            from serving.kernels.tpu_paged import PallasPagedOps
+        except ImportError as error:
+            log.info("decode attention uses XLA's; the Pallas kernel did not import (%s)", error)
+            return XLA
+        log.info("decode attention runs JAX's Pallas paged-attention kernel on %d TPUs", len(devices))
+        return PallasPagedOps()
     if cpu_kernels == "off":
         return XLA
     reason = weights_unsupported(quantization, weight_dtype)
