@@ -5,7 +5,6 @@ contract. (Pages, sharing and preemption: test_pages.py.)"""
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 
