@@ -98,10 +98,10 @@ class ServingConfig(BaseModel):
     # length bucket, at most prefill_batch_tokens padded tokens in all (0: max_prefill_predict_length).
     max_prefill_batch: int = Field(default=8, ge=1)
     prefill_batch_tokens: int = Field(default=0, ge=0)
-    # Prefix cache: KV of prompt prefixes in blocks of prefix_block_size tokens, keyed by their token
-    # ids, kept up to prefix_cache_bytes (least recently used evicted) and reused by later prompts.
+    # Prefix cache: the KV cache's full pages of prompt (prefix_block_size tokens each) are keyed by
+    # their token ids and shared by later prompts that begin with them; freed ones stay until the
+    # pool needs them (least recently used first). The pool is the cache: no budget of its own.
     prefix_cache: Literal["on", "off"] = "on"
-    prefix_cache_bytes: int = Field(default=256 << 20, ge=0)
     prefix_block_size: int = Field(default=64, ge=1)
     # The KV cache is a pool of pages of prefix_block_size positions that sequences take as they
     # grow (serving.orchestrator.pages): its bytes per chip (0: enough for every decode slot to
@@ -349,7 +349,6 @@ class OrchestratorConfig:
 
     max_queued_requests: int = _default("max_queued_requests")
     prefix_cache: str = _default("prefix_cache")
-    prefix_cache_bytes: int = _default("prefix_cache_bytes")
     profiler_steps: int = _default("profiler_steps")  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = _default("profile_dir")
     profiler_port: int = _default("profiler_port")  # jax.profiler.start_server when set

@@ -119,7 +119,7 @@ def _protocol_info(m: EngineMetrics, stats) -> Iterator[Metric]:
     cache = GaugeMetricFamily(
         metric_names.CACHE_CONFIG_INFO,
         "prefix cache shape: tokens per block and the blocks it retains at most "
-        "(prefix_cache_bytes / bytes per block)",
+        "(the KV pool's pages; 0 with prefix_cache=off)",
         labels=list(metric_names.CACHE_CONFIG_LABELS),
     )
     cache.add_metric([str(m.kv_block_size), str(m.prefix_cache_blocks)], 1.0)

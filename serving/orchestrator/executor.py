@@ -54,8 +54,7 @@ class Executor:
         self.engine = engine
         self.params = params
         self.state = engine.init_decode_state()
-        limits = engine.limits
-        self.pages = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)  # the block tables
+        self.pages: np.ndarray | None = None  # the block tables, from the first plan that sets one
         self.timings = Timings()
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
@@ -68,6 +67,9 @@ class Executor:
         for slot in (*plan.frees, *plan.preempted):
             self.state = engine.free_resource(self.state, slot)
         if plan.page_tables:
+            if self.pages is None:
+                limits = engine.limits
+                self.pages = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)
             for slot, pages in plan.page_tables:
                 self.pages[slot] = 0
                 self.pages[slot, : len(pages)] = pages

@@ -151,8 +151,8 @@ def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
         load_model_config("llama3.1-405b"),
         Numerics("bfloat16", "bfloat16", "int8", True),
         {"fsdp": 1, "autoregressive": 2, "tensor": 8},
-        slots=160,
-        length=2048,
+        num_pages=160,
+        page_size=2048,
     )
     specs = {"/".join(p): describe(leaf.spec) for p, leaf in where.params.items()}
     assert specs["layers/wq/values"] == "[-, -, tensor x autoregressive]"
