@@ -14,7 +14,6 @@ from serving.engine.mock import MockEngine
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.offline import run_to_completion
 from serving.orchestrator.pages import PagePool
-from serving.orchestrator.prefix_cache import block_keys
 from serving.orchestrator.scheduler import Scheduler, Waiting
 from serving.request import SamplingParams
 
