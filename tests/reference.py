@@ -21,10 +21,20 @@ from serving.engine.sampling import sample
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.models import KVCache, decode_step, init_pool, prefill, store_prefix
+from serving.models.cache import dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.request import SamplingParams
 
 _store_prefix = jax.jit(store_prefix, donate_argnums=(0,))
+
+
+def row_cache(
+    cfg, batch: int, length: int, quantized: bool = False, page_size: int = 16, dtype=jnp.float32
+) -> tuple[KVCache, jax.Array]:
+    """A page pool in which row b owns its `length` positions in pages of `page_size` (after
+    serving.models.cache.dedicated_pages), and those block tables int32 [batch, pages per row]."""
+    pages = dedicated_pages(batch, length, page_size)
+    return init_pool(cfg, 1 + pages.size, page_size, dtype, quantized), jnp.asarray(pages)
 
 
 def bucket_length(n: int, limit: int) -> int:

@@ -28,8 +28,8 @@ from serving.kernels.support import weights_unsupported
 from serving.models import (
     KVCache,
     decode_step,
-    init_cache,
     init_params,
+    init_pool,
     prefill,
     quantize_params,
 )
@@ -40,7 +40,7 @@ from serving.models.params import MATMUL_WEIGHTS, int8_entries
 from serving.models.quantization import int8_dot, with_int8_activations
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
-from tests.reference import ReferenceDecoder
+from tests.reference import ReferenceDecoder, row_cache
 
 CPU_FLAGS = set()
 if Path("/proc/cpuinfo").exists():
@@ -747,15 +747,17 @@ def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quant
 
     params = engine.load_params()
     tokens, positions = jnp.asarray([5, 9, 2, 7]), jnp.asarray([0, 3, 60, 200])
-    shape = init_cache(model.config, 4, 256).k.shape
+    # 4 rows of 256 positions in pages of 16, scattered over the pool
+    pages = jnp.asarray(1 + np.random.default_rng(0).permutation(64).reshape(4, 16), jnp.int32)
+    shape = init_pool(model.config, 65, 16).k.shape
     k, v = (jax.random.uniform(jax.random.PRNGKey(i), shape, minval=-2, maxval=2) for i in (1, 2))
     cache = KVCache(k, v)
     if quantize_kvcache:
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         cache = KVCache(kq, vq, ks, vs)
     filled = cache
-    ours, _ = decode_step(params, tokens, positions, filled, model.config, ops=CpuKernelOps())
-    xla, _ = decode_step(params, tokens, positions, filled, model.config, ops=_KernelMatmulsOnly())
+    ours, _ = decode_step(params, tokens, positions, filled, model.config, ops=CpuKernelOps(), pages=pages)
+    xla, _ = decode_step(params, tokens, positions, filled, model.config, ops=_KernelMatmulsOnly(), pages=pages)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-4, atol=1e-4)
 
 
@@ -786,8 +788,8 @@ def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkey
     logits = jax.eval_shape(functools.partial(prefill, cfg=tiny_cfg, ops=ops), params, tokens, lengths)[0]
     assert logits.shape == (2, 16, tiny_cfg.vocab_size)
     quantized = weights != "float32"
-    cache = init_cache(tiny_cfg, 2, 64, quantized=quantized)
-    step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops)
+    cache, pages = row_cache(tiny_cfg, 2, 64, quantized=quantized)
+    step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops, pages=pages)
     jaxpr = str(jax.make_jaxpr(step)(params, tokens[:, 0], jnp.array([3, 9]), cache))
     attention = {
         ("avx512", True): cpu_attention.INT8_TARGET,
