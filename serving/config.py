@@ -107,6 +107,16 @@ class ServingConfig(BaseModel):
     # grow (serving.orchestrator.pages): its bytes per chip (0: enough for every decode slot to
     # reach max_target_length at once). per_device_batch_size stays the most sequences decoding.
     kv_cache_bytes_per_chip: int = Field(default=0, ge=0)
+    # MaxText's paged attention keys, read (as MaxText reads them) only with attention=paged: the
+    # pool's pages (page 0, scratch, included; per layer in MaxText, one index for every layer
+    # here), positions per page (then the prefix cache's block too), pages per compute block of
+    # the TPU kernel, and the most pages of one sequence (-1: max_target_length's). Without
+    # attention=paged the cache is paged all the same, sized by kv_cache_bytes_per_chip.
+    attention: str = "autoselected"
+    pagedattn_num_pages: int = Field(default=64, ge=0)
+    pagedattn_tokens_per_page: int = Field(default=32, ge=1)
+    pagedattn_pages_per_compute_block: int = Field(default=4, ge=1)
+    pagedattn_max_pages_per_group: int = -1
     max_queued_requests: int = Field(default=256, ge=1)
     # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to
     # num_speculative_tokens) and keeps the ones the target would have produced, in one forward
@@ -205,6 +215,8 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
+        if self.attention == "paged":
+            self._paged_attention_keys()
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(
                 f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
@@ -251,6 +263,30 @@ class ServingConfig(BaseModel):
             )
         return self
 
+    def _paged_attention_keys(self) -> None:
+        """attention=paged: MaxText's pagedattn_* keys size the page pool (checked as MaxText's
+        PageManager checks them); the page is the prefix cache's block."""
+        page = self.pagedattn_tokens_per_page
+        if "prefix_block_size" in self.model_fields_set and self.prefix_block_size != page:
+            raise ValueError(
+                f"prefix_block_size ({self.prefix_block_size}) and pagedattn_tokens_per_page ({page}) differ: "
+                "with attention=paged the page is the prefix cache's block"
+            )
+        if self.kv_cache_bytes_per_chip:
+            raise ValueError("kv_cache_bytes_per_chip and attention=paged's pagedattn_num_pages both size the pool: give one")
+        per_sequence = -(-self.max_target_length // page)
+        if 0 < self.pagedattn_max_pages_per_group < per_sequence:
+            raise ValueError(
+                f"pagedattn_max_pages_per_group ({self.pagedattn_max_pages_per_group}) is below the "
+                f"{per_sequence} pages of max_target_length={self.max_target_length}"
+            )
+        if self.pagedattn_num_pages < per_sequence + 1:
+            raise ValueError(
+                f"pagedattn_num_pages ({self.pagedattn_num_pages}) cannot hold one sequence of max_target_length="
+                f"{self.max_target_length} ({per_sequence} pages of {page}) and the reserved page 0"
+            )
+        object.__setattr__(self, "prefix_block_size", page)
+
     def parallelism(self, devices: int) -> tuple[int, int, int]:
         """(fsdp, autoregressive, tensor) over `devices`, the -1 axis (if any) taking what is left."""
         return resolve_parallelism(
@@ -290,6 +326,9 @@ class EngineConfig:
     prefill_batch_tokens: int = _default("prefill_batch_tokens")
     prefix_block_size: int = _default("prefix_block_size")
     kv_cache_bytes_per_chip: int = _default("kv_cache_bytes_per_chip")
+    attention: str = _default("attention")
+    pagedattn_num_pages: int = _default("pagedattn_num_pages")
+    pagedattn_pages_per_compute_block: int = _default("pagedattn_pages_per_compute_block")
     decode_slot_buckets: tuple[int, ...] = _default("decode_slot_buckets")
     # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
     logical_axis_rules: tuple = _default("logical_axis_rules")

@@ -7,6 +7,7 @@ The one start-up path for everything that serves requests (the HTTP server, the 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -42,10 +43,15 @@ class Launched:
         from serving.engine.partitioning import describe
 
         what = self.engine.summary()
-        cache = describe(self.engine.placement.cache[("k",)].spec)
+        leaf = self.engine.placement.cache[("k",)]
+        cache = describe(leaf.spec)
+        limits, axes = self.engine.limits, self.engine.placement.axes
+        per_chip = limits.num_pages // max(1, math.prod(axes[a] for a in leaf.spec[1]))
         return (
             f"{self.model.config.name} from {self.model.source} ({self.model.format}), "
             f"{self.engine.max_concurrent_decodes} slots, "
+            f"kv cache {limits.num_pages} pages of {limits.page_size} ({per_chip} pages, "
+            f"{per_chip * limits.page_size} tokens per chip), "
             f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
             f"{self.engine.placement.axes}, {what['backend']} backend; "
             f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s; from: {self.plan.origins_line()}"

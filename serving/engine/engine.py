@@ -40,7 +40,7 @@ from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
 from serving.engine.limits import Limits
-from serving.engine.memory import pool_pages
+from serving.engine.memory import kv_pool_pages
 from serving.engine.partitioning import Numerics
 from serving.engine.sampling import apply_mask, sample, token_logprobs
 from serving.engine.sharding import (
@@ -107,6 +107,7 @@ class Engine(ChunkedPrefill, Speculative):
             config.quantization,
             config.weight_dtype,
             list(self.mesh.devices.flat),
+            pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         )
         self.limits = Limits(
             max_concurrent_decodes=max(1, int(config.per_device_batch_size * self.mesh.size)),
@@ -155,13 +156,10 @@ class Engine(ChunkedPrefill, Speculative):
         self._init_speculative(static)
 
     def _pool_pages(self, model: LoadedModel, config: EngineConfig) -> int:
-        """The KV pool's pages: kv_cache_bytes_per_chip's worth, or (0) every slot's full length."""
-        if not config.kv_cache_bytes_per_chip:
-            return 0
+        """The KV pool's pages (serving.engine.memory.kv_pool_pages)."""
         numerics = Numerics.of(config, int8=int8_names(model.params))
-        return pool_pages(
-            model.config, numerics, mesh_axes(self.mesh), config.prefix_block_size, config.kv_cache_bytes_per_chip
-        )
+        slots = max(1, int(config.per_device_batch_size * self.mesh.size))
+        return kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots)
 
     # -- the contract --------------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ def _running_sums(sizes: list[int]) -> list[int]:
 
 
 def select(
-    cpu_kernels: str, quantization: str, weight_dtype: str, devices: list
+    cpu_kernels: str, quantization: str, weight_dtype: str, devices: list, pages_per_compute_block: int = 4
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
@@ -95,7 +95,7 @@ def select(
             log.info("decode attention uses XLA's; the Pallas kernel did not import (%s)", error)
             return XLA
         log.info("decode attention runs JAX's Pallas paged-attention kernel on %d TPUs", len(devices))
-        return PallasPagedOps()
+        return PallasPagedOps(pages_per_compute_block=pages_per_compute_block)
     if cpu_kernels == "off":
         return XLA
     reason = weights_unsupported(quantization, weight_dtype)

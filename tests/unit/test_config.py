@@ -8,6 +8,7 @@ import pytest
 
 from serving.config import (
     ConfigError,
+    ServingConfig,
     config_dir,
     load_config,
     load_model_config,
@@ -215,3 +216,18 @@ def test_each_default_is_written_once_on_servingconfig_and_the_parts_read_it():
     assert (cfg.orchestrator, cfg.speculative) == (OrchestratorConfig(), SpeculativeConfig())
     source = (Path(__file__).parents[2] / "serving" / "config.py").read_text()
     assert source.count("max_lora_rank: int = Field(default=16") == 1 and "max_lora_rank: int = 16" not in source
+
+
+def test_attention_paged_sizes_the_pool_with_maxtexts_keys():
+    cfg = ServingConfig(attention="paged", pagedattn_num_pages=40, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
+    assert cfg.prefix_block_size == 16 and cfg.engine.pagedattn_num_pages == 40
+    # MaxText reads the pagedattn_* keys only with attention=paged
+    assert ServingConfig(pagedattn_tokens_per_page=16).prefix_block_size == 64
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        ServingConfig(attention="paged", pagedattn_num_pages=16, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
+    with pytest.raises(ValueError, match="pagedattn_max_pages_per_group .8. is below the 16 pages"):
+        ServingConfig(attention="paged", pagedattn_tokens_per_page=16, pagedattn_max_pages_per_group=8, max_target_length=256, max_prefill_predict_length=64)
+    with pytest.raises(ValueError, match="with attention=paged the page is the prefix cache's block"):
+        ServingConfig(attention="paged", pagedattn_tokens_per_page=16, prefix_block_size=64, max_target_length=256, max_prefill_predict_length=64)
+    with pytest.raises(ValueError, match="both size the pool"):
+        ServingConfig(attention="paged", kv_cache_bytes_per_chip=1 << 20, max_target_length=256, max_prefill_predict_length=64)
