@@ -225,7 +225,7 @@ def test_attention_paged_sizes_the_pool_with_maxtexts_keys():
     assert ServingConfig(pagedattn_tokens_per_page=16).prefix_block_size == 64
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         ServingConfig(attention="paged", pagedattn_num_pages=16, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
-    with pytest.raises(ValueError, match="pagedattn_max_pages_per_group .8. is below the 16 pages"):
+    with pytest.raises(ValueError, match=r"pagedattn_max_pages_per_group \(8\) is below the 16 pages"):
         ServingConfig(attention="paged", pagedattn_tokens_per_page=16, pagedattn_max_pages_per_group=8, max_target_length=256, max_prefill_predict_length=64)
     with pytest.raises(ValueError, match="with attention=paged the page is the prefix cache's block"):
         ServingConfig(attention="paged", pagedattn_tokens_per_page=16, prefix_block_size=64, max_target_length=256, max_prefill_predict_length=64)
