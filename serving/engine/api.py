@@ -81,7 +81,9 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         ...
 
     def init_decode_state(self) -> StateT:
-        """A fresh decode state: every slot free, the KV cache allocated."""
+        """A fresh decode state: every slot free, the KV cache's pool allocated; where the pool
+        holds every slot's max_target_length, each slot's block table names its own pages, so
+        prefill / insert / generate work without `set_pages` (JetStream's contract)."""
         ...
 
     def prefill(

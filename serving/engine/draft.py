@@ -18,7 +18,6 @@ import numpy as np
 from serving.config import EngineConfig
 from serving.engine.api import PrefillRow
 from serving.engine.engine import Engine
-from serving.models.cache import dedicated_pages
 from serving.text.tokenizer import Tokenizer
 
 
@@ -43,10 +42,9 @@ class DraftModel:
             raise ValueError("the draft engine must run num_speculative_tokens - 1 decode steps per call")
         self.engine, self.params, self.k = engine, params, num_speculative_tokens
         # Each slot owns max_target_length positions of the draft's pool (its engine_config asks
-        # for that many pages): the draft follows the target's slots and needs no scheduler.
-        limits = engine.limits
-        pages = dedicated_pages(limits.max_concurrent_decodes, limits.max_target_length, limits.page_size)
-        self.state = engine.set_pages(engine.init_decode_state(), pages)
+        # for that many pages, and a fresh decode state gives each slot its own): the draft follows
+        # the target's slots and needs no scheduler.
+        self.state = engine.init_decode_state()
 
     @staticmethod
     def engine_config(target: EngineConfig, num_speculative_tokens: int) -> EngineConfig:

@@ -66,7 +66,7 @@ from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.lora import stack as lora_stack
 from serving.models import decode_step, init_pool, prefill, store_prefix
-from serving.models.cache import SCRATCH_PAGE
+from serving.models.cache import SCRATCH_PAGE, dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
@@ -207,7 +207,7 @@ class Engine(ChunkedPrefill, Speculative):
 
         state = DecodeState(
             cache=cache,
-            pages=jnp.zeros((slots, limits.max_pages), jnp.int32),  # every entry the scratch page
+            pages=jnp.asarray(self._default_pages()),
             tokens=zeros(),
             positions=zeros(),
             generated=zeros(),
@@ -216,6 +216,17 @@ class Engine(ChunkedPrefill, Speculative):
             history=penalties.init_history(slots, self._num_decodable),
         )
         return jax.device_put(state, self._state_shardings())
+
+    def _default_pages(self) -> np.ndarray:
+        """The block tables before a scheduler sets any: where the pool holds every slot's full
+        length, slot s owns its own run of pages (a contiguous cache's arrangement), so the engine
+        serves JetStream's prefill / insert / generate without a scheduler; otherwise every entry
+        is the scratch page and `set_pages` must come first."""
+        limits = self.limits
+        slots = self.max_concurrent_decodes
+        if limits.num_pages < slots * limits.max_pages + 1:
+            return np.zeros((slots, limits.max_pages), np.int32)
+        return dedicated_pages(slots, limits.max_target_length, limits.page_size)
 
     def prefill(
         self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams, mask=None

@@ -36,6 +36,7 @@ import numpy as np
 
 from serving.engine.api import PrefillOutputs, PrefillRow, ResultTokens
 from serving.engine.limits import Limits, finishes_at_first_token
+from serving.models.paging import dedicated_pages
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
@@ -178,8 +179,14 @@ class MockEngine:
     # -- the contract --------------------------------------------------------------------------
 
     def init_decode_state(self) -> MockState:
+        """Each slot owns its own pages where the pool holds every slot's full length (as the
+        engine's), else every table entry is scratch until `set_pages`."""
         self.calls.append(("init_decode_state",))
-        return MockState()
+        limits, state = self.limits, MockState()
+        if limits.num_pages >= limits.max_concurrent_decodes * limits.max_pages + 1:
+            tables = dedicated_pages(limits.max_concurrent_decodes, limits.max_target_length, limits.page_size)
+            state.tables = {slot: tuple(int(p) for p in row) for slot, row in enumerate(tables)}
+        return state
 
     def prefill(
         self,

@@ -16,11 +16,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from serving.models.config import ModelConfig
+from serving.models.paging import SCRATCH_PAGE, dedicated_pages, pages_for
 
-SCRATCH_PAGE = 0
+__all__ = ["SCRATCH_PAGE", "KVCache", "dedicated_pages", "init_pool", "pages_for"]
 
 
 class KVCache(NamedTuple):
@@ -41,11 +41,6 @@ class KVCache(NamedTuple):
         return self.k_scale is not None
 
 
-def pages_for(length: int, page_size: int) -> int:
-    """Pages that hold `length` positions."""
-    return -(-length // page_size)
-
-
 def init_pool(
     cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32, quantized: bool = False
 ) -> KVCache:
@@ -60,13 +55,6 @@ def init_pool(
         jnp.zeros(scale_shape, jnp.float32),
         jnp.zeros(scale_shape, jnp.float32),
     )
-
-
-def dedicated_pages(batch: int, length: int, page_size: int) -> np.ndarray:
-    """int32 [batch, pages_for(length)]: row b owns pages 1 + b * n .. (n per row), as a pool of
-    1 + batch * n pages lays them out (a contiguous cache's arrangement, for one-off decoders)."""
-    n = pages_for(length, page_size)
-    return (1 + np.arange(batch * n, dtype=np.int32)).reshape(batch, n)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
