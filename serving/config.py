@@ -68,6 +68,10 @@ class ServingConfig(BaseModel):
     # weight-only int8 (every matmul weight and the embedding int8, activations float).
     quantization: Literal["", "int8", "int8w"] = ""
     quantize_kvcache: bool = False
+    # MaxText's int8 KV scale layouts (serving.models.cache.quantize_kv): "dkv" one scale per token
+    # and kv head, "heads_and_dkv" one per token ("" only without quantize_kvcache). MaxText's
+    # default is heads_and_dkv; pathserve's, dkv (measured closer to the float cache).
+    kv_quant_axis: Literal["", "dkv", "heads_and_dkv"] = "dkv"
     checkpoint_is_quantized: bool = False
     # MaxText's tokenizer file, for checkpoints that carry none (MaxText's own): a tokenizer.json,
     # a Llama 3 tiktoken file, or MaxText's asset name (assets/tokenizer_llama3.tiktoken: the
@@ -215,6 +219,8 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
+        if self.quantize_kvcache and not self.kv_quant_axis:
+            raise ValueError("quantize_kvcache=true needs kv_quant_axis: dkv or heads_and_dkv (MaxText's rule)")
         if self.attention == "paged":
             self._paged_attention_keys()
         if self.max_prefill_predict_length > self.max_target_length:
@@ -318,6 +324,7 @@ class EngineConfig:
     weight_dtype: str = _default("weight_dtype")
     quantization: str = _default("quantization")
     quantize_kvcache: bool = _default("quantize_kvcache")
+    kv_quant_axis: str = _default("kv_quant_axis")
     cpu_kernels: str = _default("cpu_kernels")
     enable_background_warmup: bool = _default("enable_background_warmup")
     decode_steps_per_call: int = _default("decode_steps_per_call")

@@ -651,10 +651,12 @@ def _block_table(rng: np.random.Generator, lengths: np.ndarray, page_size: int, 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("int8_cache", [False, True])
+@pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
 @pytest.mark.parametrize("page_size", [8, 16])
 @pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128)])
-def test_decode_attention_kernel_is_attention_over_each_rows_pages(int8_cache, page_size, groups, head_dim, isa):
+def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, page_size, groups, head_dim, isa):
+    """int8 pools in both of MaxText's scale layouts: per token and kv head (dkv), per token
+    (heads_and_dkv)."""
     rng = np.random.default_rng(groups * 100 + head_dim + page_size)
     layers, kv, max_pages = 3, 2, 48 // page_size
     full = max_pages * page_size
@@ -676,8 +678,9 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(int8_cache, p
     unread = np.ones(num_pages * page_size, bool)
     unread[tokens[attended]] = False
     unread = unread.reshape(num_pages, page_size)
-    if int8_cache:
-        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k)), quantize_kv(jnp.asarray(v))
+    if cache_kind != "float32":
+        per_head = cache_kind == "int8 dkv"
+        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), per_head), quantize_kv(jnp.asarray(v), per_head)
         ks, vs = np.array(ks), np.array(vs)
         ks[:, unread], vs[:, unread] = np.nan, np.nan
         cache = (kq, vq, jnp.asarray(ks), jnp.asarray(vs))

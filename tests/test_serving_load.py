@@ -124,9 +124,10 @@ def _together(prompts):
     [
         dict(prefill_chunk_size=64, max_prefill_batch=8, prefix_cache="off"),
         dict(prefill_chunk_size=16, max_prefill_batch=8, prefix_cache="on"),
-        dict(prefill_chunk_size=32, max_prefill_batch=1, prefix_cache="on", quantize_kvcache=True),
+        dict(prefill_chunk_size=32, max_prefill_batch=1, prefix_cache="on", quantize_kvcache=True,
+             kv_quant_axis="heads_and_dkv"),
     ],
-    ids=["chunk64-batched-nocache", "chunk16-batched-cache", "chunk32-one-row-cache-int8kv"],
+    ids=["chunk64-batched-nocache", "chunk16-batched-cache", "chunk32-one-row-cache-int8kv-per-token"],
 )
 def test_sixteen_mixed_requests_give_the_plain_loops_tokens(model, expected, overrides):
     cfg = _config(**overrides)

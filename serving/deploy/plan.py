@@ -81,12 +81,13 @@ def weight_bytes(model: ModelConfig, serving: ServingConfig) -> float:
 
 
 def kv_bytes_per_token(model: ModelConfig, serving: ServingConfig, kv_heads: int) -> float:
-    """KV bytes for one token over all layers, for `kv_heads` heads (int8 values + a float32 scale)."""
-    if serving.quantize_kvcache:
-        per_head = model.head_dim * DTYPE_BYTES["int8"] + DTYPE_BYTES[SCALE_DTYPE]
-    else:
-        per_head = model.head_dim * DTYPE_BYTES[serving.dtype]
-    return float(model.num_layers * 2 * kv_heads * per_head)
+    """KV bytes for one token over all layers, for `kv_heads` heads (int8 values and a float32
+    scale per head, or one per token with kv_quant_axis=heads_and_dkv)."""
+    if not serving.quantize_kvcache:
+        return float(model.num_layers * 2 * kv_heads * model.head_dim * DTYPE_BYTES[serving.dtype])
+    scales = kv_heads if serving.kv_quant_axis != "heads_and_dkv" else 1
+    values = kv_heads * model.head_dim * DTYPE_BYTES["int8"]
+    return float(model.num_layers * 2 * (values + scales * DTYPE_BYTES[SCALE_DTYPE]))
 
 
 # The weight families `plan` shows, each by one of its leaves.

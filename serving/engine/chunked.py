@@ -169,6 +169,7 @@ class ChunkedPrefill:
             starts=starts if window else None,
             history=history,
             quantized_kv=state.cache.quantized,
+            kv_scale_per_head=state.cache.scale_per_head,
             lora=lora_stack.lora_batch(params, sampling.lora_slot),
         )
         count = tokens.shape[0]

@@ -199,7 +199,8 @@ class Engine(ChunkedPrefill, Speculative):
     def init_decode_state(self) -> DecodeState:
         slots, limits = self.max_concurrent_decodes, self.limits
         cache = init_pool(
-            self.model.config, limits.num_pages, limits.page_size, self._dtype, quantized=self.config.quantize_kvcache
+            self.model.config, limits.num_pages, limits.page_size, self._dtype, quantized=self.config.quantize_kvcache,
+            scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
         )
 
         def zeros():  # a buffer of its own for each field: they are donated one by one
@@ -344,6 +345,7 @@ class Engine(ChunkedPrefill, Speculative):
     ) -> Prefix:
         logits, kv = prefill(
             params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
+            kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
             lora=lora_stack.lora_batch(params, sampling.lora_slot[None]),
         )
         last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
@@ -378,7 +380,10 @@ class Engine(ChunkedPrefill, Speculative):
         return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored, seen)
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
-        logits, _ = prefill(params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache)
+        logits, _ = prefill(
+            params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
+            kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
+        )
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 

@@ -91,6 +91,7 @@ class Numerics:
     # The params entries held in int8; None: those `quantization` quantizes (int8_entries). A
     # checkpoint stored in int8 says its own (a MaxText int8 checkpoint: the layers' matmuls only).
     int8: tuple[str, ...] | None = None
+    kv_quant_axis: str = "dkv"  # an int8 cache's scales per token and head (dkv) or per token
 
     @classmethod
     def of(cls, config: object, int8: tuple[str, ...] | None = None) -> Numerics:
@@ -103,6 +104,7 @@ class Numerics:
             normalize_rules(getattr(config, "logical_axis_rules", ())),
             bool(getattr(config, "replicate_quant_scale", False)),
             int8,
+            config.kv_quant_axis,
         )
 
     @property
@@ -291,10 +293,11 @@ def _cache_leaves(
     if not numerics.quantize_kvcache:
         return {(n,): Leaf(shape, numerics.dtype, spec, CACHE_NAMES) for n in ("k", "v")}
     out = {(n,): Leaf(shape, "int8", spec, CACHE_NAMES) for n in ("k", "v")}
-    scale_spec = (*spec[:-1], ())
-    out.update(
-        {(n,): Leaf((*shape[:-1], 1), SCALE_DTYPE, scale_spec, CACHE_NAMES) for n in ("k_scale", "v_scale")}
-    )
+    if numerics.kv_quant_axis == "heads_and_dkv":  # one scale per token, on every chip of its pages
+        scale_shape, scale_spec = (*shape[:-2], 1, 1), (*spec[:-2], (), ())
+    else:  # one per token and kv head, split as the heads are
+        scale_shape, scale_spec = (*shape[:-1], 1), (*spec[:-1], ())
+    out.update({(n,): Leaf(scale_shape, SCALE_DTYPE, scale_spec, CACHE_NAMES) for n in ("k_scale", "v_scale")})
     return out
 
 

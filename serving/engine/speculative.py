@@ -170,7 +170,7 @@ class Speculative:
         history = gather_history(full.cache, state.pages, window)
         logits, kv = prefill(
             params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, history=history,
-            quantized_kv=full.cache.quantized, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
+            quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
         )
         vocab = logits.shape[-1]
         logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)

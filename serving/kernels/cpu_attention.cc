@@ -78,14 +78,18 @@ ffi::ErrorOr<Layout> CheckLayout(ffi::Span<const int64_t> qd, ffi::Span<const in
   return Layout{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], pd[1], index};
 }
 
-// An int8 pool's scales: one per token and kv head, [layers, pages, page_size, kv, 1].
-ffi::Error CheckScales(ffi::Span<const int64_t> kd, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale) {
-  const int64_t expected = kd.size() == 5 ? kd[0] * kd[1] * kd[2] * kd[3] : -1;
-  if (static_cast<int64_t>(k_scale.element_count()) != expected ||
-      static_cast<int64_t>(v_scale.element_count()) != expected) {
-    return Invalid("int8 pool scales must be [layers, pages, page_size, kv, 1]");
+// An int8 pool's scales, MaxText's kv_quant_axis layouts: one per token and kv head (dkv),
+// [layers, pages, page_size, kv, 1], or one per token (heads_and_dkv), [layers, pages, page_size, 1, 1].
+// Returns the scales per token.
+ffi::ErrorOr<int64_t> CheckScales(ffi::Span<const int64_t> kd, ffi::Buffer<ffi::F32> k_scale,
+                                  ffi::Buffer<ffi::F32> v_scale) {
+  const auto sd = k_scale.dimensions();
+  const auto vd = v_scale.dimensions();
+  if (kd.size() != 5 || sd.size() != 5 || !std::equal(sd.begin(), sd.end(), vd.begin(), vd.end()) || sd[0] != kd[0] ||
+      sd[1] != kd[1] || sd[2] != kd[2] || (sd[3] != kd[3] && sd[3] != 1) || sd[4] != 1) {
+    return ffi::Unexpected(Invalid("int8 pool scales must be [layers, pages, page_size, kv or 1, 1]"));
   }
-  return ffi::Error::Success();
+  return sd[3];
 }
 
 // Polynomial for 2^f, |f| <= 1/2, degree 6 (relative error about 2e-7), highest power first.
@@ -220,7 +224,7 @@ ffi::Error F32DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                               ffi::ResultBuffer<ffi::F32> out) {
-  return avx512::Attend<float>(pool, q, k, v, nullptr, nullptr, layer, lengths, k_new, v_new, pages, out);
+  return avx512::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, out);
 }
 
 ffi::Error Int8DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
@@ -228,8 +232,10 @@ ffi::Error Int8DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                                ffi::ResultBuffer<ffi::F32> out) {
-  if (ffi::Error error = CheckScales(k.dimensions(), k_scale, v_scale); error.failure()) return error;
-  return avx512::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), layer, lengths, k_new,
+  const auto scale_heads = CheckScales(k.dimensions(), k_scale, v_scale);
+  if (scale_heads.has_error()) return scale_heads.error();
+  return avx512::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), scale_heads.value(), layer,
+                                lengths, k_new,
                                 v_new, pages, out);
 }
 
@@ -237,7 +243,7 @@ ffi::Error F32DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                                   ffi::ResultBuffer<ffi::F32> out) {
-  return avx2::Attend<float>(pool, q, k, v, nullptr, nullptr, layer, lengths, k_new, v_new, pages, out);
+  return avx2::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, out);
 }
 
 ffi::Error Int8DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
@@ -245,8 +251,10 @@ ffi::Error Int8DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                    ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                                    ffi::ResultBuffer<ffi::F32> out) {
-  if (ffi::Error error = CheckScales(k.dimensions(), k_scale, v_scale); error.failure()) return error;
-  return avx2::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), layer, lengths, k_new,
+  const auto scale_heads = CheckScales(k.dimensions(), k_scale, v_scale);
+  if (scale_heads.has_error()) return scale_heads.error();
+  return avx2::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), scale_heads.value(), layer,
+                              lengths, k_new,
                               v_new, pages, out);
 }
 

@@ -10,7 +10,7 @@ struct Problem {
   const float* q;
   const T* k;            // this layer's pool: [pages, page_size, kv, hd]
   const T* v;
-  const float* k_scale;  // this layer's pool: [pages, page_size, kv] (int8 only)
+  const float* k_scale;  // this layer's pool: [pages, page_size, scale_heads] (int8 only)
   const float* v_scale;
   const int32_t* pages;  // block table [B, max_pages], every entry a page of the pool (checked)
   const int32_t* lengths;
@@ -19,6 +19,7 @@ struct Problem {
   float* out;
   int64_t batch, max_pages, page_size, kv_heads, groups, head_dim;
   float scale;
+  int64_t scale_heads;  // an int8 pool's scales per token: kv_heads (dkv) or 1 (heads_and_dkv)
 
   // Row b's cached positions, lengths[b] clamped to what its table can hold.
   int64_t Length(int64_t b) const {
@@ -57,7 +58,7 @@ struct Problem {
     for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
       const int64_t token = int64_t{table[slot]} * page_size;
       const T* keys = k + token * row + h * head_dim;
-      const float* k_scales = k_scale ? k_scale + token * kv_heads + h : nullptr;
+      const float* k_scales = k_scale ? k_scale + token * scale_heads + (scale_heads > 1 ? h : 0) : nullptr;
       for (int64_t t = first; t < std::min(first + page_size, n); ++t) {
         if (t + kAhead < n) {  // this position's keys and values are far apart in the pool: fetch both early
           const int64_t at = (int64_t{table[ahead_slot]} * page_size + ahead_offset) * row + h * head_dim;
@@ -70,7 +71,7 @@ struct Problem {
             ++ahead_slot;
           }
         }
-        const float key_scale = k_scales ? k_scales[(t - first) * kv_heads] * scale : scale;
+        const float key_scale = k_scales ? k_scales[(t - first) * scale_heads] * scale : scale;
         Score<G>(query, keys + (t - first) * row, key_scale, scores.data() + t, width);
       }
     }
@@ -86,10 +87,10 @@ struct Problem {
       for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
         const int64_t token = int64_t{table[slot]} * page_size;
         const T* values = v + token * row + h * head_dim + 16 * c;
-        const float* v_scales = v_scale ? v_scale + token * kv_heads + h : nullptr;
+        const float* v_scales = v_scale ? v_scale + token * scale_heads + (scale_heads > 1 ? h : 0) : nullptr;
         for (int64_t t = first; t < std::min(first + page_size, n); ++t) {
           const V value = Load16(values + (t - first) * row);
-          const float value_scale = v_scales ? v_scales[(t - first) * kv_heads] : 1.0f;
+          const float value_scale = v_scales ? v_scales[(t - first) * scale_heads] : 1.0f;
           for (int g = 0; g < G; ++g) acc[g] = Fma(Set1(scores[g * width + t] * value_scale), value, acc[g]);
         }
       }
@@ -123,7 +124,7 @@ struct Problem {
 
 template <typename T, typename CacheBuffer>
 ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k, CacheBuffer v, const float* k_scale,
-                  const float* v_scale, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
+                  const float* v_scale, int64_t scale_heads, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                   ffi::ResultBuffer<ffi::F32> out) {
   const auto checked = CheckLayout(q.dimensions(), k.dimensions(), v.dimensions(), layer, lengths, k_new, v_new, pages);
@@ -133,8 +134,8 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
   const Problem<T> problem{q.typed_data(),
                            k.typed_data() + s.layer * tokens * s.kv_heads * s.head_dim,
                            v.typed_data() + s.layer * tokens * s.kv_heads * s.head_dim,
-                           k_scale ? k_scale + s.layer * tokens * s.kv_heads : nullptr,
-                           v_scale ? v_scale + s.layer * tokens * s.kv_heads : nullptr,
+                           k_scale ? k_scale + s.layer * tokens * scale_heads : nullptr,
+                           v_scale ? v_scale + s.layer * tokens * scale_heads : nullptr,
                            pages.typed_data(),
                            lengths.typed_data(),
                            k_new.typed_data(),
@@ -146,7 +147,8 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                            s.kv_heads,
                            s.groups,
                            s.head_dim,
-                           1.0f / std::sqrt(static_cast<float>(s.head_dim))};
+                           1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                           scale_heads};
   int64_t positions = 0;
   for (int64_t b = 0; b < s.batch; ++b) positions += problem.Length(b) + 1;
   pathserve::ParallelFor(pool, s.batch * s.kv_heads, 2 * positions * s.kv_heads * s.groups * s.head_dim,

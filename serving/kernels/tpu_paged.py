@@ -155,7 +155,11 @@ def _layer_pages(
     with each row's new token [batch, kv_heads, head_dim] at `where`."""
     if scales is None:
         return _place(_kernel_layout(values, layer, width), where, _pad(new, width))
-    new_values, new_scales = quantize_kv(new)
+    # the kernel reads one scale per kv head: a per-token layout (heads_and_dkv) is broadcast
+    per_head = scales.shape[-2] == values.shape[-2]
+    new_values, new_scales = quantize_kv(new, per_head)
+    scales = jnp.broadcast_to(scales, (*values.shape[:-1], 1))
+    new_scales = jnp.broadcast_to(new_scales, (*new.shape[:-1], 1))
     return QuantizedTensor(
         weight=_place(_kernel_layout(values, layer, width), where, _pad(new_values, width)),
         scales=_place(_kernel_layout(scales, layer, 1), where, new_scales) * MAX_INT8,

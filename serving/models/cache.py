@@ -27,8 +27,9 @@ class KVCache(NamedTuple):
     """Keys and values. As the page pool: [layers, num_pages, page_size, kv_heads, head_dim]; as a
     prefill's output or gathered history: [layers, batch, seq, kv_heads, head_dim].
 
-    With an int8 cache, `k`/`v` hold int8 values and `k_scale`/`v_scale` [..., kv_heads, 1] one
-    float scale per token and head; for a float cache the scales are None.
+    With an int8 cache, `k`/`v` hold int8 values and `k_scale`/`v_scale` float scales, MaxText's
+    kv_quant_axis layouts: [..., kv_heads, 1] one per token and head ("dkv"), or [..., 1, 1] one
+    per token ("heads_and_dkv"); for a float cache the scales are None.
     """
 
     k: jax.Array
@@ -40,15 +41,26 @@ class KVCache(NamedTuple):
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def scale_per_head(self) -> bool:
+        """An int8 cache's scales are per token and head (dkv), not per token (heads_and_dkv)."""
+        return self.k_scale is not None and (self.k_scale.shape[-2] > 1 or self.k.shape[-2] == 1)
+
 
 def init_pool(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32, quantized: bool = False
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: jnp.dtype = jnp.float32,
+    quantized: bool = False,
+    scale_per_head: bool = True,
 ) -> KVCache:
-    """A zeroed pool of `num_pages` pages (page 0, scratch, included) of `page_size` positions."""
+    """A zeroed pool of `num_pages` pages (page 0, scratch, included) of `page_size` positions;
+    int8 with scales per token and head (`scale_per_head`, kv_quant_axis=dkv) or per token."""
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     if not quantized:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    scale_shape = (*shape[:-1], 1)
+    scale_shape = (*shape[:-2], cfg.num_kv_heads if scale_per_head else 1, 1)
     return KVCache(
         jnp.zeros(shape, jnp.int8),
         jnp.zeros(shape, jnp.int8),
@@ -57,9 +69,14 @@ def init_pool(
     )
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per token and head over head_dim: x ~= values * scale."""
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+def quantize_kv(x: jax.Array, per_head: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of x [..., kv_heads, head_dim]: x ~= values * scale, one scale per token and
+    head over head_dim (`per_head`: MaxText's kv_quant_axis=dkv, scale [..., kv_heads, 1]) or per
+    token over heads and head_dim (heads_and_dkv, scale [..., 1, 1]). pathserve's numbers, not
+    MaxText's: scale = absmax / 127 in float32, values round(x / scale) clipped to +-127 (MaxText
+    stores the absmax in bfloat16 and values round(x * 127.5 / absmax)); the layouts are MaxText's."""
+    axes = -1 if per_head else (-2, -1)
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     values = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
     return values, scale
@@ -92,11 +109,12 @@ def _scatter(cache: KVCache, index: jax.Array, values: tuple) -> KVCache:
     return KVCache(*out)
 
 
-def _stored(kv: KVCache, quantized: bool) -> tuple:
-    """Float KV as the cache holds it: (k, v, None, None), or int8 values with their scales."""
-    if not quantized:
+def _stored(kv: KVCache, cache: KVCache) -> tuple:
+    """Float KV as `cache` holds it: (k, v, None, None), or int8 values with scales in its layout."""
+    if not cache.quantized:
         return (kv.k, kv.v, None, None)
-    (kq, ks), (vq, vs) = quantize_kv(kv.k), quantize_kv(kv.v)
+    per_head = cache.scale_per_head
+    (kq, ks), (vq, vs) = quantize_kv(kv.k, per_head), quantize_kv(kv.v, per_head)
     return (kq, vq, ks, vs)
 
 
@@ -106,7 +124,7 @@ def store_chunks(cache: KVCache, chunk: KVCache, pages: jax.Array, starts: jax.A
     table is all scratch)."""
     seq = chunk.k.shape[2]
     index = token_index(pages, starts[:, None] + jnp.arange(seq)[None, :], cache.k.shape[2])  # [batch, seq]
-    return _scatter(cache, index, _stored(chunk, cache.quantized))
+    return _scatter(cache, index, _stored(chunk, cache))
 
 
 def store_prefix(cache: KVCache, prefix: KVCache, pages: jax.Array) -> KVCache:

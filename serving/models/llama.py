@@ -178,6 +178,7 @@ def prefill(
     history: KVCache | None = None,
     quantized_kv: bool = False,
     lora: LoraBatch | None = None,
+    kv_scale_per_head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """Run a padded prompt, or a chunk of one, for every row (row b with the LoRA adapter of slot
     lora.rows[b], serving.models.lora; without `lora`, the base model).
@@ -187,8 +188,8 @@ def prefill(
     starts[b] + 0..seq-1 and also attend to `history`, the row's cached KV
     [layers, batch, window, kv_heads, head_dim] (float, or int8 with scales), of which positions
     [0, starts[b]) count. `quantized_kv`: attend to the chunk's keys and values as an int8 cache
-    will hold them (so that a prompt reads the same numbers whether prefilled whole, in chunks or
-    from cached blocks).
+    will hold them, its scales per token and head or (not `kv_scale_per_head`) per token (so that a
+    prompt reads the same numbers whether prefilled whole, in chunks or from cached pages).
 
     Returns logits [batch, seq, vocab] (rows past a sequence's true length are meaningless) and the
     chunk's float KV [layers, batch, seq, kv_heads, head_dim].
@@ -211,7 +212,7 @@ def prefill(
         q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin, adapters)
         keys, values = k, v
         if quantized_kv:
-            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            (kq, ks), (vq, vs) = quantize_kv(k, kv_scale_per_head), quantize_kv(v, kv_scale_per_head)
             keys, values = kq.astype(k.dtype) * ks.astype(k.dtype), vq.astype(v.dtype) * vs.astype(v.dtype)
         if history is not None:
             old_k, old_v = read_history(history, index, k.dtype)
@@ -261,7 +262,8 @@ def decode_step(
         q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin, adapters)
         k, v = k[:, 0], v[:, 0]  # [batch, kv_heads, head_dim]
         if cache.quantized:  # attend to the token as the cache will hold it
-            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            per_head = cache.scale_per_head
+            (kq, ks), (vq, vs) = quantize_kv(k, per_head), quantize_kv(v, per_head)
             stored = KVCache(kq, vq, ks, vs)
             k, v = kq.astype(dtype) * ks.astype(dtype), vq.astype(dtype) * vs.astype(dtype)
         else:

@@ -231,3 +231,20 @@ def test_attention_paged_sizes_the_pool_with_maxtexts_keys():
         ServingConfig(attention="paged", pagedattn_tokens_per_page=16, prefix_block_size=64, max_target_length=256, max_prefill_predict_length=64)
     with pytest.raises(ValueError, match="both size the pool"):
         ServingConfig(attention="paged", kv_cache_bytes_per_chip=1 << 20, max_target_length=256, max_prefill_predict_length=64)
+
+
+def test_kv_quant_axis_is_maxtexts_scale_layout_in_the_placement():
+    from serving.engine.partitioning import Numerics, describe, placement
+
+    cfg = load_model_config("llama3.1-405b")
+    axes = {"fsdp": 1, "autoregressive": 2, "tensor": 8}
+    per_head = placement(cfg, Numerics("bfloat16", "bfloat16", "int8", True), axes, num_pages=160, page_size=64)
+    per_token = placement(
+        cfg, Numerics("bfloat16", "bfloat16", "int8", True, kv_quant_axis="heads_and_dkv"), axes, num_pages=160, page_size=64
+    )
+    assert per_head.cache[("k_scale",)].shape == (126, 160, 64, 8, 1)
+    assert describe(per_head.cache[("k_scale",)].spec) == "[-, -, -, tensor, -]"
+    assert per_token.cache[("k_scale",)].shape == (126, 160, 64, 1, 1)
+    assert describe(per_token.cache[("k_scale",)].spec) == "[-, -, -, -, -]"  # every chip of the token's pages
+    with pytest.raises(ValueError, match="quantize_kvcache=true needs kv_quant_axis"):
+        ServingConfig(quantize_kvcache=True, kv_quant_axis="")
