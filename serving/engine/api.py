@@ -10,6 +10,11 @@ pool that each slot's block table names (`set_pages`: the scheduler decides them
 slice holds the same tables; a prefix shared by two sequences is one set of pages in both tables),
 and runs `generate` over the first `num_slots` slots only.
 
+An engine is built whole: what it runs with comes through its constructor (a draft model for
+speculative decoding, the verify shapes its warmup compiles), and what it starts itself (the
+background warmup) it answers for; nothing is attached to it afterwards. LoRA adapters live in the
+params (a stack of device slots): `write_adapter` writes one slot, as a plan's `AdapterLoad` asks.
+
 Two engines implement it: `serving.engine.engine.Engine` (the model on a device mesh) and
 `serving.engine.mock.MockEngine` (outputs computable by hand, for tests of everything above it).
 Plain Python, no JAX: the types an engine uses for its prefixes and states are its own.
@@ -23,6 +28,7 @@ from typing import NamedTuple, Protocol, TypeVar
 from numpy.typing import ArrayLike
 
 from serving.engine.limits import Limits
+from serving.lora.peft import LoraWeights
 from serving.request import SamplingParams, TokenLogprob
 
 PrefixT = TypeVar("PrefixT")
@@ -67,6 +73,37 @@ class PrefillRow(NamedTuple):
     generated: int = 0
 
 
+class Proposer(Protocol):
+    """Speculative decoding's draft model (serving.engine.draft.DraftModel)."""
+
+    def propose(self, rows: Sequence[PrefillRow]) -> ArrayLike:
+        """int32 [slots, k]: the draft's k tokens after each final row's sequence, having prefilled
+        every row's chunk into its own cache (zeros for slots without a final row)."""
+        ...
+
+
+class BackgroundCompiles(Protocol):
+    """Compiles an engine runs on a thread of its own after its warmup
+    (serving.engine.warmup.BackgroundWarmup), told by every device loop when it may start one."""
+
+    @property
+    def pending(self) -> int:
+        """Shapes left to compile (0 once done or stopped)."""
+        ...
+
+    def idle(self) -> None:
+        """The device loop has nothing to run: the next shape may start."""
+        ...
+
+    def busy(self) -> None:
+        """The device loop runs requests: no new shape starts."""
+        ...
+
+    def stop(self) -> None:
+        """Stop after the shape compiling now, and wait for it."""
+        ...
+
+
 class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
     """prefill -> insert -> generate ... -> (done or free_resource), per slot."""
 
@@ -78,6 +115,18 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
     @property
     def decode_steps_per_call(self) -> int:
         """How many tokens each active slot advances in one `generate` call."""
+        ...
+
+    @property
+    def draft(self) -> Proposer | None:
+        """The draft model that proposes for a plan's `draft_rows` (speculative_method=draft), given
+        to the engine when it is built; None: the engine has none."""
+        ...
+
+    @property
+    def background_warmup(self) -> BackgroundCompiles | None:
+        """The compiles the engine's warmup left running in the background; None before a warmup,
+        with enable_background_warmup off, or for an engine that has none (the mock)."""
         ...
 
     def init_decode_state(self) -> StateT:
@@ -171,6 +220,13 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         rejection rule, so the output distribution is the target's) and one token of its own after
         it. Results have k + 1 steps, `valid` marking the 1..k + 1 tokens each slot emitted; a stop
         id, max_tokens or max_target_length ends a slot there as in `generate`."""
+        ...
+
+    def write_adapter(self, params: ParamsT, slot: int, weights: LoraWeights) -> ParamsT:
+        """The params to call with from now on: LoRA adapter `weights` in device slot `slot`
+        (1..max_loras; slot 0 is the base model's zeros), the adapter arrays of the same shapes and
+        placement (nothing recompiles). Every later call applies it to the rows whose sampling
+        names that slot."""
         ...
 
     def free_resource(self, decode_state: StateT, slot: int) -> StateT:

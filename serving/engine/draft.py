@@ -86,15 +86,16 @@ class DraftModel:
         return proposals
 
 
-def load_draft(target: Engine, cfg) -> DraftModel:
+def load_draft(cfg, target: EngineConfig, mesh, target_tokenizer: Tokenizer) -> DraftModel:
     """The draft of `cfg.speculative_model` (any checkpoint pathserve loads, read with the serving
-    keys of `cfg`: quantization, dtype) beside `target`, on its mesh; ValueError naming a tokenizer
+    keys of `cfg`: quantization, dtype) for a target engine of config `target` on `mesh`, built
+    before the target, which takes it (`Engine(..., draft=)`); ValueError naming a tokenizer
     mismatch. `cfg`: the ServingConfig."""
     from serving.checkpoints.model_source import load_model
 
     k = cfg.speculative.num_speculative_tokens
     model = load_model(cfg.speculative_model, cfg)
-    engine = Engine(model, DraftModel.engine_config(target.config, k), target.mesh)
+    engine = Engine(model, DraftModel.engine_config(target, k), mesh)
     params = engine.load_params()
     engine.release_loaded_params()
-    return DraftModel(engine, params, target.model.tokenizer, k)
+    return DraftModel(engine, params, target_tokenizer, k)

@@ -13,6 +13,7 @@
   call: log_softmax of the logits after the mask, the logit processing and temperature, before
   min-p / top-k / top-p.
 - `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
+- `write_adapter(params, slot, weights)` writes a LoRA adapter into its device slot (serving.lora.stack).
 - `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
 
 Every sampling call (both prefills, generate, verify) first processes each row's logits: bad words,
@@ -37,7 +38,7 @@ from jax.sharding import Mesh
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
 from serving.engine import penalties
-from serving.engine.api import PrefillOutputs, ResultTokens
+from serving.engine.api import PrefillOutputs, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
@@ -65,6 +66,7 @@ from serving.engine.state import (
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.lora import stack as lora_stack
+from serving.lora.peft import LoraWeights
 from serving.models import decode_step, init_pool, prefill, store_prefix
 from serving.models.cache import SCRATCH_PAGE, dedicated_pages
 from serving.models.llama import unstack_layers
@@ -95,12 +97,24 @@ class Engine(ChunkedPrefill, Speculative):
     prefilled in chunks straight into their slots, and prefix blocks; from Speculative, `verify`:
     speculative decoding's proposals scored and accepted in one call)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, mesh: Mesh | None = None):
-        """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone."""
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        mesh: Mesh | None = None,
+        *,
+        draft: Proposer | None = None,
+        verify_warmup: tuple[int, int] | None = None,
+    ):
+        """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
+        `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
+        mesh. `verify_warmup`: (k, the most decoding slots that speculate), the verify shapes the
+        warmup compiles (None: the server does not speculate)."""
         from serving.runtime import make_mesh
 
         self.model = model
         self.config = config
+        self.draft = draft
         self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig(), jax.devices()[:1])
         self.ops = backend.select(
             config.cpu_kernels,
@@ -153,7 +167,7 @@ class Engine(ChunkedPrefill, Speculative):
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
         self._init_chunked(static)
-        self._init_speculative(static)
+        self._init_speculative(static, verify_warmup)
 
     def _pool_pages(self, model: LoadedModel, config: EngineConfig) -> int:
         """The KV pool's pages (serving.engine.memory.kv_pool_pages)."""
@@ -308,12 +322,19 @@ class Engine(ChunkedPrefill, Speculative):
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._free_fn(decode_state, jnp.int32(slot))
 
+    def write_adapter(self, params: dict, slot: int, weights: LoraWeights) -> dict:
+        """`params` itself, its adapter stack replaced by one holding `weights` in `slot` (so that
+        whoever else holds the dict, the orchestrator or a test, sees the adapters served)."""
+        lora_stack.write_slot(params, slot, weights)
+        return params
+
     def warmup(self, params: dict) -> float:
         """Compile every shape serving runs (serving.engine.warmup; a prefix hit's partial chunks on
         `background_warmup`, after it returns); returns the seconds spent in the foreground."""
         from serving.engine.warmup import warmup
 
-        return warmup(self, params)
+        seconds, self.background_warmup = warmup(self, params)
+        return seconds
 
     # -- compiled bodies -----------------------------------------------------------------------
 

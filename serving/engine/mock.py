@@ -24,6 +24,10 @@ scratch page (a position the scheduler gave no page), a call of more rows or pad
 limits allow, rows that mix first chunks with later ones, a generate call whose `num_slots` is no
 bucket or leaves out an active slot. `calls` records every
 call for tests to read.
+
+LoRA adapters change no token: `write_adapter` records the slot and the adapter's rank, and
+`params["lora"]` (slot -> weights) says which adapter each slot holds. Like the real engine it is
+built whole: a test's draft model or background warmup comes through the constructor.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import PrefillOutputs, PrefillRow, ResultTokens
+from serving.engine.api import BackgroundCompiles, PrefillOutputs, PrefillRow, Proposer, ResultTokens
 from serving.engine.limits import Limits, finishes_at_first_token
+from serving.lora.peft import LoraWeights
 from serving.models.paging import dedicated_pages
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
@@ -131,6 +136,8 @@ class MockEngine:
         decode_buckets: tuple[int, ...] = (),
         block_bytes: int = 1000,
         num_pages: int = 0,
+        draft: Proposer | None = None,
+        background_warmup: BackgroundCompiles | None = None,
     ):
         self.limits = Limits(
             slots,
@@ -147,6 +154,8 @@ class MockEngine:
         self.vocab_size = vocab_size
         self.decode_steps_per_call = decode_steps_per_call
         self.step_seconds = step_seconds
+        self.draft = draft
+        self.background_warmup = background_warmup
         self.calls: list[tuple] = []
 
     @property
@@ -394,6 +403,13 @@ class MockEngine:
                     break  # the first wrong proposal: the rule's token stands in for it
         result = ResultTokens(tokens, valid, done)
         return state, result
+
+    def write_adapter(self, params: dict, slot: int, weights: LoraWeights) -> dict:
+        if slot < 1:
+            raise AssertionError(f"an adapter written into slot {slot} (slot 0 is the base model's)")
+        self.calls.append(("write_adapter", slot, weights.rank))
+        params.setdefault("lora", {})[slot] = weights
+        return params
 
     def free_resource(self, decode_state: MockState, slot: int) -> MockState:
         self._check(decode_state, slot)

@@ -106,10 +106,10 @@ def verify_tokens(
 class Speculative:
     """verify (see the module docstring)."""
 
-    def _init_speculative(self, static: dict) -> None:
+    def _init_speculative(self, static: dict, verify_warmup: tuple[int, int] | None) -> None:
         # (k, the most decoding slots that speculate): the verify shapes the warmup compiles
-        # (None: the server does not speculate); set by whoever turns speculation on.
-        self.verify_warmup: tuple[int, int] | None = None
+        # (None: the server does not speculate); the engine's constructor takes it.
+        self.verify_warmup = verify_warmup
         self._verify_fn = jax.jit(
             partial(self._verify_impl, static=static),
             donate_argnums=(1,),

@@ -26,7 +26,7 @@ def _adapters(max_loras: int) -> AdapterRegistry:
     def read(path):
         return LoraWeights(1, {"wq": (np.zeros((1, 2, 1)), np.zeros((1, 1, 2)))}, 1.0)
 
-    adapters = AdapterRegistry(read, lambda slot, weights, path: None, max_loras, 4)
+    adapters = AdapterRegistry(read, max_loras, 4)
     for name in ("sql", "chat", "legal"):
         adapters.load(name, f"/adapters/{name}")
     return adapters

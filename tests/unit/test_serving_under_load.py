@@ -133,8 +133,8 @@ class _Warmup:
 
 
 def test_the_background_warmup_is_a_gauge_compiles_only_while_idle_and_stops_with_the_loop():
-    engine = MockEngine(slots=4, max_prefill_length=64, max_target_length=512, prefix_block=16)
-    engine.background_warmup = warmup = _Warmup()
+    warmup = _Warmup()
+    engine = MockEngine(slots=4, max_prefill_length=64, max_target_length=512, prefix_block=16, background_warmup=warmup)
     orch = Orchestrator(engine, {}, TOKENIZER, OrchestratorConfig(max_queued_requests=8))
     assert "pathserve_warmup_shapes_pending 3.0" in render(registry(lambda: (orch.metrics, {}, {})))  # before start
     orch.start()
