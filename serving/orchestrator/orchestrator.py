@@ -437,12 +437,15 @@ class Orchestrator:
         prompt_logprobs: tuple[TokenLogprob | None, ...] | None,
     ) -> None:
         """A prefill's token onto its stream at once (before the turn's generate call); with
-        max_tokens 0 (scoring the prompt) only the prompt's logprobs."""
+        max_tokens 0 (scoring the prompt) only the prompt's logprobs. A preempted sequence's
+        prefill gives its next token, not its first: the time to first token is observed once."""
+        first = request.last_token is None
         if prompt_logprobs is not None:
             request.tokens.put(PromptLogprobs(prompt_logprobs))
         if request.sampling.max_tokens > 0:
             self._put(request, token, logprob)
-        self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
+        if first:
+            self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
 
     def _deliver(self, outcome: StepOutcome, slots: dict[int, Request]) -> None:
         """Each step's tokens of the generate call onto their requests' streams."""

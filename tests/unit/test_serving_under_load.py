@@ -170,6 +170,8 @@ def test_a_pool_too_small_for_its_sequences_preempts_and_every_stream_keeps_its_
     small = orchs["on"]
     assert results["on"] == results["off"] == [small.engine.expected(p, s) for p, s in _mixed_requests()]
     assert small.metrics.preemptions > 0 and orchs["off"].metrics.preemptions == 0
+    # a preempted sequence's prefill gives its next token: the first token's time is observed once
+    assert small.metrics.time_to_first_token.count == len(_mixed_requests())
 
 
 def test_a_request_cancelled_while_its_prompt_is_prefilling_frees_its_slot():
@@ -190,3 +192,21 @@ def test_a_request_cancelled_while_its_prompt_is_prefilling_frees_its_slot():
     calls = orch.engine.calls
     assert ("free_resource", 1) in calls
     assert sum(rows[0][0] == 1 and rows[0][1] > 0 for rows in _rows(orch.engine)) < 29  # it stopped part-way
+
+
+def test_a_running_sequence_preempted_mid_stream_neither_repeats_nor_loses_a_token():
+    """Two long generations in a pool that holds one: the newer, already streaming, gives up its
+    pages and later prefills its prompt and its streamed tokens again; its stream goes on with the
+    next token, and its first token's time is observed once."""
+    orch = _orchestrator(slots=2, max_prefill_length=16, max_target_length=64, prefix_block=4, num_pages=17).start()
+    try:
+        requests = [([5 + i] * 8, SamplingParams(max_tokens=50)) for i in range(2)]
+        handles = [orch.submit(p, s) for p, s in requests]
+        streams = [[delta.token_ids for delta in h.stream()] for h in handles]
+    finally:
+        orch.stop(timeout=10)
+    for stream, (prompt, sampling) in zip(streams, requests, strict=True):
+        assert [t for delta in stream for t in delta] == orch.engine.expected(prompt, sampling)
+    resumed = [c for c in orch.engine.calls if c[0] == "prefill_slots" and any(r[1] > 8 for r in c[1])]
+    assert orch.metrics.preemptions > 0 and resumed  # a prefill past the 8-token prompt: a resumed one
+    assert orch.metrics.time_to_first_token.count == 2
