@@ -214,9 +214,11 @@ SEED_FLAGS = SEED_TEXT.split()
 
 
 def test_the_seeds_flags_without_the_recipe_file_are_refused_with_the_numbers_and_what_fits(tmp_path):
-    """Without the recipe's rules (base.yml's: cache_heads over (autoregressive, tensor), slots
-    whole), 160 slots need 10.9 GB of KV cache per chip (8 kv heads split 8 ways, each held twice) on
-    top of 25.9 GB of weights: over the v6e's bytes_limit. The recipe file is what makes them fit."""
+    """Without the recipe's rules (base.yml's: cache_heads over (autoregressive, tensor), pages
+    whole), 160 slots' pages need 10.9 GB of KV cache per chip (8 kv heads split 8 ways, each held
+    twice) on top of 25.9 GB of weights: over the v6e's bytes_limit. The recipe file is what makes
+    them fit; a smaller pool (kv_cache_bytes_per_chip) is the other way out, and the refusal says
+    how small."""
     data = yaml.safe_load(V6E_405B.read_text())
     data["serving"] = {k: v for k, v in data["serving"].items() if k != "base_config"}
     variant = tmp_path / "no-recipe.yml"
@@ -224,9 +226,10 @@ def test_the_seeds_flags_without_the_recipe_file_are_refused_with_the_numbers_an
     result = call_cli("deploy", "plan", str(variant), *SEED_FLAGS, "dtype=bfloat16")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     for text in (
-        "params 25.91 GB + KV cache 10.90 GB + temporaries",
+        "params 25.91 GB + KV cache 10.93 GB + temporaries",  # 5136 pages of 64: 160 x 2048 and one
         "exceed its bytes_limit of 33.55 GB",
         "slots of 2048 tokens would fit (per_device_batch_size <= ",
+        "or a KV pool of kv_cache_bytes_per_chip <= ",
         "8 cache_heads do not divide over autoregressive x tensor = 16: split over tensor, replicated 2x",
         "per_device_batch_size",
         "max_target_length",
