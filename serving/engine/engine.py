@@ -466,7 +466,9 @@ class Engine(ChunkedPrefill, Speculative):
             )
 
         def step(state: DecodeState, _):
-            positions = jnp.minimum(state.positions, max_len - 1)
+            # An inactive row (free, prefilling, finished) attends to nothing and writes into the
+            # scratch page: at position 0, its attention reads no cached position at all.
+            positions = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
             logits, cache = decode_step(
                 params, state.tokens, positions, state.cache, **static, window=window,
                 lora=lora_stack.lora_batch(params, state.sampling.lora_slot),

@@ -164,7 +164,8 @@ class Speculative:
         k = proposals.shape[1]
         state = jax.tree.map(lambda x: x[:num_slots], full._replace(cache=None, history=None))
         proposals, num_proposed = proposals[:num_slots], num_proposed[:num_slots]
-        starts = jnp.minimum(state.positions, max_len - 1)
+        # an inactive row starts at 0: it attends to no cached position (its writes go to scratch)
+        starts = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
         fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
         # rows [0, num_slots), positions [0, window), through their block tables
         history = gather_history(full.cache, state.pages, window)

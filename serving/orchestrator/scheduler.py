@@ -21,7 +21,8 @@ c. every running sequence takes the pages its next decode call writes, oldest fi
    is preempted: its pages are freed and it prefills again from the start, its prompt now the
    prompt and the tokens it already streamed, and its final chunk samples its next token (so its
    stream neither repeats nor loses one). A sequence that would preempt only itself waits;
-d. one `prefill_slots` call: the next chunk of each prefilling slot whose pages are free, oldest
+d. one `prefill_slots` call: the next chunk of each prefilling slot whose pages are free (leaving a
+   page free for each running sequence's growth), oldest
    admission first, while the rows fit `max_prefill_batch` and rows x bucket of the longest chunk
    fits `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen
    before ones that would widen it); rows start all at 0 or all after it, as the first row does. A
@@ -137,8 +138,13 @@ class Scheduler:
 
     def room(self, cancelled: Collection[int] = ()) -> int:
         """How many slots the next `schedule` can fill, once `cancelled` are freed (a waiting
-        request takes `num_slots` of them)."""
-        return len(self._free) + len(self._cancelled_slots(cancelled))
+        request takes `num_slots` of them): none while the pool has no page beyond the running
+        sequences' next growth (a request admitted then would hold a slot without a page, and the
+        slots that decode would spread over larger decode buckets), unless nothing runs."""
+        cancelled_slots = self._cancelled_slots(cancelled)
+        if self.running and not cancelled_slots and self.pool.num_free <= self._headroom():
+            return 0
+        return len(self._free) + len(cancelled_slots)
 
     def schedule(
         self,
@@ -216,13 +222,15 @@ class Scheduler:
     def _pages_for(self, positions: int) -> int:
         return -(-min(positions, self.limits.max_target_length) // self.page_size)
 
-    def _grow(self, slot: int, positions: int) -> bool:
+    def _grow(self, slot: int, positions: int, keep: int = 0) -> bool:
         """Give `slot` the pages that hold its positions [0, positions); False (taking none) when
-        too few are free."""
+        fewer than those and `keep` more are free."""
         table = self.tables.setdefault(slot, [])
         more = self._pages_for(positions) - len(table)
         if more <= 0:
             return True
+        if self.pool.num_free - more < keep:
+            return False
         pages = self.pool.take(more)
         if pages is None:
             return False
@@ -252,6 +260,10 @@ class Scheduler:
                     self._preempt(slot, preempted)  # it cannot run this turn; it starts over later
                     break
                 self._preempt(victim, preempted)
+
+    def _headroom(self) -> int:
+        """Pages the running sequences may take at their next calls: one each that can still grow."""
+        return sum(1 for slot in self.running if len(self.tables.get(slot, ())) < self.limits.max_pages)
 
     def _victim(self, exclude: int) -> int | None:
         """The newest sequence holding pages that may be preempted (not a whole admission)."""
@@ -367,13 +379,16 @@ class Scheduler:
         limits = self.limits
         candidates: list[tuple[int, _Prefilling, tuple[int, ...]]] = []  # oldest first
         fresh = None
+        # A page for each running sequence's next call stays free: prompts do not take the pages
+        # the running ones are about to grow into (which would preempt them, or the prompt itself).
+        headroom = self._headroom()
         for slot, entry in self.prefilling.items():
             if entry.waits:
                 continue
             chunk = entry.prompt_ids[entry.computed : entry.computed + limits.prefill_chunk_size]
             end = entry.computed + len(chunk)
             final = end == len(entry.prompt_ids)
-            if not self._grow(slot, end + (self._ahead if final else 0)):
+            if not self._grow(slot, end + (self._ahead if final else 0), keep=headroom):
                 continue  # its pages are not free: it waits (a running sequence frees them)
             if fresh is None:
                 fresh = entry.computed == 0
