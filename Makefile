@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ manifests: install
 
 # Benchmarks (not tests): ratios against peers measured in the same run, JSON and PNG in results/.
 bench: bench-engine bench-serve
+
+# The paged KV cache against the last contiguous-cache commit, same run, alternating rounds: mixed
+# lengths at equal KV bytes, one request, 32 short ones, a shared 2k-token system prompt's second
+# TTFT (results/paged-bench.{json,png}). PAGED_ARGS narrows it, e.g. PAGED_ARGS="--scenarios mixed".
+PAGED_ARGS ?=
+bench-paged: install
+	$(BIN)/python -m loadtest.paged_bench $(PAGED_ARGS)
 
 # Offline decode throughput against transformers, with a roofline (results/engine-bench.{json,png}).
 bench-engine: install

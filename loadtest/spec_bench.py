@@ -20,11 +20,12 @@ import jax
 import numpy as np
 
 from serving.checkpoints.model_source import default_model_path, load_model
-from serving.config import config_dir, load_config
+from serving.config import DevicesConfig, config_dir, load_config
 from serving.engine.engine import Engine
 from serving.orchestrator.offline import run_to_completion
 from serving.orchestrator.proposers import Speculator
 from serving.request import SamplingParams
+from serving.runtime import make_mesh
 
 PARAGRAPH = (
     "The lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
@@ -93,13 +94,13 @@ def main(argv: list[str] | None = None) -> dict:
     ns = parser.parse_args(argv)
     cfg = load_config(config_dir() / "serving" / "default.yml", ["enable_model_warmup=false", *ns.overrides])
     model = load_model(str(default_model_path()), cfg)
-    engine = Engine(model, cfg.engine)
-    params = engine.load_params()
     spec_cfg = cfg.speculative
     if spec_cfg.speculative_method == "none":
         import dataclasses
 
         spec_cfg = dataclasses.replace(spec_cfg, speculative_method=ns.method)
+    mesh = make_mesh(DevicesConfig(), jax.devices()[:1])  # the engine's default: the first device alone
+    draft = None
     if spec_cfg.speculative_method == "draft":
         from serving.engine.draft import load_draft
 
@@ -107,10 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
             "speculative_model": str(default_model_path()), "quantization": ns.draft_quantization,
             "speculative_method": "draft", "num_speculative_tokens": spec_cfg.num_speculative_tokens,
         })
-        engine.draft = load_draft(engine, draft_cfg)
+        draft = load_draft(draft_cfg, cfg.engine, mesh, model.tokenizer)
+    engine = Engine(model, cfg.engine, mesh, draft=draft)
+    params = engine.load_params()
     report: dict = {"config": spec_cfg.__dict__, "target": engine.summary(), "workloads": {}}
-    if spec_cfg.speculative_method == "draft":
-        report["draft"] = engine.draft.engine.summary()
+    if draft is not None:
+        report["draft"] = draft.engine.summary()
 
     def speculator() -> Speculator:
         return Speculator(spec_cfg, chunk=engine.limits.prefill_chunk_size)

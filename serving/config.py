@@ -68,6 +68,10 @@ class ServingConfig(BaseModel):
     # weight-only int8 (every matmul weight and the embedding int8, activations float).
     quantization: Literal["", "int8", "int8w"] = ""
     quantize_kvcache: bool = False
+    # MaxText's int8 KV scale layouts (serving.models.cache.quantize_kv): "dkv" one scale per token
+    # and kv head, "heads_and_dkv" one per token ("" only without quantize_kvcache). MaxText's
+    # default is heads_and_dkv; pathserve's, dkv (measured closer to the float cache).
+    kv_quant_axis: Literal["", "dkv", "heads_and_dkv"] = "dkv"
     checkpoint_is_quantized: bool = False
     # MaxText's tokenizer file, for checkpoints that carry none (MaxText's own): a tokenizer.json,
     # a Llama 3 tiktoken file, or MaxText's asset name (assets/tokenizer_llama3.tiktoken: the
@@ -98,11 +102,25 @@ class ServingConfig(BaseModel):
     # length bucket, at most prefill_batch_tokens padded tokens in all (0: max_prefill_predict_length).
     max_prefill_batch: int = Field(default=8, ge=1)
     prefill_batch_tokens: int = Field(default=0, ge=0)
-    # Prefix cache: KV of prompt prefixes in blocks of prefix_block_size tokens, keyed by their token
-    # ids, kept up to prefix_cache_bytes (least recently used evicted) and reused by later prompts.
+    # Prefix cache: the KV cache's full pages of prompt (prefix_block_size tokens each) are keyed by
+    # their token ids and shared by later prompts that begin with them; freed ones stay until the
+    # pool needs them (least recently used first). The pool is the cache: no budget of its own.
     prefix_cache: Literal["on", "off"] = "on"
-    prefix_cache_bytes: int = Field(default=256 << 20, ge=0)
     prefix_block_size: int = Field(default=64, ge=1)
+    # The KV cache is a pool of pages of prefix_block_size positions that sequences take as they
+    # grow (serving.orchestrator.pages): its bytes per chip (0: enough for every decode slot to
+    # reach max_target_length at once). per_device_batch_size stays the most sequences decoding.
+    kv_cache_bytes_per_chip: int = Field(default=0, ge=0)
+    # MaxText's paged attention keys, read (as MaxText reads them) only with attention=paged: the
+    # pool's pages (page 0, scratch, included; per layer in MaxText, one index for every layer
+    # here), positions per page (then the prefix cache's block too), pages per compute block of
+    # the TPU kernel, and the most pages of one sequence (-1: max_target_length's). Without
+    # attention=paged the cache is paged all the same, sized by kv_cache_bytes_per_chip.
+    attention: str = "autoselected"
+    pagedattn_num_pages: int = Field(default=64, ge=0)
+    pagedattn_tokens_per_page: int = Field(default=32, ge=1)
+    pagedattn_pages_per_compute_block: int = Field(default=4, ge=1)
+    pagedattn_max_pages_per_group: int = -1
     max_queued_requests: int = Field(default=256, ge=1)
     # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to
     # num_speculative_tokens) and keeps the ones the target would have produced, in one forward
@@ -201,6 +219,10 @@ class ServingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
+        if self.quantize_kvcache and not self.kv_quant_axis:
+            raise ValueError("quantize_kvcache=true needs kv_quant_axis: dkv or heads_and_dkv (MaxText's rule)")
+        if self.attention == "paged":
+            self._paged_attention_keys()
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(
                 f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
@@ -247,6 +269,30 @@ class ServingConfig(BaseModel):
             )
         return self
 
+    def _paged_attention_keys(self) -> None:
+        """attention=paged: MaxText's pagedattn_* keys size the page pool (checked as MaxText's
+        PageManager checks them); the page is the prefix cache's block."""
+        page = self.pagedattn_tokens_per_page
+        if "prefix_block_size" in self.model_fields_set and self.prefix_block_size != page:
+            raise ValueError(
+                f"prefix_block_size ({self.prefix_block_size}) and pagedattn_tokens_per_page ({page}) differ: "
+                "with attention=paged the page is the prefix cache's block"
+            )
+        if self.kv_cache_bytes_per_chip:
+            raise ValueError("kv_cache_bytes_per_chip and attention=paged's pagedattn_num_pages both size the pool: give one")
+        per_sequence = -(-self.max_target_length // page)
+        if 0 < self.pagedattn_max_pages_per_group < per_sequence:
+            raise ValueError(
+                f"pagedattn_max_pages_per_group ({self.pagedattn_max_pages_per_group}) is below the "
+                f"{per_sequence} pages of max_target_length={self.max_target_length}"
+            )
+        if self.pagedattn_num_pages < per_sequence + 1:
+            raise ValueError(
+                f"pagedattn_num_pages ({self.pagedattn_num_pages}) cannot hold one sequence of max_target_length="
+                f"{self.max_target_length} ({per_sequence} pages of {page}) and the reserved page 0"
+            )
+        object.__setattr__(self, "prefix_block_size", page)
+
     def parallelism(self, devices: int) -> tuple[int, int, int]:
         """(fsdp, autoregressive, tensor) over `devices`, the -1 axis (if any) taking what is left."""
         return resolve_parallelism(
@@ -278,6 +324,7 @@ class EngineConfig:
     weight_dtype: str = _default("weight_dtype")
     quantization: str = _default("quantization")
     quantize_kvcache: bool = _default("quantize_kvcache")
+    kv_quant_axis: str = _default("kv_quant_axis")
     cpu_kernels: str = _default("cpu_kernels")
     enable_background_warmup: bool = _default("enable_background_warmup")
     decode_steps_per_call: int = _default("decode_steps_per_call")
@@ -285,6 +332,10 @@ class EngineConfig:
     max_prefill_batch: int = _default("max_prefill_batch")
     prefill_batch_tokens: int = _default("prefill_batch_tokens")
     prefix_block_size: int = _default("prefix_block_size")
+    kv_cache_bytes_per_chip: int = _default("kv_cache_bytes_per_chip")
+    attention: str = _default("attention")
+    pagedattn_num_pages: int = _default("pagedattn_num_pages")
+    pagedattn_pages_per_compute_block: int = _default("pagedattn_pages_per_compute_block")
     decode_slot_buckets: tuple[int, ...] = _default("decode_slot_buckets")
     # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
     logical_axis_rules: tuple = _default("logical_axis_rules")
@@ -344,7 +395,6 @@ class OrchestratorConfig:
 
     max_queued_requests: int = _default("max_queued_requests")
     prefix_cache: str = _default("prefix_cache")
-    prefix_cache_bytes: int = _default("prefix_cache_bytes")
     profiler_steps: int = _default("profiler_steps")  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = _default("profile_dir")
     profiler_port: int = _default("profiler_port")  # jax.profiler.start_server when set

@@ -7,6 +7,7 @@ The one start-up path for everything that serves requests (the HTTP server, the 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -42,10 +43,15 @@ class Launched:
         from serving.engine.partitioning import describe
 
         what = self.engine.summary()
-        cache = describe(self.engine.placement.cache[("k",)].spec)
+        leaf = self.engine.placement.cache[("k",)]
+        cache = describe(leaf.spec)
+        limits, axes = self.engine.limits, self.engine.placement.axes
+        per_chip = limits.num_pages // max(1, math.prod(axes[a] for a in leaf.spec[1]))
         return (
             f"{self.model.config.name} from {self.model.source} ({self.model.format}), "
             f"{self.engine.max_concurrent_decodes} slots, "
+            f"kv cache {limits.num_pages} pages of {limits.page_size} ({per_chip} pages, "
+            f"{per_chip * limits.page_size} tokens per chip), "
             f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
             f"{self.engine.placement.axes}, {what['backend']} backend; "
             f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s; from: {self.plan.origins_line()}"
@@ -67,19 +73,16 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
         if not is_leader():
             raise RuntimeError("launch() runs on process 0; the other processes run follow_plans()")
 
-        def make_executor(engine, params):
+        def make_executor(engine, params, adapter_weights):
             nonlocal lockstep
-            lockstep = LockstepExecutor(Executor(engine, params), PlanChannel())
+            lockstep = LockstepExecutor(Executor(engine, params, adapter_weights), PlanChannel())
             return lockstep
 
     adapters = None
     if cfg.lora.enabled:
         from serving.lora.serving import make_registry
 
-        def write_everywhere(slot, weights, path):  # on the device thread, once the executor exists
-            lockstep.write_adapter(slot, weights, path)
-
-        adapters = make_registry(cfg.lora, model.config, params, write_everywhere if is_multiprocess() else None)
+        adapters = make_registry(cfg.lora, model.config)
     orchestrator = Orchestrator(
         engine, params, model.tokenizer, cfg.orchestrator, make_executor, adapters=adapters
     ).start()
@@ -97,9 +100,14 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
     """A follower process of a multi-controller slice: the same bring-up as process 0 (every
     compiled call is collective), then execute process 0's plans until it stops; returns the
     number of plans executed. Raises when the leader is gone (a failed collective)."""
-    _, model, engine, params, _ = _bring_up(cfg, source, origins)
+    plan, model, engine, params, _ = _bring_up(cfg, source, origins)
     log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
-    return follow(Executor(engine, params), PlanChannel())
+    adapter_weights = None
+    if plan.config.lora.enabled:  # each adapter load of process 0's plans, read from its path
+        from serving.lora.serving import storage_reader
+
+        adapter_weights = storage_reader(plan.config.lora, model.config)
+    return follow(Executor(engine, params, adapter_weights), PlanChannel())
 
 
 def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
@@ -120,17 +128,20 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
             else f"each array restored onto its shards over {mesh.size} devices"
         )
         print(f"pathserve: {what}", file=sys.stderr, flush=True)
-    engine = Engine(plan.load(shardings), plan.engine, mesh)
+    loaded = plan.load(shardings)
+    draft = None
+    if cfg.speculative_method == "draft":
+        from serving.engine.draft import load_draft
+
+        draft = load_draft(cfg, plan.engine, mesh, loaded.tokenizer)
+    verify = None
+    if cfg.speculative_method != "none":  # the warmup compiles its verify calls
+        verify = (cfg.num_speculative_tokens, cfg.speculative_max_slots)
+    engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify)
     check_devices(
         plan.model, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
-    if cfg.speculative_method != "none":  # the warmup compiles its verify calls
-        engine.verify_warmup = (cfg.num_speculative_tokens, cfg.speculative_max_slots)
-    if cfg.speculative_method == "draft":
-        from serving.engine.draft import load_draft
-
-        engine.draft = load_draft(engine, cfg)
     params = engine.load_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0

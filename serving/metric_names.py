@@ -19,7 +19,7 @@ KV_CACHE_USAGE = "pathserve_kv_cache_usage_ratio"
 # on the device), waiting_lora_adapters (named by waiting requests), comma-separated.
 LORA_INFO = "pathserve_lora_requests_info"
 # Gauge, value 1; labels block_size (tokens per prefix block) and num_gpu_blocks (the blocks the prefix
-# cache retains at most: prefix_cache_bytes / bytes per block).
+# cache retains at most: the KV pool's pages, where cached prefixes stay).
 CACHE_CONFIG_INFO = "pathserve_cache_config_info"
 LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks")

@@ -20,11 +20,22 @@ from serving.engine.limits import MIN_BUCKET
 from serving.engine.sampling import sample
 from serving.errors import GenerationError
 from serving.kernels import backend
-from serving.models import KVCache, decode_step, init_cache, prefill, store_prefix
+from serving.models import KVCache, decode_step, init_pool, prefill, store_prefix
+from serving.models.cache import dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.request import SamplingParams
 
 _store_prefix = jax.jit(store_prefix, donate_argnums=(0,))
+
+
+def row_cache(
+    cfg, batch: int, length: int, quantized: bool = False, page_size: int = 16, dtype=jnp.float32,
+    scale_per_head: bool = True,
+) -> tuple[KVCache, jax.Array]:
+    """A page pool in which row b owns its `length` positions in pages of `page_size` (after
+    serving.models.cache.dedicated_pages), and those block tables int32 [batch, pages per row]."""
+    pages = dedicated_pages(batch, length, page_size)
+    return init_pool(cfg, 1 + pages.size, page_size, dtype, quantized, scale_per_head), jnp.asarray(pages)
 
 
 def bucket_length(n: int, limit: int) -> int:
@@ -54,7 +65,10 @@ class ReferenceDecoder:
         dtype = jnp.dtype(cfg.dtype)
         static = dict(cfg=model.config, scan_layers=cfg.scan_layers, dtype=dtype, ops=ops)
         # The prompt attends to its keys and values as the cache holds them (int8 when quantized).
-        self._prefill = jax.jit(partial(prefill, **static, quantized_kv=cfg.quantize_kvcache))
+        self._per_head = cfg.kv_quant_axis != "heads_and_dkv"
+        self._prefill = jax.jit(
+            partial(prefill, **static, quantized_kv=cfg.quantize_kvcache, kv_scale_per_head=self._per_head)
+        )
         self._decode = jax.jit(partial(decode_step, **static), donate_argnums=(3,))
         self._sample = jax.jit(sample)
         # A model's vocabulary may be padded past the tokenizer's; never sample an id it can't decode.
@@ -85,6 +99,7 @@ class ReferenceDecoder:
         cache = self._cache_with_prompt(
             kv, bucket_length(n + sampling.max_tokens, self.cfg.max_target_length)
         )
+        pages = jnp.ones((1, 1), jnp.int32)  # the sequence is page 1, one page of its whole length
         key = jax.random.PRNGKey(sampling.seed)
         knobs = (
             jnp.array([sampling.temperature], jnp.float32),
@@ -101,7 +116,9 @@ class ReferenceDecoder:
             yield token_id
             if token_id in stop or step == sampling.max_tokens - 1:
                 return
-            next_logits, cache = self._decode(self.params, token, jnp.array([n + step], jnp.int32), cache)
+            next_logits, cache = self._decode(
+                self.params, token, jnp.array([n + step], jnp.int32), cache, pages=pages
+            )
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generated:
         ids = list(self.stream(prompt_ids, sampling))
@@ -109,9 +126,13 @@ class ReferenceDecoder:
         return Generated(ids, self.model.tokenizer.decode(ids), "stop" if finished else "length")
 
     def _cache_with_prompt(self, kv: KVCache, length: int) -> KVCache:
+        """A pool of the scratch page and one page of `length` positions holding the prompt: the
+        contiguous cache of one sequence, whatever page size the engine under test uses."""
         cfg = self.model.config
-        cache = init_cache(cfg, 1, length, jnp.dtype(self.cfg.dtype), quantized=self.cfg.quantize_kvcache)
-        return _store_prefix(cache, kv, 0)
+        cache = init_pool(
+            cfg, 2, length, jnp.dtype(self.cfg.dtype), quantized=self.cfg.quantize_kvcache, scale_per_head=self._per_head
+        )
+        return _store_prefix(cache, kv, jnp.ones((1,), jnp.int32))
 
     def negative_log_likelihood(self, token_ids: list[int], window: int) -> tuple[float, int]:
         """Sum of -log p(token | earlier tokens) over non-overlapping windows, and the count."""

@@ -28,8 +28,8 @@ from serving.kernels.support import weights_unsupported
 from serving.models import (
     KVCache,
     decode_step,
-    init_cache,
     init_params,
+    init_pool,
     prefill,
     quantize_params,
 )
@@ -40,7 +40,7 @@ from serving.models.params import MATMUL_WEIGHTS, int8_entries
 from serving.models.quantization import int8_dot, with_int8_activations
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
-from tests.reference import ReferenceDecoder
+from tests.reference import ReferenceDecoder, row_cache
 
 CPU_FLAGS = set()
 if Path("/proc/cpuinfo").exists():
@@ -633,35 +633,88 @@ def test_engine_with_the_kernels_equals_the_plain_loop(served_model, scan_layers
         assert completion.token_ids == generator.generate(prompt, sampling).token_ids
 
 
+def _block_table(rng: np.random.Generator, lengths: np.ndarray, page_size: int, max_pages: int) -> np.ndarray:
+    """A block table [batch, max_pages] as a page allocator leaves it after interleaved requests:
+    each row's pages drawn in turn from a shuffled pool (page 0, the scratch page, never), unused
+    entries 0, and rows 5 and 6 reading row 4's first page (6 also row 5's second), as rows of
+    one prompt share its prefix."""
+    needed = -(-np.minimum(lengths, max_pages * page_size) // page_size)
+    free = list(rng.permutation(np.arange(1, int(needed.sum()) + 1)))
+    table = np.zeros((len(lengths), max_pages), np.int32)
+    for slot in range(max_pages):
+        for row in np.flatnonzero(needed > slot):
+            table[row, slot] = free.pop()
+    table[5, 0] = table[6, 0] = table[4, 0]
+    table[6, 1] = table[5, 1]
+    return table
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("int8_cache", [False, True])
+@pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
+@pytest.mark.parametrize("page_size", [8, 16])
 @pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128)])
-def test_decode_attention_kernel_is_attention_over_each_rows_positions(int8_cache, groups, head_dim, isa):
-    rng = np.random.default_rng(groups * 100 + head_dim)
-    layers, batch, capacity, kv = 3, 6, 40, 2
+def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, page_size, groups, head_dim, isa):
+    """int8 pools in both of MaxText's scale layouts: per token and kv head (dkv), per token
+    (heads_and_dkv)."""
+    rng = np.random.default_rng(groups * 100 + head_dim + page_size)
+    layers, kv, max_pages = 3, 2, 48 // page_size
+    full = max_pages * page_size
+    # none, one, within the first page, across pages, one short of the table, all of it, and past it
+    # (clamped to the table)
+    lengths = np.array([0, 1, 7, 17, full - 1, full, full + 9], np.int32)
+    batch = len(lengths)
+    pages = _block_table(rng, lengths, page_size, max_pages)
+    num_pages = int(pages.max()) + 3  # and two pages no row reads
+    shape = (layers, num_pages, page_size, kv, head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32) * 2, rng.standard_normal(shape).astype(np.float32)
     q = rng.standard_normal((batch, kv, groups, head_dim)).astype(np.float32)
-    k = rng.standard_normal((layers, batch, capacity, kv, head_dim)).astype(np.float32) * 2
-    v = rng.standard_normal((layers, batch, capacity, kv, head_dim)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((batch, kv, head_dim)).astype(np.float32) for _ in range(2))
-    lengths = np.array([0, 1, 7, 17, 39, 40], np.int32)  # none, some, and the whole cache
-    if int8_cache:
-        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k)), quantize_kv(jnp.asarray(v))
-        cache = (kq, vq, ks, vs)
-        k = np.asarray(kq, np.float32) * np.asarray(ks)
-        v = np.asarray(vq, np.float32) * np.asarray(vs)
+    # The layer's token of each row's position [batch, full], and whether the row attends to it.
+    positions = np.arange(full)
+    tokens = pages[:, positions // page_size] * page_size + positions % page_size
+    attended = positions[None, :] < np.minimum(lengths, full)[:, None]
+    # NaN in every token no row attends to (the scratch page among them): reading one shows.
+    unread = np.ones(num_pages * page_size, bool)
+    unread[tokens[attended]] = False
+    unread = unread.reshape(num_pages, page_size)
+    if cache_kind != "float32":
+        per_head = cache_kind == "int8 dkv"
+        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), per_head), quantize_kv(jnp.asarray(v), per_head)
+        ks, vs = np.array(ks), np.array(vs)
+        ks[:, unread], vs[:, unread] = np.nan, np.nan
+        cache = (kq, vq, jnp.asarray(ks), jnp.asarray(vs))
+        k, v = np.asarray(kq, np.float32) * ks, np.asarray(vq, np.float32) * vs
     else:
+        k[:, unread], v[:, unread] = np.nan, np.nan
         cache = (jnp.asarray(k), jnp.asarray(v), None, None)
-    mask = jnp.asarray((np.arange(capacity)[None, :] < lengths[:, None])[:, None, :])
+    attend = jax.jit(functools.partial(cpu_attention.decode_attention, isa=isa))
     for layer in range(layers):
-        expected = attention_with_new_token(q[:, None], k[layer], v[layer], mask, k_new, v_new)[:, 0]
-        attend = functools.partial(cpu_attention.decode_attention, isa=isa)
-        got = jax.jit(attend)(q, *cache, layer, jnp.asarray(lengths), k_new, v_new)
+        # the reference reads each row's positions gathered out of the pool (zeros where it does not attend)
+        keys, values = (
+            np.where(attended[..., None, None], x[layer].reshape(-1, kv, head_dim)[tokens], 0) for x in (k, v)
+        )
+        expected = attention_with_new_token(q[:, None], keys, values, attended[:, None], k_new, v_new)[:, 0]
+        got = attend(q, *cache, layer, jnp.asarray(lengths), k_new, v_new, jnp.asarray(pages))
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="layer 3 of 3"):
-        jax.block_until_ready(
-            cpu_attention.decode_attention(q, *cache, 3, jnp.asarray(lengths), k_new, v_new, isa=isa)
-        )
+        jax.block_until_ready(attend(q, *cache, 3, jnp.asarray(lengths), k_new, v_new, jnp.asarray(pages)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("entry", [-1, 9])
+def test_decode_attention_kernel_refuses_a_table_entry_outside_the_pool(isa, entry):
+    """Every entry is checked, read or not: an entry outside the pool is never read."""
+    batch, kv, groups, head_dim, page_size = 3, 2, 2, 16, 4
+    q = jnp.ones((batch, kv, groups, head_dim))
+    k = v = jnp.zeros((2, 9, page_size, kv, head_dim))
+    new = jnp.ones((batch, kv, head_dim))
+    pages = np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]], np.int32)
+    pages[1, 2] = entry  # past row 1's length
+    attend = functools.partial(cpu_attention.decode_attention, isa=isa)
+    with pytest.raises(Exception, match=rf"pages\[1, 2\] = {entry} is not a page of the pool's 9"):
+        jax.block_until_ready(attend(q, k, v, None, None, 0, jnp.array([5, 2, 9]), new, new, jnp.asarray(pages)))
 
 
 def test_decode_attention_kernel_says_what_it_does_not_handle():
@@ -697,15 +750,17 @@ def test_engine_attends_in_place_and_equals_the_plain_loop(tiny_model_dir, quant
 
     params = engine.load_params()
     tokens, positions = jnp.asarray([5, 9, 2, 7]), jnp.asarray([0, 3, 60, 200])
-    shape = init_cache(model.config, 4, 256).k.shape
+    # 4 rows of 256 positions in pages of 16, scattered over the pool
+    pages = jnp.asarray(1 + np.random.default_rng(0).permutation(64).reshape(4, 16), jnp.int32)
+    shape = init_pool(model.config, 65, 16).k.shape
     k, v = (jax.random.uniform(jax.random.PRNGKey(i), shape, minval=-2, maxval=2) for i in (1, 2))
     cache = KVCache(k, v)
     if quantize_kvcache:
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         cache = KVCache(kq, vq, ks, vs)
     filled = cache
-    ours, _ = decode_step(params, tokens, positions, filled, model.config, ops=CpuKernelOps())
-    xla, _ = decode_step(params, tokens, positions, filled, model.config, ops=_KernelMatmulsOnly())
+    ours, _ = decode_step(params, tokens, positions, filled, model.config, ops=CpuKernelOps(), pages=pages)
+    xla, _ = decode_step(params, tokens, positions, filled, model.config, ops=_KernelMatmulsOnly(), pages=pages)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(xla), rtol=1e-4, atol=1e-4)
 
 
@@ -736,8 +791,8 @@ def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkey
     logits = jax.eval_shape(functools.partial(prefill, cfg=tiny_cfg, ops=ops), params, tokens, lengths)[0]
     assert logits.shape == (2, 16, tiny_cfg.vocab_size)
     quantized = weights != "float32"
-    cache = init_cache(tiny_cfg, 2, 64, quantized=quantized)
-    step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops)
+    cache, pages = row_cache(tiny_cfg, 2, 64, quantized=quantized)
+    step = functools.partial(decode_step, cfg=tiny_cfg, ops=ops, pages=pages)
     jaxpr = str(jax.make_jaxpr(step)(params, tokens[:, 0], jnp.array([3, 9]), cache))
     attention = {
         ("avx512", True): cpu_attention.INT8_TARGET,

@@ -149,6 +149,13 @@ NOT_RUN_HERE: dict[str, RunBy | Cannot] = {
         "benchmarks of the default model, minutes each, not tests; their harness: tests/loadtest/"
     ),
     "make bench-peers": Cannot(VLLM),
+    'make bench-paged PAGED_ARGS="--scenarios mixed --rounds 1"': Cannot(
+        "the same benchmark narrowed to one scenario and round: minutes; its workload: tests/unit/test_paged_bench.py"
+    ),
+    "make bench-paged": Cannot(
+        "a benchmark of the default model against another commit's tree, minutes per round; its workload: "
+        "tests/unit/test_paged_bench.py"
+    ),
     'make bench-peers PEERS_ARGS="--concurrency 1,8 --sets short --sampling greedy --rounds 1 --requests 8"': Cannot(
         VLLM
     ),

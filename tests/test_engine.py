@@ -145,7 +145,8 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     import jax
     import jax.numpy as jnp
 
-    from serving.models import decode_step, init_cache, prefill, store_prefix
+    from serving.models import decode_step, prefill, store_prefix
+    from tests.reference import row_cache
 
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=384, decode_steps_per_call=8)
     model = load_model(str(smollm2_path), cfg)
@@ -165,14 +166,15 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     def forced(params, cache):  # every step of the teacher-forced run in one compiled scan
         def step(cache, token_and_position):
             token, position = token_and_position
-            step_logits, cache = decode_step(params, token[None], position[None], cache, model.config)
+            step_logits, cache = decode_step(params, token[None], position[None], cache, model.config, pages=pages)
             return cache, jnp.argmax(step_logits[0])
 
         return jax.lax.scan(step, cache, (fed, positions))[1]
 
     predictions = {}
     for quantized in (False, True):
-        cache = store_prefix(init_cache(model.config, 1, 384, quantized=quantized), kv, 0)
+        cache, pages = row_cache(model.config, 1, 384, quantized=quantized)
+        cache = store_prefix(cache, kv, pages[0])
         first = int(jnp.argmax(logits[0, len(ids) - 1]))
         predictions[quantized] = np.array([first, *np.asarray(forced(model.params, cache)).tolist()])
     assert list(predictions[False]) == continuation  # the float cache reproduces the engine's run

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from serving.checkpoints.hf import load_hf_params, read_hf_config
-from serving.models import init_cache, prefill, store_prefix
+from serving.models import prefill, store_prefix
 from serving.models.llama import decode_step
 from tests.conftest import make_hf_llama
+from tests.reference import row_cache
 
 TOL = 1e-4
 
@@ -69,16 +70,16 @@ def test_decode_steps_through_cache_match_transformers(reference, scan_layers):
 
     tokens, lengths = _padded_batch()
     _, prompt_kv = prefill(params, tokens, lengths, cfg, scan_layers=scan_layers)
-    cache = init_cache(cfg, batch=len(PROMPTS), length=64)
+    cache, pages = row_cache(cfg, batch=len(PROMPTS), length=64)
     for row in range(len(PROMPTS)):
         row_kv = type(prompt_kv)(prompt_kv.k[:, row : row + 1], prompt_kv.v[:, row : row + 1])
-        cache = store_prefix(cache, row_kv, row)
+        cache = store_prefix(cache, row_kv, pages[row])
 
     positions = np.array([len(p) for p in PROMPTS])
     for step in range(DECODE_STEPS):
         step_tokens = jnp.array([c[step] for c in continuations], jnp.int32)
         logits, cache = decode_step(
-            params, step_tokens, jnp.asarray(positions), cache, cfg, scan_layers=scan_layers
+            params, step_tokens, jnp.asarray(positions), cache, cfg, scan_layers=scan_layers, pages=pages
         )
         for row in range(len(PROMPTS)):
             np.testing.assert_allclose(

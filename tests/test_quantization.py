@@ -13,7 +13,6 @@ from serving.kernels.packing import pack_for_cpu_kernels
 from serving.models import (
     QuantizedWeight,
     decode_step,
-    init_cache,
     init_params,
     prefill,
     quantize_params,
@@ -22,6 +21,7 @@ from serving.models import (
 from serving.models.ops import XLA
 from serving.models.quantization import int8_dot, quantize_int8, with_int8_activations
 from tests.conftest import DATA
+from tests.reference import row_cache
 
 
 def test_int8_roundtrip_error_is_within_half_a_step():
@@ -110,11 +110,14 @@ def test_int8_kv_cache_decode_close_to_float_cache(tiny_cfg):
     _, kv = prefill(params, prompt, jnp.array([16]), tiny_cfg)
     results = {}
     for quantized in (False, True):
-        cache = store_prefix(init_cache(tiny_cfg, 1, 32, quantized=quantized), kv, 0)
+        cache, pages = row_cache(tiny_cfg, 1, 32, quantized=quantized)
+        cache = store_prefix(cache, kv, pages[0])
         assert cache.quantized == quantized
         logits = []
         for step in range(8):
-            out, cache = decode_step(params, jnp.array([step + 3]), jnp.array([16 + step]), cache, tiny_cfg)
+            out, cache = decode_step(
+                params, jnp.array([step + 3]), jnp.array([16 + step]), cache, tiny_cfg, pages=pages
+            )
             logits.append(out)
         results[quantized] = np.stack(logits)
     scale = np.abs(results[False]).max()

@@ -73,14 +73,13 @@ def _sampling(i: int) -> SamplingParams:
 
 class _Spy:
     """Records what the real engine was asked: generate's num_slots, prefill_slots' rows and
-    starts, save_block calls (no behaviour of its own)."""
+    starts (no behaviour of its own)."""
 
     def __init__(self, engine: Engine):
         self.num_slots: list[int] = []
         self.rows: list[int] = []
         self.starts: list[int] = []
-        self.saved = 0
-        generate, prefill_slots, save_block = engine.generate, engine.prefill_slots, engine.save_block
+        generate, prefill_slots = engine.generate, engine.prefill_slots
 
         def spy_generate(*args, num_slots=None, **kwargs):
             self.num_slots.append(num_slots)
@@ -91,11 +90,7 @@ class _Spy:
             self.starts.extend(r.start for r in rows)
             return prefill_slots(params, state, rows)
 
-        def spy_save_block(*args):
-            self.saved += 1
-            return save_block(*args)
-
-        engine.generate, engine.prefill_slots, engine.save_block = spy_generate, spy_prefill_slots, spy_save_block
+        engine.generate, engine.prefill_slots = spy_generate, spy_prefill_slots
 
 
 def _serve(model, cfg: ServingConfig, submit_all, warm: bool = False) -> tuple[list, _Spy, Orchestrator]:
@@ -129,9 +124,10 @@ def _together(prompts):
     [
         dict(prefill_chunk_size=64, max_prefill_batch=8, prefix_cache="off"),
         dict(prefill_chunk_size=16, max_prefill_batch=8, prefix_cache="on"),
-        dict(prefill_chunk_size=32, max_prefill_batch=1, prefix_cache="on", quantize_kvcache=True),
+        dict(prefill_chunk_size=32, max_prefill_batch=1, prefix_cache="on", quantize_kvcache=True,
+             kv_quant_axis="heads_and_dkv"),
     ],
-    ids=["chunk64-batched-nocache", "chunk16-batched-cache", "chunk32-one-row-cache-int8kv"],
+    ids=["chunk64-batched-nocache", "chunk16-batched-cache", "chunk32-one-row-cache-int8kv-per-token"],
 )
 def test_sixteen_mixed_requests_give_the_plain_loops_tokens(model, expected, overrides):
     cfg = _config(**overrides)
@@ -179,28 +175,19 @@ def test_decode_buckets_switch_mid_run_without_losing_a_token(model, reference):
     assert spy.num_slots[0] == 1 and spy.num_slots[-1] == 2  # alone; then the two longest
 
 
-def test_prefix_cache_eviction_under_a_small_budget_keeps_the_tokens(model, expected):
-    """Room for three 16-token blocks: the shared prefix's blocks are found, evicted and stored
-    again as other prompts pass through; tokens stay the plain loop's, bytes stay in budget."""
-    cfg = _config(prefill_chunk_size=32, max_prefill_batch=2)
-    engine = Engine(model, cfg.engine)
-    budget = 3 * engine.prefix_block_bytes
-    cfg = _config(prefill_chunk_size=32, max_prefill_batch=2, prefix_cache_bytes=budget)
-    prompts = _prompts(model.tokenizer)
-
-    def one_at_a_time(orchestrator):
-        out = []
-        for i, p in enumerate(prompts):
-            out.append(orchestrator.submit(p, _sampling(i)).result().token_ids)
-            assert orchestrator.metrics.prefix_cache_bytes <= budget
-        return out
-
-    results, spy, orchestrator = _serve(model, cfg, one_at_a_time)
+def test_a_pool_of_twelve_pages_preempts_and_keeps_the_plain_loops_tokens(model, expected):
+    """Twelve 16-position pages for 8 slots (one sequence of max_target_length takes 8): the
+    sequences wait for pages, the newest are preempted and prefilled again with the tokens they
+    already streamed, and cached prefix pages are reused or evicted as the pool needs them; every
+    stream still gets the plain loop's tokens."""
+    page_bytes = Engine(model, _config().engine).page_bytes
+    cfg = _config(prefill_chunk_size=32, max_prefill_batch=2, kv_cache_bytes_per_chip=12 * page_bytes)
+    results, _spy, orchestrator = _serve(model, cfg, _together(_prompts(model.tokenizer)))
+    assert Engine(model, cfg.engine).limits.num_pages == 12
     assert results == expected
     metrics = orchestrator.metrics
-    assert metrics.prefix_cache_hits > 0 and metrics.prefix_cache_misses > 0
-    assert spy.saved > 3  # more blocks stored than fit: some were evicted
-    assert 0 < metrics.prefix_cache_bytes <= budget
+    assert metrics.preemptions > 0 and metrics.prefix_cache_hits > 0
+    assert metrics.kv_pages_used == 0  # every page back in the pool
 
 
 def test_prompt_past_max_prefill_is_served_and_one_past_max_target_refused(model, expected):

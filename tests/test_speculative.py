@@ -223,22 +223,20 @@ def test_sampled_speculation_draws_the_plain_distribution(tiny, random_draft, to
 
 
 def test_warmup_compiles_the_verify_calls(tiny):
-    model, engine, params = tiny
-    engine.verify_warmup = (K, 2)
-    try:
-        state = engine.warm_verify(params, engine.init_decode_state())
-        compiled = engine._verify_fn._cache_size()
-        prompt = model.tokenizer.encode(TEXT)[:9]
-        prefix, _ = engine.prefill(params, engine.limits.pad(prompt), len(prompt), SamplingParams(max_tokens=8))
-        state = engine.insert(prefix, state, 1)
-        proposals = np.zeros((engine.max_concurrent_decodes, K), np.int32)
-        num = np.array([0, K, 0, 0], np.int32)
-        for num_slots in (1, 2):
-            state, _ = engine.verify(params, state, proposals, num if num_slots == 2 else num * 0,
-                                     max_position=len(prompt), num_slots=num_slots)
-        assert engine._verify_fn._cache_size() == compiled  # nothing compiled at the call
-    finally:
-        engine.verify_warmup = None
+    model, plain, params = tiny
+    engine = Engine(model, plain.config, verify_warmup=(K, 2))  # the same placement: the same params
+    state = engine.warm_verify(params, engine.init_decode_state())
+    compiled = engine._verify_fn._cache_size()
+    prompt = model.tokenizer.encode(TEXT)[:9]
+    prefix, _ = engine.prefill(params, engine.limits.pad(prompt), len(prompt), SamplingParams(max_tokens=8))
+    state = engine.insert(prefix, state, 1)
+    proposals = np.zeros((engine.max_concurrent_decodes, K), np.int32)
+    num = np.array([0, K, 0, 0], np.int32)
+    for num_slots in (1, 2):
+        state, _ = engine.verify(params, state, proposals, num if num_slots == 2 else num * 0,
+                                 max_position=len(prompt), num_slots=num_slots)
+    assert engine._verify_fn._cache_size() == compiled  # nothing compiled at the call
+    assert plain.warm_verify(params, state) is state  # an engine built without verify shapes warms none
 
 
 def test_sampled_verify_without_proposals_draws_plain_decodings_tokens(tiny):

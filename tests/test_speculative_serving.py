@@ -150,13 +150,16 @@ def test_greedy_tokens_identical_with_ngram_speculation(setup):
 # -- the draft model --------------------------------------------------------------------------
 
 
-def _attach_draft(engine, directory, k=3):
+def _with_draft(engine, directory, k=3):
+    """An engine like `engine` (its model and config: the same params fit) built with the draft of
+    the model at `directory`."""
     from serving.engine.draft import DraftModel
 
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=256, cpu_kernels="off")
     draft_model = load_model(str(directory), cfg)
     draft_engine = Engine(draft_model, DraftModel.engine_config(engine.config, k))
-    return DraftModel(draft_engine, draft_engine.load_params(), engine.model.tokenizer, k)
+    draft = DraftModel(draft_engine, draft_engine.load_params(), engine.model.tokenizer, k)
+    return Engine(engine.model, engine.config, draft=draft)
 
 
 @pytest.mark.parametrize("draft", ["same", "random"])
@@ -171,11 +174,7 @@ def test_greedy_tokens_identical_with_a_draft_model(setup, tiny_model_dir, tmp_p
         make_hf_tokenizer(directory, vocab=300)
     requests = _requests(model.tokenizer)
     plain, _ = _serve(model, engine, params, requests, "none")
-    engine.draft = _attach_draft(engine, directory)
-    try:
-        spec, metrics = _serve(model, engine, params, requests, "draft")
-    finally:
-        del engine.draft
+    spec, metrics = _serve(model, _with_draft(engine, directory), params, requests, "draft")
     for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
         assert [c.token_ids for c in a] == [c.token_ids for c in b], i
     rate = metrics.spec_accepted / metrics.spec_proposed
@@ -193,7 +192,7 @@ def test_a_draft_with_another_tokenizer_is_refused(setup, tmp_path_factory):
     make_hf_llama(directory, vocab=320)
     make_hf_tokenizer(directory, vocab=280)
     with pytest.raises(ValueError, match="tokenizer is not the target's: vocabulary of 280"):
-        _attach_draft(engine, directory)
+        _with_draft(engine, directory)
 
 
 def test_load_draft_reads_speculative_model_beside_the_target(setup, tiny_model_dir):
@@ -202,7 +201,7 @@ def test_load_draft_reads_speculative_model_beside_the_target(setup, tiny_model_
     _, engine, _ = setup
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=256, cpu_kernels="off",
                         speculative_method="draft", speculative_model=str(tiny_model_dir), num_speculative_tokens=5)
-    draft = load_draft(engine, cfg)
+    draft = load_draft(cfg, engine.config, engine.mesh, engine.model.tokenizer)
     assert draft.k == 5 and draft.engine.decode_steps_per_call == 4
     assert draft.engine.max_concurrent_decodes == engine.max_concurrent_decodes
     assert draft.engine.mesh is engine.mesh

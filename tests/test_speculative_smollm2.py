@@ -22,10 +22,14 @@ PARAGRAPH = (
 
 @pytest.fixture(scope="module")
 def served(smollm2):
+    """The engine, built with SmolLM2 as its own draft (k = 4) on the same params: the draft runs
+    only for a plan of draft rows (speculative_method=draft)."""
     cfg = ServingConfig(per_device_batch_size=4, max_prefill_predict_length=256, max_target_length=512,
                         prefill_chunk_size=64, decode_steps_per_call=2)
-    engine = Engine(smollm2, cfg.engine)
-    return smollm2, engine, engine.load_params()
+    draft_engine = Engine(smollm2, DraftModel.engine_config(cfg.engine, 4))
+    params = draft_engine.load_params()  # placed as the target's: the same model, mesh and layout
+    engine = Engine(smollm2, cfg.engine, draft=DraftModel(draft_engine, params, smollm2.tokenizer, 4))
+    return smollm2, engine, params
 
 
 def _requests(tokenizer):
@@ -55,11 +59,6 @@ def test_smollm2_greedy_identical_with_ngram_and_with_itself_as_draft(served):
     assert [r.token_ids for r in run_to_completion(engine, params, requests, speculator=ngram)] == plain
     assert ngram.stats.accepted / ngram.stats.proposed > 0.3
 
-    draft_engine = Engine(model, DraftModel.engine_config(engine.config, 4))
-    engine.draft = DraftModel(draft_engine, params, model.tokenizer, 4)
-    try:
-        draft = _speculator("draft", engine)
-        assert [r.token_ids for r in run_to_completion(engine, params, requests, speculator=draft)] == plain
-    finally:
-        del engine.draft
+    draft = _speculator("draft", engine)
+    assert [r.token_ids for r in run_to_completion(engine, params, requests, speculator=draft)] == plain
     assert draft.stats.proposed > 40 and draft.stats.accepted / draft.stats.proposed > 0.95

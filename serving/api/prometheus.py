@@ -56,14 +56,16 @@ class _Collector(Collector):
 
 def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
     slots_used = m.active_slots / m.total_slots if m.total_slots else 0.0
-    kv_used = m.kv_tokens_used / m.kv_tokens_capacity if m.kv_tokens_capacity else 0.0
+    # the pool's pages some sequence holds, as vLLM's usage counts its blocks
+    kv_used = m.kv_pages_used * m.kv_block_size / m.kv_tokens_capacity if m.kv_tokens_capacity else 0.0
     for name, help_text, value in (
         (metric_names.QUEUED_REQUESTS, "requests waiting for a decode slot", m.queued),
         ("jetstream_slots_used_percentage", "fraction of decode slots in use", slots_used),
         (metric_names.RUNNING_REQUESTS, "decode slots in use: sequences prefilling or decoding", m.active_slots),
         ("pathserve_total_slots", "decode slots", m.total_slots),
-        (metric_names.KV_CACHE_USAGE, "fraction of KV cache positions in use (0-1)", kv_used),
-        ("pathserve_kv_cache_tokens_used", "KV cache positions in use", m.kv_tokens_used),
+        (metric_names.KV_CACHE_USAGE, "fraction of the KV cache's pages held by sequences (0-1)", kv_used),
+        ("pathserve_kv_cache_tokens_used", "KV cache positions holding live sequences", m.kv_tokens_used),
+        ("pathserve_kv_cache_pages_used", "pages of the KV cache's pool held by sequences", m.kv_pages_used),
         ("pathserve_prefix_cache_bytes", "bytes of prompt-prefix KV blocks the prefix cache holds",
          m.prefix_cache_bytes),
         ("pathserve_warmup_shapes_pending", "prefill shapes the background warmup has yet to compile",
@@ -83,6 +85,8 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
         ("pathserve_prompt_tokens", "prompt tokens of finished requests", m.prompt_tokens),
         ("pathserve_generation_tokens", "tokens generated for finished requests", m.generation_tokens),
         ("pathserve_requests_rejected", "requests refused because the queue was full", m.requests_rejected),
+        ("pathserve_preemptions", "sequences that gave up their KV pages and were prefilled again",
+         m.preemptions),
         ("pathserve_prefix_cache_hits", "prompt blocks found in the prefix cache", m.prefix_cache_hits),
         ("pathserve_prefix_cache_misses", "prompt blocks looked up in the prefix cache and not found",
          m.prefix_cache_misses),
@@ -115,7 +119,7 @@ def _protocol_info(m: EngineMetrics, stats) -> Iterator[Metric]:
     cache = GaugeMetricFamily(
         metric_names.CACHE_CONFIG_INFO,
         "prefix cache shape: tokens per block and the blocks it retains at most "
-        "(prefix_cache_bytes / bytes per block)",
+        "(the KV pool's pages; 0 with prefix_cache=off)",
         labels=list(metric_names.CACHE_CONFIG_LABELS),
     )
     cache.add_metric([str(m.kv_block_size), str(m.prefix_cache_blocks)], 1.0)

@@ -15,7 +15,7 @@ from serving.config import ConfigError, ServingConfig, model_description
 from serving.deploy.accelerators import tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
-from serving.engine.memory import memory_use, shortfall
+from serving.engine.memory import kv_pool_pages, memory_use, shortfall
 from serving.engine.partitioning import (
     DTYPE_BYTES,
     MESH_AXES,
@@ -46,10 +46,12 @@ class Plan:
     kv_format: str
     kv_bytes_per_token: float  # whole model, all layers and kv heads
     kv_heads_per_chip: int
-    slots_per_chip: int  # the slots a chip holds (cache_batch's split)
+    page_size: int  # positions per page of the KV cache's pool (prefix_block_size)
+    num_pages: int  # pages of the pool, the scratch page included
+    pages_per_chip: int  # the pages a chip holds (cache_batch's split of the pool)
     kv_bytes_per_chip: float
-    kv_capacity_tokens: int  # slots x max_target_length
-    kv_tokens_that_fit_per_chip: int  # cache positions (over all slots) the bytes_limit left holds
+    kv_capacity_tokens: int  # (num_pages - 1) x page_size: positions the pool holds for sequences
+    kv_tokens_that_fit_per_chip: int  # cache positions the bytes_limit left would hold
     hbm_bytes_per_chip: float  # physical HBM
     bytes_limit_per_chip: float  # what the runtime lets a program use
     temporaries_bytes_per_chip: float  # estimate: one prefill call's layer, logits
@@ -79,12 +81,13 @@ def weight_bytes(model: ModelConfig, serving: ServingConfig) -> float:
 
 
 def kv_bytes_per_token(model: ModelConfig, serving: ServingConfig, kv_heads: int) -> float:
-    """KV bytes for one token over all layers, for `kv_heads` heads (int8 values + a float32 scale)."""
-    if serving.quantize_kvcache:
-        per_head = model.head_dim * DTYPE_BYTES["int8"] + DTYPE_BYTES[SCALE_DTYPE]
-    else:
-        per_head = model.head_dim * DTYPE_BYTES[serving.dtype]
-    return float(model.num_layers * 2 * kv_heads * per_head)
+    """KV bytes for one token over all layers, for `kv_heads` heads (int8 values and a float32
+    scale per head, or one per token with kv_quant_axis=heads_and_dkv)."""
+    if not serving.quantize_kvcache:
+        return float(model.num_layers * 2 * kv_heads * model.head_dim * DTYPE_BYTES[serving.dtype])
+    scales = kv_heads if serving.kv_quant_axis != "heads_and_dkv" else 1
+    values = kv_heads * model.head_dim * DTYPE_BYTES["int8"]
+    return float(model.num_layers * 2 * (values + scales * DTYPE_BYTES[SCALE_DTYPE]))
 
 
 # The weight families `plan` shows, each by one of its leaves.
@@ -106,7 +109,7 @@ def _shardings(where: Placement) -> dict[str, str]:
         if leaf is not None:
             out[family] = describe(leaf.spec[-2:])
     k = where.cache[("k",)]
-    out["kv cache [slots, length, kv_heads, head_dim]"] = describe(k.spec[1:])
+    out["kv cache [pages, page_size, kv_heads, head_dim]"] = describe(k.spec[1:])
     return out
 
 
@@ -138,14 +141,18 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
             f"serving.per_device_batch_size: {serving.per_device_batch_size} x {chips} chips is not a whole number of slots"
         )
     slots = int(slots)
-    # The engine's own placement (serving.engine.partitioning): bytes per chip from its specs.
-    where = placement(model, numerics(serving), mesh, slots, serving.max_target_length)
+    # The engine's own placement (serving.engine.partitioning): bytes per chip from its specs, the
+    # KV cache a pool of pages as the engine sizes it.
+    page_size = serving.prefix_block_size
+    num_pages = kv_pool_pages(serving, model, numerics(serving), mesh, slots)
+    where = placement(model, numerics(serving), mesh, num_pages, page_size)
     weights = float(sum(leaf.nbytes for leaf in where.params.values()))
     weights_per_chip = float(where.params_bytes_per_chip())
     kv_per_chip = float(where.cache_bytes_per_chip())
     k = where.cache[("k",)]
     kv_heads_per_chip = model.num_kv_heads // math.prod(mesh[a] for a in k.spec[3])
-    kv_token_chip = kv_per_chip / (slots * serving.max_target_length)
+    pages_per_chip = num_pages // math.prod(mesh[a] for a in k.spec[1])
+    kv_token_chip = kv_per_chip / (pages_per_chip * page_size)
     hbm = slice_.accelerator.hbm_bytes
     limit = slice_.accelerator.bytes_limit
     prefill_tokens = serving.prefill_batch_tokens or serving.max_prefill_predict_length
@@ -178,9 +185,11 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         kv_format="int8" if serving.quantize_kvcache else serving.dtype,
         kv_bytes_per_token=kv_bytes_per_token(model, serving, model.num_kv_heads),
         kv_heads_per_chip=kv_heads_per_chip,
-        slots_per_chip=slots // math.prod(mesh[a] for a in k.spec[1]),
+        page_size=page_size,
+        num_pages=num_pages,
+        pages_per_chip=pages_per_chip,
         kv_bytes_per_chip=kv_per_chip,
-        kv_capacity_tokens=slots * serving.max_target_length,
+        kv_capacity_tokens=(num_pages - 1) * page_size,
         kv_tokens_that_fit_per_chip=int((limit - weights_per_chip - use.temporaries - lora) // kv_token_chip),
         hbm_bytes_per_chip=hbm,
         bytes_limit_per_chip=float(limit),
@@ -213,14 +222,16 @@ def _lora_bytes(model: ModelConfig, serving: ServingConfig, where: Placement) ->
 def _does_not_fit(
     refusal: str, serving: ServingConfig, where: Placement, use, limit: int, chips: int
 ) -> str:
-    """The refusal: the figures, how many slots would fit, and where a dimension is replicated."""
-    slots = where.cache[("k",)].shape[1]
+    """The refusal: the figures, how many slots (or KV bytes) would fit, and where a dimension is
+    replicated."""
     room = limit - use.params - use.temporaries
-    fitting = int(room // (use.kv_cache / slots)) if room > 0 else 0
+    slots = serving.per_device_batch_size * chips
+    fitting = int(slots * room / use.kv_cache) if room > 0 and use.kv_cache else 0
     if fitting:
         advice = (
             f"{fitting} slots of {serving.max_target_length} tokens would fit "
-            f"(per_device_batch_size <= {fitting / chips:g}, not {serving.per_device_batch_size:g})"
+            f"(per_device_batch_size <= {fitting / chips:g}, not {serving.per_device_batch_size:g}), or a KV "
+            f"pool of kv_cache_bytes_per_chip <= {room:.0f} shared by the slots as they grow"
         )
     else:
         advice = "the weights alone do not fit"
@@ -242,14 +253,13 @@ def format_plan(plan: Plan) -> str:
             "weights",
             f"{plan.weight_format}: {plan.weight_bytes / gb:.2f} GB total, {plan.weight_bytes_per_chip / gb:.2f} GB per chip",
         ),
+        ("decode slots, max_target_length", f"{plan.slots}, {plan.max_target_length}"),
         (
-            "decode slots x max_target_length",
-            f"{plan.slots} x {plan.max_target_length} = {plan.kv_capacity_tokens} tokens",
-        ),
-        (
-            "KV cache",
-            f"{plan.kv_format}: {plan.kv_bytes_per_token / 1e3:.1f} kB per token, {plan.kv_heads_per_chip} kv head(s) "
-            f"and {plan.slots_per_chip} slots per chip, {plan.kv_bytes_per_chip / gb:.2f} GB per chip",
+            "KV cache (paged)",
+            f"{plan.kv_format}: {plan.kv_bytes_per_token / 1e3:.1f} kB per token; {plan.num_pages} pages of "
+            f"{plan.page_size} positions ({plan.kv_capacity_tokens} tokens for sequences); per chip "
+            f"{plan.pages_per_chip} pages ({plan.pages_per_chip * plan.page_size} tokens) of "
+            f"{plan.kv_heads_per_chip} kv head(s), {plan.kv_bytes_per_chip / gb:.2f} GB",
         ),
         ("temporaries (estimate)", f"{plan.temporaries_bytes_per_chip / gb:.2f} GB per chip"),
         *((("LoRA adapter slots", f"{plan.lora_bytes_per_chip / gb:.3f} GB per chip"),) if plan.lora_bytes_per_chip else ()),

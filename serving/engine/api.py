@@ -5,9 +5,15 @@ never keeps itself: every call takes the state and returns the new one (the real
 the old buffers). One thread calls an engine at a time (the orchestrator's device loop).
 
 Beside JetStream's whole-prompt `prefill` + `insert`, an engine prefills prompts straight into
-their slots in chunks (`prefill_slots`, several prompts per call), keeps copies of prompt-prefix KV
-blocks for a prefix cache (`save_block` / `load_blocks`; the scheduler decides which, so every host
-of a slice keeps the same ones), and runs `generate` over the first `num_slots` slots only.
+their slots in chunks (`prefill_slots`, several prompts per call), keeps its KV cache in pages of a
+pool that each slot's block table names (`set_pages`: the scheduler decides them, so every host of a
+slice holds the same tables; a prefix shared by two sequences is one set of pages in both tables),
+and runs `generate` over the first `num_slots` slots only.
+
+An engine is built whole: what it runs with comes through its constructor (a draft model for
+speculative decoding, the verify shapes its warmup compiles), and what it starts itself (the
+background warmup) it answers for; nothing is attached to it afterwards. LoRA adapters live in the
+params (a stack of device slots): `write_adapter` writes one slot, as a plan's `AdapterLoad` asks.
 
 Two engines implement it: `serving.engine.engine.Engine` (the model on a device mesh) and
 `serving.engine.mock.MockEngine` (outputs computable by hand, for tests of everything above it).
@@ -22,10 +28,10 @@ from typing import NamedTuple, Protocol, TypeVar
 from numpy.typing import ArrayLike
 
 from serving.engine.limits import Limits
+from serving.lora.peft import LoraWeights
 from serving.request import SamplingParams, TokenLogprob
 
 PrefixT = TypeVar("PrefixT")
-BlockT = TypeVar("BlockT")
 StateT = TypeVar("StateT")
 ParamsT = TypeVar("ParamsT", contravariant=True)
 
@@ -61,6 +67,41 @@ class PrefillRow(NamedTuple):
     start: int  # the position of tokens[0]: the slot's cache already holds positions [0, start)
     final: bool  # the prompt's last chunk: sample the first token and make the slot active
     sampling: SamplingParams  # read by a final row (a request `limits.prefills_whole` turns away)
+    # Tokens the sequence generated before it was preempted (serving.orchestrator.scheduler): its
+    # prompt here is the original prompt and those tokens, and a final row samples the next one,
+    # as a generate step would (PRNG index, counts, min_tokens, max_tokens). 0: a fresh prompt.
+    generated: int = 0
+
+
+class Proposer(Protocol):
+    """Speculative decoding's draft model (serving.engine.draft.DraftModel)."""
+
+    def propose(self, rows: Sequence[PrefillRow]) -> ArrayLike:
+        """int32 [slots, k]: the draft's k tokens after each final row's sequence, having prefilled
+        every row's chunk into its own cache (zeros for slots without a final row)."""
+        ...
+
+
+class BackgroundCompiles(Protocol):
+    """Compiles an engine runs on a thread of its own after its warmup
+    (serving.engine.warmup.BackgroundWarmup), told by every device loop when it may start one."""
+
+    @property
+    def pending(self) -> int:
+        """Shapes left to compile (0 once done or stopped)."""
+        ...
+
+    def idle(self) -> None:
+        """The device loop has nothing to run: the next shape may start."""
+        ...
+
+    def busy(self) -> None:
+        """The device loop runs requests: no new shape starts."""
+        ...
+
+    def stop(self) -> None:
+        """Stop after the shape compiling now, and wait for it."""
+        ...
 
 
 class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
@@ -76,8 +117,22 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         """How many tokens each active slot advances in one `generate` call."""
         ...
 
+    @property
+    def draft(self) -> Proposer | None:
+        """The draft model that proposes for a plan's `draft_rows` (speculative_method=draft), given
+        to the engine when it is built; None: the engine has none."""
+        ...
+
+    @property
+    def background_warmup(self) -> BackgroundCompiles | None:
+        """The compiles the engine's warmup left running in the background; None before a warmup,
+        with enable_background_warmup off, or for an engine that has none (the mock)."""
+        ...
+
     def init_decode_state(self) -> StateT:
-        """A fresh decode state: every slot free, the KV cache allocated."""
+        """A fresh decode state: every slot free, the KV cache's pool allocated; where the pool
+        holds every slot's max_target_length, each slot's block table names its own pages, so
+        prefill / insert / generate work without `set_pages` (JetStream's contract)."""
         ...
 
     def prefill(
@@ -120,17 +175,14 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         ...
 
     @property
-    def prefix_block_bytes(self) -> int:
-        """Device bytes of one `save_block` copy (the prefix cache's budget counts these)."""
+    def page_bytes(self) -> int:
+        """Device bytes of one page of the KV pool on each chip (for the metrics)."""
         ...
 
-    def save_block(self, decode_state: StateT, slot: int, start: int) -> BlockT:
-        """A copy of `slot`'s KV at positions [start, start + limits.prefix_block)."""
-        ...
-
-    def load_blocks(self, decode_state: StateT, slot: int, blocks: Sequence[BlockT]) -> StateT:
-        """Write `blocks` into `slot` back to back from position 0 (block i at i * prefix_block);
-        the slot is left inactive, ready for `prefill_slots` from len(blocks) * prefix_block."""
+    def set_pages(self, decode_state: StateT, pages) -> StateT:
+        """The state with every slot's block table: int32 [slots, limits.max_pages] of page ids in
+        [0, limits.num_pages) (0: the scratch page). Slot s's position t is at page
+        pages[s, t // limits.page_size]; every later call reads and writes through these."""
         ...
 
     def generate(
@@ -168,6 +220,13 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         rejection rule, so the output distribution is the target's) and one token of its own after
         it. Results have k + 1 steps, `valid` marking the 1..k + 1 tokens each slot emitted; a stop
         id, max_tokens or max_target_length ends a slot there as in `generate`."""
+        ...
+
+    def write_adapter(self, params: ParamsT, slot: int, weights: LoraWeights) -> ParamsT:
+        """The params to call with from now on: LoRA adapter `weights` in device slot `slot`
+        (1..max_loras; slot 0 is the base model's zeros), the adapter arrays of the same shapes and
+        placement (nothing recompiles). Every later call applies it to the rows whose sampling
+        names that slot."""
         ...
 
     def free_resource(self, decode_state: StateT, slot: int) -> StateT:

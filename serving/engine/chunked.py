@@ -2,16 +2,16 @@
 
 `prefill_slots` runs one compiled call for several rows, each the next chunk of one prompt:
 tokens [rows, bucket] at positions start + 0..bucket-1 of their slot, attending to that slot's
-cached positions [0, start) (gathered from the decode state's cache: [layers, rows, window, ...],
-the smallest history window holding every row's start) and to themselves. Their KV is written into
-the slots; a final row samples its first token (the PRNG key and rule of the whole `prefill`) and
-makes its slot active. Compiled once per (rows bucket, length bucket, history window): by the jit
+cached positions [0, start) (gathered through the slot's block table from the page pool:
+[layers, rows, window, ...], the smallest history window holding every row's start) and to
+themselves. Their KV is written into the slots' pages; a final row samples its first token (the
+PRNG key and rule of the whole `prefill`; for a sequence resumed after preemption, the next token,
+as a generate step would) and makes its slot active. Compiled once per (rows bucket, length bucket, history window): by the jit
 at first use, or ahead of time by `precompile_prefill_slots` (the warmup's background thread), whose
 executables a call of that shape then runs.
 
-A prefix block is a copy of one slot's KV at [start, start + prefix_block): `save_block` slices it
-out, `load_blocks` writes blocks back to back into a slot. They stay on the device, sharded as the
-cache is, so every host of a slice holds its own shard of the same blocks.
+`set_pages` writes the block tables the scheduler decided (serving.orchestrator.pages): a prefix
+cache hit is a table entry naming a page another sequence filled, so nothing is copied.
 
 Mixed into `serving.engine.engine.Engine`, whose sampling, shardings and limits it uses.
 """
@@ -32,8 +32,8 @@ from serving.engine.api import PrefillRow
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
-from serving.models import KVCache, prefill
-from serving.models.cache import gather_history, store_chunks
+from serving.models import prefill
+from serving.models.cache import SCRATCH_PAGE, gather_history, store_chunks
 
 if TYPE_CHECKING:
     from serving.engine.warmup import BackgroundWarmup
@@ -49,7 +49,7 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
 
 
 class ChunkedPrefill:
-    """prefill_slots, save_block, load_blocks (see the module docstring)."""
+    """prefill_slots, set_pages (see the module docstring)."""
 
     def _init_chunked(self, static: dict) -> None:
         state_shardings = self._state_shardings()
@@ -60,9 +60,7 @@ class ChunkedPrefill:
             out_shardings=(state_shardings, replicated(self.mesh)),
             static_argnames=("window",),
         )
-        block = self.limits.prefix_block
-        self._save_block_fn = jax.jit(partial(_save_block, block=block))
-        self._load_block_fn = jax.jit(self._load_block_impl, donate_argnums=(0,), out_shardings=state_shardings)
+        self._pages_sharding = state_shardings.pages
         # (rows bucket, length bucket, history window) -> an executable compiled ahead of time, and
         # the shapes the jit compiled at first use (no need to compile those again)
         self._precompiled: dict[tuple[int, int, int], Any] = {}
@@ -91,8 +89,8 @@ class ChunkedPrefill:
 
     def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
         """The compiled call's host inputs for `rows` (tokens [count, bucket]; slots, starts,
-        lengths, final [count]; keys [count, 2]; sampling [count, ...]; padding rows dropped) and
-        its shape (count, bucket, history window)."""
+        lengths, final, generated [count]; keys [count, 2]; sampling [count, ...]; padding rows
+        write to the scratch page) and its shape (count, bucket, history window)."""
         limits = self.limits
         if len(rows) > limits.max_prefill_batch:
             raise ValueError(f"{len(rows)} rows in one prefill_slots call, at most {limits.max_prefill_batch}")
@@ -102,6 +100,7 @@ class ChunkedPrefill:
         slots = np.full((count,), limits.max_concurrent_decodes, np.int32)  # padding rows: dropped
         starts, lengths = np.zeros((count,), np.int32), np.ones((count,), np.int32)
         final = np.zeros((count,), bool)
+        generated = np.zeros((count,), np.int32)
         for i, row in enumerate(rows):
             if len(row.tokens) > limits.prefill_chunk_size:
                 raise ValueError(f"a chunk of {len(row.tokens)} tokens, more than prefill_chunk_size")
@@ -109,9 +108,10 @@ class ChunkedPrefill:
                 raise ValueError(f"a chunk ending at {row.start + len(row.tokens)}, past max_target_length")
             tokens[i, : len(row.tokens)] = row.tokens
             slots[i], starts[i], lengths[i], final[i] = row.slot, row.start, len(row.tokens), row.final
+            generated[i] = row.generated
         sampling = stacked_sampling([r.sampling for r in rows], count)
         keys = sampling.key  # the request's own seed: choice 0's key, as `prefill` draws it
-        inputs = (tokens, slots, starts, lengths, final, keys, sampling)
+        inputs = (tokens, slots, starts, lengths, final, generated, keys, sampling)
         return inputs, (count, bucket, self.history_window(int(starts.max())))
 
     def precompile_prefill_slots(self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]) -> bool:
@@ -136,34 +136,31 @@ class ChunkedPrefill:
             return 0
         return next(w for w in self.history_windows if w >= start)
 
-    @property
-    def prefix_block_bytes(self) -> int:
-        cfg = self.model.config
-        per_token = cfg.num_layers * cfg.num_kv_heads * 2  # k and v
-        if self.config.quantize_kvcache:
-            per_token *= cfg.head_dim + 4  # int8 values and a float32 scale
-        else:
-            per_token *= cfg.head_dim * self._dtype.itemsize
-        return per_token * self.limits.prefix_block
-
-    def save_block(self, decode_state: DecodeState, slot: int, start: int) -> KVCache:
-        if not 0 <= start <= self.limits.max_target_length - self.limits.prefix_block:
-            raise ValueError(f"a prefix block at {start} does not fit in the cache")
-        return self._save_block_fn(decode_state.cache, jnp.int32(slot), jnp.int32(start))
-
-    def load_blocks(self, decode_state: DecodeState, slot: int, blocks: Sequence[KVCache]) -> DecodeState:
-        for i, block in enumerate(blocks):
-            decode_state = self._load_block_fn(decode_state, block, jnp.int32(slot), jnp.int32(i * self.limits.prefix_block))
-        return decode_state
+    def set_pages(self, decode_state: DecodeState, pages: np.ndarray) -> DecodeState:
+        """The decode state with every slot's block table `pages` (int32 [slots, max_pages]; the
+        same host values on every process of a slice)."""
+        pages = np.array(pages, np.int32)  # a copy: the caller's table changes, the device's must not
+        expected = (self.max_concurrent_decodes, self.limits.max_pages)
+        if pages.shape != expected:
+            raise ValueError(f"block tables of shape {pages.shape}, expected {expected}")
+        if pages.min() < 0 or pages.max() >= self.limits.num_pages:
+            raise ValueError(f"a block table names a page outside the pool's {self.limits.num_pages}")
+        table = jax.make_array_from_callback(pages.shape, self._pages_sharding, lambda index: pages[index])
+        return decode_state._replace(pages=table)
 
     # -- compiled bodies -----------------------------------------------------------------------
 
     def _prefill_slots_impl(
-        self, params, state: DecodeState, tokens, slots, starts, lengths, final, keys, sampling, static, window
+        self, params, state: DecodeState, tokens, slots, starts, lengths, final, generated, keys, sampling, static,
+        window,
     ) -> tuple[DecodeState, jax.Array]:
-        """tokens [rows, bucket]; slots, starts, lengths, final [rows]; keys [rows, 2]; sampling
-        [rows, ...]. Returns the state and every row's first token [rows] (replicated)."""
-        history = gather_history(state.cache, slots, window) if window else None
+        """tokens [rows, bucket]; slots, starts, lengths, final, generated [rows]; keys [rows, 2];
+        sampling [rows, ...]. Returns the state and every row's first token [rows] (replicated)."""
+        total = self.max_concurrent_decodes
+        real = slots < total  # padding rows carry slot `total`: their table is all scratch
+        held = jnp.clip(slots, 0, total - 1)
+        pages = jnp.where(real[:, None], state.pages[held], SCRATCH_PAGE)  # [rows, max_pages]
+        history = gather_history(state.cache, pages, window) if window else None
         logits, kv = prefill(
             params,
             tokens,
@@ -172,59 +169,54 @@ class ChunkedPrefill:
             starts=starts if window else None,
             history=history,
             quantized_kv=state.cache.quantized,
+            kv_scale_per_head=state.cache.scale_per_head,
             lora=lora_stack.lora_batch(params, sampling.lora_slot),
         )
         count = tokens.shape[0]
         rows = jnp.arange(count)
         last = self._decodable(logits[rows, lengths - 1], None)  # [rows, vocab]
-        # Nothing generated yet, and no repetition penalty here (limits.prefills_whole): the
-        # penalties change nothing; bad words, min_tokens and the bias apply.
-        nothing = jnp.zeros((count,), jnp.int32)
-        last = penalties.process(last, sampling, nothing, penalties.no_recent(count), None, final)
-        first = self._sample(last, jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys), sampling)
-        finished = is_stop(first, sampling.stop_ids) | (sampling.max_tokens <= 1)
-        parked = self.config.max_target_length - 1  # an inactive row's harmless write position
+        vocab = last.shape[-1]
+        # A fresh prompt has generated nothing, and no repetition penalty (limits.prefills_whole):
+        # the penalties change nothing; bad words, min_tokens and the bias apply. A resumed
+        # sequence's row reads its slot's token history, which preemption kept.
+        resumed = real & (generated > 0)
+        recent = jnp.where(resumed[:, None], state.history.recent[held], penalties.no_recent(count))
+
+        def kept() -> tuple[jax.Array, jax.Array]:
+            return (
+                jnp.where(resumed[:, None], state.history.counts[held], 0),
+                resumed[:, None] & state.history.prompt[held],
+            )
+
+        last = penalties.process(last, sampling, generated, recent, kept, final)
+        first = self._sample(last, jax.vmap(jax.random.fold_in)(keys, generated), sampling)
+        finished = is_stop(first, sampling.stop_ids) | (generated + 1 >= sampling.max_tokens)
+        parked = self.config.max_target_length - 1  # an inactive row's position (it writes to scratch)
 
         def put(old, new):
             return old.at[slots].set(new.astype(old.dtype), mode="drop")
 
-        # a final row's sequence starts: its first token, no prompt tokens kept (other rows drop)
-        started = jnp.where(final, slots, self.max_concurrent_decodes)
-        counts, recent = penalties.started(first, last.shape[-1])
+        # a final row's fresh sequence starts: its first token, no prompt tokens kept; a resumed
+        # one appends its token to the history it kept (other rows drop)
+        started = jnp.where(final & ~resumed, slots, total)
+        counts, fresh_recent = penalties.started(first, vocab)
         history = TokenHistory(
             counts=state.history.counts.at[started].set(counts, mode="drop"),
             prompt=state.history.prompt.at[started].set(False, mode="drop"),
-            recent=state.history.recent.at[started].set(recent, mode="drop"),
+            recent=state.history.recent.at[started].set(fresh_recent, mode="drop"),
+        )
+        history = penalties.record(
+            history, jnp.where(final & resumed, slots, total), first[:, None], jnp.ones((count, 1), bool)
         )
 
         new_state = DecodeState(
-            cache=store_chunks(state.cache, kv, slots, starts),
+            cache=store_chunks(state.cache, kv, pages, starts),
+            pages=state.pages,
             tokens=put(state.tokens, first),
             positions=put(state.positions, jnp.where(final, starts + lengths, parked)),
-            generated=put(state.generated, jnp.ones_like(first)),
+            generated=put(state.generated, generated + 1),
             active=put(state.active, final & ~finished),
             sampling=jax.tree.map(put, state.sampling, sampling._replace(key=keys)),
             history=history,
         )
         return new_state, jax.lax.with_sharding_constraint(first, replicated(self.mesh))
-
-    def _load_block_impl(self, state: DecodeState, block: KVCache, slot, start) -> DecodeState:
-        at = (0, slot, start, 0, 0)
-        cache = KVCache(
-            *(None if c is None else jax.lax.dynamic_update_slice(c, b, at) for c, b in zip(state.cache, block, strict=True))
-        )
-        parked = self.config.max_target_length - 1
-        return state._replace(
-            cache=cache,
-            positions=state.positions.at[slot].set(parked),
-            active=state.active.at[slot].set(False),
-        )
-
-
-def _save_block(cache: KVCache, slot, start, block: int) -> KVCache:
-    """[layers, 1, block, kv_heads, head_dim] (and scales) of row `slot` from `start`."""
-
-    def cut(c: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_slice(c, (0, slot, start, 0, 0), (c.shape[0], 1, block, *c.shape[3:]))
-
-    return KVCache(*(None if c is None else cut(c) for c in cache))

@@ -41,14 +41,20 @@ class DraftModel:
         if engine.decode_steps_per_call != max(1, num_speculative_tokens - 1):
             raise ValueError("the draft engine must run num_speculative_tokens - 1 decode steps per call")
         self.engine, self.params, self.k = engine, params, num_speculative_tokens
+        # Each slot owns max_target_length positions of the draft's pool (its engine_config asks
+        # for that many pages, and a fresh decode state gives each slot its own): the draft follows
+        # the target's slots and needs no scheduler.
         self.state = engine.init_decode_state()
 
     @staticmethod
     def engine_config(target: EngineConfig, num_speculative_tokens: int) -> EngineConfig:
-        """The draft engine's config: the target's slots and lengths, k - 1 steps per generate."""
+        """The draft engine's config: the target's slots and lengths, k - 1 steps per generate, a
+        KV pool in which every slot owns its full length."""
         import dataclasses
 
-        return dataclasses.replace(target, decode_steps_per_call=max(1, num_speculative_tokens - 1))
+        return dataclasses.replace(
+            target, decode_steps_per_call=max(1, num_speculative_tokens - 1), kv_cache_bytes_per_chip=0
+        )
 
     def propose(self, rows: Sequence[PrefillRow]) -> np.ndarray:
         """The draft's k greedy tokens after each final row's sequence: int32 [slots, k] (zeros
@@ -80,15 +86,16 @@ class DraftModel:
         return proposals
 
 
-def load_draft(target: Engine, cfg) -> DraftModel:
+def load_draft(cfg, target: EngineConfig, mesh, target_tokenizer: Tokenizer) -> DraftModel:
     """The draft of `cfg.speculative_model` (any checkpoint pathserve loads, read with the serving
-    keys of `cfg`: quantization, dtype) beside `target`, on its mesh; ValueError naming a tokenizer
+    keys of `cfg`: quantization, dtype) for a target engine of config `target` on `mesh`, built
+    before the target, which takes it (`Engine(..., draft=)`); ValueError naming a tokenizer
     mismatch. `cfg`: the ServingConfig."""
     from serving.checkpoints.model_source import load_model
 
     k = cfg.speculative.num_speculative_tokens
     model = load_model(cfg.speculative_model, cfg)
-    engine = Engine(model, DraftModel.engine_config(target.config, k), target.mesh)
+    engine = Engine(model, DraftModel.engine_config(target, k), mesh)
     params = engine.load_params()
     engine.release_loaded_params()
-    return DraftModel(engine, params, target.model.tokenizer, k)
+    return DraftModel(engine, params, target_tokenizer, k)

@@ -13,6 +13,7 @@
   call: log_softmax of the logits after the mask, the logit processing and temperature, before
   min-p / top-k / top-p.
 - `free_resource(decode_state, slot)` deactivates a slot (a cancelled request).
+- `write_adapter(params, slot, weights)` writes a LoRA adapter into its device slot (serving.lora.stack).
 - `prompt_logprobs(params, padded_tokens, true_length)` scores a prompt (perplexity).
 
 Every sampling call (both prefills, generate, verify) first processes each row's logits: bad words,
@@ -37,14 +38,16 @@ from jax.sharding import Mesh
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
 from serving.engine import penalties
-from serving.engine.api import PrefillOutputs, ResultTokens
+from serving.engine.api import PrefillOutputs, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
 from serving.engine.limits import Limits
+from serving.engine.memory import kv_pool_pages
 from serving.engine.partitioning import Numerics
 from serving.engine.sampling import apply_mask, sample, token_logprobs
 from serving.engine.sharding import (
     cache_shardings,
     engine_placement,
+    mesh_axes,
     param_shardings,
     replicated,
     unstacked_shardings,
@@ -63,7 +66,9 @@ from serving.engine.state import (
 from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.lora import stack as lora_stack
-from serving.models import decode_step, init_cache, prefill, store_prefix
+from serving.lora.peft import LoraWeights
+from serving.models import decode_step, init_pool, prefill, store_prefix
+from serving.models.cache import SCRATCH_PAGE, dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
@@ -92,18 +97,31 @@ class Engine(ChunkedPrefill, Speculative):
     prefilled in chunks straight into their slots, and prefix blocks; from Speculative, `verify`:
     speculative decoding's proposals scored and accepted in one call)."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, mesh: Mesh | None = None):
-        """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone."""
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        mesh: Mesh | None = None,
+        *,
+        draft: Proposer | None = None,
+        verify_warmup: tuple[int, int] | None = None,
+    ):
+        """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
+        `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
+        mesh. `verify_warmup`: (k, the most decoding slots that speculate), the verify shapes the
+        warmup compiles (None: the server does not speculate)."""
         from serving.runtime import make_mesh
 
         self.model = model
         self.config = config
+        self.draft = draft
         self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig(), jax.devices()[:1])
         self.ops = backend.select(
             config.cpu_kernels,
             config.quantization,
             config.weight_dtype,
             list(self.mesh.devices.flat),
+            pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         )
         self.limits = Limits(
             max_concurrent_decodes=max(1, int(config.per_device_batch_size * self.mesh.size)),
@@ -114,6 +132,7 @@ class Engine(ChunkedPrefill, Speculative):
             prefill_batch_tokens=config.prefill_batch_tokens,
             prefix_block=config.prefix_block_size,
             decode_buckets=config.decode_slot_buckets,
+            num_pages=self._pool_pages(model, config),
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
@@ -121,8 +140,8 @@ class Engine(ChunkedPrefill, Speculative):
             model.config,
             Numerics.of(config, int8=int8_names(model.params)),
             self.mesh,
-            self.max_concurrent_decodes,
-            config.max_target_length,
+            self.limits.num_pages,
+            self.limits.page_size,
         )
         self._dtype = jnp.dtype(config.dtype)
         self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
@@ -148,7 +167,13 @@ class Engine(ChunkedPrefill, Speculative):
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
         self._init_chunked(static)
-        self._init_speculative(static)
+        self._init_speculative(static, verify_warmup)
+
+    def _pool_pages(self, model: LoadedModel, config: EngineConfig) -> int:
+        """The KV pool's pages (serving.engine.memory.kv_pool_pages)."""
+        numerics = Numerics.of(config, int8=int8_names(model.params))
+        slots = max(1, int(config.per_device_batch_size * self.mesh.size))
+        return kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots)
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -186,9 +211,10 @@ class Engine(ChunkedPrefill, Speculative):
         }
 
     def init_decode_state(self) -> DecodeState:
-        slots = self.max_concurrent_decodes
-        cache = init_cache(
-            self.model.config, slots, self.config.max_target_length, self._dtype, quantized=self.config.quantize_kvcache
+        slots, limits = self.max_concurrent_decodes, self.limits
+        cache = init_pool(
+            self.model.config, limits.num_pages, limits.page_size, self._dtype, quantized=self.config.quantize_kvcache,
+            scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
         )
 
         def zeros():  # a buffer of its own for each field: they are donated one by one
@@ -196,6 +222,7 @@ class Engine(ChunkedPrefill, Speculative):
 
         state = DecodeState(
             cache=cache,
+            pages=jnp.asarray(self._default_pages()),
             tokens=zeros(),
             positions=zeros(),
             generated=zeros(),
@@ -204,6 +231,17 @@ class Engine(ChunkedPrefill, Speculative):
             history=penalties.init_history(slots, self._num_decodable),
         )
         return jax.device_put(state, self._state_shardings())
+
+    def _default_pages(self) -> np.ndarray:
+        """The block tables before a scheduler sets any: where the pool holds every slot's full
+        length, slot s owns its own run of pages (a contiguous cache's arrangement), so the engine
+        serves JetStream's prefill / insert / generate without a scheduler; otherwise every entry
+        is the scratch page and `set_pages` must come first."""
+        limits = self.limits
+        slots = self.max_concurrent_decodes
+        if limits.num_pages < slots * limits.max_pages + 1:
+            return np.zeros((slots, limits.max_pages), np.int32)
+        return dedicated_pages(slots, limits.max_target_length, limits.page_size)
 
     def prefill(
         self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams, mask=None
@@ -251,6 +289,11 @@ class Engine(ChunkedPrefill, Speculative):
         )
 
     @property
+    def page_bytes(self) -> int:
+        """Device bytes of one page of the KV pool on each chip (every layer's keys, values, scales)."""
+        return self.placement.cache_bytes_per_chip() // self.limits.num_pages
+
+    @property
     def decode_steps_per_call(self) -> int:
         return self.config.decode_steps_per_call
 
@@ -279,12 +322,19 @@ class Engine(ChunkedPrefill, Speculative):
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._free_fn(decode_state, jnp.int32(slot))
 
+    def write_adapter(self, params: dict, slot: int, weights: LoraWeights) -> dict:
+        """`params` itself, its adapter stack replaced by one holding `weights` in `slot` (so that
+        whoever else holds the dict, the orchestrator or a test, sees the adapters served)."""
+        lora_stack.write_slot(params, slot, weights)
+        return params
+
     def warmup(self, params: dict) -> float:
         """Compile every shape serving runs (serving.engine.warmup; a prefix hit's partial chunks on
         `background_warmup`, after it returns); returns the seconds spent in the foreground."""
         from serving.engine.warmup import warmup
 
-        return warmup(self, params)
+        seconds, self.background_warmup = warmup(self, params)
+        return seconds
 
     # -- compiled bodies -----------------------------------------------------------------------
 
@@ -293,6 +343,7 @@ class Engine(ChunkedPrefill, Speculative):
         slots = rows = replicated(self.mesh)
         return DecodeState(
             cache=cache_shardings(self.mesh, self.placement),
+            pages=rows,
             tokens=slots,
             positions=slots,
             generated=slots,
@@ -315,6 +366,7 @@ class Engine(ChunkedPrefill, Speculative):
     ) -> Prefix:
         logits, kv = prefill(
             params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
+            kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
             lora=lora_stack.lora_batch(params, sampling.lora_slot[None]),
         )
         last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
@@ -349,7 +401,10 @@ class Engine(ChunkedPrefill, Speculative):
         return Prefix(kv, true_length, first, keys, sampling, first_logprobs, scored, seen)
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
-        logits, _ = prefill(params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache)
+        logits, _ = prefill(
+            params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
+            kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
+        )
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 
@@ -363,7 +418,8 @@ class Engine(ChunkedPrefill, Speculative):
             recent=state.history.recent.at[slot].set(recent[0]),
         )
         return DecodeState(
-            cache=store_prefix(state.cache, kv, slot),
+            cache=store_prefix(state.cache, kv, state.pages[slot]),
+            pages=state.pages,
             tokens=state.tokens.at[slot].set(first),
             positions=state.positions.at[slot].set(length),
             generated=state.generated.at[slot].set(1),
@@ -396,6 +452,7 @@ class Engine(ChunkedPrefill, Speculative):
             sampling=jax.tree.map(first, full.sampling),
         )
         rows = jnp.arange(num_slots)
+        pages = full.pages[:num_slots]
         if masks is not None:
             masks = masks[:num_slots]
         num_top = min(MAX_LOGPROBS, self._num_decodable)
@@ -409,10 +466,13 @@ class Engine(ChunkedPrefill, Speculative):
             )
 
         def step(state: DecodeState, _):
-            positions = jnp.minimum(state.positions, max_len - 1)
+            # An inactive row (free, prefilling, finished) attends to nothing and writes into the
+            # scratch page: at position 0, its attention reads no cached position at all.
+            positions = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
             logits, cache = decode_step(
                 params, state.tokens, positions, state.cache, **static, window=window,
                 lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
+                pages=pages, write_pages=jnp.where(state.active[:, None], pages, SCRATCH_PAGE),
             )
             keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
             # Free and finished slots are not drawn: greedy, whatever their request asked.
@@ -439,6 +499,7 @@ class Engine(ChunkedPrefill, Speculative):
             )
             new_state = DecodeState(
                 cache=cache,
+                pages=state.pages,
                 tokens=jnp.where(valid, token, state.tokens),
                 positions=jnp.where(valid, positions + 1, state.positions),
                 generated=generated,
@@ -458,6 +519,7 @@ class Engine(ChunkedPrefill, Speculative):
 
         full = DecodeState(
             cache=state.cache,
+            pages=full.pages,
             tokens=back(full.tokens, state.tokens),
             positions=back(full.positions, state.positions),
             generated=back(full.generated, state.generated),

@@ -77,8 +77,11 @@ class Limits:
     prefill_chunk_size: int = 0  # the longest chunk of a chunked prefill (0: max_prefill_length)
     max_prefill_batch: int = 8  # prompts (rows) in one prefill_slots call
     prefill_batch_tokens: int = 0  # padded tokens (rows x bucket) of one call (0: max_prefill_length)
-    prefix_block: int = 64  # the prefix cache's unit: KV of this many prompt tokens
+    prefix_block: int = 64  # the KV cache's page: this many positions (and the prefix cache's unit)
     decode_buckets: tuple[int, ...] = ()  # slot counts generate is compiled for (empty: powers of two)
+    # Pages in the KV cache's pool, the scratch page 0 included (0: enough for every slot to hold
+    # max_target_length positions at once, as a cache of one row per slot would).
+    num_pages: int = 0
     buckets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +92,23 @@ class Limits:
         object.__setattr__(self, "prefill_batch_tokens", max(self.prefill_batch_tokens or self.max_prefill_length, 1))
         object.__setattr__(self, "buckets", tuple(prefill_buckets(self.max_prefill_length, (chunk,))))
         object.__setattr__(self, "decode_buckets", slot_buckets(self.max_concurrent_decodes, self.decode_buckets))
+        if self.num_pages == 0:
+            object.__setattr__(self, "num_pages", self.max_concurrent_decodes * self.max_pages + 1)
+        if self.num_pages < self.max_pages + 1:
+            raise ValueError(
+                f"a KV cache of {self.num_pages} pages (page 0 is scratch) cannot hold one sequence of "
+                f"max_target_length={self.max_target_length} positions: {self.max_pages + 1} pages at least"
+            )
+
+    @property
+    def page_size(self) -> int:
+        """Positions per page of the KV cache."""
+        return self.prefix_block
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of a sequence of max_target_length positions: a block table's width."""
+        return -(-self.max_target_length // self.prefix_block)
 
     def bucket_for(self, length: int) -> int:
         """The padded length a prompt (or chunk) of `length` tokens is prefilled at."""

@@ -9,9 +9,10 @@ largest temporaries of a step against the runtime's limit, and a refusal names t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from serving.engine.partitioning import DTYPE_BYTES, Placement
+from serving.engine.partitioning import DTYPE_BYTES, Numerics, Placement, placement
 from serving.models.config import ModelConfig
 
 ACTIVATION_DTYPE_BYTES = DTYPE_BYTES
@@ -60,6 +61,40 @@ def _leaf(where: Placement, name: str) -> tuple[str, ...]:
 def _ways(where: Placement, name: str, dim: int) -> int:
     """Into how many pieces weight `name`'s dimension `dim` is split."""
     return max(1, math.prod(where.axes[a] for a in where.params[_leaf(where, name)].spec[dim]))
+
+
+def page_bytes_per_chip(cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], page_size: int) -> tuple[int, int]:
+    """(bytes one page of the KV pool takes on each chip that holds it, every layer's keys and
+    values and scales; into how many pieces the pool's pages are split over the mesh)."""
+    chips = math.prod(axes.values())
+    where = placement(cfg, numerics, axes, chips, page_size)  # pages divide over any split
+    split = max(1, math.prod(axes[a] for a in where.cache[("k",)].spec[1]))
+    return max(1, where.cache_bytes_per_chip() * split // chips), split
+
+
+def default_pool_pages(slots: int, max_pages: int, chips: int) -> int:
+    """The pool without kv_cache_bytes_per_chip: every slot's max_target_length at once and the
+    scratch page, rounded up to a multiple of the chips (so any split of the pages divides it)."""
+    return -(-(slots * max_pages + 1) // chips) * chips
+
+
+def pool_pages(cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], page_size: int, kv_bytes_per_chip: int) -> int:
+    """Pages of a KV pool that takes `kv_bytes_per_chip` on each chip (the scratch page included),
+    a multiple of the pieces the pages are split into."""
+    per_page, split = page_bytes_per_chip(cfg, numerics, axes, page_size)
+    return max(1, kv_bytes_per_chip // per_page) * split
+
+
+def kv_pool_pages(config, cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], slots: int) -> int:
+    """The pages of the engine's KV pool for `config` (an EngineConfig or ServingConfig): MaxText's
+    pagedattn_num_pages with attention=paged, else kv_cache_bytes_per_chip's worth, else every
+    slot's max_target_length at once (`default_pool_pages`)."""
+    if config.attention == "paged":
+        return config.pagedattn_num_pages
+    page = config.prefix_block_size
+    if config.kv_cache_bytes_per_chip:
+        return pool_pages(cfg, numerics, axes, page, config.kv_cache_bytes_per_chip)
+    return default_pool_pages(slots, -(-config.max_target_length // page), math.prod(axes.values()))
 
 
 def memory_use(cfg: ModelConfig, where: Placement, dtype: str, prefill_tokens: int, slots: int) -> MemoryUse:

@@ -11,17 +11,23 @@ become the smallest allowed token above it (cyclically). Logprobs, when asked: t
 logprob -(t % 5) / 4, and its alternatives are t + 1, t + 2, ... with logprob one less each.
 (A prompt token's logprob follows the same rule.)
 
-Chunked prefill and the prefix cache follow the same rule: a slot remembers the prompt tokens its
-cache holds (inserted, or blocks loaded then chunks written), a `save_block` copy is those tokens,
-and a final row's first token is the one `prefill` gives. A prompt being prefilled (blocks loaded
-or chunks written since the slot was last inserted, freed or finished its prompt) must go on where
-it stopped; any other slot takes a first chunk only.
+Chunked prefill and the paged KV cache follow the same rule, through a pool of pages that holds
+token ids: every write goes through the slot's block table (`set_pages`) into the page it names,
+and a chunk reads the prompt before it from the pages its table names, so a final row's first token
+(the one `prefill` gives, or after a preemption the next one) comes from what the pages hold. A
+shared prefix is read from the pages another sequence wrote; a page reused for something else
+gives other tokens, and the tests that compare tokens see it.
 
 The mock checks its own contract (AssertionError): a decode state used after a call replaced it
-(the real engine donates it), a chunk that does not start where its slot's prompt ends, a call of
-more rows or padded tokens than the limits allow, rows that mix first chunks with later ones, a
-generate call whose `num_slots` is no bucket or leaves out an active slot. `calls` records every
+(the real engine donates it), a chunk that reads a position no write reached, a write into the
+scratch page (a position the scheduler gave no page), a call of more rows or padded tokens than the
+limits allow, rows that mix first chunks with later ones, a generate call whose `num_slots` is no
+bucket or leaves out an active slot. `calls` records every
 call for tests to read.
+
+LoRA adapters change no token: `write_adapter` records the slot and the adapter's rank, and
+`params["lora"]` (slot -> weights) says which adapter each slot holds. Like the real engine it is
+built whole: a test's draft model or background warmup comes through the constructor.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import PrefillOutputs, PrefillRow, ResultTokens
+from serving.engine.api import BackgroundCompiles, PrefillOutputs, PrefillRow, Proposer, ResultTokens
 from serving.engine.limits import Limits, finishes_at_first_token
+from serving.lora.peft import LoraWeights
+from serving.models.paging import dedicated_pages
 from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
@@ -103,8 +111,8 @@ class _Slot:
 @dataclass
 class MockState:
     slots: dict[int, _Slot] = field(default_factory=dict)  # active slots only
-    prompts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> the prompt tokens its cache holds
-    partial: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> a prompt prefilled so far
+    tables: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> its block table
+    pool: dict[int, dict[int, int]] = field(default_factory=dict)  # page -> offset -> the token written there
     replaced: bool = False
 
 
@@ -127,6 +135,9 @@ class MockEngine:
         prefix_block: int = 64,
         decode_buckets: tuple[int, ...] = (),
         block_bytes: int = 1000,
+        num_pages: int = 0,
+        draft: Proposer | None = None,
+        background_warmup: BackgroundCompiles | None = None,
     ):
         self.limits = Limits(
             slots,
@@ -137,11 +148,14 @@ class MockEngine:
             prefill_batch_tokens=prefill_batch_tokens,
             prefix_block=prefix_block,
             decode_buckets=decode_buckets,
+            num_pages=num_pages,
         )
         self.block_bytes = block_bytes
         self.vocab_size = vocab_size
         self.decode_steps_per_call = decode_steps_per_call
         self.step_seconds = step_seconds
+        self.draft = draft
+        self.background_warmup = background_warmup
         self.calls: list[tuple] = []
 
     @property
@@ -174,8 +188,14 @@ class MockEngine:
     # -- the contract --------------------------------------------------------------------------
 
     def init_decode_state(self) -> MockState:
+        """Each slot owns its own pages where the pool holds every slot's full length (as the
+        engine's), else every table entry is scratch until `set_pages`."""
         self.calls.append(("init_decode_state",))
-        return MockState()
+        limits, state = self.limits, MockState()
+        if limits.num_pages >= limits.max_concurrent_decodes * limits.max_pages + 1:
+            tables = dedicated_pages(limits.max_concurrent_decodes, limits.max_target_length, limits.page_size)
+            state.tables = {slot: tuple(int(p) for p in row) for slot, row in enumerate(tables)}
+        return state
 
     def prefill(
         self,
@@ -211,9 +231,48 @@ class MockEngine:
         token = prefix.next_tokens[choice]
         if not finishes_at_first_token(token, prefix.sampling):
             slots[slot] = _Slot(token, prefix.length, 1, prefix.sampling, choice)
-        prompts = {**decode_state.prompts, slot: prefix.prompt_ids}
-        partial = {i: p for i, p in decode_state.partial.items() if i != slot}
-        return self._replace(decode_state, slots, prompts, partial)
+        state = self._replace(decode_state, slots)
+        for position, t in enumerate(prefix.prompt_ids):
+            self._write(state, slot, position, t)
+        return state
+
+    def set_pages(self, decode_state: MockState, pages) -> MockState:
+        self._check(decode_state)
+        pages = np.asarray(pages)
+        if pages.shape != (self.limits.max_concurrent_decodes, self.limits.max_pages):
+            raise AssertionError(f"block tables of shape {pages.shape}")
+        if pages.min() < 0 or pages.max() >= self.limits.num_pages:
+            raise AssertionError(f"a block table names a page outside the pool of {self.limits.num_pages}")
+        self.calls.append(("set_pages",))
+        state = self._replace(decode_state, decode_state.slots)
+        state.tables = {slot: tuple(int(p) for p in row) for slot, row in enumerate(pages)}
+        return state
+
+    def pages_of(self, decode_state: MockState, slot: int) -> tuple[int, ...]:
+        """The pages `slot`'s table names (its scratch entries left out)."""
+        return tuple(p for p in decode_state.tables.get(slot, ()) if p)
+
+    def _page(self, state: MockState, slot: int, position: int) -> int:
+        table = state.tables.get(slot, ())
+        column = position // self.limits.page_size
+        return table[column] if column < len(table) else 0
+
+    def _write(self, state: MockState, slot: int, position: int, token: int) -> None:
+        page = self._page(state, slot, position)
+        if page == 0:
+            raise AssertionError(f"slot {slot} writes position {position}, for which it holds no page")
+        state.pool.setdefault(page, {})[position % self.limits.page_size] = token
+
+    def _read(self, state: MockState, slot: int, length: int) -> tuple[int, ...]:
+        """The tokens at `slot`'s positions [0, length), as its pages hold them."""
+        out = []
+        for position in range(length):
+            page = self._page(state, slot, position)
+            token = state.pool.get(page, {}).get(position % self.limits.page_size) if page else None
+            if token is None:
+                raise AssertionError(f"slot {slot} reads position {position}, which no write reached")
+            out.append(token)
+        return tuple(out)
 
     def prefill_slots(
         self, params: dict, decode_state: MockState, rows: Sequence[PrefillRow]
@@ -221,21 +280,26 @@ class MockEngine:
         self._check(decode_state)
         self._check_rows(decode_state, rows)
         self.calls.append(("prefill_slots", tuple((r.slot, r.start, len(r.tokens), r.final) for r in rows)))
-        slots, prompts, partial = dict(decode_state.slots), dict(decode_state.prompts), dict(decode_state.partial)
+        state = MockState(dict(decode_state.slots), decode_state.tables, decode_state.pool)
         firsts: list[int | None] = []
         for row in rows:
-            prompt = partial.pop(row.slot, ()) + tuple(int(t) for t in row.tokens)
-            prompts[row.slot] = prompt
+            prompt = self._read(state, row.slot, row.start) + tuple(int(t) for t in row.tokens)
+            for position in range(row.start, len(prompt)):
+                self._write(state, row.slot, position, prompt[position])
             if not row.final:
-                partial[row.slot] = prompt
                 firsts.append(None)
                 continue
-            self.limits.check(len(prompt), row.sampling)
-            first = (prompt[-1] + 1) % self.vocab_size
-            if not finishes_at_first_token(first, row.sampling):
-                slots[row.slot] = _Slot(first, len(prompt), 1, row.sampling)
+            if row.generated:  # a preempted sequence's next token, as generate would give it
+                first = self.next_token(prompt[-1], row.sampling)
+            else:
+                self.limits.check(len(prompt), row.sampling)
+                first = (prompt[-1] + 1) % self.vocab_size
+            generated = row.generated + 1
+            if not (first in row.sampling.stop_ids or generated >= row.sampling.max_tokens):
+                state.slots[row.slot] = _Slot(first, len(prompt), generated, row.sampling)
             firsts.append(first)
-        return self._replace(decode_state, slots, prompts, partial), tuple(firsts)
+        decode_state.replaced = True  # only once the call went through: a refused call keeps its state
+        return state, tuple(firsts)
 
     def _check_rows(self, state: MockState, rows: Sequence[PrefillRow]) -> None:
         limits = self.limits
@@ -251,37 +315,13 @@ class MockEngine:
                 raise AssertionError(f"a chunk prefilled into slot {row.slot}, which is decoding")
             if not 0 < len(row.tokens) <= limits.prefill_chunk_size:
                 raise AssertionError(f"a chunk of {len(row.tokens)} tokens (1..{limits.prefill_chunk_size})")
-            if row.start != len(state.partial.get(row.slot, ())):
-                raise AssertionError(
-                    f"slot {row.slot} holds {len(state.partial.get(row.slot, ()))} tokens of the prompt "
-                    f"it is prefilling, a chunk starts at {row.start}"
-                )
         padded = len(rows) * limits.bucket_for(max(len(r.tokens) for r in rows))
         if len(rows) > 1 and padded > limits.prefill_batch_tokens:
             raise AssertionError(f"{padded} padded tokens in a prefill_slots call ({limits.prefill_batch_tokens})")
 
     @property
-    def prefix_block_bytes(self) -> int:
+    def page_bytes(self) -> int:
         return self.block_bytes
-
-    def save_block(self, decode_state: MockState, slot: int, start: int) -> tuple[int, ...]:
-        self._check(decode_state, slot)
-        block = self.limits.prefix_block
-        held = decode_state.prompts.get(slot, ())
-        if start % block or start + block > len(held):
-            raise AssertionError(f"save_block at {start}: slot {slot} holds {len(held)} prompt tokens")
-        self.calls.append(("save_block", slot, start))
-        return held[start : start + block]
-
-    def load_blocks(self, decode_state: MockState, slot: int, blocks: Sequence[tuple[int, ...]]) -> MockState:
-        self._check(decode_state, slot)
-        if not blocks or any(len(b) != self.limits.prefix_block for b in blocks):
-            raise AssertionError(f"load_blocks of {[len(b) for b in blocks]} tokens (blocks of {self.limits.prefix_block})")
-        self.calls.append(("load_blocks", slot, len(blocks)))
-        slots = {i: s for i, s in decode_state.slots.items() if i != slot}
-        prompt = tuple(t for b in blocks for t in b)
-        prompts, partial = {**decode_state.prompts, slot: prompt}, {**decode_state.partial, slot: prompt}
-        return self._replace(decode_state, slots, prompts, partial)
 
     def generate(
         self,
@@ -314,8 +354,10 @@ class MockEngine:
             i: _Slot(s.token, s.position, s.generated, s.sampling, s.choice)
             for i, s in decode_state.slots.items()
         }
+        state = self._replace(decode_state, slots)
         for step in range(steps):
             for index, s in list(slots.items()):
+                self._write(state, index, s.position, s.token)  # the fed token, where the engine writes it
                 token = self.next_token(s.token, s.sampling, s.choice)
                 s.token = allowed(token, None if masks is None else masks[index], self.vocab_size)
                 s.generated += 1
@@ -329,7 +371,7 @@ class MockEngine:
                 if done[step, index]:
                     del slots[index]
         result = ResultTokens(tokens, valid, done, logprobs, top_ids, top)
-        return self._replace(decode_state, slots, decode_state.prompts, decode_state.partial), result
+        return state, result
 
     def verify(
         self, params: dict, decode_state: MockState, proposals, num_proposed, max_position: int | None = None,
@@ -345,8 +387,10 @@ class MockEngine:
         steps, total = proposals.shape[1] + 1, self.limits.max_concurrent_decodes
         tokens, valid, done = np.zeros((steps, total), np.int32), np.zeros((steps, total), bool), np.zeros((steps, total), bool)
         slots = {i: _Slot(s.token, s.position, s.generated, s.sampling, s.choice) for i, s in decode_state.slots.items()}
+        state = self._replace(decode_state, slots)
         for index, s in list(slots.items()):
             for step in range(steps):
+                self._write(state, index, s.position, s.token)
                 token = self.next_token(s.token, s.sampling, s.choice)
                 s.token, s.generated = token, s.generated + 1
                 tokens[step, index], valid[step, index] = token, True
@@ -358,15 +402,20 @@ class MockEngine:
                 if step >= num_proposed[index] or proposals[index, step] != token:
                     break  # the first wrong proposal: the rule's token stands in for it
         result = ResultTokens(tokens, valid, done)
-        return self._replace(decode_state, slots, decode_state.prompts, decode_state.partial), result
+        return state, result
+
+    def write_adapter(self, params: dict, slot: int, weights: LoraWeights) -> dict:
+        if slot < 1:
+            raise AssertionError(f"an adapter written into slot {slot} (slot 0 is the base model's)")
+        self.calls.append(("write_adapter", slot, weights.rank))
+        params.setdefault("lora", {})[slot] = weights
+        return params
 
     def free_resource(self, decode_state: MockState, slot: int) -> MockState:
         self._check(decode_state, slot)
         self.calls.append(("free_resource", slot))
         slots = {i: s for i, s in decode_state.slots.items() if i != slot}
-        prompts = {i: p for i, p in decode_state.prompts.items() if i != slot}
-        partial = {i: p for i, p in decode_state.partial.items() if i != slot}
-        return self._replace(decode_state, slots, prompts, partial)
+        return self._replace(decode_state, slots)
 
     # -- contract checks -----------------------------------------------------------------------
 
@@ -377,11 +426,7 @@ class MockEngine:
             raise AssertionError(f"slot {slot} out of range")
 
     @staticmethod
-    def _replace(
-        state: MockState,
-        slots: dict[int, _Slot],
-        prompts: dict[int, tuple[int, ...]],
-        partial: dict[int, tuple[int, ...]],
-    ) -> MockState:
+    def _replace(state: MockState, slots: dict[int, _Slot]) -> MockState:
+        """A new state with `slots`; the tables and the pool carry over (the device keeps them)."""
         state.replaced = True
-        return MockState(slots, prompts, partial)
+        return MockState(slots, state.tables, state.pool)

@@ -20,7 +20,7 @@ of those mesh axes is already taken by another dimension of the same array. The 
     lm_head [embed, vocab]     logits_dense                   embed_vocab, vocab
     norms [embed]              *_norm/scale                   norm
     layers axis (stacked)      scanned layers                 layers
-    KV cache [layers, slots, length, kv_heads, head_dim]      layers, cache_batch, cache_sequence,
+    KV pages [layers, pages, page_size, kv_heads, head_dim] layers, cache_batch, cache_sequence,
                                                               cache_heads, cache_kv
 
 A flattened dimension (heads x head_dim) keeps MaxText's two: its mesh axes are the heads' then the
@@ -91,6 +91,7 @@ class Numerics:
     # The params entries held in int8; None: those `quantization` quantizes (int8_entries). A
     # checkpoint stored in int8 says its own (a MaxText int8 checkpoint: the layers' matmuls only).
     int8: tuple[str, ...] | None = None
+    kv_quant_axis: str = "dkv"  # an int8 cache's scales per token and head (dkv) or per token
 
     @classmethod
     def of(cls, config: object, int8: tuple[str, ...] | None = None) -> Numerics:
@@ -103,6 +104,7 @@ class Numerics:
             normalize_rules(getattr(config, "logical_axis_rules", ())),
             bool(getattr(config, "replicate_quant_scale", False)),
             int8,
+            config.kv_quant_axis,
         )
 
     @property
@@ -158,7 +160,7 @@ class _Splitter:
     """Maps each leaf's logical names through the rules onto this mesh, and remembers where a
     dimension had to be replicated because its units do not divide."""
 
-    def __init__(self, cfg: ModelConfig, axes: Mapping[str, int], rules: Rules, slots: int, length: int):
+    def __init__(self, cfg: ModelConfig, axes: Mapping[str, int], rules: Rules, num_pages: int, page_size: int):
         self.axes, self.rules = axes, rules
         self.units = {
             "vocab": cfg.vocab_size,
@@ -174,8 +176,8 @@ class _Splitter:
             "cache_kv": cfg.head_dim,
             "mlp": cfg.mlp_dim,
             "layers": cfg.num_layers,
-            "cache_batch": slots,
-            "cache_sequence": length,
+            "cache_batch": num_pages,
+            "cache_sequence": page_size,
         }
         self.notes: dict[str, str] = {}
 
@@ -237,16 +239,18 @@ def mesh_axes_of(names: Sequence[Logical], rules: Rules) -> list[tuple[str, ...]
 
 
 def placement(
-    cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], slots: int, length: int
+    cfg: ModelConfig, numerics: Numerics, axes: Mapping[str, int], num_pages: int, page_size: int
 ) -> Placement:
-    """Shapes, dtypes and specs of the params (layers stacked) and of a cache of `slots` x `length`."""
+    """Shapes, dtypes and specs of the params (layers stacked) and of the KV cache's page pool:
+    `num_pages` pages of `page_size` positions (its pages split as MaxText's `cache_batch`, its
+    positions as `cache_sequence`)."""
     missing = [a for a in MESH_AXES if a not in axes]
     if missing:
         raise ValueError(f"mesh axes {missing} missing from {dict(axes)}")
     rules = numerics.logical_axis_rules or base_rules()
-    splitter = _Splitter(cfg, axes, rules, slots, length)
+    splitter = _Splitter(cfg, axes, rules, num_pages, page_size)
     params = _param_leaves(cfg, numerics, splitter)
-    cache = _cache_leaves(cfg, numerics, splitter, slots, length)
+    cache = _cache_leaves(cfg, numerics, splitter, num_pages, page_size)
     for note in splitter.notes.values():
         log.info("sharding: %s", note)
     return Placement(dict(axes), params, cache, tuple(splitter.notes.values()))
@@ -281,18 +285,19 @@ def _param_leaves(cfg: ModelConfig, numerics: Numerics, splitter: _Splitter) -> 
 
 
 def _cache_leaves(
-    cfg: ModelConfig, numerics: Numerics, splitter: _Splitter, slots: int, length: int
+    cfg: ModelConfig, numerics: Numerics, splitter: _Splitter, num_pages: int, page_size: int
 ) -> dict[Path, Leaf]:
-    """[layers, slots, length, kv_heads, head_dim] keys and values (int8 ones with [..., 1] scales)."""
+    """[layers, num_pages, page_size, kv_heads, head_dim] keys and values (int8 ones with [..., 1] scales)."""
     spec = splitter.spec(CACHE_NAMES)
-    shape = (cfg.num_layers, slots, length, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     if not numerics.quantize_kvcache:
         return {(n,): Leaf(shape, numerics.dtype, spec, CACHE_NAMES) for n in ("k", "v")}
     out = {(n,): Leaf(shape, "int8", spec, CACHE_NAMES) for n in ("k", "v")}
-    scale_spec = (*spec[:-1], ())
-    out.update(
-        {(n,): Leaf((*shape[:-1], 1), SCALE_DTYPE, scale_spec, CACHE_NAMES) for n in ("k_scale", "v_scale")}
-    )
+    if numerics.kv_quant_axis == "heads_and_dkv":  # one scale per token, on every chip of its pages
+        scale_shape, scale_spec = (*shape[:-2], 1, 1), (*spec[:-2], (), ())
+    else:  # one per token and kv head, split as the heads are
+        scale_shape, scale_spec = (*shape[:-1], 1), (*spec[:-1], ())
+    out.update({(n,): Leaf(scale_shape, SCALE_DTYPE, scale_spec, CACHE_NAMES) for n in ("k_scale", "v_scale")})
     return out
 
 

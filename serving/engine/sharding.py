@@ -22,9 +22,11 @@ def mesh_axes(mesh: Mesh) -> dict[str, int]:
     return {name: int(size) for name, size in mesh.shape.items()}
 
 
-def engine_placement(cfg: ModelConfig, numerics: Numerics, mesh: Mesh, slots: int, length: int) -> Placement:
-    """The partitioning of this engine's params and cache on `mesh` (logs where it replicates)."""
-    return placement(cfg, numerics, mesh_axes(mesh), slots, length)
+def engine_placement(
+    cfg: ModelConfig, numerics: Numerics, mesh: Mesh, num_pages: int, page_size: int
+) -> Placement:
+    """The partitioning of this engine's params and KV page pool on `mesh` (logs where it replicates)."""
+    return placement(cfg, numerics, mesh_axes(mesh), num_pages, page_size)
 
 
 def partition_spec(spec: Spec) -> P:

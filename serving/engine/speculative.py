@@ -42,8 +42,8 @@ from serving.engine.sampling import argmax, kept, sample, token_logprobs
 from serving.engine.sharding import replicated
 from serving.engine.state import RECENT, DecodeState, SlotSampling, TokenHistory, is_stop
 from serving.lora import stack as lora_stack
-from serving.models import KVCache, prefill
-from serving.models.cache import store_chunks
+from serving.models import prefill
+from serving.models.cache import SCRATCH_PAGE, gather_history, store_chunks
 from serving.request import MAX_LOGPROBS
 
 
@@ -106,10 +106,10 @@ def verify_tokens(
 class Speculative:
     """verify (see the module docstring)."""
 
-    def _init_speculative(self, static: dict) -> None:
+    def _init_speculative(self, static: dict, verify_warmup: tuple[int, int] | None) -> None:
         # (k, the most decoding slots that speculate): the verify shapes the warmup compiles
-        # (None: the server does not speculate); set by whoever turns speculation on.
-        self.verify_warmup: tuple[int, int] | None = None
+        # (None: the server does not speculate); the engine's constructor takes it.
+        self.verify_warmup = verify_warmup
         self._verify_fn = jax.jit(
             partial(self._verify_impl, static=static),
             donate_argnums=(1,),
@@ -164,13 +164,14 @@ class Speculative:
         k = proposals.shape[1]
         state = jax.tree.map(lambda x: x[:num_slots], full._replace(cache=None, history=None))
         proposals, num_proposed = proposals[:num_slots], num_proposed[:num_slots]
-        starts = jnp.minimum(state.positions, max_len - 1)
+        # an inactive row starts at 0: it attends to no cached position (its writes go to scratch)
+        starts = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
         fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
-        # rows [0, num_slots) of the cache, positions [0, window): a slice, no gather
-        history = KVCache(*(None if c is None else c[:, :num_slots, :window] for c in full.cache))
+        # rows [0, num_slots), positions [0, window), through their block tables
+        history = gather_history(full.cache, state.pages, window)
         logits, kv = prefill(
             params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, history=history,
-            quantized_kv=full.cache.quantized, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
+            quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
         )
         vocab = logits.shape[-1]
         logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
@@ -185,7 +186,9 @@ class Speculative:
         valid, done = _emitted(tokens, accepted, state, starts, max_len)
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
         last = tokens[jnp.arange(num_slots), jnp.maximum(count - 1, 0)]
-        rows = jnp.where(state.active, jnp.arange(num_slots), total)  # an inactive row's KV is dropped
+        # an inactive row's KV goes to the scratch page; an active row's k + 1 positions are in
+        # pages the scheduler gave it (rejected proposals' positions are written again later)
+        writes = jnp.where(state.active[:, None], state.pages, SCRATCH_PAGE)
         wants = jnp.any(state.active & state.sampling.logprobs)
         chosen, top_ids, top = _logprobs(logits, tokens, sampling.temperature, wants)
         result = ResultTokens(*(_steps_first(x, total) for x in (tokens, valid, done, chosen, top_ids, top)))
@@ -194,7 +197,8 @@ class Speculative:
             return whole.at[:num_slots].set(part)
 
         new_state = DecodeState(
-            cache=store_chunks(full.cache, kv, rows, starts),
+            cache=store_chunks(full.cache, kv, writes, starts),
+            pages=full.pages,
             tokens=back(full.tokens, jnp.where(count > 0, last, state.tokens)),
             positions=back(full.positions, jnp.where(state.active, starts + count, state.positions)),
             generated=back(full.generated, state.generated + count),

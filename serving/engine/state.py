@@ -71,10 +71,12 @@ class Prefix(NamedTuple):
 
 class DecodeState(NamedTuple):
     """Every slot's sequence: free, being prefilled in chunks (inactive, its position parked at
-    max_target_length - 1, where a generate call's writes of an inactive row harm nothing), or
-    active."""
+    max_target_length - 1; a generate call writes an inactive row's token into the scratch page),
+    or active. Its positions live in the pages its block table names (serving.models.cache); the
+    scheduler decides the tables, the executor writes them here before each turn's calls."""
 
-    cache: KVCache  # [layers, slots, max_target_length, kv_heads, head_dim]
+    cache: KVCache  # the page pool [layers, num_pages, page_size, kv_heads, head_dim]
+    pages: jax.Array  # int32 [slots, max_pages]: each slot's block table (0: the scratch page)
     tokens: jax.Array  # int32 [slots]: last token, fed at the next step
     positions: jax.Array  # int32 [slots]: where `tokens` is written at the next step
     generated: jax.Array  # int32 [slots]: tokens produced so far (the first one included)

@@ -24,16 +24,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("serving.engine.engine")
 
 
-def warmup(engine: Engine, params: dict) -> float:
+def warmup(engine: Engine, params: dict) -> tuple[float, BackgroundWarmup | None]:
     """Compile what serving runs: every whole-prefill bucket and insert; every prefill_slots shape of
     fresh prompts (rows x length within the per-call budget) and, for every row count whose full
     chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
     at once); a prefix block's save and load; generate for every slot bucket and attention window.
-    Returns the seconds spent. Then, unless `enable_background_warmup` is off, starts
-    `engine.background_warmup` (`BackgroundWarmup`), which compiles the partial chunks after cached
-    positions (a prefix hit's rest, a long prompt's last chunk: rows x length at every history
-    window, minutes of compiling in all) at the lowest CPU priority while the server serves; a call
-    that comes before its shape is done compiles it then."""
+    Then, unless `enable_background_warmup` is off, starts a `BackgroundWarmup`, which compiles the
+    partial chunks after cached positions (a prefix hit's rest, a long prompt's last chunk: rows x
+    length at every history window, minutes of compiling in all) at the lowest CPU priority while
+    the server serves; a call that comes before its shape is done compiles it then. Returns the
+    seconds spent and that background warmup (None when off), which the engine keeps as its
+    `background_warmup` (Engine.warmup)."""
     start = time.perf_counter()
     limits = engine.limits
     state = engine.init_decode_state()
@@ -59,8 +60,6 @@ def warmup(engine: Engine, params: dict) -> float:
                 batch = [PrefillRow(i, (1,) * chunk, at, True, probe) for i in range(rows)]
                 state, _ = engine.prefill_slots(params, state, batch)
                 shapes += 1
-    if limits.prefix_block <= limits.max_target_length:  # a prefix block kept, then loaded back
-        state = engine.load_blocks(state, 0, [engine.save_block(state, 0, 0)])
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
     steps = engine.config.decode_steps_per_call
@@ -77,7 +76,7 @@ def warmup(engine: Engine, params: dict) -> float:
         for rows in engine.row_buckets
         if fits(rows, length)
     ]
-    engine.background_warmup = start_background(engine, params, state, rest)
+    background = start_background(engine, params, state, rest)
     seconds = time.perf_counter() - start
     log.info(
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
@@ -89,7 +88,7 @@ def warmup(engine: Engine, params: dict) -> float:
         len(engine.windows),
         seconds,
     )
-    return seconds
+    return seconds, background
 
 
 def start_background(engine: Engine, params: dict, state, shapes: list[tuple[int, int, int]]) -> BackgroundWarmup | None:

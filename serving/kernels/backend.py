@@ -41,10 +41,10 @@ class CpuKernelOps(XlaOps):
         out = self.matmul(x, weight)
         return tuple(jnp.split(out, _running_sums(list(weight.parts[:-1])), axis=-1))
 
-    def decode_attention(self, q, cache: KVCache, layer, positions, k_new, v_new, window):
+    def decode_attention(self, q, cache: KVCache, layer, positions, k_new, v_new, window, pages):
         if not self.reads_cache_in_place_for(cache.k.dtype, q):
-            return super().decode_attention(q, cache, layer, positions, k_new, v_new, window)
-        out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new)
+            return super().decode_attention(q, cache, layer, positions, k_new, v_new, window, pages)
+        out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new, pages)
         return out[:, None].astype(q.dtype)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
@@ -80,11 +80,22 @@ def _running_sums(sizes: list[int]) -> list[int]:
 
 
 def select(
-    cpu_kernels: str, quantization: str, weight_dtype: str, devices: list
+    cpu_kernels: str, quantization: str, weight_dtype: str, devices: list, pages_per_compute_block: int = 4
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
+    On TPUs (every device a TPU) decode attention runs JAX's Pallas paged-attention kernel
+    (serving.kernels.tpu_paged), or XLA's where that does not import; `cpu_kernels` names the CPU
+    kernels, so only `on` changes that (it raises there, as on any device but one CPU).
     `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops."""
+    if cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices):
+        try:
+            from serving.kernels.tpu_paged import PallasPagedOps
+        except ImportError as error:
+            log.info("decode attention uses XLA's; the Pallas kernel did not import (%s)", error)
+            return XLA
+        log.info("decode attention runs JAX's Pallas paged-attention kernel on %d TPUs", len(devices))
+        return PallasPagedOps(pages_per_compute_block=pages_per_compute_block)
     if cpu_kernels == "off":
         return XLA
     reason = weights_unsupported(quantization, weight_dtype)

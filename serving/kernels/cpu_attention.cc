@@ -5,14 +5,18 @@
 //
 // Why: on XLA:CPU each layer of a decode step sliced its layer and attention window out of the
 // cache (a copy of every slot's window, live or not) before attending, which cost more than the
-// matmuls at batch 32. Here each (slot, kv head) reads its own layer's keys and values where they
+// matmuls at batch 32. Here each (row, kv head) reads its own layer's keys and values where they
 // lie, and only the positions before the token: lengths[b] of them, then the token's own key and
 // value (not yet in the cache).
 //
-// Layout: q [B, kv_heads, groups, head_dim]; cache [layers, S, T, kv_heads, head_dim] float32, or
-// int8 with scales [layers, S, T, kv_heads, 1], S >= B (query b reads cache row b: a decode over
-// the first B slots); k_new, v_new [B, kv_heads, head_dim]; out like q.
-// head_dim is a multiple of 16 and groups at most kMaxGroups (checked in Python and here).
+// Layout: q [B, kv_heads, groups, head_dim]; the cache is a page pool k, v [layers, pages,
+// page_size, kv_heads, head_dim] float32, or int8 with scales [layers, pages, page_size, kv_heads,
+// 1]; the block table pages [B, max_pages] says where each row's positions lie: position t of row b
+// is token pages[b, t / page_size] * page_size + t % page_size of the layer (page 0 is a scratch
+// page; unused entries are 0). lengths[B] is clamped to max_pages * page_size; k_new, v_new [B,
+// kv_heads, head_dim]; out like q. A contiguous cache is the case page_size = T, pages[b] = [b].
+// head_dim is a multiple of 16 and groups one of the kernel's (checked in Python and here); every
+// table entry is a page of the pool (checked here: an entry past it would read outside the pool).
 
 #include <immintrin.h>
 
@@ -33,8 +37,60 @@ namespace {
 
 using pathserve::Lanes;
 
-constexpr int kMaxGroups = 16;
 constexpr int64_t kAhead = 8;  // positions between a prefetch and the scores that use it
+
+// The shapes the handlers read (CheckLayout holds them), and the layer asked for.
+struct Layout {
+  int64_t batch, kv_heads, groups, head_dim, num_pages, page_size, max_pages, layer;
+};
+
+bool SupportedGroups(int64_t g) { return (g >= 1 && g <= 8) || g == 12 || g == 16; }
+
+ffi::Error Invalid(const std::string& why) { return ffi::Error::InvalidArgument("decode_attention: " + why); }
+
+// Checks the shapes, the layer and every entry of the block table, before anything is read.
+ffi::ErrorOr<Layout> CheckLayout(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
+                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
+                                 ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                 ffi::Buffer<ffi::S32> pages) {
+  const auto pd = pages.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
+      kd[2] < 1 || kd[3] != qd[1] || kd[4] != qd[3] || pd[0] != qd[0] || qd[3] % 16 != 0 || !SupportedGroups(qd[2]) ||
+      static_cast<int64_t>(lengths.element_count()) != qd[0] ||
+      static_cast<int64_t>(k_new.element_count()) != qd[0] * qd[1] * qd[3] ||
+      static_cast<int64_t>(v_new.element_count()) != qd[0] * qd[1] * qd[3]) {
+    return ffi::Unexpected(
+        Invalid("expected q[B, kv, groups, head_dim] with head_dim a multiple of 16, a page pool [layers, pages, "
+                "page_size, kv, head_dim], pages[B, max_pages], lengths[B], k_new and v_new [B, kv, head_dim]"));
+  }
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= kd[0]) {
+    return ffi::Unexpected(Invalid("layer " + std::to_string(index) + " of " + std::to_string(kd[0])));
+  }
+  const int32_t* table = pages.typed_data();
+  for (int64_t i = 0; i < pd[0] * pd[1]; ++i) {
+    if (table[i] < 0 || table[i] >= kd[1]) {
+      return ffi::Unexpected(Invalid("pages[" + std::to_string(i / pd[1]) + ", " + std::to_string(i % pd[1]) +
+                                     "] = " + std::to_string(table[i]) + " is not a page of the pool's " +
+                                     std::to_string(kd[1])));
+    }
+  }
+  return Layout{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], pd[1], index};
+}
+
+// An int8 pool's scales, MaxText's kv_quant_axis layouts: one per token and kv head (dkv),
+// [layers, pages, page_size, kv, 1], or one per token (heads_and_dkv), [layers, pages, page_size, 1, 1].
+// Returns the scales per token.
+ffi::ErrorOr<int64_t> CheckScales(ffi::Span<const int64_t> kd, ffi::Buffer<ffi::F32> k_scale,
+                                  ffi::Buffer<ffi::F32> v_scale) {
+  const auto sd = k_scale.dimensions();
+  const auto vd = v_scale.dimensions();
+  if (kd.size() != 5 || sd.size() != 5 || !std::equal(sd.begin(), sd.end(), vd.begin(), vd.end()) || sd[0] != kd[0] ||
+      sd[1] != kd[1] || sd[2] != kd[2] || (sd[3] != kd[3] && sd[3] != 1) || sd[4] != 1) {
+    return ffi::Unexpected(Invalid("int8 pool scales must be [layers, pages, page_size, kv or 1, 1]"));
+  }
+  return sd[3];
+}
 
 // Polynomial for 2^f, |f| <= 1/2, degree 6 (relative error about 2e-7), highest power first.
 constexpr float kExp2[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
@@ -166,46 +222,40 @@ PATHSERVE_TARGET inline float ExpAndSum(float* s, int64_t n) {
 
 ffi::Error F32DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
-                              ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                              ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                               ffi::ResultBuffer<ffi::F32> out) {
-  return avx512::Attend<float>(pool, q, k, v, nullptr, nullptr, layer, lengths, k_new, v_new, out);
+  return avx512::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, out);
 }
 
 ffi::Error Int8DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
-                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                                ffi::ResultBuffer<ffi::F32> out) {
-  const auto cd = k.dimensions();
-  const int64_t expected = cd.size() == 5 ? cd[0] * cd[1] * cd[2] * cd[3] : -1;
-  if (static_cast<int64_t>(k_scale.element_count()) != expected ||
-      static_cast<int64_t>(v_scale.element_count()) != expected) {
-    return ffi::Error::InvalidArgument("decode_attention: int8 cache scales must be [layers, B, T, kv, 1]");
-  }
-  return avx512::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), layer, lengths, k_new,
-                                v_new, out);
+  const auto scale_heads = CheckScales(k.dimensions(), k_scale, v_scale);
+  if (scale_heads.has_error()) return scale_heads.error();
+  return avx512::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), scale_heads.value(), layer,
+                                lengths, k_new,
+                                v_new, pages, out);
 }
 
 ffi::Error F32DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
-                                  ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                  ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                                   ffi::ResultBuffer<ffi::F32> out) {
-  return avx2::Attend<float>(pool, q, k, v, nullptr, nullptr, layer, lengths, k_new, v_new, out);
+  return avx2::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, out);
 }
 
 ffi::Error Int8DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                    ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
-                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
                                    ffi::ResultBuffer<ffi::F32> out) {
-  const auto cd = k.dimensions();
-  const int64_t expected = cd.size() == 5 ? cd[0] * cd[1] * cd[2] * cd[3] : -1;
-  if (static_cast<int64_t>(k_scale.element_count()) != expected ||
-      static_cast<int64_t>(v_scale.element_count()) != expected) {
-    return ffi::Error::InvalidArgument("decode_attention: int8 cache scales must be [layers, B, T, kv, 1]");
-  }
-  return avx2::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), layer, lengths, k_new,
-                              v_new, out);
+  const auto scale_heads = CheckScales(k.dimensions(), k_scale, v_scale);
+  if (scale_heads.has_error()) return scale_heads.error();
+  return avx2::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), scale_heads.value(), layer,
+                              lengths, k_new,
+                              v_new, pages, out);
 }
 
 }  // namespace
@@ -220,6 +270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32DecodeAttention, F32DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pages
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttention, Int8DecodeAttention,
@@ -234,6 +285,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttention, Int8DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pages
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32DecodeAttentionAvx2, F32DecodeAttentionAvx2,
@@ -246,6 +298,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32DecodeAttentionAvx2, F32DecodeAttentio
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pages
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttentionAvx2, Int8DecodeAttentionAvx2,
@@ -260,4 +313,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttentionAvx2, Int8DecodeAttent
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pages
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -30,18 +30,27 @@ def decode_attention(
     lengths: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
+    pages: jax.Array,
     isa: str | None = None,
 ) -> jax.Array:
-    """Attention of q [batch, kv_heads, groups, head_dim] over layer `layer` of the cache
-    k, v [layers, rows >= batch, cache, kv_heads, head_dim] (int8 with scales [..., 1], or
-    float32), positions [0, lengths[b]) of cache row b for b < batch, then the token's own k_new, v_new [batch, kv_heads,
-    head_dim]. float32 [batch, kv_heads, groups, head_dim]; the cache is read in place. The handler
-    follows library.status().isa (`isa` "avx2": the AVX2 one on an AVX-512 CPU too, for tests)."""
+    """One decode step's attention over layer `layer` of a paged KV cache, read in place.
+
+    q: [batch, kv_heads, groups, head_dim]. k, v: the page pool [layers, num_pages, page_size,
+    kv_heads, head_dim], float32, or int8 with k_scale, v_scale [layers, num_pages, page_size,
+    kv_heads, 1] (None for float32). pages: the block table, int32 [batch, max_pages]: position t
+    of row b lies in page pages[b, t // page_size] at offset t % page_size (page 0 is the scratch
+    page; unused entries are 0, and every entry must be in [0, num_pages) or the call fails).
+    lengths: [batch]; row b attends to its positions [0, lengths[b]) (clamped to max_pages *
+    page_size), then to its own k_new, v_new [batch, kv_heads, head_dim], not yet in the cache.
+    Returns float32 [batch, kv_heads, groups, head_dim], scaled by 1/sqrt(head_dim).
+
+    The handler follows library.status().isa (`isa` "avx2": the AVX2 one on an AVX-512 CPU too,
+    for tests)."""
     library.require()
     avx512 = (isa or library.status().isa) == "avx512"
     result = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     args = (jnp.asarray(layer, jnp.int32), lengths.astype(jnp.int32))
-    new = (k_new.astype(jnp.float32), v_new.astype(jnp.float32))
+    new = (k_new.astype(jnp.float32), v_new.astype(jnp.float32), pages.astype(jnp.int32))
     q = q.astype(jnp.float32)
     if k_scale is None:
         return jax.ffi.ffi_call(F32_TARGET if avx512 else F32_AVX2_TARGET, result)(q, k, v, *args, *new)

@@ -1,19 +1,23 @@
 """Which LoRA adapters the server knows, which are in host memory and which hold a device slot.
 
-Plain Python over two callables, so the policy is tested without a device:
-`read(path) -> LoraWeights` (storage -> host, validated against the base model) and
-`write(slot, weights, path)` (host -> device slot `slot`, 1..max_loras; slot 0 is the base model;
-`path` for a multi-host leader, whose followers read the adapter themselves).
+Plain Python over one callable, so the policy is tested without a device: `read(path) ->
+LoraWeights` (storage -> host, validated against the base model). The registry never writes the
+device: a slot it gives an adapter comes with an `AdapterLoad`, plain data (the slot, the adapter's
+name, load version and path) that the device loop puts into its next `StepPlan`, and the executor
+writes the adapter there before the plan's prefills (serving.orchestrator.executor).
 
 1. `load(name, path)` (any thread: start-up, the HTTP and gRPC fronts) reads the adapter into host
    memory and makes it known. `unload(name)` forgets it at once for new requests; requests running
    with it keep its device slot until they finish.
-2. `acquire(name, count)` (the device loop, admitting a request of `count` choices) gives the
-   adapter's device slot, writing it there first if it is not resident: into a free slot, else into
-   the least recently used slot no running request holds. None when every slot is held: the request
-   waits (it is never refused for that). A host copy dropped by the host LRU is read from storage
-   again. `release(name)` when each choice finishes.
-3. Host copies: at most `max_cpu_loras`, least recently used dropped first (its path is kept).
+2. `acquire(name, count)` (the device loop, admitting a request of `count` choices, under the
+   orchestrator's submitters' lock: so it reads nothing and writes nothing, it only decides) gives
+   the adapter's device slot: its own if resident, else a free slot, else the least recently used
+   slot no running request holds, with the `AdapterLoad` that writes it there. None when every slot
+   is held: the request waits (it is never refused for that). `release(name)` when each choice
+   finishes.
+3. `weights(load)` (the device loop, executing the plan; no lock held while it reads) is the
+   adapter's host copy, read from storage again when the host LRU dropped it.
+4. Host copies: at most `max_cpu_loras`, least recently used dropped first (its path is kept).
 
 Every load gets a new `version`: the prefix cache keys KV by (adapter, version), so an adapter
 unloaded and loaded again under the same name never reuses the old one's KV.
@@ -25,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from serving.lora.errors import AdapterError, UnknownAdapterError
 from serving.lora.peft import LoraWeights
@@ -45,6 +50,28 @@ class Adapter:
     unloaded: bool = False
     last_access: float = field(default_factory=time.time)
     requests: int = 0  # requests admitted with it
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """Write adapter `name` (its load `version`, stored at `path`) into device slot `slot`: a device
+    write the plan carries (serving.orchestrator.plan), so that on a multi-host slice every process
+    executes it at the same point of the same plan. Names, not weights: each process reads the
+    weights itself (process 0 from its host copy, the others from `path`, which every process reads
+    alike: gs:// or a shared path), and a plan stays a few hundred bytes."""
+
+    slot: int
+    name: str
+    version: int
+    path: str
+
+
+class Acquired(NamedTuple):
+    """An adapter's device slot for a request; `load` when the adapter is not there yet."""
+
+    slot: int
+    version: int
+    load: AdapterLoad | None = None
 
 
 # Per-adapter request counts in /metrics: the most requested this many by name, the rest as one
@@ -84,13 +111,12 @@ class AdapterRegistry:
     def __init__(
         self,
         read: Callable[[str], LoraWeights],
-        write: Callable[[int, LoraWeights, str], None],
         max_loras: int,
         max_cpu_loras: int,
     ):
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
-        self._read, self._write = read, write
+        self._read = read
         self.max_loras, self.max_cpu_loras = max_loras, max(max_cpu_loras, max_loras)
         self._lock = threading.Lock()
         self._counts_lock = threading.Lock()  # `load` reads outside `_lock`
@@ -158,32 +184,45 @@ class AdapterRegistry:
 
     # -- the device loop -----------------------------------------------------------------------
 
-    def acquire(self, name: str, count: int = 1) -> tuple[int, int] | None:
-        """(device slot, version) of `name` for `count` more running requests, written to the device
-        if it was not there; None when every slot is held by running requests. UnknownAdapterError
-        if it was unloaded meanwhile."""
+    def acquire(self, name: str, count: int = 1) -> Acquired | None:
+        """`name`'s device slot and version for `count` more running requests, with the
+        `AdapterLoad` that writes it there when it is not resident; None when every slot is held by
+        running requests. UnknownAdapterError if it was unloaded meanwhile. Reads and writes
+        nothing: the caller holds a lock that submitters take."""
         with self._lock:
             adapter = self._adapters.get(name)
             if adapter is None:
                 raise UnknownAdapterError(name)
+            load = None
             if not adapter.slot:
                 slot = self._free_slot()
                 if slot is None:
                     return None
-                weights = adapter.weights
-                if weights is None:  # dropped from host memory: read it again
-                    weights, adapter.load_seconds = self._timed_read(adapter.path)
-                    adapter.weights = weights
-                self._write(slot, weights, adapter.path)
                 previous = self._slots[slot]
                 if previous is not None:
                     previous.slot = 0
                 self._slots[slot], adapter.slot = adapter, slot
+                load = AdapterLoad(slot, adapter.name, adapter.version, adapter.path)
             adapter.refs += count
             adapter.requests += 1
             adapter.last_access = time.time()
-            self._trim_host()
-            return adapter.slot, adapter.version
+            return Acquired(adapter.slot, adapter.version, load)
+
+    def weights(self, load: AdapterLoad) -> LoraWeights:
+        """The weights `load` writes: the adapter's host copy, read from storage first (no lock
+        held) when the host LRU dropped it or it was unloaded since."""
+        with self._lock:
+            adapter = self._slots[load.slot]
+            if adapter is None or (adapter.name, adapter.version) != (load.name, load.version):
+                adapter = None  # released and unloaded already: nothing runs with it
+            elif adapter.weights is not None:
+                return adapter.weights
+        weights, seconds = self._timed_read(load.path)
+        with self._lock:
+            if adapter is not None and not adapter.unloaded:
+                adapter.weights, adapter.load_seconds = weights, seconds
+                self._trim_host()
+        return weights
 
     def release(self, name: str, version: int) -> None:
         """One running request (choice) of `name`'s load `version` finished."""

@@ -1,5 +1,6 @@
-"""The adapters of a running server: the registry over the engine's params, with the adapters of
-lora_input_adapters_path loaded at start-up."""
+"""The adapters of a running server: the registry, with the adapters of lora_input_adapters_path
+loaded at start-up, and where each process's device loop gets the weights of an `AdapterLoad` its
+plan carries (process 0: the registry's host copies; a multi-host follower: storage)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,17 @@ from serving.checkpoints import storage
 from serving.config import LoraConfig
 from serving.lora.errors import AdapterError
 from serving.lora.peft import CONFIG_FILE, LoraWeights, read_adapter
-from serving.lora.registry import AdapterRegistry
-from serving.lora.stack import write_slot
+from serving.lora.registry import AdapterLoad, AdapterRegistry
 from serving.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-def make_registry(
-    config: LoraConfig, model: ModelConfig, params: dict, write: Callable[[int, LoraWeights, str], None] | None = None
-) -> AdapterRegistry:
-    """A registry writing into params["lora"] (serving.lora.stack), with every adapter directory
-    of config.lora_input_adapters_path loaded (named by its directory). `write`: instead of
-    writing into `params` directly (a multi-host leader also tells its followers)."""
+def make_registry(config: LoraConfig, model: ModelConfig) -> AdapterRegistry:
+    """A registry reading adapters for `model`, with every adapter directory of
+    config.lora_input_adapters_path loaded (named by its directory)."""
     registry = AdapterRegistry(
         read=partial(read_adapter, cfg=model, max_rank=config.max_lora_rank),
-        write=write or (lambda slot, weights, path: write_slot(params, slot, weights)),
         max_loras=config.max_loras,
         max_cpu_loras=config.max_cpu_loras,
     )
@@ -41,6 +37,11 @@ def make_registry(
     return registry
 
 
-def write_from_storage(params: dict, slot: int, path: str, model: ModelConfig, max_rank: int) -> None:
-    """A multi-host follower's copy of its leader's adapter write: read `path`, write slot `slot`."""
-    write_slot(params, slot, read_adapter(path, model, max_rank))
+def storage_reader(config: LoraConfig, model: ModelConfig) -> Callable[[AdapterLoad], LoraWeights]:
+    """A multi-host follower's weights for its leader's adapter loads: each read from its path
+    (the follower keeps no host copies; process 0 reads its registry's)."""
+
+    def read(load: AdapterLoad) -> LoraWeights:
+        return read_adapter(load.path, model, config.max_lora_rank)
+
+    return read

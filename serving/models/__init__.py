@@ -15,7 +15,7 @@ _EXPORTS = {
     "RopeScaling": "serving.models.config",
     "KVCache": "serving.models.cache",
     "decode_step": "serving.models.llama",
-    "init_cache": "serving.models.cache",
+    "init_pool": "serving.models.cache",
     "init_params": "serving.models.llama",
     "prefill": "serving.models.llama",
     "store_prefix": "serving.models.cache",

@@ -1,4 +1,14 @@
-"""The KV cache: preallocated keys and values per layer, float or int8 with per-token scales."""
+"""The KV cache: a pool of pages shared by every sequence, float or int8 with per-token scales.
+
+Every layer holds `num_pages` pages of `page_size` positions; page i is the same index in every
+layer (one table serves them all). A sequence's positions live wherever its block table says:
+row b's position t is at page `pages[b, t // page_size]`, offset `t % page_size`. Page 0 is
+scratch: no sequence keeps anything in it, unused table entries and rows that must write nowhere
+(padding rows, parked slots) point at it, so a write there harms nothing and a read of it is masked.
+
+Reads gather whole pages ([rows, pages read, page_size, ...] and reshaped to positions), so
+attention code sees a row's positions in order, as a contiguous cache would give them.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +18,18 @@ import jax
 import jax.numpy as jnp
 
 from serving.models.config import ModelConfig
+from serving.models.paging import SCRATCH_PAGE, dedicated_pages, pages_for
+
+__all__ = ["SCRATCH_PAGE", "KVCache", "dedicated_pages", "init_pool", "pages_for"]
 
 
 class KVCache(NamedTuple):
-    """Preallocated keys and values [layers, batch, cache, kv_heads, head_dim].
+    """Keys and values. As the page pool: [layers, num_pages, page_size, kv_heads, head_dim]; as a
+    prefill's output or gathered history: [layers, batch, seq, kv_heads, head_dim].
 
-    With an int8 cache, `k`/`v` hold int8 values and `k_scale`/`v_scale` [layers, batch, cache,
-    kv_heads, 1] one float scale per token and head; for a float cache the scales are None.
+    With an int8 cache, `k`/`v` hold int8 values and `k_scale`/`v_scale` float scales, MaxText's
+    kv_quant_axis layouts: [..., kv_heads, 1] one per token and head ("dkv"), or [..., 1, 1] one
+    per token ("heads_and_dkv"); for a float cache the scales are None.
     """
 
     k: jax.Array
@@ -26,15 +41,26 @@ class KVCache(NamedTuple):
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def scale_per_head(self) -> bool:
+        """An int8 cache's scales are per token and head (dkv), not per token (heads_and_dkv)."""
+        return self.k_scale is not None and (self.k_scale.shape[-2] > 1 or self.k.shape[-2] == 1)
 
-def init_cache(
-    cfg: ModelConfig, batch: int, length: int, dtype: jnp.dtype = jnp.float32, quantized: bool = False
+
+def init_pool(
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: jnp.dtype = jnp.float32,
+    quantized: bool = False,
+    scale_per_head: bool = True,
 ) -> KVCache:
-    """Zeroed cache for `batch` sequences of up to `length` tokens."""
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    """A zeroed pool of `num_pages` pages (page 0, scratch, included) of `page_size` positions;
+    int8 with scales per token and head (`scale_per_head`, kv_quant_axis=dkv) or per token."""
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     if not quantized:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    scale_shape = (*shape[:-1], 1)
+    scale_shape = (*shape[:-2], cfg.num_kv_heads if scale_per_head else 1, 1)
     return KVCache(
         jnp.zeros(shape, jnp.int8),
         jnp.zeros(shape, jnp.int8),
@@ -43,37 +69,87 @@ def init_cache(
     )
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per token and head over head_dim: x ~= values * scale."""
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+def quantize_kv(x: jax.Array, per_head: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of x [..., kv_heads, head_dim]: x ~= values * scale, one scale per token and
+    head over head_dim (`per_head`: MaxText's kv_quant_axis=dkv, scale [..., kv_heads, 1]) or per
+    token over heads and head_dim (heads_and_dkv, scale [..., 1, 1]). pathserve's numbers, not
+    MaxText's: scale = absmax / 127 in float32, values round(x / scale) clipped to +-127 (MaxText
+    stores the absmax in bfloat16 and values round(x * 127.5 / absmax)); the layouts are MaxText's."""
+    axes = -1 if per_head else (-2, -1)
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     values = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
     return values, scale
 
 
-def store_chunks(cache: KVCache, chunk: KVCache, rows: jax.Array, starts: jax.Array) -> KVCache:
-    """Write chunks' float KV [layers, batch, seq, kv_heads, head_dim] into cache rows `rows`
-    [batch] at positions starts[b] + 0..seq-1. A row index or position past the cache is dropped
-    (padding rows of a batch carry an out-of-range row)."""
+def token_index(pages: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """Flat index into a layer's [num_pages * page_size] positions of rows' `positions`
+    [batch, n] through their tables `pages` [batch, max_pages]; a position past the table is the
+    scratch page's."""
+    max_pages = pages.shape[1]
+    column = positions // page_size
+    page = jnp.take_along_axis(pages, jnp.clip(column, 0, max_pages - 1), axis=1)
+    page = jnp.where((column >= 0) & (column < max_pages), page, SCRATCH_PAGE)
+    return page * page_size + positions % page_size
+
+
+def _flat(c: jax.Array) -> jax.Array:
+    """[layers, pages, page_size, ...] as [layers, pages * page_size, ...] (a free reshape)."""
+    return c.reshape(c.shape[0], c.shape[1] * c.shape[2], *c.shape[3:])
+
+
+def _scatter(cache: KVCache, index: jax.Array, values: tuple) -> KVCache:
+    """Write values [layers, *index.shape, ...] at flat positions `index` of every layer."""
+    out = []
+    for c, x in zip(cache, values, strict=True):
+        if c is None:
+            out.append(None)
+            continue
+        out.append(_flat(c).at[:, index].set(x.astype(c.dtype)).reshape(c.shape))
+    return KVCache(*out)
+
+
+def _stored(kv: KVCache, cache: KVCache) -> tuple:
+    """Float KV as `cache` holds it: (k, v, None, None), or int8 values with scales in its layout."""
+    if not cache.quantized:
+        return (kv.k, kv.v, None, None)
+    per_head = cache.scale_per_head
+    (kq, ks), (vq, vs) = quantize_kv(kv.k, per_head), quantize_kv(kv.v, per_head)
+    return (kq, vq, ks, vs)
+
+
+def store_chunks(cache: KVCache, chunk: KVCache, pages: jax.Array, starts: jax.Array) -> KVCache:
+    """Write chunks' float KV [layers, batch, seq, kv_heads, head_dim] at positions
+    starts[b] + 0..seq-1 of the rows whose tables are `pages` [batch, max_pages] (a padding row's
+    table is all scratch)."""
     seq = chunk.k.shape[2]
-    where = (rows[:, None], starts[:, None] + jnp.arange(seq)[None, :])  # [batch, seq] each
-    if cache.quantized:
-        (kq, ks), (vq, vs) = quantize_kv(chunk.k), quantize_kv(chunk.v)
-        values = (kq, vq, ks, vs)
-    else:
-        values = (chunk.k, chunk.v, None, None)
-    return KVCache(
-        *(
-            None if c is None else c.at[:, where[0], where[1]].set(x.astype(c.dtype), mode="drop")
-            for c, x in zip(cache, values, strict=True)
-        )
-    )
+    index = token_index(pages, starts[:, None] + jnp.arange(seq)[None, :], cache.k.shape[2])  # [batch, seq]
+    return _scatter(cache, index, _stored(chunk, cache))
 
 
-def gather_history(cache: KVCache, rows: jax.Array, window: int) -> KVCache:
-    """Cache rows `rows` [batch] at positions [0, window), as stored: [layers, batch, window, ...]."""
-    safe = jnp.clip(rows, 0, cache.k.shape[1] - 1)
-    return KVCache(*(None if c is None else c[:, safe, :window] for c in cache))
+def store_prefix(cache: KVCache, prefix: KVCache, pages: jax.Array) -> KVCache:
+    """Write a prompt's float KV [layers, 1, seq, kv_heads, head_dim] at positions 0..seq-1 of the
+    row whose table is `pages` [max_pages]."""
+    return store_chunks(cache, prefix, pages[None], jnp.zeros((1,), jnp.int32))
+
+
+def write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache, pages: jax.Array) -> KVCache:
+    """Store every layer's new token, new.k/v [layers, batch, kv_heads, head_dim] (as the cache
+    holds them), at each row's position through its table `pages` [batch, max_pages]."""
+    index = token_index(pages, positions[:, None], cache.k.shape[2])[:, 0]  # [batch]
+    return _scatter(cache, index, tuple(new))
+
+
+def gather_history(cache: KVCache, pages: jax.Array, window: int) -> KVCache:
+    """Positions [0, window) of the rows whose tables are `pages` [batch, max_pages], as stored:
+    [layers, batch, window, kv_heads, ...]."""
+    n = pages_for(window, cache.k.shape[2])
+
+    def gather(c: jax.Array) -> jax.Array:
+        got = c[:, pages[:, :n]]  # [layers, batch, n, page_size, ...]
+        return got.reshape(got.shape[0], got.shape[1], -1, *got.shape[4:])[:, :, :window]
+
+    return KVCache(*(None if c is None else gather(c) for c in cache))
 
 
 def read_history(history: KVCache, index: jax.Array | int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -88,41 +164,16 @@ def read_history(history: KVCache, index: jax.Array | int, dtype: jnp.dtype) -> 
     return layer(history.k) * layer(history.k_scale), layer(history.v) * layer(history.v_scale)
 
 
-def store_prefix(cache: KVCache, prefix: KVCache, row: int | jax.Array) -> KVCache:
-    """Write a prompt's float KV [layers, 1, seq, kv_heads, head_dim] into `row` at positions 0..seq-1."""
-    start = (0, row, 0, 0, 0)
-    if not cache.quantized:
-        return KVCache(
-            jax.lax.dynamic_update_slice(cache.k, prefix.k.astype(cache.k.dtype), start),
-            jax.lax.dynamic_update_slice(cache.v, prefix.v.astype(cache.v.dtype), start),
-        )
-    (kq, ks), (vq, vs) = quantize_kv(prefix.k), quantize_kv(prefix.v)
-    return KVCache(
-        *(jax.lax.dynamic_update_slice(c, x, start) for c, x in zip(cache, (kq, vq, ks, vs), strict=True))
-    )
-
-
-def write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache) -> KVCache:
-    """Store every layer's new token, new.k/v [layers, batch, kv_heads, head_dim], at per-row positions."""
-    rows = jnp.arange(positions.shape[0])
-    return KVCache(
-        *(
-            None if old is None else old.at[:, rows, positions].set(value.astype(old.dtype))
-            for old, value in zip(cache, new, strict=True)
-        )
-    )
-
-
 def read_layer(
-    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, rows: int | None = None
+    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, pages: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Layer `index` keys and values [rows, window, kv_heads, head_dim] in the compute dtype: the
-    first `rows` rows of the cache (None: all)."""
-    rows = cache.k.shape[1] if rows is None else rows
+    """Layer `index` keys and values [rows, window, kv_heads, head_dim] in the compute dtype, of
+    the rows whose tables are `pages` [rows, max_pages]: one gather of whole pages."""
+    n = pages_for(window, cache.k.shape[2])
 
     def layer(x: jax.Array) -> jax.Array:
-        start = (index,) + (0,) * (x.ndim - 1)
-        return jax.lax.dynamic_slice(x, start, (1, rows, window, *x.shape[3:]))[0].astype(dtype)
+        got = x[index, pages[:, :n]]  # [rows, n, page_size, ...]
+        return got.reshape(got.shape[0], -1, *got.shape[3:])[:, :window].astype(dtype)
 
     if not cache.quantized:
         return layer(cache.k), layer(cache.v)

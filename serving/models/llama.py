@@ -178,6 +178,7 @@ def prefill(
     history: KVCache | None = None,
     quantized_kv: bool = False,
     lora: LoraBatch | None = None,
+    kv_scale_per_head: bool = True,
 ) -> tuple[jax.Array, KVCache]:
     """Run a padded prompt, or a chunk of one, for every row (row b with the LoRA adapter of slot
     lora.rows[b], serving.models.lora; without `lora`, the base model).
@@ -187,8 +188,8 @@ def prefill(
     starts[b] + 0..seq-1 and also attend to `history`, the row's cached KV
     [layers, batch, window, kv_heads, head_dim] (float, or int8 with scales), of which positions
     [0, starts[b]) count. `quantized_kv`: attend to the chunk's keys and values as an int8 cache
-    will hold them (so that a prompt reads the same numbers whether prefilled whole, in chunks or
-    from cached blocks).
+    will hold them, its scales per token and head or (not `kv_scale_per_head`) per token (so that a
+    prompt reads the same numbers whether prefilled whole, in chunks or from cached pages).
 
     Returns logits [batch, seq, vocab] (rows past a sequence's true length are meaningless) and the
     chunk's float KV [layers, batch, seq, kv_heads, head_dim].
@@ -211,7 +212,7 @@ def prefill(
         q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin, adapters)
         keys, values = k, v
         if quantized_kv:
-            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            (kq, ks), (vq, vs) = quantize_kv(k, kv_scale_per_head), quantize_kv(v, kv_scale_per_head)
             keys, values = kq.astype(k.dtype) * ks.astype(k.dtype), vq.astype(v.dtype) * vs.astype(v.dtype)
         if history is not None:
             old_k, old_v = read_history(history, index, k.dtype)
@@ -233,20 +234,27 @@ def decode_step(
     window: int | None = None,
     ops: XlaOps = XLA,
     lora: LoraBatch | None = None,
+    *,
+    pages: jax.Array,
+    write_pages: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token (each with its LoRA adapter of `lora`, as `prefill`).
 
-    tokens [batch] attend to the cache entries before their positions [batch] and to themselves,
-    then are written at those positions. Returns logits [batch, vocab] and the updated cache.
-    Only the first `window` cache positions are read (every row's position must be below it):
-    decode cost follows the longest live sequence, not max_target_length.
+    `cache` is the page pool (serving.models.cache); row b's block table is pages[b]
+    ([batch, max_pages]). tokens [batch] attend to their rows' entries before their positions
+    [batch] and to themselves, then are written at those positions through `write_pages` (default
+    `pages`; a row that must write nowhere points at the scratch page). Returns logits
+    [batch, vocab] and the updated cache. Only the first `window` positions are read (every row's
+    position must be below it): decode cost follows the longest live sequence, not
+    max_target_length.
 
     The cache is read-only inside the layer loop and written once after it, so the loop never
     carries (and copies) the whole cache from layer to layer.
     """
     x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
-    window = cache.k.shape[2] if window is None else min(window, cache.k.shape[2])
+    capacity = pages.shape[1] * cache.k.shape[2]
+    window = capacity if window is None else min(window, capacity)
 
     def body(x, layer_and_index):
         layer, index = layer_and_index
@@ -254,13 +262,15 @@ def decode_step(
         q, k, v = _project_qkv(cfg, ops, layer, x, cos, sin, adapters)
         k, v = k[:, 0], v[:, 0]  # [batch, kv_heads, head_dim]
         if cache.quantized:  # attend to the token as the cache will hold it
-            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            per_head = cache.scale_per_head
+            (kq, ks), (vq, vs) = quantize_kv(k, per_head), quantize_kv(v, per_head)
             stored = KVCache(kq, vq, ks, vs)
             k, v = kq.astype(dtype) * ks.astype(dtype), vq.astype(dtype) * vs.astype(dtype)
         else:
             stored = KVCache(k, v)
-        out = ops.decode_attention(q, cache, index, positions, k, v, window)
+        out = ops.decode_attention(q, cache, index, positions, k, v, window, pages)
         return _attention_out_and_mlp(cfg, ops, layer, x, out, adapters), stored
 
     x, new = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
-    return _logits(params, cfg, x[:, 0], ops), write_new_tokens(cache, positions, new)
+    write_pages = pages if write_pages is None else write_pages
+    return _logits(params, cfg, x[:, 0], ops), write_new_tokens(cache, positions, new, write_pages)

@@ -39,11 +39,13 @@ class XlaOps:
         k_new: jax.Array,
         v_new: jax.Array,
         window: int,
+        pages: jax.Array,
     ) -> jax.Array:
         """One decode step's attention: q [batch, 1, kv_heads, groups, head_dim] over layer `layer`
-        of the cache's first `batch` rows (the cache may hold more) at positions [0, positions[b]) (all below `window`), then the token's own
+        of the page pool (serving.models.cache), row b at its positions [0, positions[b]) (all below
+        `window`) through its block table pages[b] ([batch, max_pages]), then the token's own
         k_new, v_new [batch, kv_heads, head_dim]. Returns [batch, 1, kv_heads, groups, head_dim]."""
-        keys, values = read_layer(cache, layer, q.dtype, window, rows=q.shape[0])
+        keys, values = read_layer(cache, layer, q.dtype, window, pages)
         earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
         return attention_with_new_token(q, keys, values, earlier, k_new, v_new)
 

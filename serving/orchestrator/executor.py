@@ -1,10 +1,17 @@
 """Execute: run a `StepPlan` on an engine. The only code that calls the engine (and so the device);
-it owns the decode state and the prefix cache's blocks (key -> the engine's copy; the scheduler's
-index decides which keys, so every host of a multi-host slice keeps the same ones). Every host runs
-the same plans in the same order.
+it owns the decode state and the host copy of every slot's block table (the scheduler decides the
+tables, so every host of a multi-host slice holds the same ones). Every host runs the same plans in
+the same order.
 
-Order within a plan: frees, prefix loads, whole admissions (prefill + insert each), the
-`prefill_slots` call, evictions, stores, the generate call (over the plan's `num_slots`).
+Order within a plan: frees and preemptions, LoRA adapter writes (`adapter_loads`: each adapter's
+weights from `adapter_weights`, written into its device slot by `engine.write_adapter`), the changed
+block tables (one write of the whole table), whole admissions (prefill + insert each), the
+`prefill_slots` call, the generate call (over the plan's `num_slots`; first the engine's draft
+model's proposals when the plan has `draft_rows`).
+
+An adapter's weights come from storage at most here, on the device loop's thread and under no lock
+a request's submitter takes: `adapter_weights` is process 0's registry (its host copy, read again
+only when the host LRU dropped it) or, on a multi-host follower, a read of the adapter's path.
 
 Host syncs: each first token (the plan's stream needs it, and whether the generate call runs
 depends on it; with n > 1 choices or logprobs, the prefill's outputs in one read; a
@@ -20,8 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import EngineAPI, PrefillOutputs
+from serving.engine.api import BackgroundCompiles, EngineAPI, PrefillOutputs
 from serving.engine.limits import finishes_at_first_token
+from serving.lora.peft import LoraWeights
+from serving.lora.registry import AdapterLoad
 from serving.orchestrator.plan import Admission, StepOutcome, StepPlan
 from serving.request import TokenLogprob
 
@@ -33,6 +42,10 @@ class Timings:
     prefills: list[float] = field(default_factory=list)  # the prefill calls alone (whole or chunked)
     generate: float | None = None
 
+
+# the weights of a plan's adapter load: process 0's registry (AdapterRegistry.weights) or a
+# multi-host follower's read from storage (serving.lora.serving.storage_reader)
+AdapterWeights = Callable[[AdapterLoad], LoraWeights]
 
 # on_first_token(slot, token, its logprobs, the prompt's logprobs): once per slot of the plan's
 # `first_token_slots`, in that order, before the generate call
@@ -49,11 +62,14 @@ class _Firsts:
 
 
 class Executor:
-    def __init__(self, engine: EngineAPI, params):
+    def __init__(self, engine: EngineAPI, params, adapter_weights: AdapterWeights | None = None):
+        """`adapter_weights`: the weights of a plan's adapter load (None: this server has no
+        adapters, and a plan that loads one is refused)."""
         self.engine = engine
         self.params = params
+        self.adapter_weights = adapter_weights
         self.state = engine.init_decode_state()
-        self.blocks: dict[bytes, object] = {}  # the prefix cache: key -> the engine's block
+        self.pages: np.ndarray | None = None  # the block tables, from the first plan that sets one
         self.timings = Timings()
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
@@ -63,10 +79,18 @@ class Executor:
         if (warmup := self.background_warmup) is not None:
             warmup.busy()
         engine, self.timings = self.engine, Timings()
-        for slot in plan.frees:
+        for slot in (*plan.frees, *plan.preempted):
             self.state = engine.free_resource(self.state, slot)
-        for load in plan.loads:
-            self.state = engine.load_blocks(self.state, load.slot, [self.blocks[key] for key in load.keys])
+        for load in plan.adapter_loads:
+            self._write_adapter(load)
+        if plan.page_tables:
+            if self.pages is None:
+                limits = engine.limits
+                self.pages = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)
+            for slot, pages in plan.page_tables:
+                self.pages[slot] = 0
+                self.pages[slot, : len(pages)] = pages
+            self.state = engine.set_pages(self.state, self.pages)
         firsts = _Firsts()
         for admission in plan.admissions:
             self._admit(admission, firsts, on_first_token)
@@ -81,10 +105,6 @@ class Executor:
                         on_first_token(row.slot, token, None, None)
                     firsts.tokens.append(token)
                     firsts.logprobs.append(None)
-        for key in plan.evictions:
-            del self.blocks[key]
-        for store in plan.stores:
-            self.blocks[store.key] = engine.save_block(self.state, store.slot, store.start)
         outcome = StepOutcome(tuple(firsts.tokens), first_logprobs=tuple(firsts.logprobs),
                               prompt_logprobs=tuple(firsts.prompt_logprobs))
         samplings = plan.first_token_samplings
@@ -94,6 +114,11 @@ class Executor:
         if plan.decode_steps and active:
             outcome = self._generate(plan, outcome)
         return outcome
+
+    def _write_adapter(self, load: AdapterLoad) -> None:
+        if self.adapter_weights is None:
+            raise ValueError(f"a plan loads LoRA adapter {load.name!r}, but this executor has no adapters")
+        self.params = self.engine.write_adapter(self.params, load.slot, self.adapter_weights(load))
 
     def _admit(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> None:
         """The whole path: one prefill, inserted into each of the admission's slots."""
@@ -121,6 +146,8 @@ class Executor:
         started = time.perf_counter()
         proposals = plan.proposals
         if plan.draft_rows:  # speculative decoding with a draft model (serving.engine.draft)
+            if engine.draft is None:
+                raise ValueError("a plan of draft rows, but the engine was built without a draft model")
             proposals = engine.draft.propose(plan.draft_rows)
         expected = 1 if plan.masks is not None else engine.decode_steps_per_call
         if proposals is not None:  # speculative decoding: k + 1 steps
@@ -150,12 +177,12 @@ class Executor:
         )
 
     @property
-    def background_warmup(self):
-        """The engine's `BackgroundWarmup` (serving.engine.warmup), if it started one (the mock
+    def background_warmup(self) -> BackgroundCompiles | None:
+        """The engine's background warmup (serving.engine.warmup), if it started one (the mock
         engine, or one never warmed up, has none). Its shapes compile only between an `idle()` and
         the next `run()`, so they keep out of the way of requests; every device loop (the
         orchestrator's, a lockstep follower's, the offline driver) tells it through these calls."""
-        return getattr(self.engine, "background_warmup", None)
+        return self.engine.background_warmup
 
     def idle(self) -> None:
         """An idle turn of the device loop: the background warmup may start its next shape."""

@@ -19,10 +19,12 @@ order, or the first collective deadlocks. So:
    out of `follow()` and exits non-zero too. A normal stop ends with every process meeting at
    `meet_at_exit`; then the followers exit 0.
 
-5. LoRA adapters: process 0's registry writes an adapter into a device slot between two plans
-   (serving.lora.registry); it broadcasts an `AdapterWrite` (the slot and the adapter's path) first,
-   and each follower reads the adapter from that path and writes the same slot, at the same point
-   of the sequence. The plans carry each request's adapter slot in its sampling.
+5. LoRA adapters: an adapter's device write is part of a plan (`StepPlan.adapter_loads`: slot,
+   name, load version, path; serving.orchestrator.plan), so every process writes the same slot at
+   the same point of the same plan, with no message of its own. Process 0's executor takes the
+   weights from its registry's host copy; a follower's (`follow_plans`: serving.lora.serving's
+   `storage_reader`) reads them from the path, which every process must read alike (gs:// or a
+   shared path). The plans carry each request's adapter slot in its sampling.
 
 The plan is treated as an opaque picklable object; nothing here depends on its fields.
 """
@@ -36,7 +38,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,15 +62,6 @@ class _Stop:
 
 
 KEEPALIVE, STOP = _Keepalive(), _Stop()
-
-
-@dataclass(frozen=True)
-class AdapterWrite:
-    """Write the LoRA adapter at `path` (every process reads it: gs:// or a shared path) into
-    device slot `slot`."""
-
-    slot: int
-    path: str
 
 
 class PlanChannel:
@@ -144,14 +136,6 @@ class LockstepExecutor:
         self._last_sent = time.monotonic()
         return self.executor.run(plan, on_first_token=on_first_token)
 
-    def write_adapter(self, slot: int, weights, path: str) -> None:
-        """The adapter registry's device write (serving.lora.registry), on every process."""
-        from serving.lora.stack import write_slot
-
-        self.channel.send(AdapterWrite(slot, path))
-        self._last_sent = time.monotonic()
-        write_slot(self.executor.params, slot, weights)
-
     def idle(self) -> None:
         """An idle turn: a keepalive now and then (a dead follower fails it)."""
         self.executor.idle()
@@ -186,12 +170,6 @@ def follow(executor: Executor, channel: PlanChannel) -> int:
             return executed
         if isinstance(message, _Keepalive):
             executor.idle()
-            continue
-        if isinstance(message, AdapterWrite):
-            from serving.lora.serving import write_from_storage
-
-            engine = executor.engine
-            write_from_storage(executor.params, message.slot, message.path, engine.model.config, engine.config.max_lora_rank)
             continue
         executor.run(message)
         executed += 1

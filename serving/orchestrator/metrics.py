@@ -64,6 +64,8 @@ class EngineMetrics:
     prefix_cache_misses: int = 0  # prompt blocks looked up and not found
     prefix_cache_bytes: int = 0  # bytes of the blocks the prefix cache holds
     prefix_cache_blocks: int = 0  # blocks the prefix cache retains at most (cache-config info)
+    kv_pages_used: int = 0  # pages of the KV cache's pool some sequence holds
+    preemptions: int = 0  # sequences that gave up their pages and prefilled again
     speculative_method: str = "none"  # speculative decoding's proposer
     spec_proposed: int = 0  # proposed tokens verified
     spec_accepted: int = 0  # of them accepted

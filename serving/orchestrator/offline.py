@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from serving.engine.api import EngineAPI
 from serving.orchestrator.executor import Executor
-from serving.orchestrator.prefix_cache import PrefixCache
 from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, Waiting
 from serving.request import SamplingParams
@@ -31,17 +30,17 @@ def run_to_completion(
     engine: EngineAPI,
     params,
     requests: list[tuple[list[int], SamplingParams]],
-    prefix_cache: PrefixCache | None = None,
+    prefix_caching: bool = False,
     speculator: Speculator | None = None,
 ) -> list[OfflineResult]:
     """Every request's tokens, in request order: the device loop's scheduler and executor, driven
-    synchronously, without threads or streams. `prefix_cache`: an index to reuse prompt blocks
-    with (None: off). `speculator`: speculative decoding's proposer and policy (None: off)."""
+    synchronously, without threads or streams. `prefix_caching`: share cached prompt pages
+    between requests (off by default). `speculator`: speculative decoding's proposer and policy (None: off)."""
     results = [OfflineResult(list(p), s) for p, s in requests]
     for r in results:
         engine.limits.check(len(r.prompt_ids), r.sampling)
     waiting = deque(range(len(results)))
-    scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, prefix_cache, speculator)
+    scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, prefix_caching, speculator)
     executor = Executor(engine, params)
     try:  # the engine's background warmup, if any, starts no shape meanwhile (Executor.run)
         _drive(results, waiting, scheduler, executor)

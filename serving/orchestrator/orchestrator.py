@@ -12,8 +12,8 @@
       generate call runs over the smallest slot bucket if any slot decodes (with speculative
       decoding on and proposals, a verify call: serving.orchestrator.proposers); the result is a
       `StepPlan`;
-   b. execute (serving.orchestrator.executor): free_resource, load_blocks, prefill + insert per
-      whole admission, one prefill_slots call, save_block per store, then generate (k steps per
+   b. execute (serving.orchestrator.executor): free_resource, LoRA adapter writes, set_pages,
+      prefill + insert per whole admission, one prefill_slots call, then generate (k steps per
       call), on the engine;
    c. deliver: each first token (at once, before the generate call) and each slot's new tokens go
       to their request's stream; finished slots are free for (a) on the next turn, so a waiting
@@ -29,9 +29,13 @@
    and none after a busy one, so its compiles keep out of the way of requests (the executor tells
    it: serving.orchestrator.executor.Executor.idle / run / close).
 6. A request naming a LoRA adapter (serving.lora.registry) takes its adapter's device slot as it
-   leaves the queue (the adapter written there first if not resident); when every slot of
-   max_loras is held by running requests it waits at the head of the queue, as for a decode slot.
-   Its choices give the slot back as they finish.
+   leaves the queue; when every slot of max_loras is held by running requests it waits at the head
+   of the queue, as for a decode slot. Its choices give the slot back as they finish. Taking the
+   slot only decides (under the submitters' lock, so in memory only): an adapter not resident comes
+   with an `AdapterLoad` that goes into this turn's plan, and the executor writes it (its weights
+   read from storage there if the host copy is gone, on the device thread, under no lock `submit`
+   or the readiness check takes), before the request prefills. A multi-host follower executes the
+   same load from the same plan.
 """
 
 from __future__ import annotations
@@ -49,9 +53,8 @@ from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
 from serving.errors import QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
-from serving.orchestrator.executor import Executor
+from serving.orchestrator.executor import AdapterWeights, Executor
 from serving.orchestrator.metrics import EngineMetrics
-from serving.orchestrator.prefix_cache import PrefixCache
 from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
 from serving.orchestrator.streams import (
@@ -67,7 +70,7 @@ from serving.request import SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from serving.lora.registry import AdapterRegistry
+    from serving.lora.registry import Acquired, AdapterLoad, AdapterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,12 @@ class Orchestrator:
         params,
         tokenizer: Tokenizer,
         config: OrchestratorConfig,
-        make_executor: Callable[[EngineAPI, Any], Executor] = Executor,
+        make_executor: Callable[[EngineAPI, Any, AdapterWeights | None], Executor] = Executor,
         adapters: AdapterRegistry | None = None,
     ):
-        """`make_executor(engine, params)` builds the executor on the device thread (multi-host:
-        serving.orchestrator.lockstep's, which broadcasts each plan first). `adapters`: the LoRA
+        """`make_executor(engine, params, adapter_weights)` builds the executor on the device thread
+        (multi-host: serving.orchestrator.lockstep's, which broadcasts each plan first);
+        `adapter_weights` is the registry's `weights` (None without adapters). `adapters`: the LoRA
         adapters (None: requests naming one are refused as unknown)."""
         self.engine = engine
         self.adapters = adapters
@@ -101,14 +105,14 @@ class Orchestrator:
         limits = engine.limits
         self.metrics = EngineMetrics(total_slots=limits.max_concurrent_decodes)
         self.metrics.adapter_stats = adapters.stats if adapters is not None else None
-        self.metrics.kv_tokens_capacity = limits.max_concurrent_decodes * limits.max_target_length
-        self.metrics.kv_block_size = limits.prefix_block
-        # The cache-config info's num_gpu_blocks, as the picker's prefix scorer reads it: the blocks
-        # the prefix cache retains at most.
-        if config.prefix_cache == "on" and engine.prefix_block_bytes:
-            self.metrics.prefix_cache_blocks = config.prefix_cache_bytes // engine.prefix_block_bytes
+        self.metrics.kv_tokens_capacity = (limits.num_pages - 1) * limits.page_size  # page 0 is scratch
+        self.metrics.kv_block_size = limits.page_size
+        # The cache-config info's num_gpu_blocks, as the picker's prefix scorer reads it: the pages
+        # a cached prefix may stay in (the pool is the prefix cache).
+        if config.prefix_cache == "on":
+            self.metrics.prefix_cache_blocks = limits.num_pages - 1
         self.metrics.adapters_updated = time.time()
-        warmup = self._background_warmup()  # its count from the start, before the loop's first turn
+        warmup = engine.background_warmup  # its count from the start, before the loop's first turn
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
         # Unbounded: `submit` bounds what the server holds (`_admits`), slots included.
         self._queue: queue.Queue[Request] = queue.Queue()
@@ -153,11 +157,6 @@ class Orchestrator:
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout)
-
-    def _background_warmup(self):
-        """The engine's `BackgroundWarmup` (serving.engine.warmup), if it started one: an engine
-        without (the mock engine, one never warmed up) has none."""
-        return getattr(self.engine, "background_warmup", None)
 
     @property
     def alive(self) -> bool:
@@ -279,23 +278,28 @@ class Orchestrator:
             self._stopping.set()
             for request in running.values():
                 self._finish(request, "error")
-            for group in self._take(self._queue.qsize() + 1 + self.engine.limits.max_concurrent_decodes):
+            groups, _ = self._take(self._queue.qsize() + 1 + self.engine.limits.max_concurrent_decodes)
+            for group in groups:
                 for request in group:
                     self._finish(request, "error")
 
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
-        executor = self._make_executor(engine, self.params)
-        scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, self._prefix_cache(), self._speculator())
+        executor = self._make_executor(engine, self.params, self.adapters.weights if self.adapters else None)
+        scheduler = Scheduler(
+            engine.limits, engine.decode_steps_per_call, self.config.prefix_cache == "on", self._speculator()
+        )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
             masks = {
                 rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
             }
-            groups = self._take(scheduler.room(cancelled))
+            groups, loads = self._take(scheduler.room(cancelled))
             for group in groups:
                 running.update((r.request_id, r) for r in group)
             plan = scheduler.schedule([_waiting(group) for group in groups], cancelled, masks)
+            if loads:  # the adapters this turn's requests run with, written before they prefill
+                plan = dataclasses.replace(plan, adapter_loads=loads)
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
             self._left_slots(len(cancelled))
@@ -332,44 +336,40 @@ class Orchestrator:
             self._record(scheduler)
         executor.close()
 
-    def _prefix_cache(self) -> PrefixCache | None:
-        """The prefix cache's index (None with prefix_cache=off): blocks of the engine's size,
-        within prefix_cache_bytes of the engine's copies."""
-        if self.config.prefix_cache != "on":
-            return None
-        limits = self.engine.limits
-        return PrefixCache(limits.prefix_block, self.engine.prefix_block_bytes, self.config.prefix_cache_bytes)
-
     def _speculator(self) -> Speculator | None:
         """Speculative decoding's proposer and policy (None with speculative_method=none)."""
         config = self.config.speculative
         if config.speculative_method == "none":
             return None
-        if config.speculative_method == "draft" and getattr(self.engine, "draft", None) is None:
+        if config.speculative_method == "draft" and self.engine.draft is None:
             raise ValueError("speculative_method=draft, but the engine has no draft model (serving.engine.draft)")
         return Speculator(config, chunk=self.engine.limits.prefill_chunk_size)
 
     def _record(self, scheduler: Scheduler) -> None:
         """The scheduler's slots and prefix cache into the metrics, after a turn."""
-        metrics, cache = self.metrics, scheduler.prefix_cache
+        metrics, pool = self.metrics, scheduler.pool
         with metrics.lock:
             metrics.active_slots = scheduler.num_used
             metrics.kv_tokens_used = scheduler.kv_tokens_used()
-            if cache is not None:
-                metrics.prefix_cache_hits, metrics.prefix_cache_misses = cache.hits, cache.misses
-                metrics.prefix_cache_bytes = cache.bytes_used
+            metrics.kv_pages_used = pool.num_used
+            metrics.preemptions = scheduler.preemptions
+            if scheduler.prefix_caching:
+                metrics.prefix_cache_hits, metrics.prefix_cache_misses = pool.hits, pool.misses
+                metrics.prefix_cache_bytes = pool.num_cached * self.engine.page_bytes
             if scheduler.speculator is not None:
                 stats = scheduler.speculator.stats
                 metrics.speculative_method = scheduler.speculator.config.speculative_method
                 metrics.spec_proposed, metrics.spec_accepted = stats.proposed, stats.accepted
                 metrics.spec_rounds = stats.rounds
 
-    def _take(self, room: int) -> list[list[Request]]:
+    def _take(self, room: int) -> tuple[list[list[Request]], tuple[AdapterLoad, ...]]:
         """Whole requests (each the list of its choices) from the queue, oldest first, while their
         choices fit in `room` slots; a head that does not fit waits (held) for the next turn.
         Cancelled ones end here. Under the submitters' lock: a request's choices are all there, and
-        a submitter never sees a head that is neither queued nor held."""
+        a submitter never sees a head that is neither queued nor held. With them, the adapter
+        loads their LoRA slots need (for the plan: nothing is read or written here)."""
         taken: list[list[Request]] = []
+        loads: list[AdapterLoad] = []
         cancelled: list[Request] = []
         unknown: list[Request] = []  # their adapter was unloaded while they waited
         with self._submit_lock:
@@ -392,7 +392,9 @@ class Orchestrator:
                     (cancelled if head.cancelled.is_set() else unknown).extend(group)
                     continue
                 if lora:
-                    self._hold_adapter(group, *lora)
+                    self._hold_adapter(group, lora.slot, lora.version)
+                    if lora.load is not None:
+                        loads.append(lora.load)
                 taken.append(group)
                 room -= len(group)
                 self._num_in_slots += len(group)
@@ -400,11 +402,11 @@ class Orchestrator:
             self._finish(request, "cancelled")
         for request in unknown:
             self._finish(request, "error")
-        return taken
+        return taken, tuple(loads)
 
-    def _acquire_adapter(self, head: Request) -> tuple[int, int] | bool | None:
-        """(device slot, version) of the head's adapter; () without one; False when no slot is
-        free; None when the adapter is no longer loaded."""
+    def _acquire_adapter(self, head: Request) -> Acquired | tuple[()] | bool | None:
+        """The head's adapter's device slot (serving.lora.registry.acquire); () without one; False
+        when no slot is free; None when the adapter is no longer loaded."""
         name = head.sampling.adapter
         if name is None or self.adapters is None:
             return ()
@@ -435,12 +437,15 @@ class Orchestrator:
         prompt_logprobs: tuple[TokenLogprob | None, ...] | None,
     ) -> None:
         """A prefill's token onto its stream at once (before the turn's generate call); with
-        max_tokens 0 (scoring the prompt) only the prompt's logprobs."""
+        max_tokens 0 (scoring the prompt) only the prompt's logprobs. A preempted sequence's
+        prefill gives its next token, not its first: the time to first token is observed once."""
+        first = request.last_token is None
         if prompt_logprobs is not None:
             request.tokens.put(PromptLogprobs(prompt_logprobs))
         if request.sampling.max_tokens > 0:
             self._put(request, token, logprob)
-        self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
+        if first:
+            self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
 
     def _deliver(self, outcome: StepOutcome, slots: dict[int, Request]) -> None:
         """Each step's tokens of the generate call onto their requests' streams."""

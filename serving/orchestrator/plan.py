@@ -3,7 +3,10 @@ turn (`StepPlan`), what the executor reads back (`StepOutcome`), and their parts
 
 A plan is pickled and broadcast to every host of a multi-controller slice, so it holds only plain
 values (ints, tuples, token ids, `SamplingParams`, numpy masks): no engine objects, nothing that
-differs between processes.
+differs between processes. A LoRA adapter's device write is one too (`AdapterLoad`: its slot, name,
+load version and path, never its weights): each process gets the weights itself (process 0 from
+its registry's host copy, a follower from the path, which every process reads alike), so a plan
+stays small and no write needs a broadcast of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving.engine.api import PrefillRow
+from serving.lora.registry import AdapterLoad
 from serving.request import SamplingParams, TokenLogprob
 
 
@@ -51,27 +55,12 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class PrefixLoad:
-    """Write the cached blocks `keys` (block i: prompt positions [i * block, (i + 1) * block)) into
-    `slot` from position 0; its prompt's first chunk then starts after them."""
-
-    slot: int
-    keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class PrefixStore:
-    """Keep a copy of `slot`'s KV at [start, start + block) under `key` (after the turn's prefill)."""
-
-    key: bytes
-    slot: int
-    start: int
-
-
-@dataclass(frozen=True)
 class StepPlan:
-    """One turn of the device loop, executed in this order: frees, prefix loads, whole admissions,
-    one `prefill_slots` call (`rows`), prefix-cache evictions, then stores, one generate call.
+    """One turn of the device loop, executed in this order: frees (cancelled requests' slots) and
+    preemptions (slots whose sequence gave up its pages and prefills again: made inactive), the
+    LoRA adapters written into their device slots (`adapter_loads`: for the requests taken this
+    turn, before any of them prefills), the block tables that changed (`page_tables`: slot -> its pages in order, the rest of its row
+    scratch), whole admissions, one `prefill_slots` call (`rows`), one generate call.
 
     `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped when
     no slot is active after the prefills (`running` slots were active before them, and a slot whose
@@ -82,11 +71,10 @@ class StepPlan:
     """
 
     frees: tuple[int, ...] = ()
-    loads: tuple[PrefixLoad, ...] = ()
+    preempted: tuple[int, ...] = ()
+    page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
     admissions: tuple[Admission, ...] = ()
     rows: tuple[PrefillRow, ...] = ()
-    evictions: tuple[bytes, ...] = ()
-    stores: tuple[PrefixStore, ...] = ()
     decode_steps: int = 0
     running: int = 0
     max_position: int = 0
@@ -98,10 +86,14 @@ class StepPlan:
     proposals: np.ndarray | None = None
     num_proposed: np.ndarray | None = None
     draft_rows: tuple[PrefillRow, ...] = ()
+    adapter_loads: tuple[AdapterLoad, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.frees or self.loads or self.admissions or self.rows or self.decode_steps)
+        return not (
+            self.frees or self.preempted or self.adapter_loads or self.page_tables or self.admissions or self.rows
+            or self.decode_steps
+        )
 
     @property
     def first_token_slots(self) -> tuple[int, ...]:

@@ -1,25 +1,33 @@
 """Decide, in plain Python: which waiting request goes into which slot, which prompt chunks to
-prefill, which prefix blocks to reuse and keep, which slots to free, and what to decode. The device
-loop asks for a `StepPlan` (serving.orchestrator.plan) each turn and hands it to the executor; on a
-multi-host slice that plan is what the leader sends to every host.
+prefill, which pages of the KV cache each sequence holds, which slots to free, and what to decode.
+The device loop asks for a `StepPlan` (serving.orchestrator.plan) each turn and hands it to the
+executor; on a multi-host slice that plan is what the leader sends to every host.
 
-Each turn:
-a. the slots of cancelled requests are freed (running or still prefilling);
+The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequence holds pages as
+it grows, and every plan carries the block tables it changed. Each turn:
+a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first (so the decode buckets stay small). A request
    that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
-   one prefill, inserted into its n slots. Every other one becomes a prefilling slot; with the
-   prefix cache on, the longest run of its prompt's blocks found cached is loaded into the slot
-   first (leaving at least one prompt token to compute, whose logits give the first token). A
-   request whose next uncached block another prefilling slot is about to compute and store (the
-   same system prompt, sent by several clients at once) waits in its slot, computing nothing, until
-   that block is stored or no longer coming; then it loads what is cached and goes on;
-c. one `prefill_slots` call: the next chunk of each prefilling slot, oldest admission first, while
-   the rows fit `max_prefill_batch` and rows x bucket of the longest chunk fits
-   `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen before
-   ones that would widen it); rows start all at 0 or all after it, as the first row does. A row
-   that reaches its prompt's end is final: its slot decodes from this turn;
-d. prefix cache: every block wholly computed and not cached yet is stored, evicting the least
-   recently used blocks to stay within the budget;
+   one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
+   the start (such a sequence is never preempted); it waits, slots held, until they are free.
+   Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
+   prompt's full pages found cached goes into its table as they are (shared, not copied), leaving
+   at least one prompt token to compute, whose logits give the first token. A request whose next
+   uncached page another prefilling slot is about to compute (the same system prompt, sent by
+   several clients at once) waits in its slot, computing nothing, until that page is registered or
+   no longer coming; then it looks up again and goes on;
+c. every running sequence takes the pages its next decode call writes, oldest first; when none
+   are free, the newest sequence holding pages (running or prefilling, never a whole admission)
+   is preempted: its pages are freed and it prefills again from the start, its prompt now the
+   prompt and the tokens it already streamed, and its final chunk samples its next token (so its
+   stream neither repeats nor loses one). A sequence that would preempt only itself waits;
+d. one `prefill_slots` call: the next chunk of each prefilling slot whose pages are free (leaving a
+   page free for each running sequence's growth), oldest
+   admission first, while the rows fit `max_prefill_batch` and rows x bucket of the longest chunk
+   fits `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen
+   before ones that would widen it); rows start all at 0 or all after it, as the first row does. A
+   row that reaches its prompt's end is final: its slot decodes from this turn. Each full prompt
+   page it completes is registered under its key;
 e. one generate call over the smallest slot bucket holding every decoding slot; with a
    speculator (serving.orchestrator.proposers) that proposes tokens for some slot, a verify call
    of those proposals instead (no grammar running).
@@ -36,26 +44,32 @@ next mask depends on the first token).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from serving.engine.api import PrefillRow
-from serving.engine.limits import Limits, finishes_at_first_token, prefills_whole
-from serving.orchestrator.plan import Admission, PrefixLoad, PrefixStore, StepOutcome, StepPlan, Waiting
-from serving.orchestrator.prefix_cache import PrefixCache, adapter_salt, block_keys
+from serving.engine.limits import Limits, prefills_whole
+from serving.orchestrator.pages import PagePool
+from serving.orchestrator.plan import Admission, StepOutcome, StepPlan, Waiting
+from serving.orchestrator.prefix_cache import adapter_salt, block_keys
 from serving.orchestrator.proposers import Speculator
 from serving.request import SamplingParams
 
-__all__ = ["Admission", "PrefixLoad", "PrefixStore", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
+__all__ = ["Admission", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
 
 
 @dataclass
 class _Running:
     request_id: int
     position: int  # where the slot's next fed token is written: prompt + tokens generated - 1
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
     constrained: bool = False  # under a grammar: generate calls take masks
+    whole: bool = False  # admitted whole: its pages were taken at admission, it is never preempted
+    tokens: list[int] = field(default_factory=list)  # generated so far (kept for a preemption)
 
 
 @dataclass
@@ -63,32 +77,51 @@ class _Prefilling:
     """A slot whose prompt enters chunk by chunk (not decoding yet)."""
 
     request_id: int
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # after a preemption: the prompt and the tokens generated
     sampling: SamplingParams
-    computed: int = 0  # prompt positions the slot holds: blocks loaded, then chunks written
-    keys: tuple[bytes, ...] = ()  # the prompt's block keys (prefix cache on)
-    checked: int = 0  # blocks below this one were loaded, stored, or found cached
-    waits: bool = False  # for a block another prefilling slot will store (nothing loaded yet)
+    computed: int = 0  # prompt positions the slot holds: cached pages found, then chunks written
+    keys: tuple[bytes, ...] = ()  # the block key of each full page of the prompt (prefix cache on)
+    checked: int = 0  # full pages below this one were found cached or registered
+    waits: bool = False  # for a page another prefilling slot will register (nothing found yet)
+    generated: tuple[int, ...] = ()  # tokens it had generated when it was preempted
+    original: int = 0  # the request's own prompt length
+
+
+@dataclass
+class _Pending:
+    """A whole admission whose slots are held while it waits for pages."""
+
+    request: Waiting
+    slots: list[int]
 
 
 @dataclass
 class Scheduler:
-    """Slots and their requests, first come first served. `prefix_cache`: the index of kept
-    prompt blocks (None: the prefix cache is off, no lookups nor stores)."""
+    """Slots, pages and their requests, first come first served. `prefix_caching`: full prompt
+    pages are registered and looked up (off: no sharing)."""
 
     limits: Limits
     decode_steps_per_call: int
-    prefix_cache: PrefixCache | None = None
+    prefix_caching: bool = False
     speculator: Speculator | None = None  # speculative decoding's proposals (None: off)
     running: dict[int, _Running] = field(default_factory=dict)  # slot -> its request, decoding
     prefilling: dict[int, _Prefilling] = field(default_factory=dict)  # slot -> its request, in admission order
+    preemptions: int = 0  # sequences preempted so far
     _free: list[int] = field(default_factory=list)  # a heap: the lowest free slot first
+    pool: PagePool = field(init=False)
+    tables: dict[int, list[int]] = field(default_factory=dict)  # slot -> the pages it holds, in order
+    _changed: set[int] = field(default_factory=set)  # slots whose table changed this turn
+    _order: dict[int, int] = field(default_factory=dict)  # slot -> when its sequence took pages (newest last)
+    _pending: list[_Pending] = field(default_factory=list)
+    _clock: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.limits.max_concurrent_decodes))
-        cache = self.prefix_cache
-        if cache is not None and cache.block != self.limits.prefix_block:
-            raise ValueError(f"prefix cache blocks of {cache.block} tokens, the engine's are {self.limits.prefix_block}")
+        self.pool = PagePool(self.limits.num_pages)
+
+    @property
+    def page_size(self) -> int:
+        return self.limits.page_size
 
     @property
     def num_free(self) -> int:
@@ -96,8 +129,8 @@ class Scheduler:
 
     @property
     def num_used(self) -> int:
-        """Slots held by a request (decoding or prefilling)."""
-        return len(self.running) + len(self.prefilling)
+        """Slots held by a request (decoding, prefilling, or waiting for pages)."""
+        return len(self.running) + len(self.prefilling) + sum(len(p.slots) for p in self._pending)
 
     def slot_of(self, request_id: int) -> int | None:
         held = [*self.running.items(), *self.prefilling.items()]
@@ -105,8 +138,13 @@ class Scheduler:
 
     def room(self, cancelled: Collection[int] = ()) -> int:
         """How many slots the next `schedule` can fill, once `cancelled` are freed (a waiting
-        request takes `num_slots` of them)."""
-        return len(self._free) + len(self._cancelled_slots(cancelled))
+        request takes `num_slots` of them): none while the pool has no page beyond the running
+        sequences' next growth (a request admitted then would hold a slot without a page, and the
+        slots that decode would spread over larger decode buckets), unless nothing runs."""
+        cancelled_slots = self._cancelled_slots(cancelled)
+        if self.running and not cancelled_slots and self.pool.num_free <= self._headroom():
+            return 0
+        return len(self._free) + len(cancelled_slots)
 
     def schedule(
         self,
@@ -115,30 +153,36 @@ class Scheduler:
         masks: Mapping[int, np.ndarray] | None = None,
     ) -> StepPlan:
         """The next turn: free the slots of `cancelled` request ids, admit every `waiting` request
-        (at most `room(cancelled)` slots in all) into the lowest free slots in order, prefill the
-        next chunks, then decode if anything runs. `masks`: request id -> int32 [words], the
-        next-token mask of every running request under a grammar."""
+        (at most `room(cancelled)` slots in all) into the lowest free slots in order, grow the
+        running sequences' pages (preempting the newest when none are free), prefill the next
+        chunks, then decode if anything runs. `masks`: request id -> int32 [words], the next-token
+        mask of every running request under a grammar."""
         needed = sum(w.num_slots for w in waiting)
         if needed > self.room(cancelled):
             raise ValueError(f"{needed} slots asked for, {self.room(cancelled)} free")
+        self._changed = set()
         frees = self._cancelled_slots(cancelled)
         for slot in frees:
             self._release(slot)
-        running_before = len(self.running)
-        loads, admissions = [], []
-        for slot, entry in self.prefilling.items():
-            if entry.waits and (load := self._load(slot, entry)) is not None:
-                loads.append(load)
+        self._pending = [p for p in self._pending if p.request.request_id not in cancelled]
         for request in waiting:
             if self.speculator is not None:
                 for rid in (request.request_id, *request.choice_ids):
                     self.speculator.start(rid, request.prompt_ids, request.sampling)
             if prefills_whole(request.sampling):
-                admissions.append(self._admit_whole(request))
-            elif (load := self._admit_chunked(request)) is not None:
-                loads.append(load)
+                self._pending.append(_Pending(request, [heapq.heappop(self._free) for _ in range(request.num_slots)]))
+            else:
+                self._admit_chunked(request)
+        running_before = len(self.running)
+        preempted: list[int] = []
+        admissions = self._admit_pending(preempted)
+        for slot, entry in self.prefilling.items():
+            if entry.waits:
+                self._load(slot, entry)
+        self._grow_running(preempted)
         rows = self._rows()
-        evictions, stores = self._advance(rows)
+        self._advance(rows)
+        running_before -= sum(1 for slot in preempted if slot not in self.running)
         steps, plan_masks = self.decode_steps_per_call if self.running else 0, None
         if any(r.constrained for r in self.running.values()):
             steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
@@ -150,15 +194,15 @@ class Scheduler:
             proposals = self.speculator.propose(slots, self.limits.max_concurrent_decodes)
             if proposals is not None:
                 steps = self.speculator.k + 1
+        tables = tuple((slot, tuple(self.tables.get(slot, ()))) for slot in sorted(self._changed))
         return StepPlan(
             frees=frees,
-            loads=tuple(loads),
+            preempted=tuple(preempted),
+            page_tables=tables,
             admissions=tuple(admissions),
             rows=tuple(rows),
-            evictions=evictions,
-            stores=stores,
             decode_steps=steps,
-            running=running_before,
+            running=max(running_before, 0),
             max_position=max((r.position for r in self.running.values()), default=0),
             num_slots=num_slots,
             masks=plan_masks,
@@ -167,80 +211,192 @@ class Scheduler:
             draft_rows=() if proposals is None else proposals.draft_rows,
         )
 
-    def _cancelled_slots(self, cancelled: Collection[int]) -> tuple[int, ...]:
-        held = [*self.running.items(), *self.prefilling.items()]
-        return tuple(sorted(s for s, r in held if r.request_id in cancelled))
+    # -- pages -----------------------------------------------------------------------------------
 
-    def _admit_whole(self, request: Waiting) -> Admission:
-        """Prefill + insert: the request's n slots decode from this turn."""
-        slots = [heapq.heappop(self._free) for _ in range(request.num_slots)]
-        constrained = request.sampling.grammar is not None
-        for slot, rid in zip(slots, (request.request_id, *request.choice_ids), strict=True):
-            self.running[slot] = _Running(rid, len(request.prompt_ids), constrained)
-        return Admission(
-            request.request_id,
-            slots[0],
-            tuple(self.limits.pad(list(request.prompt_ids))),
-            len(request.prompt_ids),
-            request.sampling,
-            tuple(slots[1:]),
-            request.mask,
-        )
+    @property
+    def _ahead(self) -> int:
+        """Positions one decode call may write past a sequence's position."""
+        k = self.speculator.k + 1 if self.speculator is not None else 0
+        return max(self.decode_steps_per_call, k)
 
-    def _admit_chunked(self, request: Waiting) -> PrefixLoad | None:
-        """A prefilling slot; the load of its prompt's cached blocks, if any are."""
+    def _pages_for(self, positions: int) -> int:
+        return -(-min(positions, self.limits.max_target_length) // self.page_size)
+
+    def _grow(self, slot: int, positions: int, keep: int = 0) -> bool:
+        """Give `slot` the pages that hold its positions [0, positions); False (taking none) when
+        fewer than those and `keep` more are free."""
+        table = self.tables.setdefault(slot, [])
+        more = self._pages_for(positions) - len(table)
+        if more <= 0:
+            return True
+        if self.pool.num_free - more < keep:
+            return False
+        pages = self.pool.take(more)
+        if pages is None:
+            return False
+        if not table:
+            self._order[slot] = next(self._clock)
+        table.extend(pages)
+        self._changed.add(slot)
+        return True
+
+    def _drop_pages(self, slot: int) -> None:
+        table = self.tables.pop(slot, [])
+        self._order.pop(slot, None)
+        if table:
+            self.pool.release(table)
+            self._changed.add(slot)
+
+    def _grow_running(self, preempted: list[int]) -> None:
+        """Every running sequence's pages for its next decode call, oldest first; preempt the
+        newest holders while some cannot grow."""
+        for slot in sorted(self.running, key=lambda s: self._order.get(s, -1)):
+            entry = self.running.get(slot)
+            if entry is None:  # preempted meanwhile
+                continue
+            while not self._grow(slot, entry.position + self._ahead):
+                victim = self._victim(exclude=slot)
+                if victim is None:
+                    self._preempt(slot, preempted)  # it cannot run this turn; it starts over later
+                    break
+                self._preempt(victim, preempted)
+
+    def _headroom(self) -> int:
+        """Pages the running sequences may take at their next calls: one each that can still grow."""
+        return sum(1 for slot in self.running if len(self.tables.get(slot, ())) < self.limits.max_pages)
+
+    def _victim(self, exclude: int) -> int | None:
+        """The newest sequence holding pages that may be preempted (not a whole admission)."""
+        held = [
+            s for s in self._order
+            if s != exclude and not (s in self.running and self.running[s].whole) and self.tables.get(s)
+        ]
+        return max(held, key=lambda s: self._order[s], default=None)
+
+    def _preempt(self, slot: int, preempted: list[int]) -> None:
+        """Free `slot`'s pages; its sequence prefills again from the start (prompt and generated
+        tokens), keeping its slot and its device-side token history."""
+        self.preemptions += 1
+        self._drop_pages(slot)
+        if slot in self.running:
+            entry = self.running.pop(slot)
+            generated = tuple(entry.tokens)
+            original = len(entry.prompt_ids)
+            redo = _Prefilling(
+                entry.request_id, (*entry.prompt_ids, *generated), entry.sampling, generated=generated,
+                original=original,
+            )
+            self._keys_of(redo)
+            # a preempted sequence goes before the prompts that came after it
+            self.prefilling = {slot: redo, **self.prefilling}
+            preempted.append(slot)
+        else:
+            entry = self.prefilling[slot]
+            entry.computed, entry.checked, entry.waits = 0, 0, False
+
+    def _admit_pending(self, preempted: list[int]) -> list[Admission]:
+        """Whole admissions whose pages (prompt and max_tokens, per choice) are free, in order; the
+        first that does not fit preempts newer sequences, or waits with those after it."""
+        admissions = []
+        while self._pending:
+            pending = self._pending[0]
+            request = pending.request
+            per_choice = self._pages_for(len(request.prompt_ids) + request.sampling.max_tokens)
+            while self.pool.num_free < per_choice * len(pending.slots):
+                victim = self._victim(exclude=-1)
+                if victim is None:
+                    return admissions
+                self._preempt(victim, preempted)
+            self._pending.pop(0)
+            constrained = request.sampling.grammar is not None
+            for slot, rid in zip(pending.slots, (request.request_id, *request.choice_ids), strict=True):
+                self.running[slot] = _Running(
+                    rid, len(request.prompt_ids), request.prompt_ids, request.sampling, constrained, whole=True
+                )
+                self._grow(slot, len(request.prompt_ids) + request.sampling.max_tokens)
+            admissions.append(
+                Admission(
+                    request.request_id,
+                    pending.slots[0],
+                    tuple(self.limits.pad(list(request.prompt_ids))),
+                    len(request.prompt_ids),
+                    request.sampling,
+                    tuple(pending.slots[1:]),
+                    request.mask,
+                )
+            )
+        return admissions
+
+    # -- prompts -----------------------------------------------------------------------------------
+
+    def _admit_chunked(self, request: Waiting) -> None:
+        """A prefilling slot, with its prompt's cached pages, if any are."""
         if request.choice_ids or request.mask is not None:
             raise ValueError("a request with choices or a grammar takes the whole prefill")
         slot = heapq.heappop(self._free)
-        entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling)
-        if self.prefix_cache is not None:
-            salt = adapter_salt(request.sampling.adapter, request.sampling.lora_version)
-            entry.keys = block_keys(request.prompt_ids, self.prefix_cache.block, salt)
-        load = self._load(slot, entry)
+        entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling, original=len(request.prompt_ids))
+        self._keys_of(entry)
         self.prefilling[slot] = entry
-        return load
+        self._load(slot, entry)
 
-    def _load(self, slot: int, entry: _Prefilling) -> PrefixLoad | None:
-        """Load the cached run of a fresh slot's reusable blocks, or have it wait (`entry.waits`)
-        while the first block past that run is on its way: another prefilling slot holds it, not
-        computed or not stored yet. Counted as hits and misses once, when it loads."""
-        cache = self.prefix_cache
-        if cache is None:
-            return None
-        reusable = entry.keys[: (len(entry.prompt_ids) - 1) // cache.block]  # one token is left to compute
-        cached = next((i for i, key in enumerate(reusable) if key not in cache), len(reusable))
+    def _keys_of(self, entry: _Prefilling) -> None:
+        if self.prefix_caching:
+            salt = adapter_salt(entry.sampling.adapter, entry.sampling.lora_version)
+            entry.keys = block_keys(entry.prompt_ids, self.page_size, salt)
+
+    def _load(self, slot: int, entry: _Prefilling) -> None:
+        """Put the cached run of a fresh slot's reusable pages into its table, or have it wait
+        (`entry.waits`) while the first page past that run is on its way: another prefilling slot
+        holds it, not computed or not registered yet. Counted as hits and misses once, when it
+        loads."""
+        if not self.prefix_caching or entry.computed:
+            return
+        reusable = entry.keys[: (len(entry.prompt_ids) - 1) // self.page_size]  # one token is left to compute
+        cached = next((i for i, key in enumerate(reusable) if not self.pool.contains(key)), len(reusable))
         entry.waits = cached < len(reusable) and self._coming(reusable[cached], cached)
         if entry.waits:
-            return None
-        found = cache.lookup(reusable)
-        entry.computed, entry.checked = found * cache.block, found
-        return PrefixLoad(slot, reusable[:found]) if found else None
+            return
+        found = self.pool.lookup(reusable)
+        if found:
+            self.tables[slot] = found
+            self._order[slot] = next(self._clock)
+            self._changed.add(slot)
+        entry.computed, entry.checked = len(found) * self.page_size, len(found)
 
     def _coming(self, key: bytes, index: int) -> bool:
-        """Whether a prefilling slot (not waiting itself) will store block `index` under `key` (never
-        past the budget's capacity: its chain would not fit)."""
-        return index < self.prefix_cache.capacity and any(
+        """Whether a prefilling slot (not waiting itself) will register page `index` under `key`."""
+        return any(
             not e.waits and e.checked <= index < len(e.keys) and e.keys[index] == key for e in self.prefilling.values()
         )
 
     def _rows(self) -> list[PrefillRow]:
         """This turn's `prefill_slots` rows: the oldest prefilling slot's next chunk, then the next
         chunks of others (oldest first) within the call's row and padded-token budgets, all
-        starting at 0 or all after it. Chunks that fit the length bucket of those already chosen
-        go first, then the ones that would widen it: one longer chunk does not cut a call of short
-        ones (a shared system prompt's questions) to fewer rows at the same padded cost."""
+        starting at 0 or all after it, each with its pages taken. Chunks that fit the length bucket
+        of those already chosen go first, then the ones that would widen it: one longer chunk does
+        not cut a call of short ones (a shared system prompt's questions) to fewer rows at the
+        same padded cost."""
         limits = self.limits
         candidates: list[tuple[int, _Prefilling, tuple[int, ...]]] = []  # oldest first
         fresh = None
+        # A page for each running sequence's next call stays free: prompts do not take the pages
+        # the running ones are about to grow into (which would preempt them, or the prompt itself).
+        headroom = self._headroom()
         for slot, entry in self.prefilling.items():
             if entry.waits:
                 continue
+            chunk = entry.prompt_ids[entry.computed : entry.computed + limits.prefill_chunk_size]
+            end = entry.computed + len(chunk)
+            final = end == len(entry.prompt_ids)
+            if not self._grow(slot, end + (self._ahead if final else 0), keep=headroom):
+                continue  # its pages are not free: it waits (a running sequence frees them)
             if fresh is None:
                 fresh = entry.computed == 0
             elif (entry.computed == 0) != fresh:
                 continue
-            candidates.append((slot, entry, entry.prompt_ids[entry.computed : entry.computed + limits.prefill_chunk_size]))
+            candidates.append((slot, entry, chunk))
         if not candidates:
+            self._unstick()
             return []
         chosen, bucket = [0], limits.bucket_for(len(candidates[0][2]))  # the oldest always goes
         for widening in (False, True):
@@ -254,44 +410,39 @@ class Scheduler:
                     chosen.append(i)
                     bucket = max(bucket, need)
         return [
-            PrefillRow(slot, chunk, entry.computed, entry.computed + len(chunk) == len(entry.prompt_ids), entry.sampling)
+            PrefillRow(
+                slot, chunk, entry.computed, entry.computed + len(chunk) == len(entry.prompt_ids), entry.sampling,
+                len(entry.generated),
+            )
             for slot, entry, chunk in (candidates[i] for i in sorted(chosen))
         ]
 
-    def _advance(self, rows: Sequence[PrefillRow]) -> tuple[tuple[bytes, ...], tuple[PrefixStore, ...]]:
-        """Record the rows as computed (a final row's slot decodes from now); returns the prefix
-        cache's evictions and stores they bring."""
-        evictions: list[bytes] = []
-        stores: dict[bytes, PrefixStore] = {}
+    def _unstick(self) -> None:
+        """Nothing decodes and no prompt could take its pages: the pages are held by prompts half
+        done. Preempt the newest of them, so that the oldest can go on next turn."""
+        if self.running or not self.prefilling:
+            return
+        holders = [s for s in self.prefilling if self.tables.get(s)]
+        if len(holders) > 1:
+            self._preempt(max(holders, key=lambda s: self._order[s]), [])
+
+    def _advance(self, rows: Sequence[PrefillRow]) -> None:
+        """Record the rows as computed (a final row's slot decodes from now), registering each
+        full prompt page they complete."""
         for row in rows:
             entry = self.prefilling[row.slot]
             entry.computed += len(row.tokens)
-            if self.prefix_cache is not None:
-                self._plan_stores(row.slot, entry, evictions, stores)
+            if self.prefix_caching:
+                table = self.tables[row.slot]
+                while entry.checked < len(entry.keys) and (entry.checked + 1) * self.page_size <= entry.computed:
+                    self.pool.register(table[entry.checked], entry.keys[entry.checked])
+                    entry.checked += 1
             if row.final:
                 del self.prefilling[row.slot]
-                self.running[row.slot] = _Running(entry.request_id, entry.computed)
-        return tuple(evictions), tuple(stores.values())
-
-    def _plan_stores(
-        self, slot: int, entry: _Prefilling, evictions: list[bytes], stores: dict[bytes, PrefixStore]
-    ) -> None:
-        """Store each block of `slot` now wholly computed and not cached; evicting a block stored
-        earlier this turn drops that store instead (the executor evicts before it stores)."""
-        cache = self.prefix_cache
-        while entry.checked < len(entry.keys) and (entry.checked + 1) * cache.block <= entry.computed:
-            key, start = entry.keys[entry.checked], entry.checked * cache.block
-            entry.checked += 1
-            if key in cache:
-                continue
-            evicted = cache.add(key, entry.keys[: entry.checked - 1])
-            if evicted is None:
-                entry.checked = len(entry.keys)  # the chain is cut: nothing after it could be found
-                return
-            for old in evicted:
-                if stores.pop(old, None) is None:
-                    evictions.append(old)
-            stores[key] = PrefixStore(key, slot, start)
+                self.running[row.slot] = _Running(
+                    entry.request_id, entry.computed, entry.prompt_ids[: entry.original], entry.sampling,
+                    tokens=list(entry.generated),
+                )
 
     def _masks(self, masks: Mapping[int, np.ndarray]) -> np.ndarray:
         """[slots, words]: each constrained slot's mask, every token allowed elsewhere."""
@@ -304,20 +455,24 @@ class Scheduler:
                 out[slot] = masks.get(r.request_id, -1)
         return out
 
+    # -- results -----------------------------------------------------------------------------------
+
     def update(self, plan: StepPlan, outcome: StepOutcome) -> list[tuple[int, int]]:
         """Record what the plan did; returns (request_id, slot) of every slot that finished."""
         finished = []
         if self.speculator is not None:
             self._record_tokens(plan, outcome)
-        firsts = zip(plan.first_token_slots, plan.first_token_samplings, outcome.first_tokens, strict=True)
-        for slot, sampling, first in firsts:
-            if finishes_at_first_token(first, sampling):
-                finished.append((self.running[slot].request_id, slot))
+        for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
+            running = self.running[slot]
+            running.tokens.append(first)
+            if first in running.sampling.stop_ids or len(running.tokens) >= running.sampling.max_tokens:
+                finished.append((running.request_id, slot))
                 self._release(slot)
-        for step_valid, step_done in zip(outcome.valid, outcome.done, strict=True):
+        for step_tokens, step_valid, step_done in zip(outcome.tokens, outcome.valid, outcome.done, strict=True):
             for slot, running in list(self.running.items()):
                 if step_valid[slot]:
                     running.position += 1
+                    running.tokens.append(step_tokens[slot])
                 if step_done[slot]:
                     finished.append((running.request_id, slot))
                     self._release(slot)
@@ -338,10 +493,19 @@ class Scheduler:
         """Cache positions holding live sequences (for the metrics; no device read)."""
         return sum(r.position for r in self.running.values()) + sum(p.computed for p in self.prefilling.values())
 
+    def _cancelled_slots(self, cancelled: Collection[int]) -> tuple[int, ...]:
+        held = [*self.running.items(), *self.prefilling.items()]
+        pending = [(s, p.request) for p in self._pending for s in p.slots]
+        return tuple(sorted(
+            [s for s, r in held if r.request_id in cancelled]
+            + [s for s, r in pending if r.request_id in cancelled]
+        ))
+
     def _release(self, slot: int) -> None:
         entry = self.running.pop(slot, None)
         if entry is None:
-            entry = self.prefilling.pop(slot)
-        if self.speculator is not None:
+            entry = self.prefilling.pop(slot, None)
+        self._drop_pages(slot)
+        if entry is not None and self.speculator is not None:
             self.speculator.finish(entry.request_id)
         heapq.heappush(self._free, slot)

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     for adapter in sorted(local_root.iterdir()):
         for file in adapter.iterdir():
             storage.write_bytes(f"{bucket}/adapters/{adapter.name}/{file.name}", file.read_bytes())
-    registry = make_registry(LoraConfig(f"{bucket}/adapters", 2, 16, 2), cfg, params={})
+    registry = make_registry(LoraConfig(f"{bucket}/adapters", 2, 16, 2), cfg)
     assert sorted(a.name for a in registry.list()) == sorted(p.name for p in local_root.iterdir())
     for adapter in sorted(local_root.iterdir()):
         started = time.perf_counter()

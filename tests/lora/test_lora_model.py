@@ -13,10 +13,11 @@ from serving.checkpoints.hf import load_hf_params, read_hf_config
 from serving.lora.errors import AdapterError
 from serving.lora.peft import read_adapter
 from serving.lora.stack import init_stack, lora_batch, write_slot
-from serving.models import init_cache, prefill, store_prefix
+from serving.models import prefill, store_prefix
 from serving.models.llama import decode_step
 from tests.conftest import make_hf_llama
 from tests.lora.adapters import ADAPTERS, make_adapters, peft_model, reference_logits
+from tests.reference import row_cache
 
 RTOL = 1e-4
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7, 1, 300, 11, 64], [8, 2, 199, 45, 71, 6], [9, 9, 31, 4], [100, 7, 12, 13, 14]]
@@ -61,9 +62,9 @@ def test_mixed_batch_prefill_and_decode_equal_peft_unmerged(setup, scan_layers):
         if names[row] is not None:  # the adapter moves the logits far past the tolerance
             assert np.abs(expected - reference_logits(refs[-1], ids)).max() > 100 * RTOL * np.abs(expected).max()
 
-    cache = init_cache(cfg, batch=len(PROMPTS), length=64)
+    cache, pages = row_cache(cfg, batch=len(PROMPTS), length=64)
     for row in range(len(PROMPTS)):
-        cache = store_prefix(cache, type(kv)(kv.k[:, row : row + 1], kv.v[:, row : row + 1]), row)
+        cache = store_prefix(cache, type(kv)(kv.k[:, row : row + 1], kv.v[:, row : row + 1]), pages[row])
     rng = np.random.default_rng(3)
     extra = [rng.integers(0, cfg.vocab_size, 4).tolist() for _ in PROMPTS]
     positions = np.array([len(p) for p in PROMPTS])
@@ -71,7 +72,7 @@ def test_mixed_batch_prefill_and_decode_equal_peft_unmerged(setup, scan_layers):
         step_tokens = jnp.array([e[step] for e in extra], jnp.int32)
         out, cache = decode_step(
             params, step_tokens, jnp.asarray(positions + step, jnp.int32), cache, cfg, scan_layers=scan_layers,
-            lora=lora_batch(params, slots),
+            lora=lora_batch(params, slots), pages=pages,
         )
         for row, ids in enumerate(PROMPTS):
             expected = reference_logits(refs[row], ids + extra[row][: step + 1])[-1]
@@ -113,14 +114,14 @@ def test_int8_kv_cache_with_adapters_stays_within_the_int8_cache_bound(setup):
     tokens = jnp.asarray([prompt] * 4)
     lengths = jnp.full((4,), len(prompt), jnp.int32)
     _, kv = prefill(params, tokens, lengths, cfg, quantized_kv=True, lora=lora_batch(params, slots))
-    cache = init_cache(cfg, batch=4, length=64, quantized=True)
+    cache, pages = row_cache(cfg, batch=4, length=64, quantized=True)
     for row in range(4):
-        cache = store_prefix(cache, type(kv)(kv.k[:, row : row + 1], kv.v[:, row : row + 1]), row)
+        cache = store_prefix(cache, type(kv)(kv.k[:, row : row + 1], kv.v[:, row : row + 1]), pages[row])
     extra = [3, 250, 17, 99]
     for step, token in enumerate(extra):
         out, cache = decode_step(
             params, jnp.full((4,), token, jnp.int32), jnp.full((4,), len(prompt) + step, jnp.int32), cache, cfg,
-            lora=lora_batch(params, slots),
+            lora=lora_batch(params, slots), pages=pages,
         )
         base_expected = reference_logits(refs[3], prompt + extra[: step + 1])[-1]
         for row in range(4):

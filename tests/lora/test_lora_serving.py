@@ -40,7 +40,7 @@ def _serve(model_dir, root, **keys):
     model = load_model(str(model_dir), cfg)
     engine = Engine(model, cfg.engine)
     params = engine.load_params()
-    registry = make_registry(cfg.lora, model.config, params)
+    registry = make_registry(cfg.lora, model.config)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator, adapters=registry).start()
     return model, orchestrator
 

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     engine = Engine(model, cfg.engine, mesh)
     params = engine.load_params()
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator,
-                                adapters=make_registry(cfg.lora, model.config, params)).start()
+                                adapters=make_registry(cfg.lora, model.config)).start()
     names = [None, "attn-r4", "all-r8", "mlp-r16-rs"]
     handles = [orchestrator.submit([12, 40, 77, 5 + i], SamplingParams(max_tokens=8, adapter=n))
                for i, n in enumerate(names)]

@@ -109,7 +109,7 @@ def test_served_greedy_tokens_equal_peft_batched_with_the_base_model(smollm2_pat
     model = load_model(str(smollm2_path), cfg)
     engine = Engine(model, cfg.engine)
     params = engine.load_params()
-    registry = make_registry(cfg.lora, model.config, params)
+    registry = make_registry(cfg.lora, model.config)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator, adapters=registry).start()
     try:
         jobs = [(PROMPTS[0], name) for name in [*NAMES, None]] + [(PROMPTS[1], NAMES[1])]

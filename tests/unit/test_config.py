@@ -8,6 +8,7 @@ import pytest
 
 from serving.config import (
     ConfigError,
+    ServingConfig,
     config_dir,
     load_config,
     load_model_config,
@@ -151,8 +152,8 @@ def test_the_placement_of_405b_on_the_seeds_mesh_without_jax():
         load_model_config("llama3.1-405b"),
         Numerics("bfloat16", "bfloat16", "int8", True),
         {"fsdp": 1, "autoregressive": 2, "tensor": 8},
-        slots=160,
-        length=2048,
+        num_pages=160,
+        page_size=2048,
     )
     specs = {"/".join(p): describe(leaf.spec) for p, leaf in where.params.items()}
     assert specs["layers/wq/values"] == "[-, -, tensor x autoregressive]"
@@ -215,3 +216,35 @@ def test_each_default_is_written_once_on_servingconfig_and_the_parts_read_it():
     assert (cfg.orchestrator, cfg.speculative) == (OrchestratorConfig(), SpeculativeConfig())
     source = (Path(__file__).parents[2] / "serving" / "config.py").read_text()
     assert source.count("max_lora_rank: int = Field(default=16") == 1 and "max_lora_rank: int = 16" not in source
+
+
+def test_attention_paged_sizes_the_pool_with_maxtexts_keys():
+    cfg = ServingConfig(attention="paged", pagedattn_num_pages=40, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
+    assert cfg.prefix_block_size == 16 and cfg.engine.pagedattn_num_pages == 40
+    # MaxText reads the pagedattn_* keys only with attention=paged
+    assert ServingConfig(pagedattn_tokens_per_page=16).prefix_block_size == 64
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        ServingConfig(attention="paged", pagedattn_num_pages=16, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
+    with pytest.raises(ValueError, match=r"pagedattn_max_pages_per_group \(8\) is below the 16 pages"):
+        ServingConfig(attention="paged", pagedattn_tokens_per_page=16, pagedattn_max_pages_per_group=8, max_target_length=256, max_prefill_predict_length=64)
+    with pytest.raises(ValueError, match="with attention=paged the page is the prefix cache's block"):
+        ServingConfig(attention="paged", pagedattn_tokens_per_page=16, prefix_block_size=64, max_target_length=256, max_prefill_predict_length=64)
+    with pytest.raises(ValueError, match="both size the pool"):
+        ServingConfig(attention="paged", kv_cache_bytes_per_chip=1 << 20, max_target_length=256, max_prefill_predict_length=64)
+
+
+def test_kv_quant_axis_is_maxtexts_scale_layout_in_the_placement():
+    from serving.engine.partitioning import Numerics, describe, placement
+
+    cfg = load_model_config("llama3.1-405b")
+    axes = {"fsdp": 1, "autoregressive": 2, "tensor": 8}
+    per_head = placement(cfg, Numerics("bfloat16", "bfloat16", "int8", True), axes, num_pages=160, page_size=64)
+    per_token = placement(
+        cfg, Numerics("bfloat16", "bfloat16", "int8", True, kv_quant_axis="heads_and_dkv"), axes, num_pages=160, page_size=64
+    )
+    assert per_head.cache[("k_scale",)].shape == (126, 160, 64, 8, 1)
+    assert describe(per_head.cache[("k_scale",)].spec) == "[-, -, -, tensor, -]"
+    assert per_token.cache[("k_scale",)].shape == (126, 160, 64, 1, 1)
+    assert describe(per_token.cache[("k_scale",)].spec) == "[-, -, -, -, -]"  # every chip of the token's pages
+    with pytest.raises(ValueError, match="quantize_kvcache=true needs kv_quant_axis"):
+        ServingConfig(quantize_kvcache=True, kv_quant_axis="")

@@ -3,10 +3,15 @@ from (config, JAX_* variables, an LWS pod's variables), and the plan channel's f
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
 from serving.config import ConfigError, load_config
+from serving.engine.mock import MockEngine
+from serving.lora.peft import LoraWeights
+from serving.lora.registry import AdapterLoad
 from serving.orchestrator import lockstep
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.scheduler import StepPlan
@@ -150,42 +155,38 @@ def test_a_followers_background_warmup_compiles_on_keepalives_holds_on_plans_and
     assert warmup.told == ["busy", "idle", "busy", "stop", "met"]
 
 
-def test_an_adapter_write_reaches_each_follower_between_the_same_plans(monkeypatch):
-    """Process 0 broadcasts the write before writing its own slot; a follower reads the adapter from
-    its path and writes the same slot before the next plan."""
-    import serving.lora.serving
-    import serving.lora.stack
+def test_an_adapter_load_in_a_plan_is_written_by_every_process_between_the_same_plans(monkeypatch):
+    """The plan carries the adapter's load (slot, name, version, path) and no other message is
+    sent: process 0's executor writes its registry's host copy, a follower's reads the path, both
+    at the same point of the same plan (after its frees, before anything else of it)."""
+    weights = LoraWeights(2, {"wq": (np.zeros((1, 2, 2)), np.zeros((1, 2, 2)))}, 1.0)
+    load = AdapterLoad(2, "sql", 7, "gs://b/sql")
+    plans = [StepPlan(frees=(1,)), StepPlan(frees=(3,), adapter_loads=(load,)), StepPlan(frees=(0,))]
+    assert pickle.loads(pickle.dumps(plans[1])) == plans[1]  # what PlanChannel sends
 
-    done: list = []
+    reads: list[str] = []
 
-    class Executor:
-        engine = type("Engine", (), {"model": type("M", (), {"config": "cfg"})(), "config": type("C", (), {"max_lora_rank": 8})()})()
-        params = None
+    def from_storage(read: AdapterLoad) -> LoraWeights:  # serving.lora.serving.storage_reader's part
+        reads.append(read.path)
+        return weights
 
-        def run(self, plan, on_first_token=None) -> None:
-            done.append(plan)
-
-        def idle(self) -> None:  # the device loop's calls an executor takes (serving.orchestrator.executor)
-            pass
-
-        def close(self) -> None:
-            pass
-
-    def from_storage(params, slot, path, model, rank):
-        done.append(("read and write", slot, path, model, rank))
-
-    monkeypatch.setattr(serving.lora.serving, "write_from_storage", from_storage)
-    messages = iter(["plan 1", lockstep.AdapterWrite(2, "gs://b/a"), "plan 2", lockstep.STOP])
+    follower = MockEngine(slots=4)
+    messages = iter([*plans, lockstep.STOP])
     channel = type("Channel", (), {"receive": lambda self: next(messages)})()
     monkeypatch.setattr(lockstep, "meet_at_exit", lambda: None)
-    assert lockstep.follow(Executor(), channel) == 2
-    assert done == ["plan 1", ("read and write", 2, "gs://b/a", "cfg", 8), "plan 2"]
+    assert lockstep.follow(Executor(follower, {}, from_storage), channel) == 3
+    calls = [c for c in follower.calls if c[0] != "init_decode_state"]
+    assert calls == [("free_resource", 1), ("free_resource", 3), ("write_adapter", 2, 2), ("free_resource", 0)]
+    assert reads == ["gs://b/sql"]
 
     sent: list = []
-    leader = lockstep.LockstepExecutor(Executor(), type("Channel", (), {"send": lambda self, m: sent.append(m)})())
-    monkeypatch.setattr(serving.lora.stack, "write_slot", lambda params, slot, weights: sent.append(("wrote", slot)))
-    leader.write_adapter(3, "weights", "gs://b/c")
-    assert sent == [lockstep.AdapterWrite(3, "gs://b/c"), ("wrote", 3)]
+    leader_engine, host_copies = MockEngine(slots=4), {("sql", 7): weights}
+    executor = Executor(leader_engine, {}, lambda read: host_copies[read.name, read.version])
+    leader = lockstep.LockstepExecutor(executor, type("Channel", (), {"send": lambda self, m: sent.append(m)})())
+    for plan in plans:
+        leader.run(plan)
+    assert sent == plans and [c for c in leader_engine.calls if c[0] != "init_decode_state"] == calls
+    assert executor.params["lora"] == {2: weights} and reads == ["gs://b/sql"]
 
 
 def test_the_leaders_executor_answers_for_the_warmup_as_its_executor_does():

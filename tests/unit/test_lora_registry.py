@@ -1,6 +1,6 @@
 """The adapter registry's policy, without a device: device slots (max_loras) and host copies
 (max_cpu_loras) least recently used first, held slots never taken, unload while in use, reload
-from storage."""
+from storage (when the plan's load is executed, never while acquiring)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,44 @@ import pytest
 
 from serving.lora.errors import AdapterError, UnknownAdapterError
 from serving.lora.peft import LoraWeights
-from serving.lora.registry import AdapterRegistry
+from serving.lora.registry import AdapterLoad, AdapterRegistry
 from serving.orchestrator.prefix_cache import adapter_salt, block_keys
 
 
+class _Registry(AdapterRegistry):
+    """Records the slot of every load an acquire hands out (for the plan to write)."""
+
+    def __init__(self, read, max_loras, max_cpu_loras):
+        super().__init__(read, max_loras, max_cpu_loras)
+        self.writes: list[int] = []
+
+    def acquire(self, name, count=1):
+        got = super().acquire(name, count)
+        if got is not None and got.load is not None:
+            self.writes.append(got.load.slot)
+        return got
+
+
 def _registry(max_loras=2, max_cpu_loras=3):
-    reads, writes = [], []
+    reads = []
 
     def read(path):
         reads.append(path)
         return LoraWeights(1, {"wq": (np.zeros((1, 2, 1)), np.zeros((1, 1, 2)))}, 1.0)
 
-    registry = AdapterRegistry(read, lambda slot, w, path: writes.append(slot), max_loras, max_cpu_loras)
-    return registry, reads, writes
+    registry = _Registry(read, max_loras, max_cpu_loras)
+    return registry, reads, registry.writes
 
 
 def test_slots_are_taken_least_recently_used_first_and_never_while_held():
     registry, _, writes = _registry()
     for name in "abc":
         registry.load(name, f"/adapters/{name}")
-    assert registry.acquire("a") == (1, 1) and registry.acquire("b") == (2, 2)
+    assert registry.acquire("a")[:2] == (1, 1) and registry.acquire("b")[:2] == (2, 2)
     assert registry.acquire("c") is None  # both slots held by running requests: c waits
     registry.release("a", 1)
-    assert registry.acquire("c") == (1, 3)  # a's slot, the only one free
-    assert registry.acquire("b") == (2, 2) and writes == [1, 2, 1]  # resident: no write
+    assert registry.acquire("c") == (1, 3, AdapterLoad(1, "c", 3, "/adapters/c"))  # a's slot, the only one free
+    assert registry.acquire("b") == (2, 2, None) and writes == [1, 2, 1]  # resident: no write
     status = {i.name: i.status for i in registry.list()}
     assert status == {"a": "host", "b": "resident", "c": "resident"}
 
@@ -42,15 +56,18 @@ def test_host_copies_beyond_max_cpu_loras_are_read_from_storage_again():
     registry.load("a", "/a")
     registry.load("b", "/b")  # a's host copy dropped: b is newer
     assert {i.name: i.status for i in registry.list()} == {"a": "storage", "b": "host"}
-    assert registry.acquire("a") == (1, 1)
+    slot, version, load = registry.acquire("a")
+    assert (slot, version) == (1, 1) and reads == ["/a", "/b"]  # acquiring reads nothing
+    assert registry.weights(load).rank == 1  # executing the plan's load does
     assert reads == ["/a", "/b", "/a"]
     assert registry.loads == 3
+    assert registry.weights(load) is registry.weights(load) and registry.loads == 3  # the host copy again
 
 
 def test_unload_in_use_keeps_the_slot_until_released_and_a_reload_is_a_new_version():
     registry, _, _ = _registry(max_loras=1)
     registry.load("a", "/a")
-    assert registry.acquire("a", count=2) == (1, 1)
+    assert registry.acquire("a", count=2)[:2] == (1, 1)
     registry.unload("a")
     with pytest.raises(UnknownAdapterError, match="`a`"):
         registry.check("a")
@@ -58,7 +75,7 @@ def test_unload_in_use_keeps_the_slot_until_released_and_a_reload_is_a_new_versi
     assert registry.acquire("a") is None  # the old load's requests still hold the one slot
     registry.release("a", 1)
     registry.release("a", 1)
-    assert registry.acquire("a") == (1, 2)
+    assert registry.acquire("a")[:2] == (1, 2)
     with pytest.raises(AdapterError, match="already loaded"):
         registry.load("a", "/a3")
     with pytest.raises(UnknownAdapterError):
@@ -80,7 +97,8 @@ def test_stats_bound_the_per_adapter_labels():
     for i in range(MAX_ADAPTER_LABELS + 5):
         registry.load(f"a{i}", f"/a{i}")
     for i in range(MAX_ADAPTER_LABELS + 5):
-        assert registry.acquire(f"a{i}") is not None
+        acquired = registry.acquire(f"a{i}")
+        registry.weights(acquired.load)  # the plan's write: a dropped host copy is read again
         registry.release(f"a{i}", i + 1)
     stats = registry.stats()
     assert len(stats.requests) == MAX_ADAPTER_LABELS + 1 and stats.requests["other"] == 5

@@ -26,7 +26,7 @@ def _adapters(max_loras: int) -> AdapterRegistry:
     def read(path):
         return LoraWeights(1, {"wq": (np.zeros((1, 2, 1)), np.zeros((1, 1, 2)))}, 1.0)
 
-    adapters = AdapterRegistry(read, lambda slot, weights, path: None, max_loras, 4)
+    adapters = AdapterRegistry(read, max_loras, 4)
     for name in ("sql", "chat", "legal"):
         adapters.load(name, f"/adapters/{name}")
     return adapters
@@ -34,7 +34,7 @@ def _adapters(max_loras: int) -> AdapterRegistry:
 
 def test_every_protocol_name_is_a_gauge_with_its_labels():
     engine = MockEngine(slots=4, max_target_length=512, prefix_block=16, block_bytes=1000)
-    config = OrchestratorConfig(prefix_cache_bytes=64_500)
+    config = OrchestratorConfig()
     orchestrator = Orchestrator(engine, {}, AsciiTokenizer(), config, adapters=_adapters(max_loras=2))
     text = render(registry(lambda: (orchestrator.metrics, {}, {})))
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -49,8 +49,8 @@ def test_every_protocol_name_is_a_gauge_with_its_labels():
     (lora,) = families[metric_names.LORA_INFO].samples
     assert lora.labels["max_lora"] == "2"
     (cache,) = families[metric_names.CACHE_CONFIG_INFO].samples
-    # The prefix cache's retained blocks: prefix_cache_bytes / bytes per block.
-    assert cache.labels == {"block_size": "16", "num_gpu_blocks": "64"} and cache.value == 1
+    # The pages a cached prefix may stay in: the pool's, 4 slots x 512 / 16, the scratch page not counted.
+    assert cache.labels == {"block_size": "16", "num_gpu_blocks": "128"} and cache.value == 1
 
 
 def test_without_lora_there_is_no_lora_info_and_no_prefix_cache_means_no_blocks():

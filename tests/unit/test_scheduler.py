@@ -73,7 +73,7 @@ def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
     plan = scheduler.schedule([only_one_token])
     outcome = executor.run(plan)
     assert outcome.first_tokens == (5,) and outcome.tokens == ()
-    assert [c[0] for c in engine.calls] == ["init_decode_state", "prefill_slots"]
+    assert [c[0] for c in engine.calls] == ["init_decode_state", "set_pages", "prefill_slots"]
     assert scheduler.update(plan, outcome) == [(1, 0)]
     plan = scheduler.schedule([Waiting(2, (4,), SamplingParams(max_tokens=3))])
     outcome = executor.run(plan)

@@ -1,0 +1,101 @@
+"""The KV cache's pages in plain Python: the pool's free list, references and cached keys; the
+scheduler taking pages as sequences grow, sharing a cached prefix by reference, and preempting the
+newest sequence when none are free (on the mock engine, whose pool holds token ids, so a page read
+after it was reused for something else would give other tokens)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from serving.engine.limits import Limits
+from serving.engine.mock import MockEngine
+from serving.orchestrator.executor import Executor
+from serving.orchestrator.offline import run_to_completion
+from serving.orchestrator.pages import PagePool
+from serving.orchestrator.scheduler import Scheduler, Waiting
+from serving.request import SamplingParams
+
+
+def test_the_pool_hands_out_the_oldest_free_page_and_a_freed_cached_page_stays_findable_until_then():
+    pool = PagePool(5)  # pages 1-4; 0 is scratch
+    a = pool.take(2)
+    assert a == [1, 2] and pool.num_free == 2 and pool.take(3) is None and pool.num_free == 2
+    pool.register(1, b"k1")
+    pool.register(2, b"k2")
+    pool.release(a)  # freed in reverse: page 2 (the deeper one) goes before page 1
+    assert pool.num_free == 4 and pool.num_cached == 2
+    assert pool.lookup([b"k1", b"k2", b"k3"]) == [1, 2] and (pool.hits, pool.misses) == (2, 1)
+    assert pool.refs(1) == pool.refs(2) == 1 and pool.num_free == 2
+    pool.release([1, 2])
+    assert pool.take(3) == [3, 4, 2]  # the never-used ones, then the deepest cached page
+    assert pool.lookup([b"k1", b"k2"]) == [1]  # k2's page was reused: the chain stops before it
+    with pytest.raises(ValueError, match="released more often"):
+        pool.release([3, 3])
+
+
+def _scheduler(num_pages: int = 0, caching: bool = True, slots: int = 4, steps: int = 2) -> Scheduler:
+    limits = Limits(slots, 16, 64, prefill_chunk_size=16, prefix_block=4, prefill_batch_tokens=64, num_pages=num_pages)
+    return Scheduler(limits, steps, caching)
+
+
+def test_two_requests_with_one_prefix_hold_its_pages_once():
+    scheduler = _scheduler()
+    system = tuple(range(1, 13))  # three full pages of 4
+    scheduler.schedule([Waiting(0, (*system, 50), SamplingParams(max_tokens=4))])
+    plan = scheduler.schedule([Waiting(1, (*system, 60), SamplingParams(max_tokens=4))])
+    shared = scheduler.tables[0][:3]
+    assert scheduler.tables[1][:3] == shared and [scheduler.pool.refs(p) for p in shared] == [2, 2, 2]
+    assert [(r.slot, r.start) for r in plan.rows] == [(1, 12)]  # only its own token is computed
+    assert len(set(scheduler.tables[0]) | set(scheduler.tables[1])) == len(scheduler.tables[0]) + len(scheduler.tables[1]) - 3
+    assert dict(plan.page_tables)[1][:3] == tuple(shared)
+    pickle.loads(pickle.dumps(plan))  # a plan is broadcast to the followers of a slice
+
+
+def test_pages_grow_with_the_sequence_and_are_all_freed_when_it_ends():
+    engine = MockEngine(slots=2, max_prefill_length=16, max_target_length=64, prefix_block=4, decode_steps_per_call=2)
+    scheduler, executor = Scheduler(engine.limits, 2), Executor(engine, {})
+    plan = scheduler.schedule([Waiting(0, (1, 2, 3, 4, 5), SamplingParams(max_tokens=9))])
+    assert len(scheduler.tables[0]) == 2  # 5 prompt positions and the next call's 2: 7 positions
+    seen = []
+    while scheduler.num_used:
+        seen.append(len(scheduler.tables.get(0, ())))  # what the call about to run may write
+        outcome = executor.run(plan)
+        finished = scheduler.update(plan, outcome)
+        plan = scheduler.schedule([])
+    # the 9th token's call writes position 12 (prompt 0-4, fed tokens 5-12): 4 pages of 4
+    assert finished == [(0, 0)] and seen == [2, 3, 3, 4] and scheduler.pool.num_used == 0
+    assert scheduler.pool.num_free == engine.limits.num_pages - 1
+
+
+def test_a_pool_too_small_preempts_the_newest_and_the_tokens_are_those_of_a_large_pool():
+    requests = [(list(range(1 + i, 14 + i)), SamplingParams(max_tokens=40 + i)) for i in range(4)]
+    runs = {}
+    for pages in (0, 17):  # 17: one sequence of max_target_length (16 pages) and the scratch page
+        engine = MockEngine(slots=4, max_prefill_length=16, max_target_length=64, prefix_block=4, num_pages=pages)
+        runs[pages] = [r.token_ids for r in run_to_completion(engine, {}, requests, prefix_caching=True)]
+    assert runs[0] == runs[17] == [MockEngine().expected(p, s) for p, s in requests]
+
+
+def test_preemption_counts_and_a_preempted_sequence_resumes_with_its_generated_tokens():
+    engine = MockEngine(slots=2, max_prefill_length=16, max_target_length=64, prefix_block=4, num_pages=17)
+    scheduler, executor = Scheduler(engine.limits, 2), Executor(engine, {})
+    requests = [Waiting(i, tuple(range(10 * i + 1, 10 * i + 9)), SamplingParams(max_tokens=50)) for i in range(2)]
+    plan, resumed, tokens = scheduler.schedule(requests), [], {0: [], 1: []}
+    while scheduler.num_used:
+        slots = {slot: r.request_id for slot, r in scheduler.running.items()}
+        outcome = executor.run(plan)
+        for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
+            tokens[slots[slot]].append(first)
+        for step, valid in zip(outcome.tokens, outcome.valid, strict=True):
+            for slot, rid in slots.items():
+                if valid[slot]:
+                    tokens[rid].append(step[slot])
+        scheduler.update(plan, outcome)
+        plan = scheduler.schedule([])
+        resumed += [row for row in plan.rows if row.generated]
+    assert scheduler.preemptions >= 1 and resumed
+    assert all(row.start + len(row.tokens) <= 8 + row.generated for row in resumed)
+    for i, r in enumerate(requests):
+        assert tokens[i] == engine.expected(r.prompt_ids, r.sampling)
