@@ -123,8 +123,10 @@ class Engine(ChunkedPrefill, Speculative):
             list(self.mesh.devices.flat),
             pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         )
+        slots = max(1, int(config.per_device_batch_size * self.mesh.size))
+        numerics = Numerics.of(config, int8=int8_names(model.params))
         self.limits = Limits(
-            max_concurrent_decodes=max(1, int(config.per_device_batch_size * self.mesh.size)),
+            max_concurrent_decodes=slots,
             max_prefill_length=config.max_prefill_predict_length,
             max_target_length=config.max_target_length,
             prefill_chunk_size=config.prefill_chunk_size,
@@ -132,13 +134,13 @@ class Engine(ChunkedPrefill, Speculative):
             prefill_batch_tokens=config.prefill_batch_tokens,
             prefix_block=config.prefix_block_size,
             decode_buckets=config.decode_slot_buckets,
-            num_pages=self._pool_pages(model, config),
+            num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots),
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
         self.placement = engine_placement(
             model.config,
-            Numerics.of(config, int8=int8_names(model.params)),
+            numerics,
             self.mesh,
             self.limits.num_pages,
             self.limits.page_size,
@@ -168,12 +170,6 @@ class Engine(ChunkedPrefill, Speculative):
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
         self._init_chunked(static)
         self._init_speculative(static, verify_warmup)
-
-    def _pool_pages(self, model: LoadedModel, config: EngineConfig) -> int:
-        """The KV pool's pages (serving.engine.memory.kv_pool_pages)."""
-        numerics = Numerics.of(config, int8=int8_names(model.params))
-        slots = max(1, int(config.per_device_batch_size * self.mesh.size))
-        return kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots)
 
     # -- the contract --------------------------------------------------------------------------
 
