@@ -7,6 +7,7 @@ validated once, here, before any work starts; errors name the key and what it ac
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -223,6 +224,8 @@ class ServingConfig(BaseModel):
             raise ValueError("quantize_kvcache=true needs kv_quant_axis: dkv or heads_and_dkv (MaxText's rule)")
         if self.attention == "paged":
             self._paged_attention_keys()
+        else:
+            self._log_attention_without_effect()
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(
                 f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
@@ -268,6 +271,19 @@ class ServingConfig(BaseModel):
                 "override_model_config=true overrides its keys"
             )
         return self
+
+    def _log_attention_without_effect(self) -> None:
+        """MaxText's other attention kernels and the pagedattn_* keys without attention=paged change
+        nothing here (the cache is paged either way, attention runs on the backend's ops): said once,
+        by name, as for every MaxText key without effect."""
+        given = sorted(k for k in self.model_fields_set if k.startswith("pagedattn_"))
+        if self.attention not in ("autoselected", "dot_product"):  # dot-product attention is what runs
+            given.insert(0, f"attention={self.attention}")
+        if given:
+            logging.getLogger(__name__).warning(
+                "MaxText keys with no effect on serving (the KV cache is paged either way; only "
+                "attention=paged reads the pagedattn_* keys): %s", ", ".join(given)
+            )
 
     def _paged_attention_keys(self) -> None:
         """attention=paged: MaxText's pagedattn_* keys size the page pool (checked as MaxText's

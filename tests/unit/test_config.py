@@ -248,3 +248,13 @@ def test_kv_quant_axis_is_maxtexts_scale_layout_in_the_placement():
     assert describe(per_token.cache[("k_scale",)].spec) == "[-, -, -, -, -]"  # every chip of the token's pages
     with pytest.raises(ValueError, match="quantize_kvcache=true needs kv_quant_axis"):
         ServingConfig(quantize_kvcache=True, kv_quant_axis="")
+
+
+def test_attention_without_paged_and_its_keys_are_logged_as_without_effect(caplog):
+    with caplog.at_level("WARNING", logger="serving.config"):
+        ServingConfig(attention="flash", pagedattn_num_pages=80)
+    assert "no effect on serving" in caplog.text and "attention=flash, pagedattn_num_pages" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="serving.config"):
+        ServingConfig()
+    assert "no effect" not in caplog.text
