@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serving.disaggregation import Disaggregation, disaggregation
 from serving.errors import ConfigError
 from serving.kernels.support import weights_unsupported
 from serving.maxtext_config import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
@@ -91,6 +92,15 @@ class ServingConfig(BaseModel):
     enable_background_warmup: bool = True
     # Engine and runtime (not MaxText flags).
     runtime: Literal["auto", "local", "pathways", "multicontroller"] = "auto"
+    # MaxText's server choice (serving.disaggregation): MaxtextInterleavedServer runs prefill and
+    # generate on every device; ExperimentalMaxtextDisaggregatedServer a prefill engine on
+    # prefill_slice's devices and a generate engine on generate_slice's (JetStream's slice strings),
+    # the prompt's KV moved between them; ..._<N>: N devices each. stack_prefill_result_cache is
+    # MaxText's layers-in-one-buffer for that move: pathserve's prefix is one buffer either way.
+    inference_server: str = "MaxtextInterleavedServer"
+    prefill_slice: str = "v5e-16"
+    generate_slice: str = "v5e-16"
+    stack_prefill_result_cache: bool = False
     decode_steps_per_call: int = Field(default=4, ge=1, le=64)
     # Slot counts generate is compiled for; each call runs the smallest holding the active slots
     # (empty: powers of two up to the slots).
@@ -226,6 +236,7 @@ class ServingConfig(BaseModel):
             self._paged_attention_keys()
         else:
             self._log_attention_without_effect()
+        self._disaggregation_keys()
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(
                 f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
@@ -271,6 +282,29 @@ class ServingConfig(BaseModel):
                 "override_model_config=true overrides its keys"
             )
         return self
+
+    @property
+    def disaggregation(self) -> Disaggregation | None:
+        """The prefill / generate device split inference_server asks for (None: interleaved)."""
+        return disaggregation(self.inference_server, self.prefill_slice, self.generate_slice)
+
+    def _disaggregation_keys(self) -> None:
+        try:
+            split = self.disaggregation
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        if split is None:
+            return
+        if self.speculative_method != "none":
+            raise ValueError(
+                f"speculative_method={self.speculative_method} with inference_server={self.inference_server}: "
+                "speculative decoding runs on the interleaved server only"
+            )
+        if self.prefix_cache == "on":
+            logging.getLogger(__name__).warning(
+                "prefix_cache=on has no effect with inference_server=%s: the prefill engine prefills every "
+                "prompt whole and keeps no pages", self.inference_server
+            )
 
     def _log_attention_without_effect(self) -> None:
         """MaxText's other attention kernels and the pagedattn_* keys without attention=paged change
@@ -389,6 +423,13 @@ class DevicesConfig:
     ici_fsdp_parallelism: int = _default("ici_fsdp_parallelism")
     ici_autoregressive_parallelism: int = _default("ici_autoregressive_parallelism")
     ici_tensor_parallelism: int = _default("ici_tensor_parallelism")
+    inference_server: str = _default("inference_server")
+    prefill_slice: str = _default("prefill_slice")
+    generate_slice: str = _default("generate_slice")
+
+    @property
+    def disaggregation(self) -> Disaggregation | None:
+        return disaggregation(self.inference_server, self.prefill_slice, self.generate_slice)
 
 
 @dataclass(frozen=True)
