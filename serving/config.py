@@ -191,6 +191,7 @@ class ServingConfig(BaseModel):
             "decode_slot_buckets": tuple(self.decode_slot_buckets),
             "logical_axis_rules": normalize_rules(self.logical_axis_rules),
             "max_loras": self.lora.max_loras,
+            "disaggregated": self.disaggregation is not None,
         })
 
     @property
@@ -392,6 +393,8 @@ class EngineConfig:
     replicate_quant_scale: bool = _default("replicate_quant_scale")
     max_loras: int = _default("max_loras")  # LoRA adapters' device slots (0: none; serving.lora)
     max_lora_rank: int = _default("max_lora_rank")
+    # inference_server is disaggregated (serving.disaggregation): every prompt prefills whole.
+    disaggregated: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.memory import check_devices
+from serving.errors import ConfigError
 from serving.orchestrator import Orchestrator
+from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.lockstep import LockstepExecutor, PlanChannel, exit_when_loop_dies, follow
 from serving.runtime import init_runtime, make_mesh
@@ -34,6 +36,7 @@ class Launched:
     orchestrator: Orchestrator
     warmup_s: float
     startup_s: float
+    prefill: PrefillSide | None = None  # a disaggregated server's prefill engine (`engine` generates)
 
     @property
     def model_name(self) -> str:
@@ -53,8 +56,17 @@ class Launched:
             f"kv cache {limits.num_pages} pages of {limits.page_size} ({per_chip} pages, "
             f"{per_chip * limits.page_size} tokens per chip), "
             f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
-            f"{self.engine.placement.axes}, {what['backend']} backend; "
+            f"{self.engine.placement.axes}, {what['backend']} backend; {self._sides()}"
             f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s; from: {self.plan.origins_line()}"
+        )
+
+    def _sides(self) -> str:
+        if self.prefill is None:
+            return ""
+        prefiller = self.prefill.engine
+        return (
+            f"disaggregated: prefill on {prefiller.mesh.size} devices over {prefiller.placement.axes} "
+            f"({prefiller.summary()['backend']} backend), generate on {self.engine.mesh.size}; "
         )
 
 
@@ -66,9 +78,14 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
     On a multi-controller slice this is process 0's path: its executor broadcasts every plan to the
     followers (`follow_plans`), and the process exits non-zero if the lockstep breaks."""
     started = time.perf_counter()
-    plan, model, engine, params, warmup = _bring_up(cfg, source, origins)
+    plan, model, engine, params, warmup, prefill = _bring_up(cfg, source, origins)
     cfg = plan.config
     make_executor, lockstep = Executor, None
+    if prefill is not None:
+
+        def make_executor(engine, params, adapter_weights):
+            return DisaggregatedExecutor(prefill.engine, prefill.params, engine, params, adapter_weights)
+
     if is_multiprocess():
         if not is_leader():
             raise RuntimeError("launch() runs on process 0; the other processes run follow_plans()")
@@ -93,14 +110,14 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
             lambda: time.monotonic() - orchestrator.last_progress if orchestrator.has_work else 0.0,
             max_stall_s=cfg.liveness_timeout_s + cfg.distributed_timeout_s,
         )
-    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started)
+    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started, prefill)
 
 
 def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> int:
     """A follower process of a multi-controller slice: the same bring-up as process 0 (every
     compiled call is collective), then execute process 0's plans until it stops; returns the
     number of plans executed. Raises when the leader is gone (a failed collective)."""
-    plan, model, engine, params, _ = _bring_up(cfg, source, origins)
+    plan, model, engine, params, _, _ = _bring_up(cfg, source, origins)
     log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
     adapter_weights = None
     if plan.config.lora.enabled:  # each adapter load of process 0's plans, read from its path
@@ -110,14 +127,33 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
     return follow(Executor(engine, params, adapter_weights), PlanChannel())
 
 
+@dataclass
+class PrefillSide:
+    """A disaggregated server's prefill engine, on its own devices, and its params there."""
+
+    engine: Engine
+    params: dict
+
+
 def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
-    """Runtime, the one plan, placement and restore, the engine, warmup, in that order."""
+    """Runtime, the one plan, placement and restore, the engine, warmup, in that order. On a
+    disaggregated server (serving.disaggregation) the engine is the generate engine, on the
+    generate devices, and a `PrefillSide` comes last (else None): the same loaded model placed
+    again on the prefill devices (device to device, one controller)."""
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     import jax
 
-    plan = plan_launch(cfg, source, jax.devices(), origins)
+    devices, prefill_devices = jax.devices(), None
+    if (split := cfg.devices.disaggregation) is not None:
+        if is_multiprocess():
+            raise ConfigError(
+                f"inference_server={cfg.inference_server} runs on one controller (Pathways, or one process); "
+                "with runtime=multicontroller use MaxtextInterleavedServer"
+            )
+        prefill_devices, devices = split.split(devices)
+    plan = plan_launch(cfg, source, devices, origins)
     cfg = plan.config
-    mesh = make_mesh(cfg.devices)
+    mesh = make_mesh(cfg.devices, devices)
     # On a mesh of more than one device (a Pathways slice behind one controller, or the processes of
     # a multi-controller one) each array is restored straight onto its shards: never the whole
     # model on one device (405B in int8 is 8x a v6e chip's memory) or, per process, every shard.
@@ -143,9 +179,24 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
     params = engine.load_params()
+    prefill = None
+    if prefill_devices is not None:
+        prefill_engine = Engine(loaded, plan.engine, make_mesh(cfg.devices, prefill_devices))
+        prefill = PrefillSide(prefill_engine, prefill_engine.load_params())
+        prefill_engine.release_loaded_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
-    warmup = engine.warmup(params) if cfg.enable_model_warmup else 0.0
-    return plan, model, engine, params, warmup
+    warmup = 0.0
+    if cfg.enable_model_warmup:
+        warmup = engine.warmup(params) if prefill is None else warm_disaggregated(prefill, engine, params)
+    return plan, model, engine, params, warmup, prefill
+
+
+def warm_disaggregated(prefill: PrefillSide, engine: Engine, params: dict) -> float:
+    """Compile a disaggregated server's calls: every prefill bucket on the prefill engine, the
+    move and insert of its prefix, and generate's shapes on the generate engine."""
+    from serving.engine.warmup import warm_whole_and_generate
+
+    return warm_whole_and_generate(engine, params, prefill.engine, prefill.params)
 
 
 def restore_shardings(plan: LaunchPlan, mesh) -> dict | None:

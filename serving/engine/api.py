@@ -151,6 +151,11 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         refuses."""
         ...
 
+    def receive(self, prefix: PrefixT) -> PrefixT:
+        """Another engine's prefix placed on this engine's devices, for `insert` (a disaggregated
+        server: the prefill engine's result moved to the generate engine; asynchronous)."""
+        ...
+
     def prefill_outputs(self, prefix: PrefixT) -> PrefillOutputs:
         """The prefix's first token of every choice and the logprobs its request asked for (one
         host read; the executor asks only when a request has n > 1 or wants logprobs)."""

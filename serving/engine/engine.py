@@ -33,7 +33,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
@@ -68,7 +69,7 @@ from serving.kernels import backend
 from serving.lora import stack as lora_stack
 from serving.lora.peft import LoraWeights
 from serving.models import decode_step, init_pool, prefill, store_prefix
-from serving.models.cache import SCRATCH_PAGE, dedicated_pages
+from serving.models.cache import SCRATCH_PAGE, KVCache, dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
@@ -135,6 +136,7 @@ class Engine(ChunkedPrefill, Speculative):
             prefix_block=config.prefix_block_size,
             decode_buckets=config.decode_slot_buckets,
             num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots),
+            whole_prefills_only=config.disaggregated,
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
@@ -283,6 +285,23 @@ class Engine(ChunkedPrefill, Speculative):
         return self._insert_fn(
             prefix.kv, prefix.length, first, sampling, prefix.prompt_seen, decode_state, jnp.int32(slot)
         )
+
+    def receive(self, prefix: Prefix) -> Prefix:
+        """Another engine's prefix (a disaggregated server's prefill engine, on other devices) on
+        this engine's mesh: its KV with the pool's layer and kv-head placement (one buffer of every
+        layer, as MaxText's stack_prefill_result_cache sends it), the rest replicated, moved by
+        `jax.device_put` (asynchronous: the next call on this mesh waits for it, the host does not)."""
+        pool = cache_shardings(self.mesh, self.placement)
+
+        def like_pool(sharding, leaf):  # the pool's [layers, pages, page, kv, hd] spec, pages unsplit
+            if sharding is None or leaf is None:
+                return None
+            spec = (*sharding.spec, *([None] * (leaf.ndim - len(sharding.spec))))
+            return NamedSharding(self.mesh, P(spec[0], None, None, *spec[3:]))
+
+        kv = jax.device_put(prefix.kv, KVCache(*map(like_pool, pool, prefix.kv)))
+        rest = jax.device_put(prefix._replace(kv=None), replicated(self.mesh))
+        return rest._replace(kv=kv)
 
     @property
     def page_bytes(self) -> int:

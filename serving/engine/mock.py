@@ -136,6 +136,7 @@ class MockEngine:
         decode_buckets: tuple[int, ...] = (),
         block_bytes: int = 1000,
         num_pages: int = 0,
+        whole_prefills_only: bool = False,
         draft: Proposer | None = None,
         background_warmup: BackgroundCompiles | None = None,
     ):
@@ -149,6 +150,7 @@ class MockEngine:
             prefix_block=prefix_block,
             decode_buckets=decode_buckets,
             num_pages=num_pages,
+            whole_prefills_only=whole_prefills_only,
         )
         self.block_bytes = block_bytes
         self.vocab_size = vocab_size
@@ -212,6 +214,11 @@ class MockEngine:
         first = allowed((int(padded_tokens[true_length - 1]) + 1) % self.vocab_size, mask, self.vocab_size)
         prompt = tuple(int(t) for t in padded_tokens[:true_length])
         return MockPrefix((first,) * sampling.n, true_length, sampling, prompt), first
+
+    def receive(self, prefix: MockPrefix) -> MockPrefix:
+        """A mock prefix is host data: every mock engine can read it as it is."""
+        self.calls.append(("receive", prefix.length))
+        return prefix
 
     def prefill_outputs(self, prefix: MockPrefix) -> PrefillOutputs:
         sampling = prefix.sampling

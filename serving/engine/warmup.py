@@ -62,10 +62,7 @@ def warmup(engine: Engine, params: dict) -> tuple[float, BackgroundWarmup | None
                 shapes += 1
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
-    steps = engine.config.decode_steps_per_call
-    for num_slots in limits.decode_buckets:
-        for window in engine.windows:
-            state, _ = engine._generate_fn(params, state, None, window=window, steps=steps, num_slots=num_slots)
+    state = _warm_generate(engine, params, state)
     state = engine.warm_verify(params, state)  # speculative decoding's verify calls, when it runs
     jax.block_until_ready(state)
     rest = [  # the shortest rests first: a prefix hit's is usually a short question
@@ -89,6 +86,36 @@ def warmup(engine: Engine, params: dict) -> tuple[float, BackgroundWarmup | None
         seconds,
     )
     return seconds, background
+
+
+def _warm_generate(engine: Engine, params: dict, state):
+    """generate for every slot bucket and attention window (every slot free)."""
+    steps = engine.config.decode_steps_per_call
+    for num_slots in engine.limits.decode_buckets:
+        for window in engine.windows:
+            state, _ = engine._generate_fn(params, state, None, window=window, steps=steps, num_slots=num_slots)
+    return state
+
+
+def warm_whole_and_generate(engine: Engine, params: dict, prefiller: Engine, prefill_params: dict) -> float:
+    """A disaggregated server's shapes (it has no chunked prefill): every whole-prefill bucket on
+    `prefiller` (the prefill devices), each prefix moved to `engine` and inserted, then generate
+    for every slot bucket and attention window on `engine`. Returns the seconds spent."""
+    start = time.perf_counter()
+    limits = engine.limits
+    state = engine.init_decode_state()
+    probe = SamplingParams(max_tokens=1)
+    for bucket in limits.buckets:
+        prefix, _ = prefiller.prefill(prefill_params, np.zeros((bucket,), np.int32), 1, probe)
+        state = engine.insert(engine.receive(prefix), state, 0)
+    state = _warm_generate(engine, params, engine.free_resource(state, 0))
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - start
+    log.info(
+        "warmup: compiled %d prefill buckets on the prefill engine, their move and insert, and %d generate "
+        "shapes in %.1f s", len(limits.buckets), len(limits.decode_buckets) * len(engine.windows), seconds,
+    )
+    return seconds
 
 
 def start_background(engine: Engine, params: dict, state, shapes: list[tuple[int, int, int]]) -> BackgroundWarmup | None:

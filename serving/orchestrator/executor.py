@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.api import BackgroundCompiles, EngineAPI, PrefillOutputs
+from serving.engine.api import BackgroundCompiles, EngineAPI, PrefillOutputs, ResultTokens
 from serving.engine.limits import finishes_at_first_token
 from serving.lora.peft import LoraWeights
 from serving.lora.registry import AdapterLoad
@@ -60,6 +60,12 @@ class _Firsts:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs: list[tuple[TokenLogprob | None, ...] | None] = field(default_factory=list)
 
+    def outcome(self) -> StepOutcome:
+        """A plan's outcome before its generate call."""
+        return StepOutcome(
+            tuple(self.tokens), first_logprobs=tuple(self.logprobs), prompt_logprobs=tuple(self.prompt_logprobs)
+        )
+
 
 class Executor:
     def __init__(self, engine: EngineAPI, params, adapter_weights: AdapterWeights | None = None):
@@ -76,6 +82,34 @@ class Executor:
         """Execute `plan`; `on_first_token` is called for each slot that samples its first token
         as soon as its prefill has (before the generate call), so a stream need not wait for it.
         The engine's background warmup starts no shape from here until the next `idle()`."""
+        self._prepare(plan)
+        engine = self.engine
+        firsts = _Firsts()
+        for admission in plan.admissions:
+            self._admit(admission, firsts, on_first_token)
+        if plan.rows:
+            started = time.perf_counter()
+            self.state, tokens = engine.prefill_slots(self.params, self.state, plan.rows)
+            self.timings.prefills.append(time.perf_counter() - started)
+            for row, token in zip(plan.rows, tokens, strict=True):
+                if row.final:
+                    token = int(token)
+                    if on_first_token is not None:
+                        on_first_token(row.slot, token, None, None)
+                    firsts.tokens.append(token)
+                    firsts.logprobs.append(None)
+        outcome = firsts.outcome()
+        samplings = plan.first_token_samplings
+        active = plan.running > 0 or any(
+            not finishes_at_first_token(t, s) for t, s in zip(firsts.tokens, samplings, strict=True)
+        )
+        if plan.decode_steps and active:
+            started = time.perf_counter()
+            outcome = self._read(self._dispatch(plan), outcome, started)
+        return outcome
+
+    def _prepare(self, plan: StepPlan) -> None:
+        """The plan's frees and preemptions, adapter writes and block tables."""
         if (warmup := self.background_warmup) is not None:
             warmup.busy()
         engine, self.timings = self.engine, Timings()
@@ -91,29 +125,11 @@ class Executor:
                 self.pages[slot] = 0
                 self.pages[slot, : len(pages)] = pages
             self.state = engine.set_pages(self.state, self.pages)
-        firsts = _Firsts()
-        for admission in plan.admissions:
-            self._admit(admission, firsts, on_first_token)
-        if plan.rows:
-            started = time.perf_counter()
-            self.state, tokens = engine.prefill_slots(self.params, self.state, plan.rows)
-            self.timings.prefills.append(time.perf_counter() - started)
-            for row, token in zip(plan.rows, tokens, strict=True):
-                if row.final:
-                    token = int(token)
-                    if on_first_token is not None:
-                        on_first_token(row.slot, token, None, None)
-                    firsts.tokens.append(token)
-                    firsts.logprobs.append(None)
-        outcome = StepOutcome(tuple(firsts.tokens), first_logprobs=tuple(firsts.logprobs),
-                              prompt_logprobs=tuple(firsts.prompt_logprobs))
-        samplings = plan.first_token_samplings
-        active = plan.running > 0 or any(
-            not finishes_at_first_token(t, s) for t, s in zip(firsts.tokens, samplings, strict=True)
-        )
-        if plan.decode_steps and active:
-            outcome = self._generate(plan, outcome)
-        return outcome
+
+    @property
+    def prefill_side(self) -> tuple[EngineAPI, object]:
+        """The engine whole prefills run on, and its params: this one's (interleaved serving)."""
+        return self.engine, self.params
 
     def _write_adapter(self, load: AdapterLoad) -> None:
         if self.adapter_weights is None:
@@ -121,16 +137,20 @@ class Executor:
         self.params = self.engine.write_adapter(self.params, load.slot, self.adapter_weights(load))
 
     def _admit(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> None:
-        """The whole path: one prefill, inserted into each of the admission's slots."""
+        """The whole path: one prefill (on the prefill side's engine), inserted into each of the
+        admission's slots."""
         engine, sampling = self.engine, admission.sampling
+        prefiller, params = self.prefill_side
         started = time.perf_counter()
-        prefix, first = engine.prefill(
-            self.params, admission.padded_tokens, admission.true_length, sampling, admission.mask
+        prefix, first = prefiller.prefill(
+            params, admission.padded_tokens, admission.true_length, sampling, admission.mask
         )
         outputs = PrefillOutputs((first,))
         if sampling.n > 1 or sampling.wants_logprobs or sampling.prompt_logprobs is not None:
-            outputs = engine.prefill_outputs(prefix)
+            outputs = prefiller.prefill_outputs(prefix)
         self.timings.prefills.append(time.perf_counter() - started)
+        if prefiller is not engine:
+            prefix = engine.receive(prefix)
         firsts.prompt_logprobs.append(outputs.prompt_logprobs)
         for choice, (slot, token) in enumerate(zip(admission.slots, outputs.first_tokens, strict=True)):
             logprob = outputs.first_logprobs[choice] if outputs.first_logprobs else None
@@ -140,10 +160,9 @@ class Executor:
             firsts.tokens.append(token)
             firsts.logprobs.append(logprob)
 
-    def _generate(self, plan: StepPlan, outcome: StepOutcome) -> StepOutcome:
-        """The plan's generate call, its tokens (and logprobs) read back into the outcome."""
+    def _dispatch(self, plan: StepPlan) -> ResultTokens:
+        """The plan's generate (or verify) call, dispatched: its results still on the device."""
         engine = self.engine
-        started = time.perf_counter()
         proposals = plan.proposals
         if plan.draft_rows:  # speculative decoding with a draft model (serving.engine.draft)
             if engine.draft is None:
@@ -162,6 +181,11 @@ class Executor:
             self.state, result = engine.generate(
                 self.params, self.state, max_position=plan.max_position, masks=plan.masks, num_slots=plan.num_slots
             )
+        return result
+
+    def _read(self, result: ResultTokens, outcome: StepOutcome, started: float) -> StepOutcome:
+        """A generate call's tokens (and logprobs) read back into the outcome; `started`: when it
+        was dispatched (the timings' generate seconds)."""
         tokens, valid, done = (np.asarray(x) for x in result[:3])
         extra = {}
         if result.logprobs is not None:

@@ -7,7 +7,8 @@ The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequenc
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first (so the decode buckets stay small). A request
-   that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
+   that `limits.prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar; every request
+   of a disaggregated server) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
    Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.engine.api import PrefillRow
-from serving.engine.limits import Limits, prefills_whole
+from serving.engine.limits import Limits
 from serving.orchestrator.pages import PagePool
 from serving.orchestrator.plan import Admission, StepOutcome, StepPlan, Waiting
 from serving.orchestrator.prefix_cache import adapter_salt, block_keys
@@ -169,7 +170,7 @@ class Scheduler:
             if self.speculator is not None:
                 for rid in (request.request_id, *request.choice_ids):
                     self.speculator.start(rid, request.prompt_ids, request.sampling)
-            if prefills_whole(request.sampling):
+            if self.limits.prefills_whole(request.sampling):
                 self._pending.append(_Pending(request, [heapq.heappop(self._free) for _ in range(request.num_slots)]))
             else:
                 self._admit_chunked(request)
