@@ -191,7 +191,6 @@ class ServingConfig(BaseModel):
             "decode_slot_buckets": tuple(self.decode_slot_buckets),
             "logical_axis_rules": normalize_rules(self.logical_axis_rules),
             "max_loras": self.lora.max_loras,
-            "disaggregated": self.disaggregation is not None,
         })
 
     @property
@@ -212,7 +211,9 @@ class ServingConfig(BaseModel):
     @property
     def orchestrator(self) -> OrchestratorConfig:
         part = self._part(OrchestratorConfig)
-        return OrchestratorConfig(**{**part.__dict__, "speculative": self.speculative})
+        return OrchestratorConfig(
+            **{**part.__dict__, "speculative": self.speculative, "disaggregated": self.disaggregation is not None}
+        )
 
     @property
     def speculative(self) -> SpeculativeConfig:
@@ -301,11 +302,6 @@ class ServingConfig(BaseModel):
                 f"speculative_method={self.speculative_method} with inference_server={self.inference_server}: "
                 "speculative decoding runs on the interleaved server only"
             )
-        if self.prefix_cache == "on":
-            logging.getLogger(__name__).warning(
-                "prefix_cache=on has no effect with inference_server=%s: the prefill engine prefills every "
-                "prompt whole and keeps no pages", self.inference_server
-            )
 
     def _log_attention_without_effect(self) -> None:
         """MaxText's other attention kernels and the pagedattn_* keys without attention=paged change
@@ -393,8 +389,6 @@ class EngineConfig:
     replicate_quant_scale: bool = _default("replicate_quant_scale")
     max_loras: int = _default("max_loras")  # LoRA adapters' device slots (0: none; serving.lora)
     max_lora_rank: int = _default("max_lora_rank")
-    # inference_server is disaggregated (serving.disaggregation): every prompt prefills whole.
-    disaggregated: bool = False
 
 
 @dataclass(frozen=True)
@@ -459,6 +453,9 @@ class OrchestratorConfig:
     profile_dir: str = _default("profile_dir")
     profiler_port: int = _default("profiler_port")  # jax.profiler.start_server when set
     speculative: SpeculativeConfig = SpeculativeConfig()
+    # inference_server is disaggregated (serving.disaggregation): each prompt the prefill engine
+    # finishes is handed to the generate engine, as the plan says
+    disaggregated: bool = False
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,8 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
     """Runtime, the one plan, placement and restore, the engine, warmup, in that order. On a
     disaggregated server (serving.disaggregation) the engine is the generate engine, on the
     generate devices, and a `PrefillSide` comes last (else None): the same loaded model placed
-    again on the prefill devices (device to device, one controller)."""
+    again on the prefill devices (device to device, one controller), with the generate engine's
+    slots and pool pages (a mirror: one plan's ids name the same slot and page on both)."""
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     import jax
 
@@ -181,22 +182,19 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
     params = engine.load_params()
     prefill = None
     if prefill_devices is not None:
-        prefill_engine = Engine(loaded, plan.engine, make_mesh(cfg.devices, prefill_devices))
+        prefill_engine = Engine(loaded, plan.engine, make_mesh(cfg.devices, prefill_devices), mirror=engine.limits)
         prefill = PrefillSide(prefill_engine, prefill_engine.load_params())
         prefill_engine.release_loaded_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = 0.0
-    if cfg.enable_model_warmup:
-        warmup = engine.warmup(params) if prefill is None else warm_disaggregated(prefill, engine, params)
+    if cfg.enable_model_warmup and prefill is None:
+        warmup = engine.warmup(params)
+    elif cfg.enable_model_warmup:  # each side its own calls, and the moves between them
+        from serving.engine.warmup import warm_generate_side
+
+        warmup = prefill.engine.warmup(prefill.params, generate=False)
+        warmup += warm_generate_side(engine, params, prefill.engine, prefill.params)
     return plan, model, engine, params, warmup, prefill
-
-
-def warm_disaggregated(prefill: PrefillSide, engine: Engine, params: dict) -> float:
-    """Compile a disaggregated server's calls: every prefill bucket on the prefill engine, the
-    move and insert of its prefix, and generate's shapes on the generate engine."""
-    from serving.engine.warmup import warm_whole_and_generate
-
-    return warm_whole_and_generate(engine, params, prefill.engine, prefill.params)
 
 
 def restore_shardings(plan: LaunchPlan, mesh) -> dict | None:

@@ -184,6 +184,18 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         """Device bytes of one page of the KV pool on each chip (for the metrics)."""
         ...
 
+    def handoff(self, decode_state: StateT, slot: int, pages: Sequence[int]):
+        """Slot `slot`'s state and the KV of `pages`, to be `accept`ed by another engine (a
+        disaggregated server's prefill engine hands a prefilled prompt to its generate engine, and
+        the generate engine a preempted sequence's state back, with no pages). Asynchronous."""
+        ...
+
+    def accept(self, decode_state: StateT, handoff, slot: int, pages: Sequence[int]) -> StateT:
+        """The state with another engine's `handoff` written at `slot` and `pages` (the ids it
+        was read from: both engines' pools are the same size and the scheduler's ids name the same
+        page on both). The slot's state is the other engine's, active or not."""
+        ...
+
     def set_pages(self, decode_state: StateT, pages) -> StateT:
         """The state with every slot's block table: int32 [slots, limits.max_pages] of page ids in
         [0, limits.num_pages) (0: the scratch page). Slot s's position t is at page

@@ -33,14 +33,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
 from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
+from serving.engine.handoff import Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
 from serving.engine.partitioning import Numerics
@@ -69,7 +69,7 @@ from serving.kernels import backend
 from serving.lora import stack as lora_stack
 from serving.lora.peft import LoraWeights
 from serving.models import decode_step, init_pool, prefill, store_prefix
-from serving.models.cache import SCRATCH_PAGE, KVCache, dedicated_pages
+from serving.models.cache import SCRATCH_PAGE, dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
@@ -93,7 +93,7 @@ def attention_windows(max_target_length: int) -> list[int]:
     return [*windows, max_target_length]
 
 
-class Engine(ChunkedPrefill, Speculative):
+class Engine(ChunkedPrefill, Speculative, Handoffs):
     """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
     prefilled in chunks straight into their slots, and prefix blocks; from Speculative, `verify`:
     speculative decoding's proposals scored and accepted in one call)."""
@@ -106,11 +106,14 @@ class Engine(ChunkedPrefill, Speculative):
         *,
         draft: Proposer | None = None,
         verify_warmup: tuple[int, int] | None = None,
+        mirror: Limits | None = None,
     ):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
         `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
         mesh. `verify_warmup`: (k, the most decoding slots that speculate), the verify shapes the
-        warmup compiles (None: the server does not speculate)."""
+        warmup compiles (None: the server does not speculate). `mirror`: another engine's limits,
+        taken whole (a disaggregated server's prefill engine mirrors its generate engine: the same
+        slots and pool pages, so that the scheduler's slot and page ids name the same on both)."""
         from serving.runtime import make_mesh
 
         self.model = model
@@ -124,9 +127,9 @@ class Engine(ChunkedPrefill, Speculative):
             list(self.mesh.devices.flat),
             pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         )
-        slots = max(1, int(config.per_device_batch_size * self.mesh.size))
+        slots = mirror.max_concurrent_decodes if mirror else max(1, int(config.per_device_batch_size * self.mesh.size))
         numerics = Numerics.of(config, int8=int8_names(model.params))
-        self.limits = Limits(
+        self.limits = mirror or Limits(
             max_concurrent_decodes=slots,
             max_prefill_length=config.max_prefill_predict_length,
             max_target_length=config.max_target_length,
@@ -136,7 +139,6 @@ class Engine(ChunkedPrefill, Speculative):
             prefix_block=config.prefix_block_size,
             decode_buckets=config.decode_slot_buckets,
             num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots),
-            whole_prefills_only=config.disaggregated,
         )
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
@@ -172,6 +174,7 @@ class Engine(ChunkedPrefill, Speculative):
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
         self._init_chunked(static)
         self._init_speculative(static, verify_warmup)
+        self._init_handoffs()
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -286,23 +289,6 @@ class Engine(ChunkedPrefill, Speculative):
             prefix.kv, prefix.length, first, sampling, prefix.prompt_seen, decode_state, jnp.int32(slot)
         )
 
-    def receive(self, prefix: Prefix) -> Prefix:
-        """Another engine's prefix (a disaggregated server's prefill engine, on other devices) on
-        this engine's mesh: its KV with the pool's layer and kv-head placement (one buffer of every
-        layer, as MaxText's stack_prefill_result_cache sends it), the rest replicated, moved by
-        `jax.device_put` (asynchronous: the next call on this mesh waits for it, the host does not)."""
-        pool = cache_shardings(self.mesh, self.placement)
-
-        def like_pool(sharding, leaf):  # the pool's [layers, pages, page, kv, hd] spec, pages unsplit
-            if sharding is None or leaf is None:
-                return None
-            spec = (*sharding.spec, *([None] * (leaf.ndim - len(sharding.spec))))
-            return NamedSharding(self.mesh, P(spec[0], None, None, *spec[3:]))
-
-        kv = jax.device_put(prefix.kv, KVCache(*map(like_pool, pool, prefix.kv)))
-        rest = jax.device_put(prefix._replace(kv=None), replicated(self.mesh))
-        return rest._replace(kv=kv)
-
     @property
     def page_bytes(self) -> int:
         """Device bytes of one page of the KV pool on each chip (every layer's keys, values, scales)."""
@@ -343,12 +329,13 @@ class Engine(ChunkedPrefill, Speculative):
         lora_stack.write_slot(params, slot, weights)
         return params
 
-    def warmup(self, params: dict) -> float:
+    def warmup(self, params: dict, generate: bool = True) -> float:
         """Compile every shape serving runs (serving.engine.warmup; a prefix hit's partial chunks on
-        `background_warmup`, after it returns); returns the seconds spent in the foreground."""
+        `background_warmup`, after it returns); returns the seconds spent in the foreground.
+        `generate` false: none of generate's shapes (a disaggregated server's prefill engine)."""
         from serving.engine.warmup import warmup
 
-        seconds, self.background_warmup = warmup(self, params)
+        seconds, self.background_warmup = warmup(self, params, generate)
         return seconds
 
     # -- compiled bodies -----------------------------------------------------------------------

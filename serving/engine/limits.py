@@ -8,8 +8,7 @@ Two ways into a slot:
   a repetition penalty (it reads every prompt token).
 - chunked: `prefill_slots` writes the prompt into its slot in chunks of at most
   `prefill_chunk_size` tokens, several prompts per compiled call; a prompt may then be as long as
-  max_target_length - max_tokens. Every other request takes it, except on a disaggregated server
-  (`whole_prefills_only`), where every prompt is prefilled whole on the prefill engine.
+  max_target_length - max_tokens. Every other request takes it.
 
 Decode runs over the first `decode_slots(n)` slots only: generate is compiled for a few slot-count
 buckets, so that a lone request does not pay for every slot.
@@ -83,9 +82,6 @@ class Limits:
     # Pages in the KV cache's pool, the scratch page 0 included (0: enough for every slot to hold
     # max_target_length positions at once, as a cache of one row per slot would).
     num_pages: int = 0
-    # Disaggregated serving (serving.disaggregation): the prefill engine prefills every prompt
-    # whole and the generate engine inserts it, so every request takes the whole path.
-    whole_prefills_only: bool = False
     buckets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -126,10 +122,6 @@ class Limits:
             )
         return next(b for b in self.buckets if b >= length)
 
-    def prefills_whole(self, sampling: SamplingParams) -> bool:
-        """Whether a request takes the whole `prefill` + `insert` path on this engine."""
-        return self.whole_prefills_only or prefills_whole(sampling)
-
     def decode_slots(self, used: int) -> int:
         """The smallest slot-count bucket holding slots [0, used)."""
         return next(b for b in self.decode_buckets if b >= used)
@@ -145,7 +137,7 @@ class Limits:
                 field="repetition_penalty",
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
-        if self.prefills_whole(sampling):
+        if prefills_whole(sampling):
             self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:
             raise GenerationError(

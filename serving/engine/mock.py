@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -79,6 +79,12 @@ class MockPrefix:
     length: int  # true prompt length
     sampling: SamplingParams
     prompt_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class MockHandoff:
+    slot: _Slot | None  # the slot's sequence (None: inactive)
+    pages: dict[int, dict[int, int]]  # page -> offset -> token, as the handing engine's pool held them
 
 
 def mock_logprob(token: int, vocab_size: int = 95) -> TokenLogprob:
@@ -136,7 +142,6 @@ class MockEngine:
         decode_buckets: tuple[int, ...] = (),
         block_bytes: int = 1000,
         num_pages: int = 0,
-        whole_prefills_only: bool = False,
         draft: Proposer | None = None,
         background_warmup: BackgroundCompiles | None = None,
     ):
@@ -150,7 +155,6 @@ class MockEngine:
             prefix_block=prefix_block,
             decode_buckets=decode_buckets,
             num_pages=num_pages,
-            whole_prefills_only=whole_prefills_only,
         )
         self.block_bytes = block_bytes
         self.vocab_size = vocab_size
@@ -214,6 +218,26 @@ class MockEngine:
         first = allowed((int(padded_tokens[true_length - 1]) + 1) % self.vocab_size, mask, self.vocab_size)
         prompt = tuple(int(t) for t in padded_tokens[:true_length])
         return MockPrefix((first,) * sampling.n, true_length, sampling, prompt), first
+
+    def handoff(self, decode_state: MockState, slot: int, pages: Sequence[int]) -> MockHandoff:
+        self._check(decode_state, slot)
+        self.calls.append(("handoff", slot, tuple(pages)))
+        written = {p: dict(decode_state.pool.get(p, {})) for p in pages}
+        return MockHandoff(decode_state.slots.get(slot), written)
+
+    def accept(self, decode_state: MockState, handoff: MockHandoff, slot: int, pages: Sequence[int]) -> MockState:
+        self._check(decode_state, slot)
+        if tuple(pages) != tuple(handoff.pages):
+            raise AssertionError(f"pages {tuple(pages)} accepted, {tuple(handoff.pages)} handed off")
+        self.calls.append(("accept", slot, tuple(pages)))
+        slots = dict(decode_state.slots)
+        slots.pop(slot, None)
+        if handoff.slot is not None:
+            slots[slot] = replace(handoff.slot)
+        state = self._replace(decode_state, slots)
+        for page, written in handoff.pages.items():
+            state.pool[page] = dict(written)
+        return state
 
     def receive(self, prefix: MockPrefix) -> MockPrefix:
         """A mock prefix is host data: every mock engine can read it as it is."""

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("serving.engine.engine")
 
 
-def warmup(engine: Engine, params: dict) -> tuple[float, BackgroundWarmup | None]:
+def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, BackgroundWarmup | None]:
     """Compile what serving runs: every whole-prefill bucket and insert; every prefill_slots shape of
     fresh prompts (rows x length within the per-call budget) and, for every row count whose full
     chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
@@ -34,7 +34,8 @@ def warmup(engine: Engine, params: dict) -> tuple[float, BackgroundWarmup | None
     length at every history window, minutes of compiling in all) at the lowest CPU priority while
     the server serves; a call that comes before its shape is done compiles it then. Returns the
     seconds spent and that background warmup (None when off), which the engine keeps as its
-    `background_warmup` (Engine.warmup)."""
+    `background_warmup` (Engine.warmup). `generate` false: no generate or verify shapes (a
+    disaggregated server's prefill engine, which never decodes)."""
     start = time.perf_counter()
     limits = engine.limits
     state = engine.init_decode_state()
@@ -62,8 +63,9 @@ def warmup(engine: Engine, params: dict) -> tuple[float, BackgroundWarmup | None
                 shapes += 1
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
-    state = _warm_generate(engine, params, state)
-    state = engine.warm_verify(params, state)  # speculative decoding's verify calls, when it runs
+    if generate:
+        state = _warm_generate(engine, params, state)
+        state = engine.warm_verify(params, state)  # speculative decoding's verify calls, when it runs
     jax.block_until_ready(state)
     rest = [  # the shortest rests first: a prefix hit's is usually a short question
         (rows, length, window)
@@ -97,23 +99,30 @@ def _warm_generate(engine: Engine, params: dict, state):
     return state
 
 
-def warm_whole_and_generate(engine: Engine, params: dict, prefiller: Engine, prefill_params: dict) -> float:
-    """A disaggregated server's shapes (it has no chunked prefill): every whole-prefill bucket on
-    `prefiller` (the prefill devices), each prefix moved to `engine` and inserted, then generate
-    for every slot bucket and attention window on `engine`. Returns the seconds spent."""
+def warm_generate_side(engine: Engine, params: dict, prefiller: Engine, prefill_params: dict) -> float:
+    """A disaggregated server's generate engine (its prefill engine warmed up on its own, without
+    generate): each whole-prefill bucket's prefix moved from `prefiller` and inserted, a handoff of
+    every page-count bucket both ways (a prompt's pages here, a preempted slot's state back), and
+    generate for every slot bucket and attention window. Returns the seconds spent."""
+    from serving.engine.handoff import padded_pages
+
     start = time.perf_counter()
     limits = engine.limits
-    state = engine.init_decode_state()
+    state, prefill_state = engine.init_decode_state(), prefiller.init_decode_state()
     probe = SamplingParams(max_tokens=1)
     for bucket in limits.buckets:
         prefix, _ = prefiller.prefill(prefill_params, np.zeros((bucket,), np.int32), 1, probe)
         state = engine.insert(engine.receive(prefix), state, 0)
+    counts = sorted({len(padded_pages([0] * n)) for n in range(1, limits.max_pages + 1)})
+    for count in counts:  # scratch onto scratch: every page-count bucket's compile
+        state = engine.accept(state, prefiller.handoff(prefill_state, 0, [0] * count), 0, [0] * count)
+    prefill_state = prefiller.accept(prefill_state, engine.handoff(state, 0, ()), 0, ())
     state = _warm_generate(engine, params, engine.free_resource(state, 0))
-    jax.block_until_ready(state)
+    jax.block_until_ready((state, prefill_state))
     seconds = time.perf_counter() - start
     log.info(
-        "warmup: compiled %d prefill buckets on the prefill engine, their move and insert, and %d generate "
-        "shapes in %.1f s", len(limits.buckets), len(limits.decode_buckets) * len(engine.windows), seconds,
+        "warmup: %d prefix moves and inserts, %d handoff sizes and %d generate shapes on the generate engine in %.1f s",
+        len(limits.buckets), len(counts), len(limits.decode_buckets) * len(engine.windows), seconds,
     )
     return seconds
 

@@ -83,21 +83,11 @@ class Executor:
         as soon as its prefill has (before the generate call), so a stream need not wait for it.
         The engine's background warmup starts no shape from here until the next `idle()`."""
         self._prepare(plan)
-        engine = self.engine
         firsts = _Firsts()
         for admission in plan.admissions:
             self._admit(admission, firsts, on_first_token)
         if plan.rows:
-            started = time.perf_counter()
-            self.state, tokens = engine.prefill_slots(self.params, self.state, plan.rows)
-            self.timings.prefills.append(time.perf_counter() - started)
-            for row, token in zip(plan.rows, tokens, strict=True):
-                if row.final:
-                    token = int(token)
-                    if on_first_token is not None:
-                        on_first_token(row.slot, token, None, None)
-                    firsts.tokens.append(token)
-                    firsts.logprobs.append(None)
+            self.state = self._prefill_rows(self.engine, self.params, self.state, plan, firsts, on_first_token)
         outcome = firsts.outcome()
         samplings = plan.first_token_samplings
         active = plan.running > 0 or any(
@@ -107,6 +97,23 @@ class Executor:
             started = time.perf_counter()
             outcome = self._read(self._dispatch(plan), outcome, started)
         return outcome
+
+    def _prefill_rows(
+        self, engine: EngineAPI, params, state, plan: StepPlan, firsts: _Firsts, on_first_token: FirstTokenHook | None
+    ):
+        """The plan's `prefill_slots` call on `engine`'s `state` (returned), its final rows' first
+        tokens into `firsts`."""
+        started = time.perf_counter()
+        state, tokens = engine.prefill_slots(params, state, plan.rows)
+        self.timings.prefills.append(time.perf_counter() - started)
+        for row, token in zip(plan.rows, tokens, strict=True):
+            if row.final:
+                token = int(token)
+                if on_first_token is not None:
+                    on_first_token(row.slot, token, None, None)
+                firsts.tokens.append(token)
+                firsts.logprobs.append(None)
+        return state
 
     def _prepare(self, plan: StepPlan) -> None:
         """The plan's frees and preemptions, adapter writes and block tables."""

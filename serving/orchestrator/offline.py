@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serving.engine.api import EngineAPI
+from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, Waiting
@@ -32,16 +33,21 @@ def run_to_completion(
     requests: list[tuple[list[int], SamplingParams]],
     prefix_caching: bool = False,
     speculator: Speculator | None = None,
+    prefill: tuple[EngineAPI, object] | None = None,
 ) -> list[OfflineResult]:
     """Every request's tokens, in request order: the device loop's scheduler and executor, driven
     synchronously, without threads or streams. `prefix_caching`: share cached prompt pages
-    between requests (off by default). `speculator`: speculative decoding's proposer and policy (None: off)."""
+    between requests (off by default). `speculator`: speculative decoding's proposer and policy (None: off).
+    `prefill`: a disaggregated server's prefill engine and its params (`engine` then generates;
+    serving.orchestrator.disaggregated)."""
     results = [OfflineResult(list(p), s) for p, s in requests]
     for r in results:
         engine.limits.check(len(r.prompt_ids), r.sampling)
     waiting = deque(range(len(results)))
-    scheduler = Scheduler(engine.limits, engine.decode_steps_per_call, prefix_caching, speculator)
-    executor = Executor(engine, params)
+    scheduler = Scheduler(
+        engine.limits, engine.decode_steps_per_call, prefix_caching, speculator, handoffs=prefill is not None
+    )
+    executor = Executor(engine, params) if prefill is None else DisaggregatedExecutor(*prefill, engine, params)
     try:  # the engine's background warmup, if any, starts no shape meanwhile (Executor.run)
         _drive(results, waiting, scheduler, executor)
     finally:

@@ -287,7 +287,8 @@ class Orchestrator:
         engine = self.engine
         executor = self._make_executor(engine, self.params, self.adapters.weights if self.adapters else None)
         scheduler = Scheduler(
-            engine.limits, engine.decode_steps_per_call, self.config.prefix_cache == "on", self._speculator()
+            engine.limits, engine.decode_steps_per_call, self.config.prefix_cache == "on", self._speculator(),
+            handoffs=self.config.disaggregated,
         )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
             cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}

@@ -87,6 +87,9 @@ class StepPlan:
     num_proposed: np.ndarray | None = None
     draft_rows: tuple[PrefillRow, ...] = ()
     adapter_loads: tuple[AdapterLoad, ...] = ()
+    # A disaggregated server: (slot, the pages holding its prompt) of each final row, moved from the
+    # prefill engine to the generate engine once that row has run (serving.orchestrator.disaggregated)
+    handoffs: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def empty(self) -> bool:

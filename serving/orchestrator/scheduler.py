@@ -7,8 +7,7 @@ The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequenc
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first (so the decode buckets stay small). A request
-   that `limits.prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar; every request
-   of a disaggregated server) is an `Admission`:
+   that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
    Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
@@ -52,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.engine.api import PrefillRow
-from serving.engine.limits import Limits
+from serving.engine.limits import Limits, prefills_whole
 from serving.orchestrator.pages import PagePool
 from serving.orchestrator.plan import Admission, StepOutcome, StepPlan, Waiting
 from serving.orchestrator.prefix_cache import adapter_salt, block_keys
@@ -105,6 +104,9 @@ class Scheduler:
     decode_steps_per_call: int
     prefix_caching: bool = False
     speculator: Speculator | None = None  # speculative decoding's proposals (None: off)
+    # A disaggregated server (serving.orchestrator.disaggregated): each final row's prompt pages are
+    # handed from the prefill engine to the generate engine (`StepPlan.handoffs`)
+    handoffs: bool = False
     running: dict[int, _Running] = field(default_factory=dict)  # slot -> its request, decoding
     prefilling: dict[int, _Prefilling] = field(default_factory=dict)  # slot -> its request, in admission order
     preemptions: int = 0  # sequences preempted so far
@@ -170,7 +172,7 @@ class Scheduler:
             if self.speculator is not None:
                 for rid in (request.request_id, *request.choice_ids):
                     self.speculator.start(rid, request.prompt_ids, request.sampling)
-            if self.limits.prefills_whole(request.sampling):
+            if prefills_whole(request.sampling):
                 self._pending.append(_Pending(request, [heapq.heappop(self._free) for _ in range(request.num_slots)]))
             else:
                 self._admit_chunked(request)
@@ -196,6 +198,13 @@ class Scheduler:
             if proposals is not None:
                 steps = self.speculator.k + 1
         tables = tuple((slot, tuple(self.tables.get(slot, ()))) for slot in sorted(self._changed))
+        handoffs = ()
+        if self.handoffs:
+            handoffs = tuple(
+                (row.slot, tuple(self.tables[row.slot][: self._pages_for(row.start + len(row.tokens))]))
+                for row in rows
+                if row.final
+            )
         return StepPlan(
             frees=frees,
             preempted=tuple(preempted),
@@ -210,6 +219,7 @@ class Scheduler:
             proposals=None if proposals is None else proposals.tokens,
             num_proposed=None if proposals is None else proposals.num_proposed,
             draft_rows=() if proposals is None else proposals.draft_rows,
+            handoffs=handoffs,
         )
 
     # -- pages -----------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from pydantic import ValidationError
 
 from serving.config import OrchestratorConfig, ServingConfig
 from serving.disaggregation import Disaggregation, disaggregation, slice_chips
-from serving.engine.limits import Limits
 from serving.engine.mock import AsciiTokenizer, MockEngine
 from serving.errors import ConfigError
 from serving.orchestrator import Orchestrator
@@ -53,7 +52,7 @@ def test_the_split_takes_prefill_first_and_every_device():
 def test_config_reads_the_keys_and_refuses_what_cannot_run_split():
     cfg = ServingConfig(inference_server="ExperimentalMaxtextDisaggregatedServer", prefill_slice="cpu=1", generate_slice="cpu=2")
     assert cfg.disaggregation == cfg.devices.disaggregation == Disaggregation(1, 2)
-    assert cfg.engine.disaggregated and not ServingConfig().engine.disaggregated
+    assert cfg.orchestrator.disaggregated and not ServingConfig().orchestrator.disaggregated
     with pytest.raises(ValidationError, match="inference_server='Foo'"):
         ServingConfig(inference_server="Foo")
     with pytest.raises(ValidationError, match="prefill_slice='v6e'"):
@@ -62,19 +61,10 @@ def test_config_reads_the_keys_and_refuses_what_cannot_run_split():
         ServingConfig(inference_server="ExperimentalMaxtextDisaggregatedServer_1", speculative_method="ngram")
 
 
-def test_every_request_prefills_whole_on_a_disaggregated_server():
-    plain, split = Limits(4, 64, 256), Limits(4, 64, 256, whole_prefills_only=True)
-    sampling = SamplingParams(max_tokens=4)
-    assert not plain.prefills_whole(sampling) and split.prefills_whole(sampling)
-    plain.check(100, sampling)  # chunked: up to max_target_length - max_tokens
-    with pytest.raises(Exception, match="max_prefill_predict_length=64"):
-        split.check(100, sampling)  # whole: one prefill bucket at most
-
-
-def _disaggregated(slots: int = 4, **engine) -> tuple[Orchestrator, MockEngine, MockEngine]:
-    prefill = MockEngine(slots=slots, whole_prefills_only=True, **engine)
-    generate = MockEngine(slots=slots, whole_prefills_only=True, **engine)
-    config = OrchestratorConfig(max_queued_requests=64, prefix_cache="off")
+def _disaggregated(slots: int = 4, cache: str = "on", **engine) -> tuple[Orchestrator, MockEngine, MockEngine]:
+    engine = {"slots": slots, "max_prefill_length": 64, "max_target_length": 512, "prefix_block": 16, **engine}
+    prefill, generate = MockEngine(**engine), MockEngine(**engine)
+    config = OrchestratorConfig(max_queued_requests=64, prefix_cache=cache, disaggregated=True)
 
     def make_executor(engine, params, adapter_weights):
         return DisaggregatedExecutor(prefill, {}, engine, params, adapter_weights)
@@ -82,60 +72,120 @@ def _disaggregated(slots: int = 4, **engine) -> tuple[Orchestrator, MockEngine, 
     return Orchestrator(generate, {}, TOKENIZER, config, make_executor), prefill, generate
 
 
-def test_prompts_prefill_on_the_prefill_engine_and_decode_on_the_generate_engine():
-    orch, prefill, generate = _disaggregated()
-    requests = [([(5 * i + j) % 90 for j in range(3 + 7 * i)], SamplingParams(max_tokens=4 + i)) for i in range(8)]
-    handles = [orch.submit(p, s) for p, s in requests]  # 8 requests, 4 slots: half wait for room
+SYSTEM = [(7 * i) % 90 for i in range(40)]  # a shared system prompt: 2 whole pages of 16 and a half
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    """12 prompts of 1..200 tokens, half behind the shared system prompt; two whole admissions."""
+    lengths = [1, 5, 17, 33, 64, 65, 90, 130, 200, 3, 48, 100]
+    prompts = [[(i * 11 + j) % 95 for j in range(n)] for i, n in enumerate(lengths)]
+    prompts = [SYSTEM + p if i % 2 else p for i, p in enumerate(prompts)]
+    samplings = [SamplingParams(max_tokens=3 + i % 5, logprobs=1 if i in (4, 9) else None) for i in range(len(prompts))]
+    return list(zip(prompts, samplings, strict=True))
+
+
+def _calls(engine: MockEngine, name: str) -> list[tuple]:
+    return [call for call in engine.calls if call[0] == name]
+
+
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_prompts_prefill_on_one_engine_and_decode_on_the_other_with_the_same_tokens(cache):
+    orch, prefill, generate = _disaggregated(cache=cache, prefill_chunk_size=32)
+    requests = _requests()
+    handles = [orch.submit(p, s) for p, s in requests]  # 12 requests, 4 slots: most wait for room
     orch.start()
     try:
         got = [h.result().token_ids for h in handles]
     finally:
         orch.stop(timeout=10)
     assert got == [generate.expected(p, s) for p, s in requests]
-    names = lambda engine: {call[0] for call in engine.calls}  # noqa: E731
-    assert names(prefill) == {"prefill"}  # no decode state, no slots, no generate on the prefill side
-    assert {"receive", "insert", "generate"} <= names(generate) and "prefill" not in names(generate)
-    assert "prefill_slots" not in names(generate)  # no chunks: every prompt whole
-    assert [c for c in prefill.calls if c[0] == "prefill"] == [("prefill", tuple(p)) for p, _ in requests]
-    assert sum(c[0] == "receive" for c in generate.calls) == len(requests)
+    # chunks and whole prompts prefill on the prefill side only; decoding on the generate side only
+    assert _calls(prefill, "prefill_slots") and not _calls(generate, "prefill_slots")
+    assert len(_calls(prefill, "prefill")) == 2 and not _calls(generate, "prefill")
+    assert _calls(generate, "generate") and not _calls(prefill, "generate")
+    # each chunked prompt moved once, from the slot it prefilled in to the same slot, with its pages
+    handed, accepted = _calls(prefill, "handoff"), _calls(generate, "accept")
+    assert len(handed) == len(accepted) == len(requests) - 2
+    assert [c[1:] for c in handed] == [c[1:] for c in accepted]
+    assert len(_calls(generate, "receive")) == 2  # the whole admissions' prefixes
+    if cache == "on":  # the shared system prompt's pages were read from the prefill side's pool
+        assert any(start > 0 for call in _calls(prefill, "prefill_slots") for _, start, _, _ in call[1])
+
+
+def test_a_preempted_sequence_is_recomputed_on_the_prefill_side_and_handed_off_again():
+    """Two long generations in a pool that holds one: the newer, already streaming, is preempted
+    (its state handed back to the prefill engine), prefilled again there with the tokens it
+    streamed, and moved to the generate side again; neither stream repeats or loses a token."""
+    orch, prefill, generate = _disaggregated(
+        slots=2, max_prefill_length=16, max_target_length=64, prefix_block=4, num_pages=17
+    )
+    requests = [([5 + i] * 8, SamplingParams(max_tokens=50)) for i in range(2)]
+    handles = [orch.submit(p, s) for p, s in requests]
+    orch.start()
+    try:
+        streams = [[t for delta in h.stream() for t in delta.token_ids] for h in handles]
+    finally:
+        orch.stop(timeout=10)
+    assert streams == [generate.expected(p, s) for p, s in requests]
+    assert orch.metrics.preemptions > 0
+    back = [c for c in _calls(generate, "handoff") if c[2] == ()]  # state only, no pages
+    assert back and len(back) == len([c for c in _calls(prefill, "accept") if c[2] == ()])
+    assert len(_calls(prefill, "handoff")) == len(requests) + len(back)  # each recompute moved again
+
+
+def test_a_cancelled_prompt_frees_its_slot_on_both_sides():
+    orch, prefill, generate = _disaggregated(slots=1, step_seconds=0.01)
+    orch.start()
+    try:
+        long = orch.submit([1, 2, 3], SamplingParams(max_tokens=400))
+        next(iter(long.stream()))  # decoding on the generate side
+        long.cancel()
+        short = orch.submit([4, 5], SamplingParams(max_tokens=3))  # the one slot again
+        assert short.result().token_ids == generate.expected([4, 5], SamplingParams(max_tokens=3))
+    finally:
+        orch.stop(timeout=10)
+    assert ("free_resource", 0) in prefill.calls and ("free_resource", 0) in generate.calls
 
 
 def test_the_generate_call_goes_out_before_the_prefill_and_the_new_slot_decodes_next_plan():
-    """A plan with a running slot and an admission: generate over the running slot is dispatched
-    first, then the prompt prefills on the other engine, and its prefix is moved and inserted
-    behind that call; the admitted slot has no token in this plan's call."""
-    prefill = MockEngine(slots=2, whole_prefills_only=True)
-    generate = MockEngine(slots=2, whole_prefills_only=True)
+    """A plan with a running slot and a final row: generate over the running slot is dispatched
+    first, then the prompt prefills on the other engine and is handed off behind that call; the
+    new slot has no token in this plan's call."""
+    from serving.engine.api import PrefillRow
+
+    prefill, generate = MockEngine(slots=2), MockEngine(slots=2)
     executor = DisaggregatedExecutor(prefill, {}, generate, {})
-    first = _admission(generate, slot=0, prompt=(1, 2, 3))
-    executor.run(StepPlan(admissions=(first,), decode_steps=2, running=0, num_slots=1, max_position=3))
-    assert [c[0] for c in generate.calls] == ["init_decode_state", "receive", "insert"]  # nothing ran yet
-    generate.calls.clear()
-    second = _admission(generate, slot=1, prompt=(7, 8))
-    order = []
-    prefill_calls, generate_calls = prefill.calls, generate.calls
-    prefill.calls = _Recorder(order, "prefill side", prefill_calls)
-    generate.calls = _Recorder(order, "generate side", generate_calls)
-    outcome = executor.run(StepPlan(admissions=(second,), decode_steps=2, running=1, num_slots=2, max_position=5))
-    assert order == [("generate side", "generate"), ("prefill side", "prefill"), ("generate side", "receive"),
-                     ("generate side", "insert")]
+    sampling = SamplingParams(max_tokens=8)
+    tables = ((0, (1,)), (1, (2,)))
+    first = StepPlan(page_tables=tables, rows=(PrefillRow(0, (1, 2, 3), 0, True, sampling),), decode_steps=2,
+                     num_slots=1, max_position=3, handoffs=((0, (1,)),))
+    executor.run(first)
+    assert [c[0] for c in generate.calls] == ["init_decode_state", "set_pages", "accept"]  # nothing decoded yet
+    order: list = []
+    prefill.calls = _Recorder(order, "prefill side", prefill.calls)
+    generate.calls = _Recorder(order, "generate side", generate.calls)
+    second = StepPlan(rows=(PrefillRow(1, (7, 8), 0, True, sampling),), decode_steps=2, running=1, num_slots=2,
+                      max_position=5, handoffs=((1, (2,)),))
+    outcome = executor.run(second)
+    assert order == [("generate side", "generate"), ("prefill side", "prefill_slots"), ("prefill side", "handoff"),
+                     ("generate side", "accept"), ("prefill side", "free_resource")]
     assert outcome.first_tokens == (9,)  # the mock's first token: the last prompt token + 1
     assert [row[0] for row in outcome.valid] == [True, True] and [row[1] for row in outcome.valid] == [False, False]
 
 
-def test_a_plan_of_chunks_or_proposals_is_refused():
-    executor = DisaggregatedExecutor(MockEngine(slots=2), {}, MockEngine(slots=2), {})
+def test_a_plan_of_final_rows_without_their_handoffs_or_of_proposals_is_refused():
+    import numpy as np
+
     from serving.engine.api import PrefillRow
 
+    executor = DisaggregatedExecutor(MockEngine(slots=2), {}, MockEngine(slots=2), {})
     row = PrefillRow(0, (1, 2), 0, True, SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="whole prefills only"):
+    with pytest.raises(ValueError, match="hands off every final row"):
         executor.run(StepPlan(rows=(row,)))
-
-
-def _admission(engine: MockEngine, slot: int, prompt: tuple[int, ...]):
-    from serving.orchestrator.plan import Admission
-
-    return Admission(slot, slot, tuple(engine.limits.pad(list(prompt))), len(prompt), SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="does not speculate"):
+        executor.run(StepPlan(proposals=np.zeros((2, 3), np.int32)))
+    with pytest.raises(ValueError, match="limits"):
+        DisaggregatedExecutor(MockEngine(slots=2), {}, MockEngine(slots=4), {})
 
 
 class _Recorder(list):

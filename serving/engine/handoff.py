@@ -1,0 +1,123 @@
+"""One sequence moved between two engines on different devices: a disaggregated server's prefill
+engine hands a prompt it prefilled (its pages of KV and its slot's state) to the generate engine,
+and the generate engine hands a preempted sequence's slot state back (its pages are recomputed).
+
+`handoff(state, slot, pages)` reads slot `slot`'s state row and the given pages of the pool
+([layers, n, page_size, kv_heads, head_dim], int8 scales included) in one compiled call;
+`accept(state, handoff, slot, pages)` places them on this engine's mesh (`jax.device_put`:
+the KV with the pool's layer and kv-head placement, one buffer for every layer as MaxText's
+stack_prefill_result_cache sends it; the rest replicated) and writes them at the same slot and
+pages. Both sides' pools are the same size and the scheduler's page ids name the same page on
+both, so the move needs no second table. Page lists are padded with the scratch page to a power of
+two (one compile per length bucket, scratch copied onto scratch).
+
+Mixed into `serving.engine.engine.Engine`, whose shardings and pool it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from serving.engine.sharding import cache_shardings, replicated
+from serving.engine.state import DecodeState, Prefix, SlotSampling, TokenHistory
+from serving.models.cache import SCRATCH_PAGE, KVCache
+
+
+class Handoff(NamedTuple):
+    """One slot's sequence in flight between engines: its pages (None: none moved) and state row."""
+
+    kv: KVCache | None  # [layers, pages, page_size, kv_heads, head_dim] (+ scales)
+    token: jax.Array  # int32 []: the next token fed
+    position: jax.Array  # int32 []
+    generated: jax.Array  # int32 []
+    active: jax.Array  # bool []
+    sampling: SlotSampling  # one row
+    history: TokenHistory  # one row
+
+
+def padded_pages(pages: Sequence[int]) -> np.ndarray:
+    """int32 [a power of two >= len(pages)]: `pages`, then the scratch page (none: empty)."""
+    if not pages:
+        return np.zeros((0,), np.int32)
+    out = np.full((1 << (len(pages) - 1).bit_length(),), SCRATCH_PAGE, np.int32)
+    out[: len(pages)] = pages
+    return out
+
+
+class Handoffs:
+    def _init_handoffs(self) -> None:
+        self._handoff_fn = jax.jit(_read_handoff)
+        self._accept_fn = jax.jit(_write_handoff, donate_argnums=(0,), out_shardings=self._state_shardings())
+
+    def handoff(self, decode_state: DecodeState, slot: int, pages: Sequence[int]) -> Handoff:
+        """Slot `slot`'s state row and the KV of `pages` (dispatched: still on this engine's devices)."""
+        return self._handoff_fn(decode_state, jnp.int32(slot), jnp.asarray(padded_pages(pages)))
+
+    def accept(self, decode_state: DecodeState, handoff: Handoff, slot: int, pages: Sequence[int]) -> DecodeState:
+        """The state with another engine's `handoff` written at `slot` and `pages` (those it was
+        read from there, in the same order)."""
+        kv = None if handoff.kv is None else jax.device_put(handoff.kv, self._pool_like(handoff.kv))
+        rest = jax.device_put(handoff._replace(kv=None), replicated(self.mesh))
+        return self._accept_fn(decode_state, rest._replace(kv=kv), jnp.int32(slot), jnp.asarray(padded_pages(pages)))
+
+    def receive(self, prefix: Prefix) -> Prefix:
+        """Another engine's whole-prompt prefix on this engine's mesh, for `insert` (the same
+        placement as a handoff's KV; asynchronous: the next call on this mesh waits for it)."""
+        kv = jax.device_put(prefix.kv, self._pool_like(prefix.kv))
+        rest = jax.device_put(prefix._replace(kv=None), replicated(self.mesh))
+        return rest._replace(kv=kv)
+
+    def _pool_like(self, kv: KVCache) -> KVCache:
+        """Shardings for KV shaped [layers, n, positions, kv_heads, head_dim]: the pool's layer and
+        kv-head placement, the rest unsplit."""
+        pool = cache_shardings(self.mesh, self.placement)
+
+        def like(sharding, leaf):
+            if sharding is None or leaf is None:
+                return None
+            spec = (*sharding.spec, *([None] * (leaf.ndim - len(sharding.spec))))
+            return NamedSharding(self.mesh, P(spec[0], None, None, *spec[3:]))
+
+        return KVCache(*map(like, pool, kv))
+
+
+def _read_handoff(state: DecodeState, slot: jax.Array, pages: jax.Array) -> Handoff:
+    kv = None
+    if pages.shape[0]:
+        kv = KVCache(*(None if x is None else x[:, pages] for x in state.cache))
+    return Handoff(
+        kv,
+        state.tokens[slot],
+        state.positions[slot],
+        state.generated[slot],
+        state.active[slot],
+        jax.tree.map(lambda x: x[slot], state.sampling),
+        jax.tree.map(lambda x: x[slot], state.history),
+    )
+
+
+def _write_handoff(state: DecodeState, handoff: Handoff, slot: jax.Array, pages: jax.Array) -> DecodeState:
+    cache = state.cache
+    if handoff.kv is not None:
+        cache = KVCache(*(x if y is None else x.at[:, pages].set(y) for x, y in zip(state.cache, handoff.kv, strict=True)))
+
+    def put(all_, one):
+        return all_.at[slot].set(one)
+
+    return DecodeState(
+        cache=cache,
+        pages=state.pages,
+        tokens=put(state.tokens, handoff.token),
+        positions=put(state.positions, handoff.position),
+        generated=put(state.generated, handoff.generated),
+        active=put(state.active, handoff.active),
+        sampling=jax.tree.map(put, state.sampling, handoff.sampling),
+        history=jax.tree.map(put, state.history, handoff.history),
+    )
