@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.deploy import gateway, multicontroller
-from serving.deploy.accelerators import Slice, tpu_slice
+from serving.deploy.accelerators import Slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.deploy.pod_parts import (
@@ -137,7 +137,7 @@ def worker_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
 
 def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
     """One group per replica: a leader (RM, proxy, engine) plus one worker pod per TPU host."""
-    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    tpu = cfg.tpu.slice()
     leader = {
         "metadata": {"labels": {**gateway.leader_labels(cfg), **gateway.engine_type_labels(cfg)}},
         "spec": {
@@ -190,7 +190,7 @@ def pathways_job(cfg: DeploymentConfig, index: int = 0) -> Manifest:
     stable across the job's restarts, so a restarted worker takes back its own claims at once."""
     if cfg.batch is None:
         raise DeployError("batch: a PathwaysJob needs the batch section (input, output)")
-    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    tpu = cfg.tpu.slice()
     name = cfg.name if cfg.replicas == 1 else f"{cfg.name}-{index}"
     main = {
         "name": "batch",

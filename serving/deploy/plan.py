@@ -12,7 +12,6 @@ import math
 from dataclasses import asdict, dataclass
 
 from serving.config import ConfigError, ServingConfig, model_description
-from serving.deploy.accelerators import tpu_slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.engine.memory import kv_pool_pages, memory_use, shortfall
@@ -115,7 +114,7 @@ def _shardings(where: Placement) -> dict[str, str]:
 
 def make_plan(cfg: DeploymentConfig) -> Plan:
     """The plan, or a DeployError naming the field that makes the deployment impossible."""
-    slice_ = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    slice_ = cfg.tpu.slice()
     versions = cfg.images.jax_versions()
     if len(set(versions.values())) > 1:
         shown = ", ".join(f"images.{k}=jax-{v}" for k, v in versions.items())
