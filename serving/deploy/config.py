@@ -119,6 +119,11 @@ class DeploymentConfig(_Strict):
     # multicontroller: JAX's own distributed runtime, `pathserve serve` on every TPU host
     # (serving.deploy.multicontroller).
     runtime: Literal["pathways", "multicontroller"] = "pathways"
+    # The object that deploys a disaggregated server (serving.inference_server=
+    # ExperimentalMaxtextDisaggregatedServer...; serving.deploy.disaggregated): leaderworkerset, the
+    # JetStream guide's one LeaderWorkerSet whose groups hold both slices as two subgroups;
+    # disaggregatedset, LWS's DisaggregatedSet with a prefill role and a decode role.
+    disaggregation: Literal["leaderworkerset", "disaggregatedset"] = "leaderworkerset"
     model_name: str
     checkpoint: str
     serving: dict[str, Any] = Field(default_factory=dict)
