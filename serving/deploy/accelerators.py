@@ -98,8 +98,14 @@ def accelerator(name: str) -> Accelerator:
     return ACCELERATORS[name]
 
 
-def tpu_slice(accelerator_name: str, topology: str) -> Slice:
-    """Parse and check a topology for an accelerator (v6e 4x4 -> 16 chips on 4 hosts)."""
+# Topologies GKE offers with more than one host shape: v6e's 2x4 is one ct6e-standard-8t host, or
+# two ct6e-standard-4t hosts of 4 chips (the GKE API only; the Cloud TPU v6e page's table).
+HOST_CHOICES = {("tpu-v6e-slice", "2x4"): (8, 4)}
+
+
+def tpu_slice(accelerator_name: str, topology: str, chips_per_host: int | None = None) -> Slice:
+    """Parse and check a topology for an accelerator (v6e 4x4 -> 16 chips on 4 hosts); where GKE
+    offers more than one host shape, `chips_per_host` picks one (None: the first)."""
     acc = accelerator(accelerator_name)
     parts = topology.split("x")
     if len(parts) != acc.topology_dims or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -117,4 +123,12 @@ def tpu_slice(accelerator_name: str, topology: str) -> Slice:
         raise DeployError(f"tpu.topology: {topology!r} has {chips} chips, not a whole number of hosts")
     else:
         hosts = chips // acc.chips_per_host
+    if chips_per_host is not None and chips_per_host != chips // hosts:
+        offered = HOST_CHOICES.get((accelerator_name, topology), (chips // hosts,))
+        if chips_per_host not in offered:
+            raise DeployError(
+                f"tpu.chips_per_host: {chips_per_host} does not fit {accelerator_name} {topology}, which GKE "
+                f"offers with {' or '.join(map(str, offered))} chips per host"
+            )
+        hosts = chips // chips_per_host
     return Slice(acc, topology, chips, hosts)

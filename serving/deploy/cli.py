@@ -12,7 +12,8 @@ import yaml
 from serving.deploy.config import DeploymentConfig, load_deployment
 from serving.deploy.errors import DeployError
 from serving.deploy.manifests import Manifest, render
-from serving.deploy.plan import format_plan, make_plan
+from serving.deploy.plan import make_plan
+from serving.deploy.plan_table import format_plan
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -31,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
     for name, handler, text in (
         ("apply", cmd_apply, "create or update the objects (server-side apply)"),
-        ("status", cmd_status, "LeaderWorkerSet conditions and the leader's readiness"),
+        ("status", cmd_status, "the LeaderWorkerSet's (or DisaggregatedSet's) conditions and the leader's readiness"),
         ("delete", cmd_delete, "delete the objects"),
     ):
         p = actions.add_parser(name, help=text)
@@ -43,7 +44,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--context")
         if name == "apply":
             p.add_argument(
-                "--wait", type=float, metavar="SECONDS", help="wait for the LWS Available condition"
+                "--wait", type=float, metavar="SECONDS", help="wait for the workload's Available condition"
             )
         p.set_defaults(handler=handler)
 
@@ -116,10 +117,11 @@ def cmd_apply(ns: argparse.Namespace) -> int:
     for result in apply(client, objects):
         print(f"{result.kind}/{result.name} {result.action}")
     if ns.wait and cfg.kind == "serve":
+        kind = objects[0]["kind"]  # the workload: a LeaderWorkerSet or a DisaggregatedSet
         wait_available(
-            client, cfg.name, cfg.namespace, ns.wait, on_progress=lambda s: print(s.format(), flush=True)
+            client, cfg.name, cfg.namespace, ns.wait, on_progress=lambda s: print(s.format(), flush=True), kind=kind
         )
-        print(f"LeaderWorkerSet/{cfg.name} available")
+        print(f"{kind}/{cfg.name} available")
     return 0
 
 
@@ -128,8 +130,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
     cfg = load_deployment(ns.config)
     if cfg.kind != "serve":
-        raise DeployError("status reads a LeaderWorkerSet; this config is kind: batch")
-    print(status(_client(ns), cfg.name, cfg.namespace).format())
+        raise DeployError("status reads a LeaderWorkerSet or a DisaggregatedSet; this config is kind: batch")
+    print(status(_client(ns), cfg.name, cfg.namespace, render(cfg)[0]["kind"]).format())
     return 0
 
 

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.config import ConfigError, ServingConfig, build, load_config, parse_overrides, read_yaml
+from serving.deploy.accelerators import Slice, tpu_slice
 from serving.deploy.errors import DeployError
 from serving.maxtext_config import is_config_file
 
@@ -29,6 +30,13 @@ class TPU(_Strict):
     accelerator: str  # GKE name: tpu-v6e-slice, tpu-v5-lite-podslice, tpu-v5p-slice, tpu-v4-podslice
     topology: str  # 4x4 (v5e/v6e) or 2x2x4 (v4/v5p)
     num_slices: int = Field(default=1, ge=1)
+    # Where GKE offers two host shapes for a topology (v6e 2x4: one 8-chip host, or two of 4 chips,
+    # as the JetStream guide's disaggregated slices): which one. None: one host where it can.
+    chips_per_host: int | None = Field(default=None, ge=1)
+
+    def slice(self) -> Slice:
+        """One slice's chips and hosts; a DeployError names the field that does not fit."""
+        return tpu_slice(self.accelerator, self.topology, self.chips_per_host)
 
 
 class Images(_Strict):
@@ -111,6 +119,11 @@ class DeploymentConfig(_Strict):
     # multicontroller: JAX's own distributed runtime, `pathserve serve` on every TPU host
     # (serving.deploy.multicontroller).
     runtime: Literal["pathways", "multicontroller"] = "pathways"
+    # The object that deploys a disaggregated server (serving.inference_server=
+    # ExperimentalMaxtextDisaggregatedServer...; serving.deploy.disaggregated): leaderworkerset, the
+    # JetStream guide's one LeaderWorkerSet whose groups hold both slices as two subgroups;
+    # disaggregatedset, LWS's DisaggregatedSet with a prefill role and a decode role.
+    disaggregation: Literal["leaderworkerset", "disaggregatedset"] = "leaderworkerset"
     model_name: str
     checkpoint: str
     serving: dict[str, Any] = Field(default_factory=dict)

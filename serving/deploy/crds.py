@@ -1,5 +1,5 @@
-"""The CRDs we render for (LeaderWorkerSet, PathwaysJob, InferencePool): finding them, validating against them,
-and adapting them for older API servers.
+"""The CRDs we render for (LeaderWorkerSet, PathwaysJob, InferencePool, DisaggregatedSet): finding
+them, validating against them, and adapting them for older API servers.
 
 The CRD files are not in this repository: they are read from $PATHSERVE_CRD_DIR (default
 `../shared/crds` beside the checkout), as published by the LWS and Pathways projects.
@@ -22,13 +22,14 @@ CRD_FILES = {
     ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
     ("pathways-job.pathways.domain", "PathwaysJob"): "pathways-job.pathways.domain_pathwaysjobs.yaml",
     ("inference.networking.k8s.io", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
+    ("disaggregatedset.x-k8s.io", "DisaggregatedSet"): "disaggregatedset.x-k8s.io_disaggregatedsets.yaml",
 }
 WHERE_TO_GET = (
     "get them from the LWS release (https://github.com/kubernetes-sigs/lws, "
     "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml) and the pathways-job project "
     "(https://github.com/google/pathways-job, config/crd/bases/), InferencePool's from the Gateway API "
     "Inference Extension (https://github.com/kubernetes-sigs/gateway-api-inference-extension, "
-    "config/crd/bases/), and point PATHSERVE_CRD_DIR at them"
+    "config/crd/bases/), DisaggregatedSet's from LWS (v0.9.0 or later), and point PATHSERVE_CRD_DIR at them"
 )
 
 

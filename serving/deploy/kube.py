@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.deploy.disaggregated import DISAGGREGATED_SET_API
 from serving.deploy.errors import DeployError
 from serving.deploy.manifests import Manifest
 from serving.deploy.pod_parts import LWS_API
@@ -24,7 +25,11 @@ INSTALL_HINT = {
     "(https://github.com/google/pathways-job)",
     "InferencePool": "install the Gateway API Inference Extension's CRDs first: kubectl apply -f "
     "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/latest/download/manifests.yaml",
+    "DisaggregatedSet": "install LWS's DisaggregatedSet controller and CRD in the cluster first "
+    "(https://github.com/kubernetes-sigs/lws, v0.9.0 or later)",
 }
+# The workloads `status` and `apply --wait` read: their API version.
+WORKLOADS = {"LeaderWorkerSet": LWS_API, "DisaggregatedSet": DISAGGREGATED_SET_API}
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,12 @@ class DeploymentStatus:
 
     name: str
     exists: bool
+    kind: str = "LeaderWorkerSet"  # or DisaggregatedSet
     replicas: int = 0
     ready_replicas: int = 0
     conditions: list[dict[str, Any]] = field(default_factory=list)
     leader: str = "not found"  # ready, not ready (reason) or not found
+    leader_pod: str = ""
 
     @property
     def available(self) -> bool:
@@ -51,11 +58,11 @@ class DeploymentStatus:
 
     def format(self) -> str:
         if not self.exists:
-            return f"LeaderWorkerSet {self.name}: not found"
+            return f"{self.kind} {self.name}: not found"
         lines = [
-            f"LeaderWorkerSet {self.name}: {self.ready_replicas}/{self.replicas} replicas ready, "
+            f"{self.kind} {self.name}: {self.ready_replicas}/{self.replicas} replicas ready, "
             f"{'Available' if self.available else 'not available'}",
-            f"leader pod {self.name}-0: {self.leader}",
+            f"leader pod {self.leader_pod or self.name + '-0'}: {self.leader}",
         ]
         for c in self.conditions:
             lines.append(
@@ -177,39 +184,61 @@ def delete(client, objects: list[Manifest]) -> list[Applied]:
     return results
 
 
-def status(client, name: str, namespace: str) -> DeploymentStatus:
-    """The LWS's replicas and conditions, and its first leader pod's readiness."""
+def status(client, name: str, namespace: str, kind: str = "LeaderWorkerSet") -> DeploymentStatus:
+    """The workload's replicas and conditions (a DisaggregatedSet's ready replicas: its least ready
+    role's), and its first leader pod's readiness."""
     from kubernetes.dynamic.exceptions import NotFoundError
 
-    resource = _resource(client, {"apiVersion": LWS_API, "kind": "LeaderWorkerSet"})
+    resource = _resource(client, {"apiVersion": WORKLOADS[kind], "kind": kind})
     try:
-        lws = client.get(resource, name=name, namespace=namespace).to_dict()
+        workload = client.get(resource, name=name, namespace=namespace).to_dict()
     except NotFoundError:
-        return DeploymentStatus(name=name, exists=False)
-    st = lws.get("status") or {}
+        return DeploymentStatus(name=name, exists=False, kind=kind)
+    st = workload.get("status") or {}
+    if kind == "DisaggregatedSet":
+        replicas = int(workload["spec"]["roles"][0].get("spec", {}).get("replicas", 1))
+        roles = st.get("roleStatuses") or []
+        ready = min((int(r.get("readyReplicas") or 0) for r in roles), default=0)
+    else:
+        replicas, ready = int(workload["spec"].get("replicas", 1)), int(st.get("readyReplicas") or 0)
     result = DeploymentStatus(
         name=name,
         exists=True,
-        replicas=int(lws["spec"].get("replicas", 1)),
-        ready_replicas=int(st.get("readyReplicas") or 0),
+        kind=kind,
+        replicas=replicas,
+        ready_replicas=ready,
         conditions=list(st.get("conditions") or []),
     )
-    pods = client.resources.get(api_version="v1", kind="Pod")
-    try:
-        pod = client.get(pods, name=f"{name}-0", namespace=namespace).to_dict()
-    except NotFoundError:
+    pod = _leader_pod(client, name, namespace, kind)
+    if pod is None:
         return result
-    ready = next(
+    result.leader_pod = pod["metadata"]["name"]
+    ready_condition = next(
         (c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None
     )
-    if ready and ready.get("status") == "True":
+    if ready_condition and ready_condition.get("status") == "True":
         result.leader = "ready"
     else:
         phase = (pod.get("status") or {}).get("phase", "Pending")
-        result.leader = (
-            f"not ready ({phase}{': ' + ready['reason'] if ready and ready.get('reason') else ''})"
-        )
+        reason = ready_condition.get("reason") if ready_condition else None
+        result.leader = f"not ready ({phase}{': ' + reason if reason else ''})"
     return result
+
+
+def _leader_pod(client, name: str, namespace: str, kind: str) -> dict[str, Any] | None:
+    """The first group's leader: `NAME-0` of a LeaderWorkerSet; of a DisaggregatedSet, whose LWS
+    names carry a revision, the first pod (by name) with our leader labels."""
+    from kubernetes.dynamic.exceptions import NotFoundError
+
+    pods = client.resources.get(api_version="v1", kind="Pod")
+    if kind == "LeaderWorkerSet":
+        try:
+            return client.get(pods, name=f"{name}-0", namespace=namespace).to_dict()
+        except NotFoundError:
+            return None
+    selector = f"app.kubernetes.io/name={name},role=leader"
+    found = client.get(pods, namespace=namespace, label_selector=selector).to_dict().get("items") or []
+    return min(found, key=lambda pod: pod["metadata"]["name"], default=None)
 
 
 def wait_available(
@@ -219,12 +248,13 @@ def wait_available(
     timeout_s: float,
     poll_s: float = 2.0,
     on_progress: Callable[[DeploymentStatus], None] | None = None,
+    kind: str = "LeaderWorkerSet",
 ) -> DeploymentStatus:
-    """Poll until the LWS reports Available=True, or raise a DeployError at the deadline."""
+    """Poll until the workload reports Available=True, or raise a DeployError at the deadline."""
     deadline = time.monotonic() + timeout_s
     last = None
     while True:
-        current = status(client, name, namespace)
+        current = status(client, name, namespace, kind)
         if on_progress and (last is None or current.format() != last.format()):
             on_progress(current)
         last = current
@@ -232,7 +262,7 @@ def wait_available(
             return current
         if time.monotonic() >= deadline:
             raise DeployError(
-                f"LeaderWorkerSet {name} did not become Available within {timeout_s:g} s "
+                f"{kind} {name} did not become Available within {timeout_s:g} s "
                 f"({current.ready_replicas}/{current.replicas} replicas ready; leader {current.leader}); "
                 f"see `pathserve deploy status` and the leader pod's logs"
             )

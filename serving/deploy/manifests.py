@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.deploy import gateway, multicontroller
-from serving.deploy.accelerators import Slice, tpu_slice
+from serving.deploy import disaggregated, gateway, multicontroller
+from serving.deploy.accelerators import Slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.deploy.pod_parts import (
@@ -35,10 +35,16 @@ WORKER_PORT = 38679  # Pathways server on each TPU host
 
 def render(cfg: DeploymentConfig) -> list[Manifest]:
     """Every object of the deployment, in apply order."""
+    disaggregated.split(cfg)  # a disaggregated server's sides must be the deployment's two slices
     if cfg.kind == "batch" and cfg.runtime != "multicontroller":
         return [pathways_job(cfg, index) for index in range(cfg.replicas)]
-    lws = multicontroller.leader_worker_set(cfg) if cfg.runtime == "multicontroller" else leader_worker_set(cfg)
-    return [lws, service(cfg), *(gateway.render(cfg) if gateway.enabled(cfg) else [])]
+    if cfg.runtime == "multicontroller":
+        workload = multicontroller.leader_worker_set(cfg)
+    elif disaggregated.uses_disaggregated_set(cfg):
+        workload = disaggregated_set(cfg)
+    else:
+        workload = leader_worker_set(cfg)
+    return [workload, service(cfg), *(gateway.render(cfg) if gateway.enabled(cfg) else [])]
 
 
 def _jax_tag(cfg: DeploymentConfig) -> str:
@@ -129,16 +135,16 @@ def proxy_container(cfg: DeploymentConfig) -> dict[str, Any]:
     )
 
 
-def worker_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
-    args = [f"--resource_manager_address={LEADER}:{RM_PORT}"]
+def worker_container(cfg: DeploymentConfig, tpu: Slice, resource_manager: str = LEADER) -> dict[str, Any]:
+    """The Pathways server of one TPU host, registering with the resource manager at `resource_manager`."""
+    args = [f"--resource_manager_address={resource_manager}:{RM_PORT}"]
     tpus = {"limits": {"google.com/tpu": tpu.chips_per_host}}
     return _pathways_container(cfg, "pathways-worker", cfg.images.pathways_server, WORKER_PORT, args, tpus)
 
 
-def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
-    """One group per replica: a leader (RM, proxy, engine) plus one worker pod per TPU host."""
-    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
-    leader = {
+def leader_pod(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
+    """The leader: the Pathways resource manager (one instance per slice), its proxy and the engine."""
+    return {
         "metadata": {"labels": {**gateway.leader_labels(cfg), **gateway.engine_type_labels(cfg)}},
         "spec": {
             "containers": [
@@ -149,30 +155,59 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
             ],
         },
     }
-    worker = {
+
+
+def worker_pod(cfg: DeploymentConfig, tpu: Slice, container: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A TPU host's pod: its Pathways server (`container`, default the one of its own group's leader)."""
+    return {
         "metadata": {"labels": {**labels(cfg), "role": "worker"}},
         "spec": {
             "nodeSelector": tpu_node_selector(tpu),
             "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "containers": [worker_container(cfg, tpu)],
+            "containers": [container or worker_container(cfg, tpu)],
         },
     }
-    return lws_manifest(cfg, tpu.hosts * cfg.tpu.num_slices + 1, leader, worker)
+
+
+def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
+    """One group per replica: a leader (RM, proxy, engine) plus one worker pod per TPU host; over
+    several slices (the disaggregated server's two, or a multi-slice engine) one subgroup per slice,
+    the leader in the first."""
+    tpu = cfg.tpu.slice()
+    size = tpu.hosts * cfg.tpu.num_slices + 1
+    subgroup = tpu.hosts if cfg.tpu.num_slices > 1 else None
+    return lws_manifest(cfg, size, leader_pod(cfg, tpu), worker_pod(cfg, tpu), subgroup)
+
+
+def disaggregated_set(cfg: DeploymentConfig) -> Manifest:
+    """The DisaggregatedSet of serving.deploy.disaggregated from the LeaderWorkerSet's own pods: the
+    decode role's Pathways servers join their prefill leader's resource manager."""
+    tpu = cfg.tpu.slice()
+    decode = worker_container(cfg, tpu, disaggregated.prefill_leader_address(cfg))
+    decode["env"] = disaggregated.pairing_env()
+    return disaggregated.disaggregated_set(
+        cfg, tpu, leader_pod(cfg, tpu), worker_pod(cfg, tpu), worker_pod(cfg, tpu, decode)
+    )
 
 
 def service(cfg: DeploymentConfig) -> Manifest:
     """ClusterIP Service in front of the leaders: HTTP (the engine's or the sidecar's) and gRPC;
-    behind the sidecar also the engine's own HTTP (OpenAI routes, /metrics)."""
+    behind the sidecar also the engine's own HTTP (OpenAI routes, /metrics). A DisaggregatedSet's
+    LWS names carry its revision, so its leaders are selected by our own labels."""
     names = {"http": cfg.ports.http, "grpc": cfg.ports.grpc}
     if sidecar(cfg):
         names["engine-http"] = cfg.ports.engine_http
+    if disaggregated.uses_disaggregated_set(cfg):
+        selector = gateway.leader_labels(cfg)
+    else:
+        selector = {LWS_NAME_LABEL: cfg.name, LWS_WORKER_INDEX_LABEL: "0"}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(cfg),
         "spec": {
             "type": "ClusterIP",
-            "selector": {LWS_NAME_LABEL: cfg.name, LWS_WORKER_INDEX_LABEL: "0"},
+            "selector": selector,
             "ports": [
                 {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
                 for name, port in names.items()
@@ -190,7 +225,7 @@ def pathways_job(cfg: DeploymentConfig, index: int = 0) -> Manifest:
     stable across the job's restarts, so a restarted worker takes back its own claims at once."""
     if cfg.batch is None:
         raise DeployError("batch: a PathwaysJob needs the batch section (input, output)")
-    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    tpu = cfg.tpu.slice()
     name = cfg.name if cfg.replicas == 1 else f"{cfg.name}-{index}"
     main = {
         "name": "batch",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.deploy import gateway
-from serving.deploy.accelerators import Slice, tpu_slice
+from serving.deploy.accelerators import Slice
 from serving.deploy.config import DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.deploy.pod_parts import (
@@ -83,7 +83,7 @@ def leader_worker_set(cfg: DeploymentConfig) -> Manifest:
         raise DeployError("runtime: multicontroller renders a serving LeaderWorkerSet; kind: batch runs on Pathways")
     if "runtime" in cfg.serving:
         raise DeployError("serving.runtime: set runtime (the deployment's) instead")
-    tpu = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    tpu = cfg.tpu.slice()
     if cfg.tpu.num_slices != 1:
         raise DeployError("tpu.num_slices: runtime: multicontroller serves one slice (Pathways spans several)")
     return lws_manifest(cfg, tpu.hosts, _pod(cfg, tpu, "leader"), _pod(cfg, tpu, "worker"))

@@ -4,6 +4,13 @@ Checks that refuse a deployment before it reaches the cluster live here too: the
 fit the accelerator, the parallelism product must equal the chip count, the images' jax tags must
 agree, and weights, KV cache and a step's temporaries must fit in the runtime's bytes_limit per
 chip (serving.engine.memory), as MaxText would find out when it compiles.
+
+A disaggregated server (serving.deploy.disaggregated) is planned side by side, each engine on its
+own slice with its own mesh of the same flags: the prefill side holds the weights and one prefill
+call's activations (a layer's, the logits, the prompt's KV before it moves); the generate side
+holds the weights, the KV cache's pool and the slots, and an arriving prompt's KV. The plan's
+engine fields (mesh, bytes per chip, KV cache, roofline) are then the generate side's, which
+decodes; `sides` holds both.
 """
 
 from __future__ import annotations
@@ -12,10 +19,18 @@ import math
 from dataclasses import asdict, dataclass
 
 from serving.config import ConfigError, ServingConfig, model_description
-from serving.deploy.accelerators import tpu_slice
 from serving.deploy.config import DeploymentConfig
+from serving.deploy.disaggregated import check_split
 from serving.deploy.errors import DeployError
-from serving.engine.memory import kv_pool_pages, memory_use, shortfall
+from serving.disaggregation import INTERLEAVED
+from serving.engine.memory import (
+    MemoryUse,
+    kv_pool_pages,
+    memory_use,
+    page_bytes_per_chip,
+    shortfall,
+    temporaries_per_chip,
+)
 from serving.engine.partitioning import (
     DTYPE_BYTES,
     MESH_AXES,
@@ -28,6 +43,23 @@ from serving.engine.partitioning import (
 from serving.lora.layout import stack_bytes
 from serving.models.config import ModelConfig
 from serving.models.params import LAYER_MATMULS
+
+
+@dataclass(frozen=True)
+class Side:
+    """One engine of a disaggregated server on its own slice: its mesh and its bytes per chip."""
+
+    role: str  # "prefill" or "generate"
+    chips: int
+    hosts: int
+    mesh: dict[str, int]
+    weight_bytes_per_chip: float
+    kv_bytes_per_chip: float  # the KV cache's pool: on the generate side only
+    # prefill: one call's layer, its logits and the prompt's KV; generate: the slots' logits and
+    # a moved prompt's KV on its way into the pool
+    activation_bytes_per_chip: float
+    lora_bytes_per_chip: float
+    headroom_bytes_per_chip: float  # bytes_limit - all of the above
 
 
 @dataclass(frozen=True)
@@ -63,6 +95,8 @@ class Plan:
     replicas: int  # LeaderWorkerSet groups: the totals below are per replica times this
     shardings: dict[str, str]  # weight family / "kv cache" -> the mesh axes of each dimension
     replication: list[str]  # where a dimension does not divide over its axes and is replicated
+    inference_server: str = INTERLEAVED  # MaxText's: interleaved, or disaggregated with `sides`
+    sides: tuple[Side, ...] = ()  # a disaggregated server's prefill and generate engines
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,17 +147,57 @@ def _shardings(where: Placement) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class _Engine:
+    """One engine's placement on its mesh and what it holds per chip."""
+
+    mesh: dict[str, int]
+    where: Placement
+    num_pages: int  # its KV pool's (0 on the prefill side, which keeps no pool)
+    use: MemoryUse  # params, KV pool, temporaries (activations)
+    lora: int
+
+    @property
+    def used(self) -> int:
+        return self.use.total + self.lora
+
+
 def make_plan(cfg: DeploymentConfig) -> Plan:
     """The plan, or a DeployError naming the field that makes the deployment impossible."""
-    slice_ = tpu_slice(cfg.tpu.accelerator, cfg.tpu.topology)
+    slice_ = cfg.tpu.slice()
     versions = cfg.images.jax_versions()
     if len(set(versions.values())) > 1:
         shown = ", ".join(f"images.{k}=jax-{v}" for k, v in versions.items())
         raise DeployError(f"images: jax tags differ ({shown}); all images must run the same jax version")
     serving = cfg.serving_config()
+    sides = check_split(cfg, serving)
     chips = slice_.chips * cfg.tpu.num_slices
     try:
         model = model_description(serving)
+    except ConfigError as exc:
+        raise DeployError(str(exc)) from None
+    name = f"{cfg.model_name} on {cfg.tpu.accelerator} {cfg.tpu.topology}"
+    limit = slice_.accelerator.bytes_limit
+    if sides is None:
+        whole = f"{cfg.tpu.accelerator} {cfg.tpu.topology} x {cfg.tpu.num_slices} slice(s) has {chips} chips"
+        slots = _slots(serving, chips)
+        engine = _decode_engine(model, serving, _mesh(serving, chips, whole), slots, limit, name, interleaved=True)
+        return _plan(cfg, serving, model, engine, slots, chips, slice_.hosts * cfg.tpu.num_slices)
+    one = f"one side's {cfg.tpu.accelerator} {cfg.tpu.topology} slice has {slice_.chips} chips"
+    slots = _slots(serving, sides.generate_devices)
+    mesh = _mesh(serving, slice_.chips, one)
+    prefill = _prefill_engine(model, serving, mesh, limit, f"the prefill side ({name})")
+    generate = _decode_engine(model, serving, mesh, slots, limit, f"the generate side ({name})", interleaved=False)
+    both = tuple(
+        _side(role, engine, slice_.chips, slice_.hosts, limit)
+        for role, engine in (("prefill", prefill), ("generate", generate))
+    )
+    return _plan(cfg, serving, model, generate, slots, chips, slice_.hosts * cfg.tpu.num_slices, both)
+
+
+def _mesh(serving: ServingConfig, chips: int, what: str) -> dict[str, int]:
+    """The (fsdp, autoregressive, tensor) sizes over `chips`; their product must be the chips."""
+    try:
         sizes = serving.parallelism(chips)
     except ConfigError as exc:
         raise DeployError(str(exc)) from None
@@ -132,34 +206,77 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
     if product != chips:
         raise DeployError(
             f"serving: ici_fsdp_parallelism x ici_autoregressive_parallelism x ici_tensor_parallelism = "
-            f"{mesh['fsdp']} x {mesh['autoregressive']} x {mesh['tensor']} = {product}, but "
-            f"{cfg.tpu.accelerator} {cfg.tpu.topology} x {cfg.tpu.num_slices} slice(s) has {chips} chips"
+            f"{mesh['fsdp']} x {mesh['autoregressive']} x {mesh['tensor']} = {product}, but {what}"
         )
+    return mesh
+
+
+def _slots(serving: ServingConfig, chips: int) -> int:
+    """Decode slots: per_device_batch_size on each chip that decodes."""
     slots = serving.per_device_batch_size * chips
     if slots < 1 or slots != int(slots):
         raise DeployError(
             f"serving.per_device_batch_size: {serving.per_device_batch_size} x {chips} chips is not a whole number of slots"
         )
-    slots = int(slots)
-    # The engine's own placement (serving.engine.partitioning): bytes per chip from its specs, the
-    # KV cache a pool of pages as the engine sizes it.
-    page_size = serving.prefix_block_size
+    return int(slots)
+
+
+def _prefill_tokens(serving: ServingConfig) -> int:
+    return serving.prefill_batch_tokens or serving.max_prefill_predict_length
+
+
+def _decode_engine(
+    model: ModelConfig, serving: ServingConfig, mesh: dict[str, int], slots: int, limit: int, name: str,
+    interleaved: bool,
+) -> _Engine:
+    """The engine that holds the slots and the KV cache's pool, as the engine sizes it (the
+    interleaved engine, whose temporaries are a prefill call's; or the generate side, whose are
+    the slots' logits and a moved prompt's KV)."""
     num_pages = kv_pool_pages(serving, model, numerics(serving), mesh, slots)
-    where = placement(model, numerics(serving), mesh, num_pages, page_size)
-    weights = float(sum(leaf.nbytes for leaf in where.params.values()))
-    weights_per_chip = float(where.params_bytes_per_chip())
-    kv_per_chip = float(where.cache_bytes_per_chip())
-    k = where.cache[("k",)]
-    kv_heads_per_chip = model.num_kv_heads // math.prod(mesh[a] for a in k.spec[3])
-    pages_per_chip = num_pages // math.prod(mesh[a] for a in k.spec[1])
-    kv_token_chip = kv_per_chip / (pages_per_chip * page_size)
-    hbm = slice_.accelerator.hbm_bytes
-    limit = slice_.accelerator.bytes_limit
-    prefill_tokens = serving.prefill_batch_tokens or serving.max_prefill_predict_length
-    use = memory_use(model, where, serving.dtype, prefill_tokens, slots)
-    refusal = shortfall(use, limit, f"{cfg.model_name} on {cfg.tpu.accelerator} {cfg.tpu.topology}")
+    where = placement(model, numerics(serving), mesh, num_pages, serving.prefix_block_size)
+    if interleaved:
+        use = memory_use(model, where, serving.dtype, _prefill_tokens(serving), slots)
+    else:
+        moved = _prompt_kv_bytes(model, serving, mesh)
+        logits = temporaries_per_chip(model, where, serving.dtype, 0, slots)
+        use = MemoryUse(where.params_bytes_per_chip(), where.cache_bytes_per_chip(), logits + moved)
+    refusal = shortfall(use, limit, name)
     if refusal:
-        raise DeployError(_does_not_fit(refusal, serving, where, use, limit, chips))
+        raise DeployError(_does_not_fit(refusal, serving, where, use, limit, math.prod(mesh.values())))
+    return _with_lora(model, serving, mesh, where, num_pages, use, limit)
+
+
+def _prefill_engine(model: ModelConfig, serving: ServingConfig, mesh: dict[str, int], limit: int, name: str) -> _Engine:
+    """The prefill side: the weights, and one prefill call's layer, logits and prompt KV (it keeps
+    no pool: the KV leaves for the generate side)."""
+    chips = math.prod(mesh.values())
+    where = placement(model, numerics(serving), mesh, chips, serving.prefix_block_size)  # the params'
+    tokens = _prefill_tokens(serving)
+    call = temporaries_per_chip(model, where, serving.dtype, tokens, 1) + _prompt_kv_bytes(model, serving, mesh)
+    use = MemoryUse(where.params_bytes_per_chip(), 0, call)
+    refusal = shortfall(use, limit, name)
+    if refusal:
+        room = limit - use.params
+        advice = (
+            f"a prefill call of {tokens} tokens needs {call / 1e9:.2f} GB beside the weights, {room / 1e9:.2f} GB "
+            "are left: a smaller max_prefill_predict_length or prefill_batch_tokens"
+            if room > 0 else "the weights alone do not fit"
+        )
+        raise DeployError(f"{refusal}; {advice}")
+    return _with_lora(model, serving, mesh, where, 0, use, limit)
+
+
+def _prompt_kv_bytes(model: ModelConfig, serving: ServingConfig, mesh: dict[str, int]) -> int:
+    """Per chip, the KV of one prefill call's tokens in pages, split as the pool's pages are."""
+    per_page, split = page_bytes_per_chip(model, numerics(serving), mesh, serving.prefix_block_size)
+    pages = -(-_prefill_tokens(serving) // serving.prefix_block_size)
+    return -(-pages // split) * per_page
+
+
+def _with_lora(
+    model: ModelConfig, serving: ServingConfig, mesh: dict[str, int], where: Placement, num_pages: int,
+    use: MemoryUse, limit: int,
+) -> _Engine:
     lora = _lora_bytes(model, serving, where)
     if use.total + lora > limit:
         raise DeployError(
@@ -167,18 +284,49 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
             f"{lora / 1e9:.2f} GB per chip, more than the {(limit - use.total) / 1e9:.2f} GB the weights, KV cache "
             "and temporaries leave"
         )
-    memory_time = (weights_per_chip + kv_per_chip) / slice_.accelerator.hbm_bandwidth
-    compute_time = 2 * model.num_params * slots / (chips * slice_.accelerator.bf16_flops)
+    return _Engine(mesh, where, num_pages, use, lora)
+
+
+def _side(role: str, engine: _Engine, chips: int, hosts: int, limit: int) -> Side:
+    return Side(
+        role=role,
+        chips=chips,
+        hosts=hosts,
+        mesh=engine.mesh,
+        weight_bytes_per_chip=float(engine.use.params),
+        kv_bytes_per_chip=float(engine.use.kv_cache),
+        activation_bytes_per_chip=float(engine.use.temporaries),
+        lora_bytes_per_chip=float(engine.lora),
+        headroom_bytes_per_chip=float(limit - engine.used),
+    )
+
+
+def _plan(
+    cfg: DeploymentConfig, serving: ServingConfig, model: ModelConfig, engine: _Engine, slots: int,
+    chips: int, hosts: int, sides: tuple[Side, ...] = (),
+) -> Plan:
+    """The plan from the engine that decodes (`engine`, on its own chips) and the deployment's."""
+    acc = cfg.tpu.slice().accelerator
+    where, mesh, use = engine.where, engine.mesh, engine.use
+    decode_chips = math.prod(mesh.values())
+    page_size = serving.prefix_block_size
+    k = where.cache[("k",)]
+    kv_heads_per_chip = model.num_kv_heads // math.prod(mesh[a] for a in k.spec[3])
+    pages_per_chip = engine.num_pages // math.prod(mesh[a] for a in k.spec[1])
+    kv_token_chip = use.kv_cache / (pages_per_chip * page_size)
+    weights_per_chip = float(use.params)
+    memory_time = (weights_per_chip + use.kv_cache) / acc.hbm_bandwidth
+    compute_time = 2 * model.num_params * slots / (decode_chips * acc.bf16_flops)
     step = max(memory_time, compute_time)
     return Plan(
         accelerator=cfg.tpu.accelerator,
         topology=cfg.tpu.topology,
         num_slices=cfg.tpu.num_slices,
         chips=chips,
-        hosts=slice_.hosts * cfg.tpu.num_slices,
+        hosts=hosts,
         mesh=mesh,
         weight_format="int8" if serving.quantization == "int8" else serving.weight_dtype,
-        weight_bytes=weights,
+        weight_bytes=float(sum(leaf.nbytes for leaf in where.params.values())),
         weight_bytes_per_chip=weights_per_chip,
         slots=slots,
         max_target_length=serving.max_target_length,
@@ -186,22 +334,26 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
         kv_bytes_per_token=kv_bytes_per_token(model, serving, model.num_kv_heads),
         kv_heads_per_chip=kv_heads_per_chip,
         page_size=page_size,
-        num_pages=num_pages,
+        num_pages=engine.num_pages,
         pages_per_chip=pages_per_chip,
-        kv_bytes_per_chip=kv_per_chip,
-        kv_capacity_tokens=(num_pages - 1) * page_size,
-        kv_tokens_that_fit_per_chip=int((limit - weights_per_chip - use.temporaries - lora) // kv_token_chip),
-        hbm_bytes_per_chip=hbm,
-        bytes_limit_per_chip=float(limit),
+        kv_bytes_per_chip=float(use.kv_cache),
+        kv_capacity_tokens=(engine.num_pages - 1) * page_size,
+        kv_tokens_that_fit_per_chip=int(
+            (acc.bytes_limit - weights_per_chip - use.temporaries - engine.lora) // kv_token_chip
+        ),
+        hbm_bytes_per_chip=acc.hbm_bytes,
+        bytes_limit_per_chip=float(acc.bytes_limit),
         temporaries_bytes_per_chip=float(use.temporaries),
-        lora_bytes_per_chip=float(lora),
-        headroom_bytes_per_chip=float(limit - use.total - lora),
+        lora_bytes_per_chip=float(engine.lora),
+        headroom_bytes_per_chip=float(acc.bytes_limit - engine.used),
         step_time_s=step,
         bound="memory" if memory_time >= compute_time else "compute",
         tokens_per_s=slots / step,
         replicas=cfg.replicas,
         shardings=_shardings(where),
         replication=list(where.notes),
+        inference_server=serving.inference_server,
+        sides=sides,
     )
 
 
@@ -220,7 +372,7 @@ def _lora_bytes(model: ModelConfig, serving: ServingConfig, where: Placement) ->
 
 
 def _does_not_fit(
-    refusal: str, serving: ServingConfig, where: Placement, use, limit: int, chips: int
+    refusal: str, serving: ServingConfig, where: Placement, use: MemoryUse, limit: int, chips: int
 ) -> str:
     """The refusal: the figures, how many slots (or KV bytes) would fit, and where a dimension is
     replicated."""
@@ -237,52 +389,3 @@ def _does_not_fit(
         advice = "the weights alone do not fit"
     replicated = f"; replicated: {'; '.join(where.notes)}" if where.notes else ""
     return f"{refusal}; {advice}{replicated}"
-
-
-def format_plan(plan: Plan) -> str:
-    """A human-readable table."""
-    gb = 1e9
-    rows = [
-        ("slice", f"{plan.accelerator} {plan.topology} x {plan.num_slices}"),
-        ("chips / hosts", f"{plan.chips} / {plan.hosts}"),
-        (
-            "mesh (fsdp, autoregressive, tensor)",
-            f"{plan.mesh['fsdp']}, {plan.mesh['autoregressive']}, {plan.mesh['tensor']}",
-        ),
-        (
-            "weights",
-            f"{plan.weight_format}: {plan.weight_bytes / gb:.2f} GB total, {plan.weight_bytes_per_chip / gb:.2f} GB per chip",
-        ),
-        ("decode slots, max_target_length", f"{plan.slots}, {plan.max_target_length}"),
-        (
-            "KV cache (paged)",
-            f"{plan.kv_format}: {plan.kv_bytes_per_token / 1e3:.1f} kB per token; {plan.num_pages} pages of "
-            f"{plan.page_size} positions ({plan.kv_capacity_tokens} tokens for sequences); per chip "
-            f"{plan.pages_per_chip} pages ({plan.pages_per_chip * plan.page_size} tokens) of "
-            f"{plan.kv_heads_per_chip} kv head(s), {plan.kv_bytes_per_chip / gb:.2f} GB",
-        ),
-        ("temporaries (estimate)", f"{plan.temporaries_bytes_per_chip / gb:.2f} GB per chip"),
-        *((("LoRA adapter slots", f"{plan.lora_bytes_per_chip / gb:.3f} GB per chip"),) if plan.lora_bytes_per_chip else ()),
-        (
-            "memory per chip",
-            f"{(plan.bytes_limit_per_chip - plan.headroom_bytes_per_chip) / gb:.2f} GB of the bytes_limit "
-            f"{plan.bytes_limit_per_chip / gb:.2f} GB ({plan.hbm_bytes_per_chip / 2**30:.0f} GiB HBM), "
-            f"headroom {plan.headroom_bytes_per_chip / gb:.2f} GB",
-        ),
-        (
-            "KV tokens that fit",
-            f"{plan.kv_tokens_that_fit_per_chip} in what the weights, temporaries and adapters leave "
-            f"({plan.kv_tokens_that_fit_per_chip // plan.max_target_length} slots of {plan.max_target_length})",
-        ),
-        ("decode step (roofline)", f"{plan.step_time_s * 1e3:.2f} ms, {plan.bound}-bound"),
-        ("decode throughput (roofline)", f"{plan.tokens_per_s:.0f} tokens/s per replica"),
-        (
-            f"{plan.replicas} replica(s)",
-            f"{plan.chips * plan.replicas} chips, {plan.slots * plan.replicas} slots, "
-            f"{plan.tokens_per_s * plan.replicas:.0f} tokens/s in all at that batch",
-        ),
-        *((f"sharding: {family}", axes) for family, axes in plan.shardings.items()),
-        *(("replicated", note) for note in plan.replication),
-    ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -11,6 +11,8 @@ from serving.deploy.config import DeploymentConfig
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LEADER = "$(LWS_LEADER_ADDRESS)"  # injected by the LWS controller into every pod of a group
 EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
+SUBGROUP_EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/subgroup-exclusive-topology"
+NODE_POOL = "cloud.google.com/gke-nodepool"  # a TPU slice is one GKE node pool
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
@@ -57,21 +59,38 @@ def probes(cfg: DeploymentConfig) -> dict[str, Any]:
     }
 
 
-def leader_worker_set(cfg: DeploymentConfig, size: int, leader: dict[str, Any], worker: dict[str, Any]) -> Manifest:
-    """The LeaderWorkerSet both layouts share: `replicas` groups of `size` pods, one topology per
-    node pool, the whole group recreated when a pod restarts; `leader` and `worker` pod templates."""
+def lws_spec(
+    cfg: DeploymentConfig,
+    size: int,
+    leader: dict[str, Any] | None,
+    worker: dict[str, Any],
+    sub_group_size: int | None = None,
+) -> dict[str, Any]:
+    """A LeaderWorkerSet's spec: `replicas` groups of `size` pods, the whole group recreated when a
+    pod restarts; `leader` and `worker` pod templates (no leader: the leader is a worker too), and
+    subgroups of `sub_group_size` pods (the leader joins the first)."""
+    template: dict[str, Any] = {"size": size, "restartPolicy": "RecreateGroupOnPodRestart"}
+    if sub_group_size:
+        template["subGroupPolicy"] = {"subGroupSize": sub_group_size}
+    if leader is not None:
+        template["leaderTemplate"] = leader
+    template["workerTemplate"] = worker
+    return {"replicas": cfg.replicas, "startupPolicy": "LeaderCreated", "leaderWorkerTemplate": template}
+
+
+def leader_worker_set(
+    cfg: DeploymentConfig,
+    size: int,
+    leader: dict[str, Any],
+    worker: dict[str, Any],
+    sub_group_size: int | None = None,
+) -> Manifest:
+    """The LeaderWorkerSet every layout shares (`lws_spec`): each group on one node pool, or with
+    subgroups (one TPU slice each) each subgroup on a node pool of its own."""
+    exclusive = SUBGROUP_EXCLUSIVE_TOPOLOGY if sub_group_size else EXCLUSIVE_TOPOLOGY
     return {
         "apiVersion": LWS_API,
         "kind": "LeaderWorkerSet",
-        "metadata": metadata(cfg, annotations={EXCLUSIVE_TOPOLOGY: "cloud.google.com/gke-nodepool"}),
-        "spec": {
-            "replicas": cfg.replicas,
-            "startupPolicy": "LeaderCreated",
-            "leaderWorkerTemplate": {
-                "size": size,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": leader,
-                "workerTemplate": worker,
-            },
-        },
+        "metadata": metadata(cfg, annotations={exclusive: NODE_POOL}),
+        "spec": lws_spec(cfg, size, leader, worker, sub_group_size),
     }

@@ -254,6 +254,12 @@ def test_services_and_pod_templates_match_the_kubernetes_schema(kubernetes_schem
             template = obj["spec"]["leaderWorkerTemplate"]
             for key in ("leaderTemplate", "workerTemplate"):
                 assert kubernetes_schema(template[key], "io.k8s.api.core.v1.PodTemplateSpec") == []
+        elif obj["kind"] == "DisaggregatedSet":
+            for role in obj["spec"]["roles"]:
+                template = role["spec"]["leaderWorkerTemplate"]
+                for key in ("leaderTemplate", "workerTemplate"):
+                    if key in template:  # the decode role's leader is a worker
+                        assert kubernetes_schema(template[key], "io.k8s.api.core.v1.PodTemplateSpec") == []
         elif obj["kind"] == "PathwaysJob":
             template = obj["spec"]["controller"]["template"]
             assert kubernetes_schema(template, "io.k8s.api.core.v1.PodTemplateSpec") == []

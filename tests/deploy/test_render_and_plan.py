@@ -333,6 +333,7 @@ def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
         ),
         ({"tpu__accelerator": "tpu-v9-slice"}, ["tpu.accelerator", "tpu-v9-slice"]),
         ({"tpu__topology": "4x4x4"}, ["tpu.topology", "4x4x4"]),
+        ({"tpu__chips_per_host": 8}, ["tpu.chips_per_host", "4x4, which GKE offers with 4 chips per host"]),
         (
             {"images__pathways_proxy": "us-docker.pkg.dev/x/proxy_server:jax-0.9.0"},
             ["images", "jax tags differ", "pathways_proxy=jax-0.9.0"],
