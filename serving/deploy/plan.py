@@ -6,9 +6,10 @@ agree, and weights, KV cache and a step's temporaries must fit in the runtime's 
 chip (serving.engine.memory), as MaxText would find out when it compiles.
 
 A disaggregated server (serving.deploy.disaggregated) is planned side by side, each engine on its
-own slice with its own mesh of the same flags: the prefill side holds the weights and one prefill
-call's activations (a layer's, the logits, the prompt's KV before it moves); the generate side
-holds the weights, the KV cache's pool and the slots, and an arriving prompt's KV. The plan's
+own slice with its own mesh of the same flags: the prefill side holds the weights, a mirror of
+the generate side's KV pool (prompts prefill into their pages there, and the prefix cache's pages
+stay there) and one prefill call's activations; the generate side holds the weights, the KV
+cache's pool and the slots, and an arriving prompt's KV. The plan's
 engine fields (mesh, bytes per chip, KV cache, roofline) are then the generate side's, which
 decodes; `sides` holds both.
 """
@@ -54,9 +55,9 @@ class Side:
     hosts: int
     mesh: dict[str, int]
     weight_bytes_per_chip: float
-    kv_bytes_per_chip: float  # the KV cache's pool: on the generate side only
-    # prefill: one call's layer, its logits and the prompt's KV; generate: the slots' logits and
-    # a moved prompt's KV on its way into the pool
+    kv_bytes_per_chip: float  # the KV cache's pool: the same pages on both sides (a mirror)
+    # prefill: one call's layer and its logits; generate: the slots' logits and a moved prompt's
+    # KV on its way into the pool
     activation_bytes_per_chip: float
     lora_bytes_per_chip: float
     headroom_bytes_per_chip: float  # bytes_limit - all of the above
@@ -153,7 +154,7 @@ class _Engine:
 
     mesh: dict[str, int]
     where: Placement
-    num_pages: int  # its KV pool's (0 on the prefill side, which keeps no pool)
+    num_pages: int  # its KV pool's (the prefill side mirrors the generate side's)
     use: MemoryUse  # params, KV pool, temporaries (activations)
     lora: int
 
@@ -186,8 +187,8 @@ def make_plan(cfg: DeploymentConfig) -> Plan:
     one = f"one side's {cfg.tpu.accelerator} {cfg.tpu.topology} slice has {slice_.chips} chips"
     slots = _slots(serving, sides.generate_devices)
     mesh = _mesh(serving, slice_.chips, one)
-    prefill = _prefill_engine(model, serving, mesh, limit, f"the prefill side ({name})")
     generate = _decode_engine(model, serving, mesh, slots, limit, f"the generate side ({name})", interleaved=False)
+    prefill = _prefill_engine(model, serving, mesh, limit, f"the prefill side ({name})", generate.num_pages)
     both = tuple(
         _side(role, engine, slice_.chips, slice_.hosts, limit)
         for role, engine in (("prefill", prefill), ("generate", generate))
@@ -246,14 +247,16 @@ def _decode_engine(
     return _with_lora(model, serving, mesh, where, num_pages, use, limit)
 
 
-def _prefill_engine(model: ModelConfig, serving: ServingConfig, mesh: dict[str, int], limit: int, name: str) -> _Engine:
-    """The prefill side: the weights, and one prefill call's layer, logits and prompt KV (it keeps
-    no pool: the KV leaves for the generate side)."""
-    chips = math.prod(mesh.values())
-    where = placement(model, numerics(serving), mesh, chips, serving.prefix_block_size)  # the params'
+def _prefill_engine(
+    model: ModelConfig, serving: ServingConfig, mesh: dict[str, int], limit: int, name: str, num_pages: int
+) -> _Engine:
+    """The prefill side: the weights, a pool of the generate side's `num_pages` (it mirrors the
+    generate engine's, serving.orchestrator.disaggregated: prompts are prefilled into their pages
+    there, and its cached prefix pages are read there), and one prefill call's activations."""
+    where = placement(model, numerics(serving), mesh, num_pages, serving.prefix_block_size)
     tokens = _prefill_tokens(serving)
-    call = temporaries_per_chip(model, where, serving.dtype, tokens, 1) + _prompt_kv_bytes(model, serving, mesh)
-    use = MemoryUse(where.params_bytes_per_chip(), 0, call)
+    call = temporaries_per_chip(model, where, serving.dtype, tokens, 1)
+    use = MemoryUse(where.params_bytes_per_chip(), where.cache_bytes_per_chip(), call)
     refusal = shortfall(use, limit, name)
     if refusal:
         room = limit - use.params
@@ -263,7 +266,7 @@ def _prefill_engine(model: ModelConfig, serving: ServingConfig, mesh: dict[str, 
             if room > 0 else "the weights alone do not fit"
         )
         raise DeployError(f"{refusal}; {advice}")
-    return _with_lora(model, serving, mesh, where, 0, use, limit)
+    return _with_lora(model, serving, mesh, where, num_pages, use, limit)
 
 
 def _prompt_kv_bytes(model: ModelConfig, serving: ServingConfig, mesh: dict[str, int]) -> int:

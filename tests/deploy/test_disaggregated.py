@@ -284,17 +284,18 @@ def test_plan_sizes_each_side_by_hand(tmp_path):
     assert plan.slots == 216 and plan.num_pages == 6920 and plan.pages_per_chip == 6920
     kv = 6920 * 64 * L * 2 * 1 * (D + 4)
     assert generate.kv_bytes_per_chip == plan.kv_bytes_per_chip == one_slice.kv_bytes_per_chip == kv
-    assert prefill.kv_bytes_per_chip == 0
+    # The prefill side mirrors the generate side's pool (prompts prefill into their pages there).
+    assert prefill.kv_bytes_per_chip == kv
     # A prefill call of 1024 tokens (float32 activations): a layer's residual and normed input,
-    # gate and up, q/k/v, the attention scores of 8 heads a chip, one row of logits; and the
-    # prompt's KV, 16 pages, until it moves.
+    # gate and up, q/k/v, the attention scores of 8 heads a chip, one row of logits (its prompt's
+    # KV is written into the pool's pages).
     prompt_kv = 16 * 64 * L * 2 * (D + 4)
     per_token = 2 * E + 2 * MLP // 8 + (H + 2 * KV) * D // 8
     call = 1024 * per_token * 4 + 1024 * 1024 * (H // 8) * 4 + (V // 8) * 4
-    assert prefill.activation_bytes_per_chip == call + prompt_kv
+    assert prefill.activation_bytes_per_chip == call
     # The generate side: the logits of 216 slots, and a moved prompt's KV on its way into the pool.
     assert generate.activation_bytes_per_chip == plan.temporaries_bytes_per_chip == 216 * (V // 8) * 4 + prompt_kv
-    assert prefill.headroom_bytes_per_chip == LIMIT - weights - call - prompt_kv
+    assert prefill.headroom_bytes_per_chip == LIMIT - weights - kv - call
     assert generate.headroom_bytes_per_chip == plan.headroom_bytes_per_chip
     assert generate.headroom_bytes_per_chip == LIMIT - weights - kv - generate.activation_bytes_per_chip
     step = (weights + kv) / 1.64e12  # the generate side decodes
@@ -308,7 +309,7 @@ def test_plan_shows_both_sides_in_text_and_json():
     assert plan["inference_server"] == "ExperimentalMaxtextDisaggregatedServer_8"
     assert [side["role"] for side in plan["sides"]] == ["prefill", "generate"]
     prefill, generate = plan["sides"]
-    assert prefill["kv_bytes_per_chip"] == 0 and generate["kv_bytes_per_chip"] == plan["kv_bytes_per_chip"] > 0
+    assert prefill["kv_bytes_per_chip"] == generate["kv_bytes_per_chip"] == plan["kv_bytes_per_chip"] > 0
     text = call_cli("deploy", "plan", str(DSET_SHAPE)).stdout
     for row in ("server", "KV cache (paged, generate side)", "prefill side, per chip", "generate side, per chip"):
         assert f"\n{row} " in text, text
