@@ -112,10 +112,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.clients"
             print(f"starting pathserve at {server.url} (log: {server.log_path}) ...", flush=True)
             url = server.wait_ready().url
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        # untimed: the server's first calls of this workload's shapes (decode buckets, prompt
-        # lengths) compile before either client is measured
-        pathserve_round(url, data, argparse.Namespace(**{**vars(ns), "requests": 2 * ns.concurrency}),
-                        ns.out / "clients" / "warmup")
+        # untimed, each client once: the server's first calls of each client's request shapes
+        # (prompt lengths as each tokenizes them, decode buckets) compile before either is measured
+        warm = argparse.Namespace(**{**vars(ns), "requests": 2 * ns.concurrency})
+        pathserve_round(url, data, warm, ns.out / "clients" / "warmup-pathserve")
+        vllm_round(ns.vllm_venv, url, model, tokenizer, data, warm, ns.out / "clients" / "warmup-vllm")
         rounds = []
         for r in range(ns.rounds):
             order = ("vllm", "pathserve") if r % 2 == 0 else ("pathserve", "vllm")

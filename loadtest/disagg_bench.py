@@ -11,9 +11,10 @@ ops, greedy with no stop id. Writes results/disagg-bench.json and disagg-bench.p
   tokens. The interleaved engine on device 0 alone against the disaggregated pair (prefill on
   device 0, generate on device 1), through the orchestrator's threads, in alternating rounds of one
   process. On this machine the two devices share the same cores, so the isolation an accelerator's
-  two slices give cannot show: a prefill still takes the cores decode needs.
+  two slices give cannot show: a prefill still takes the cores decode needs. One untimed round of
+  each shape first compiles the calls the workload makes.
 
-    python -m loadtest.disagg_bench [--rounds 2] [--streams 8] [--long-tokens 900] [--lengths 128,512,1024]
+    python -m loadtest.disagg_bench [--rounds 2] [--streams 8] [--long-tokens 512] [--lengths 128,512,1024]
 """
 
 from __future__ import annotations
@@ -174,9 +175,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--stream-tokens", type=int, default=192)
-    parser.add_argument("--long-tokens", type=int, default=900)
-    parser.add_argument("--long-every", type=float, default=1.0, help="seconds between long prompts")
+    parser.add_argument("--stream-tokens", type=int, default=96)
+    parser.add_argument("--long-tokens", type=int, default=512)
+    parser.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
     parser.add_argument("--lengths", default="128,512,1024", help="prompt lengths of the transfer measurement")
     parser.add_argument("--out", type=Path, default=Path("results"))
     return parser
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.disagg_b
         raise SystemExit(f"{prog}: error: --rounds, --streams >= 1; --long-tokens in 1..{PREFILL}; lengths in 1..{TARGET - 1}")
     engines = Engines(slots=ns.streams + 4)
     report = {"transfer": transfer(engines, lengths), "itl": []}
+    for shape in ("interleaved", "disaggregated"):  # untimed: each shape's calls compile first
+        print(f"warming up {shape} (untimed) ...", flush=True)
+        itl_round(engines, shape, ns)
     for r in range(ns.rounds):
         for shape in (("interleaved", "disaggregated") if r % 2 == 0 else ("disaggregated", "interleaved")):
             report["itl"].append({"round": r, **itl_round(engines, shape, ns)})

@@ -177,7 +177,7 @@ def test_on_8_devices_4_and_4_a_mixed_batch_gets_the_interleaved_engines_tokens(
     requests = [
         ([(3 * i + j) % 250 + 20 for j in range(n)] if i % 2 else system + [40 + i] * n, max_tokens, logprobs)
         for i, (n, max_tokens, logprobs) in enumerate(
-            [(5, 20, None), (100, 12, None), (9, 16, None), (150, 30, None), (30, 8, None), (40, 24, 1), (61, 10, None)]
+            [(5, 150, None), (100, 140, None), (9, 16, None), (150, 30, None), (30, 8, None), (40, 24, 1), (61, 10, None)]
         )
     ]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
