@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -361,25 +362,35 @@ def test_one_controller_over_8_devices_restores_onto_the_mesh_and_generates_one_
     assert json.loads(sharded.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
 
 
-def test_serving_keeps_one_copy_of_the_weights(tokenizer_file):
+@pytest.mark.parametrize("server", ["MaxtextInterleavedServer", "ExperimentalMaxtextDisaggregatedServer_1"])
+def test_serving_keeps_one_copy_of_the_weights(tokenizer_file, server):
     """scan_layers=false (the guide's flag) places every layer's own arrays, new ones: the loaded,
-    stacked params must not stay alive beside them (twice the weights in device memory)."""
+    stacked params must not stay alive beside them (twice the weights in device memory). A
+    disaggregated server (one device each side) holds one copy per side and nothing loaded."""
     code = """
 import gc, json, sys
 import jax
 from serving.config import load_config
 from serving.launch import _bring_up
 cfg = load_config(None, sys.argv[2:])
-_, model, engine, params, _ = _bring_up(cfg, sys.argv[1])
+_, model, engine, params, _, prefill = _bring_up(cfg, sys.argv[1])
 gc.collect()
 placed = sum(a.nbytes for a in jax.tree.leaves(params))
+if prefill is not None:
+    placed += sum(a.nbytes for a in jax.tree.leaves(prefill.params))
 live = sum(a.nbytes for a in jax.live_arrays())
-print(json.dumps({"placed": placed, "live": live, "loaded": len(engine.model.params)}))
+loaded = len(engine.model.params) + (0 if prefill is None else len(prefill.engine.model.params))
+print(json.dumps({"placed": placed, "live": live, "loaded": loaded, "sides": 1 + (prefill is not None)}))
 """
-    args = [*flags("llama31-int8", tokenizer_file), "scan_layers=false", "enable_model_warmup=false"]
+    args = [*flags("llama31-int8", tokenizer_file), "scan_layers=false", "enable_model_warmup=false",
+            f"inference_server={server}"]
+    env = dict(os.environ)
+    if "Disaggregated" in server:  # one CPU device each side
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", code, fixture_path("llama31-int8"), *args],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["sides"] == (2 if "Disaggregated" in server else 1)
     assert out["placed"] <= out["live"] <= 1.1 * out["placed"], out
     assert out["loaded"] == 0
