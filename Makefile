@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -86,6 +86,13 @@ bench-disagg: install
 CLIENTS_ARGS ?=
 bench-clients: install
 	$(BIN)/python -m loadtest.clients $(CLIENTS_ARGS)
+
+# What the per-request logit processing (penalties, logit_bias, min_p, min_tokens, bad_words) costs
+# a decode step: neutral and half-penalized batches against the step without it, batch 1 and 32
+# (results/sampling-bench.json).
+SAMPLING_ARGS ?=
+bench-sampling: install
+	$(BIN)/python -m loadtest.sampling_bench $(SAMPLING_ARGS)
 
 # Offline decode throughput against transformers, with a roofline (results/engine-bench.{json,png}).
 bench-engine: install

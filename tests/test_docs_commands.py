@@ -160,6 +160,10 @@ NOT_RUN_HERE: dict[str, RunBy | Cannot] = {
         "a benchmark of the default model on two CPU devices, minutes; the same two shapes' tokens and moves: "
         "tests/api/test_disaggregated_serve.py"
     ),
+    "make bench-sampling": Cannot(
+        "a benchmark of the default model, minutes; its `without` arm and its arms on the tiny model: "
+        "tests/loadtest/test_sampling_bench.py"
+    ),
     'make bench-disagg DISAGG_ARGS="--rounds 1 --lengths 512"': Cannot(
         "the same benchmark, one round: minutes; tests/api/test_disaggregated_serve.py runs both shapes"
     ),

@@ -1,0 +1,121 @@
+"""`make bench-sampling`: what the per-request logit processing (serving.engine.penalties: the
+penalties, logit_bias, min_p, min_tokens, bad_words) costs the decode step.
+
+On the int8 weights `pathserve serve` runs by default (SmolLM2-135M-Instruct), greedy decoding at
+batch 1 and 32, alternating in each round:
+- `without`: the processing taken out of the compiled step (penalties.process returns the logits,
+  penalties.record the history: the step as it was before the parameters existed);
+- `neutral`: today's step, every request at the neutral values (what a client sending
+  `repetition_penalty: 1.0` and friends gets);
+- `half_penalized`: presence 0.5, frequency 0.5 and repetition 1.2 on every other slot;
+- `half_everything`: every other slot with the penalties, a logit_bias, min_p, min_tokens and
+  bad_words.
+Each as a ratio to `without`; the best of the rounds counts. Writes results/sampling-bench.json.
+Not a test: ratios measured here, on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from unittest import mock
+
+import jax
+import numpy as np
+
+from serving.checkpoints.model_source import default_model_path, load_model
+from serving.config import ServingConfig
+from serving.engine import penalties
+from serving.engine.engine import Engine
+from serving.request import SamplingParams
+
+PROMPT = "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
+PENALIZED = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+EVERYTHING = dict(PENALIZED, logit_bias=((13, -5.0), (198, 2.0)), min_p=0.05, min_tokens=4, stop_ids=(2,), bad_words=((30, 31),))
+ARMS: dict[str, Callable[[int], dict]] = {  # name -> a slot's SamplingParams fields
+    "without": lambda slot: {},
+    "neutral": lambda slot: {},
+    "half_penalized": lambda slot: PENALIZED if slot % 2 == 0 else {},
+    "half_everything": lambda slot: EVERYTHING if slot % 2 == 0 else {},
+}
+
+
+@contextlib.contextmanager
+def without_processing() -> Iterator[None]:
+    """The engine's step traced with no logit processing and no history kept (the `without` arm:
+    every call of its engine runs inside this, so any retrace sees the same step)."""
+    with (
+        mock.patch.object(penalties, "process", lambda logits, *args, **kwargs: logits),
+        mock.patch.object(penalties, "record", lambda history, *args, **kwargs: history),
+    ):
+        yield
+
+
+def decode_rate(engine: Engine, params: dict, prompt_ids: list[int], batch: int, new_tokens: int,
+                fields: Callable[[int], dict]) -> float:
+    """Decode tokens/s with `batch` slots busy (each slot's sampling fields from `fields(slot)`):
+    prefill and insert all, then time the generate calls until each slot made `new_tokens`."""
+    state = engine.init_decode_state()
+    for slot in range(batch):
+        sampling = SamplingParams(max_tokens=new_tokens + 1, seed=slot, **fields(slot))
+        prefix, _ = engine.prefill(params, engine.limits.pad(prompt_ids), len(prompt_ids), sampling)
+        state = engine.insert(prefix, state, slot)
+    jax.block_until_ready(state)
+    produced, start = 0, time.perf_counter()
+    while produced < batch * new_tokens:
+        state, result = engine.generate(params, state, max_position=len(prompt_ids) + produced // batch)
+        produced += int(np.asarray(result.valid).sum())
+        if not np.asarray(state.active).any():
+            break
+    return produced / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per batch (the best counts)")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    ns = parser.parse_args(argv)
+    base = ServingConfig(
+        max_prefill_predict_length=64, max_target_length=64 + ns.new_tokens + 8, quantization="int8w"
+    )
+    model = load_model(str(default_model_path()), base)
+    prompt_ids = model.tokenizer.encode(PROMPT)
+    points = []
+    for batch in [int(b) for b in ns.batches.split(",")]:
+        cfg = base.model_copy(update={"per_device_batch_size": float(batch)}).engine
+        engines = {}
+        for name in ARMS:  # `without` gets its own engine: its compiled step differs
+            if name == "without" or "neutral" not in engines:
+                engines[name] = Engine(model, cfg)
+            else:
+                engines[name] = engines["neutral"]
+        params = {id(e): e.load_params() for e in engines.values()}
+        rates: dict[str, list[float]] = {name: [] for name in ARMS}
+        for round_ in range(ns.rounds + 1):  # round 0 compiles and is not counted
+            for name, fields in ARMS.items():
+                engine = engines[name]
+                with without_processing() if name == "without" else contextlib.nullcontext():
+                    rate = decode_rate(engine, params[id(engine)], prompt_ids, batch,
+                                       ns.new_tokens if round_ else 4, fields)
+                if round_:
+                    rates[name].append(rate)
+        point = {"batch": batch, "backend": engines["neutral"].ops.name, "rounds": rates}
+        for name in ARMS:
+            point[f"{name}_tok_s"] = max(rates[name])
+            point[f"{name}_over_without"] = max(rates[name]) / max(rates["without"])
+        points.append(point)
+        print(json.dumps({k: v for k, v in point.items() if k != "rounds"}), flush=True)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    report = {"model": default_model_path().name, "weights": "int8w", "new_tokens": ns.new_tokens, "points": points}
+    (ns.out / "sampling-bench.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
