@@ -187,3 +187,18 @@ def test_a_grammar_mask_composes_with_the_bias_and_penalties(tiny):
                 tokens[slot].append(int(np.asarray(result.tokens)[0, slot]))
     assert all(t in allowed for out in tokens for t in out) and all(len(out) == 4 for out in tokens)
     assert tokens[1] == [41] * 4 and tokens[2] != [41] * 4
+
+
+def test_record_skips_the_scatter_only_when_no_emitting_row_reads_its_history():
+    """A batch whose rows read no history (no penalty, no bad word) keeps none; once one emitting
+    row reads its own, every emitting row's tokens are counted (and a non-emitting reader's are not)."""
+    from serving.engine import penalties
+
+    history = penalties.init_history(3, 10)
+    rows, tokens = jnp.arange(3), jnp.array([[3], [4], [5]])
+    valid = jnp.array([[True], [True], [False]])
+    kept = penalties.record(history, rows, tokens, valid, jnp.array([False, False, True]))
+    assert int(kept.counts.sum()) == 0 and bool(jnp.all(kept.recent == history.recent))
+    counted = penalties.record(history, rows, tokens, valid, jnp.array([False, True, False]))
+    assert [list(axis) for axis in np.asarray(counted.counts).nonzero()] == [[0, 1], [3, 4]]
+    assert np.asarray(counted.recent)[:, -1].tolist() == [3, 4, penalties.NO_TOKEN]

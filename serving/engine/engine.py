@@ -507,7 +507,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
                 generated=generated,
                 active=valid & ~done,
                 sampling=state.sampling,
-                history=penalties.record(history, rows, token[:, None], valid[:, None]),
+                history=penalties.record(
+                    history, rows, token[:, None], valid[:, None], penalties.reads_history(state.sampling)
+                ),
             )
             return new_state, ResultTokens(token, valid, done, chosen, top_ids, top)
 

@@ -5,9 +5,10 @@ vLLM's order (serving.request.SamplingParams says what each field means).
 Each slot's sequence so far lives on the device (`TokenHistory`): how often each token was
 generated, which tokens the prompt holds (read by the repetition penalty only) and the last few
 generated tokens (read by multi-token bad words). Every step adds its tokens (`record`, a scatter of
-one token per slot: the only work a batch that uses none of this does). Each kind of processing
-runs under a `lax.cond` on whether any active row asks for it, so a batch that uses none of them
-compiles them but never runs them, and a row's logits depend on its own parameters alone.
+one token per slot) when some row reads its history. Each kind of processing runs under a
+`lax.cond` on whether any active row asks for it, inside one on whether any asks for any, so a
+batch that uses none of them compiles them but runs two tests, and a row's logits depend on its
+own parameters alone.
 
 Shapes: rows are the rows of one sampling call ([slots] in generate, [slots * (k + 1)] in
 speculative decoding's verify); vocab is the decodable vocabulary.
@@ -52,14 +53,35 @@ def prompt_tokens(tokens: jax.Array, length: jax.Array, vocab: int) -> jax.Array
     return jnp.zeros((vocab,), bool).at[index].set(True, mode="drop")
 
 
-def record(history: TokenHistory, rows: jax.Array, tokens: jax.Array, valid: jax.Array) -> TokenHistory:
+def record(
+    history: TokenHistory, rows: jax.Array, tokens: jax.Array, valid: jax.Array, reads: jax.Array | None = None
+) -> TokenHistory:
     """The history with tokens [n, m] appended to slots `rows` [n] where `valid` [n, m] (a prefix
-    of each row: the tokens a step emitted)."""
-    counts = history.counts.at[rows[:, None], tokens].add(valid.astype(jnp.int32), mode="drop")
-    seq = jnp.concatenate([history.recent[rows], tokens], axis=1)  # [n, RECENT + m]
-    shift = jnp.sum(valid, axis=1)
-    recent = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, RECENT))(seq, shift)
-    return history._replace(counts=counts, recent=history.recent.at[rows].set(recent, mode="drop"))
+    of each row: the tokens a step emitted). With `reads` [n] (`reads_history` of the rows'
+    sampling) only when some row that emits a token reads the history: a row that reads none
+    (no penalty, no bad word) never looks at its own, and a new request's insert starts it afresh,
+    so a batch of such rows skips the scatter."""
+
+    def append(history: TokenHistory) -> TokenHistory:
+        counts = history.counts.at[rows[:, None], tokens].add(valid.astype(jnp.int32), mode="drop")
+        seq = jnp.concatenate([history.recent[rows], tokens], axis=1)  # [n, RECENT + m]
+        shift = jnp.sum(valid, axis=1)
+        recent = jax.vmap(lambda s, n: lax.dynamic_slice_in_dim(s, n, RECENT))(seq, shift)
+        return history._replace(counts=counts, recent=history.recent.at[rows].set(recent, mode="drop"))
+
+    if reads is None:
+        return append(history)
+    return lax.cond(jnp.any(jnp.any(valid, axis=1) & reads), append, lambda h: h, history)
+
+
+def penalized(sampling: SlotSampling) -> jax.Array:
+    """[rows]: rows with a presence, frequency or repetition penalty."""
+    return (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0) | (sampling.repetition_penalty != 1)
+
+
+def reads_history(sampling: SlotSampling) -> jax.Array:
+    """[rows]: rows whose processing reads their token history (counts, prompt or recent tokens)."""
+    return penalized(sampling) | jnp.any(sampling.bad_words[..., -1] >= 0, axis=-1)
 
 
 def process(
@@ -87,21 +109,26 @@ def process(
         return x.at[row, jnp.where(ids >= 0, ids, vocab)].set(-jnp.inf, mode="drop")
 
     words = sampling.bad_words  # [rows, words, tokens], right-aligned, -1 before a word's start
-    logits = when(jnp.any(words[..., -1] >= 0, axis=-1), lambda x: forbid(x, _banned(words, recent)), logits)
+    has_words = jnp.any(words[..., -1] >= 0, axis=-1)
     early = generated < sampling.min_tokens
-    logits = when(early, lambda x: forbid(x, jnp.where(early[:, None], sampling.stop_ids, -1)), logits)
     ids = sampling.bias_ids
+    has_bias = jnp.any(ids >= 0, axis=-1)
+    rows_penalized = penalized(sampling) if history is not None else jnp.zeros((rows,), bool)
 
     def bias(x: jax.Array) -> jax.Array:
         return x.at[row, jnp.where(ids >= 0, ids, vocab)].add(sampling.bias, mode="drop")
 
-    logits = when(jnp.any(ids >= 0, axis=-1), bias, logits)
-    if history is None:
-        return logits
-    penalized = (
-        (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0) | (sampling.repetition_penalty != 1)
-    )
-    return when(penalized, lambda x: _penalize(x, sampling, *history()), logits)
+    def each(x: jax.Array) -> jax.Array:
+        x = when(has_words, lambda x: forbid(x, _banned(words, recent)), x)
+        x = when(early, lambda x: forbid(x, jnp.where(early[:, None], sampling.stop_ids, -1)), x)
+        x = when(has_bias, bias, x)
+        if history is None:
+            return x
+        return when(rows_penalized, lambda x: _penalize(x, sampling, *history()), x)
+
+    # One test for a batch that asks for none of it (the common case: what it costs), then each
+    # kind under its own.
+    return when(has_words | early | has_bias | rows_penalized, each, logits)
 
 
 def _banned(words: jax.Array, recent: jax.Array) -> jax.Array:

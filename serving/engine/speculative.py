@@ -204,7 +204,9 @@ class Speculative:
             generated=back(full.generated, state.generated + count),
             active=back(full.active, state.active & ~jnp.any(done, axis=1)),
             sampling=full.sampling,
-            history=penalties.record(full.history, jnp.arange(num_slots), tokens, valid),
+            history=penalties.record(
+                full.history, jnp.arange(num_slots), tokens, valid, penalties.reads_history(state.sampling)
+            ),
         )
         return new_state, result
 
