@@ -232,21 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per point (the best counts)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--weights", default=",".join(WEIGHTS), help="a subset of " + ",".join(WEIGHTS))
+    parser.add_argument("--model", default=None, help="a model source (default: the default model)")
     parser.add_argument("--grammar", action="store_true", help="structured outputs' cost instead (batches 1,16)")
     ns = parser.parse_args(argv)
     if ns.grammar:
         if ns.batches == "1,8,32":
             ns.batches = "1,16"
-        return grammar_main(ns, default_model_path())
+        return grammar_main(ns, Path(ns.model) if ns.model else default_model_path())
     if unknown := set(ns.weights.split(",")) - set(WEIGHTS):
         parser.error(f"--weights: no such weights {sorted(unknown)}")
     batches = [int(b) for b in ns.batches.split(",")]
-    gguf = default_model_path()
+    gguf = Path(ns.model) if ns.model else default_model_path()
     reference = load_reference(gguf) if "float32" in ns.weights.split(",") else None
     machine = Machine()
     bandwidth, flops = machine.measure()
     print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
     results = {
+        "model": gguf.name,
+        "device": jax.devices()[0].device_kind,
         "bandwidth_bytes_per_s": bandwidth,  # the best of every measurement in the run
         "matmul_flops": flops,
         "new_tokens": ns.new_tokens,
@@ -349,14 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_reference(gguf: Path):
-    """transformers' float32 model of the same GGUF file, on every core."""
+def load_reference(source: Path):
+    """transformers' float32 model of the same GGUF file (or Hugging Face directory), on every core."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
+    if source.is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        str(source.parent), gguf_file=source.name, dtype=torch.float32
     ).eval()
 
 
@@ -394,7 +399,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch (concurrent sequences)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("SmolLM2-135M decode throughput (CPU)")
+    ax.set_title(f"{results.get('model', 'SmolLM2-135M')} decode throughput ({results.get('device', 'CPU')})")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -19,7 +19,8 @@ between the two. Figures:
   second request's time to its first token, baseline (copies the cached blocks into its slot)
   against this tree (its table names the cached pages).
 
-    python -m loadtest.paged_bench [--rounds 2] [--baseline-ref REF] [--scenarios mixed,one,short32,prefix]
+    python -m loadtest.paged_bench [--rounds 2] [--baseline-ref REF | --baseline-tree DIR] [--model SOURCE]
+        [--scenarios mixed,one,short32,prefix]
 """
 
 from __future__ import annotations
@@ -120,25 +121,26 @@ def _drive(engine, params, requests, prefix: bool = False) -> dict:
     }
 
 
-def _engine(overrides: list[str]):
+def _engine(overrides: list[str], source: str | None = None):
     from serving.checkpoints.model_source import default_model_path, load_model
     from serving.config import config_dir, load_config
     from serving.engine.engine import Engine
 
     cfg = load_config(config_dir() / "serving" / "default.yml", ["enable_model_warmup=false", *overrides])
-    model = load_model(str(default_model_path()), cfg)
+    model = load_model(source or str(default_model_path()), cfg)
     engine = Engine(model, cfg.engine)
     return model, engine, engine.load_params()
 
 
-def worker(scenario: str, variant: str, kv_bytes: int) -> dict:
-    """One scenario's measurement (after an untimed run that compiles its shapes)."""
+def worker(scenario: str, variant: str, kv_bytes: int, source: str | None = None) -> dict:
+    """One scenario's measurement (after an untimed run that compiles its shapes), on the model
+    `source` (default: the default model)."""
     from serving.request import SamplingParams
 
     if scenario == "mixed":
         overrides = ["per_device_batch_size=16"] if variant == "today" else [
             "per_device_batch_size=64", f"kv_cache_bytes_per_chip={kv_bytes}"]
-        model, engine, params = _engine(overrides)
+        model, engine, params = _engine(overrides, source)
         lengths = mixed_lengths(MIXED_REQUESTS)
         requests = [
             (_text_ids(model.tokenizer, p, 37 * i), SamplingParams(max_tokens=o)) for i, (p, o) in enumerate(lengths)
@@ -148,7 +150,7 @@ def worker(scenario: str, variant: str, kv_bytes: int) -> dict:
         out["kv_bytes"] = engine.placement.cache_bytes_per_chip()
         return out
     if scenario in ("one", "short32"):
-        model, engine, params = _engine([])
+        model, engine, params = _engine([], source)
         if scenario == "one":
             requests = [(_text_ids(model.tokenizer, 40, 0), SamplingParams(max_tokens=64))]
         else:
@@ -157,7 +159,7 @@ def worker(scenario: str, variant: str, kv_bytes: int) -> dict:
         runs = sorted((_drive(engine, params, requests) for _ in range(REPEATS)), key=lambda r: r["seconds"])
         return runs[len(runs) // 2]  # the median run: a short measurement repeated
     if scenario == "prefix":
-        model, engine, params = _engine(["max_target_length=4096", "max_prefill_predict_length=512", "per_device_batch_size=4"])
+        model, engine, params = _engine(["max_target_length=4096", "max_prefill_predict_length=512", "per_device_batch_size=4"], source)
         system = _text_ids(model.tokenizer, 2048, 0)
         questions = [_text_ids(model.tokenizer, 24, 3000 + 97 * i) for i in range(2 + REPEATS)]
         one = SamplingParams(max_tokens=1)
@@ -212,20 +214,23 @@ def _baseline_tree(ref: str) -> Path:
     return tree
 
 
-def _measure(tree: Path, scenario: str, variant: str, kv_bytes: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+def _measure(tree: Path, scenario: str, variant: str, kv_bytes: int, source: str | None = None) -> dict:
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)  # the tree's `serving` first
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     args = [sys.executable, str(Path(__file__).resolve()), "--worker", scenario, variant, str(kv_bytes)]
+    args += ["--model", source] if source else []
     run = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"{scenario}/{variant} in {tree} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _kv_bytes_per_position() -> int:
+def _kv_bytes_per_position(source: str | None = None) -> int:
+    from serving.checkpoints.model_source import describe_model
     from serving.config import config_dir, load_config, load_model_config
 
     cfg = load_config(config_dir() / "serving" / "default.yml", ["enable_model_warmup=false"])
-    model = load_model_config("smollm2-135m")
+    model = describe_model(source, cfg) if source else load_model_config("smollm2-135m")
     itemsize = 1 if cfg.quantize_kvcache else (4 if cfg.dtype == "float32" else 2)
     return model.num_layers * 2 * model.num_kv_heads * model.head_dim * itemsize
 
@@ -235,20 +240,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline-ref", default=CONTIGUOUS, help="the tree measured as today's")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="a source tree to measure as today's instead of --baseline-ref's worktree")
+    parser.add_argument("--model", default=None, help="a model source (default: the default model)")
     parser.add_argument("--worker", nargs=3, metavar=("SCENARIO", "VARIANT", "KV_BYTES"), help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.worker:
         scenario, variant, kv_bytes = ns.worker
-        print(json.dumps(worker(scenario, variant, int(kv_bytes))))
+        print(json.dumps(worker(scenario, variant, int(kv_bytes), ns.model)))
         return {}
-    baseline = _baseline_tree(ns.baseline_ref)
-    kv_bytes = 16 * TARGET * _kv_bytes_per_position()
-    report: dict = {"baseline_ref": ns.baseline_ref, "kv_cache_bytes_per_chip": kv_bytes, "scenarios": {}}
+    baseline = ns.baseline_tree.resolve() if ns.baseline_tree else _baseline_tree(ns.baseline_ref)
+    kv_bytes = 16 * TARGET * _kv_bytes_per_position(ns.model)
+    report: dict = {
+        "baseline_ref": str(ns.baseline_tree) if ns.baseline_tree else ns.baseline_ref,
+        "model": ns.model or "default",
+        "kv_cache_bytes_per_chip": kv_bytes,
+        "scenarios": {},
+    }
     for scenario in ns.scenarios.split(","):
         rounds: dict[str, list[dict]] = {"today": [], "paged": []}
         for _ in range(ns.rounds):
             for variant, tree in (("today", baseline), ("paged", REPO)):
-                rounds[variant].append(_measure(tree, scenario, variant, kv_bytes))
+                rounds[variant].append(_measure(tree, scenario, variant, kv_bytes, ns.model))
                 print(scenario, variant, json.dumps({k: v for k, v in rounds[variant][-1].items() if k != "first_token_s"}),
                       flush=True)
         report["scenarios"][scenario] = {"rounds": rounds, **_summary(scenario, rounds)}

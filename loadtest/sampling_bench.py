@@ -81,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="rounds per batch (the median ratio counts)")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--model", default=None, help="a model source (default: the default model)")
     ns = parser.parse_args(argv)
+    source = Path(ns.model) if ns.model else default_model_path()
     base = ServingConfig(
         max_prefill_predict_length=64, max_target_length=64 + ns.new_tokens + 8, quantization="int8w"
     )
-    model = load_model(str(default_model_path()), base)
+    model = load_model(str(source), base)
     prompt_ids = model.tokenizer.encode(PROMPT)
     points = []
     for batch in [int(b) for b in ns.batches.split(",")]:
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         points.append(point)
         print(json.dumps({k: v for k, v in point.items() if k != "rounds"}), flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
-    report = {"model": default_model_path().name, "weights": "int8w", "new_tokens": ns.new_tokens, "points": points}
+    report = {"model": source.name, "device": jax.devices()[0].device_kind, "weights": "int8w", "new_tokens": ns.new_tokens, "points": points}
     (ns.out / "sampling-bench.json").write_text(json.dumps(report, indent=2))
     return 0
 
