@@ -18,3 +18,11 @@ def test_every_request_asks_our_reader_for_the_same_output_tokens(tmp_path):
     prompts = dataset.load(str(path), 24, 3, max_output_tokens=64)
     assert len(prompts) == 24 and {p.max_tokens for p in prompts} == {64}
     assert sorted(p.text for p in prompts) == sorted(r["conversations"][0]["value"] for r in rows)
+
+
+def test_the_report_reads_each_sets_median_ratio():
+    from loadtest.clients import median_ratios
+
+    rounds = [{"sampling": s, "ratio": r} for s, r in
+              (("greedy", 0.75), ("sampled", 1.2), ("greedy", 1.05), ("sampled", 0.96), ("greedy", 0.99))]
+    assert median_ratios(rounds) == {"greedy": 0.99, "sampled": 1.08}
