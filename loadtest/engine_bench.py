@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -80,13 +81,15 @@ def engine_decode_rate(
     prompt_ids: list[int],
     batch: int,
     new_tokens: int,
-    sampling_fields: dict | None = None,
+    sampling_fields: dict | Callable[[int], dict] | None = None,
 ) -> float:
     """Decode tokens/s with `batch` slots busy: prefill + insert all, then time generate calls.
-    Greedy unless `sampling_fields` (SamplingParams fields) say otherwise; a seed per slot."""
+    Greedy unless `sampling_fields` (SamplingParams fields, or a slot's from a function of the
+    slot) say otherwise; a seed per slot."""
     state = engine.init_decode_state()
     for slot in range(batch):
-        sampling = SamplingParams(max_tokens=new_tokens + 1, seed=slot, **(sampling_fields or {}))
+        fields = sampling_fields(slot) if callable(sampling_fields) else sampling_fields or {}
+        sampling = SamplingParams(max_tokens=new_tokens + 1, seed=slot, **fields)
         prefix, _ = engine.prefill(params, engine.limits.pad(prompt_ids), len(prompt_ids), sampling)
         state = engine.insert(prefix, state, slot)
     jax.block_until_ready(state)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
@@ -28,11 +27,11 @@ from unittest import mock
 import jax
 import numpy as np
 
+from loadtest.engine_bench import engine_decode_rate
 from serving.checkpoints.model_source import default_model_path, load_model
 from serving.config import ServingConfig
 from serving.engine import penalties
 from serving.engine.engine import Engine
-from serving.request import SamplingParams
 
 PROMPT = "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
 PENALIZED = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
@@ -58,21 +57,9 @@ def without_processing() -> Iterator[None]:
 
 def decode_rate(engine: Engine, params: dict, prompt_ids: list[int], batch: int, new_tokens: int,
                 fields: Callable[[int], dict]) -> float:
-    """Decode tokens/s with `batch` slots busy (each slot's sampling fields from `fields(slot)`):
-    prefill and insert all, then time the generate calls until each slot made `new_tokens`."""
-    state = engine.init_decode_state()
-    for slot in range(batch):
-        sampling = SamplingParams(max_tokens=new_tokens + 1, seed=slot, **fields(slot))
-        prefix, _ = engine.prefill(params, engine.limits.pad(prompt_ids), len(prompt_ids), sampling)
-        state = engine.insert(prefix, state, slot)
-    jax.block_until_ready(state)
-    produced, start = 0, time.perf_counter()
-    while produced < batch * new_tokens:
-        state, result = engine.generate(params, state, max_position=len(prompt_ids) + produced // batch)
-        produced += int(np.asarray(result.valid).sum())
-        if not np.asarray(state.active).any():
-            break
-    return produced / (time.perf_counter() - start)
+    """Decode tokens/s with `batch` slots busy, each slot's sampling fields from `fields(slot)`
+    (loadtest.engine_bench's measurement)."""
+    return engine_decode_rate(engine, params, prompt_ids, batch, new_tokens, fields)
 
 
 def main(argv: list[str] | None = None) -> int:
