@@ -143,10 +143,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.clients"
         # of each shape compile before either client is measured (prompt buckets, decode buckets,
         # and the prefix-cache hits a repeated prompt makes; a pass of a few requests left vLLM's
         # first timed round 25% slow)
-        warm = ns
         for sampling in sets:
-            pathserve_round(url, data, warm, ns.out / "clients" / f"warmup-pathserve-{sampling}", sampling)
-            vllm_round(ns.vllm_venv, url, model, tokenizer, data, warm, ns.out / "clients" / f"warmup-vllm-{sampling}",
+            pathserve_round(url, data, ns, ns.out / "clients" / f"warmup-pathserve-{sampling}", sampling)
+            vllm_round(ns.vllm_venv, url, model, tokenizer, data, ns, ns.out / "clients" / f"warmup-vllm-{sampling}",
                        sampling)
         rounds = []
         for r in range(ns.rounds):

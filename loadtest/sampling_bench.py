@@ -55,13 +55,6 @@ def without_processing() -> Iterator[None]:
         yield
 
 
-def decode_rate(engine: Engine, params: dict, prompt_ids: list[int], batch: int, new_tokens: int,
-                fields: Callable[[int], dict]) -> float:
-    """Decode tokens/s with `batch` slots busy, each slot's sampling fields from `fields(slot)`
-    (loadtest.engine_bench's measurement)."""
-    return engine_decode_rate(engine, params, prompt_ids, batch, new_tokens, fields)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,32")
@@ -79,24 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for batch in [int(b) for b in ns.batches.split(",")]:
         cfg = base.model_copy(update={"per_device_batch_size": float(batch)}).engine
-        engines = {}
-        for name in ARMS:  # `without` gets its own engine: its compiled step differs
-            if name == "without" or "neutral" not in engines:
-                engines[name] = Engine(model, cfg)
-            else:
-                engines[name] = engines["neutral"]
-        params = {id(e): e.load_params() for e in engines.values()}
+        # `without` gets an engine of its own (its compiled step differs); the others share today's
+        today, bare = Engine(model, cfg), Engine(model, cfg)
+        engines = {name: bare if name == "without" else today for name in ARMS}
+        params = {id(today): today.load_params(), id(bare): bare.load_params()}
         rates: dict[str, list[float]] = {name: [] for name in ARMS}
         names = list(ARMS)
         for round_ in range(ns.rounds + 1):  # round 0 compiles and is not counted
             for name in names[round_ % len(names):] + names[: round_ % len(names)]:  # each round a new first
                 engine, fields = engines[name], ARMS[name]
                 with without_processing() if name == "without" else contextlib.nullcontext():
-                    rate = decode_rate(engine, params[id(engine)], prompt_ids, batch,
-                                       ns.new_tokens if round_ else 4, fields)
+                    rate = engine_decode_rate(engine, params[id(engine)], prompt_ids, batch,
+                                              ns.new_tokens if round_ else 4, fields)
                 if round_:
                     rates[name].append(rate)
-        point = {"batch": batch, "backend": engines["neutral"].ops.name, "rounds": rates}
+        point = {"batch": batch, "backend": today.ops.name, "rounds": rates}
         for name in ARMS:
             # The machine's speed moves over minutes: the median of each round's ratio to that
             # round's `without` is the figure; the best rates are given beside it.

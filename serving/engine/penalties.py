@@ -79,9 +79,14 @@ def penalized(sampling: SlotSampling) -> jax.Array:
     return (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0) | (sampling.repetition_penalty != 1)
 
 
+def has_bad_words(sampling: SlotSampling) -> jax.Array:
+    """[rows]: rows with at least one bad word (a word's last token is never -1)."""
+    return jnp.any(sampling.bad_words[..., -1] >= 0, axis=-1)
+
+
 def reads_history(sampling: SlotSampling) -> jax.Array:
     """[rows]: rows whose processing reads their token history (counts, prompt or recent tokens)."""
-    return penalized(sampling) | jnp.any(sampling.bad_words[..., -1] >= 0, axis=-1)
+    return penalized(sampling) | has_bad_words(sampling)
 
 
 def process(
@@ -109,7 +114,7 @@ def process(
         return x.at[row, jnp.where(ids >= 0, ids, vocab)].set(-jnp.inf, mode="drop")
 
     words = sampling.bad_words  # [rows, words, tokens], right-aligned, -1 before a word's start
-    has_words = jnp.any(words[..., -1] >= 0, axis=-1)
+    has_words = has_bad_words(sampling)
     early = generated < sampling.min_tokens
     ids = sampling.bias_ids
     has_bias = jnp.any(ids >= 0, axis=-1)

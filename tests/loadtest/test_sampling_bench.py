@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from loadtest.sampling_bench import ARMS, decode_rate, without_processing
+from loadtest.engine_bench import engine_decode_rate
+from loadtest.sampling_bench import ARMS, without_processing
 from serving.engine.engine import Engine
 from serving.request import SamplingParams
 from tests.conftest import tiny_engine
@@ -32,7 +33,7 @@ def test_the_without_arm_has_no_logit_processing_and_todays_step_has(tiny_model_
     with without_processing():
         _, bare, bare_params = tiny_engine(tiny_model_dir, decode_steps_per_call=2)
         stripped = greedy_tokens(bare, bare_params, prompt, STRONG)
-        rates = {name: decode_rate(bare, bare_params, prompt, 2, 4, fields) for name, fields in ARMS.items()}
+        rates = {name: engine_decode_rate(bare, bare_params, prompt, 2, 4, fields) for name, fields in ARMS.items()}
     _, engine, params = tiny_engine(tiny_model_dir, decode_steps_per_call=2)
     plain = greedy_tokens(engine, params, prompt, {})
     assert stripped == plain
