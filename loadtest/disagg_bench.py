@@ -6,6 +6,11 @@ ops, greedy with no stop id. Writes results/disagg-bench.json and disagg-bench.p
   prompt of N tokens into its pages, then its state and pages are handed to the generate engine
   (device 1: `handoff` + `accept`, `jax.device_put` between them), timed to completion, the median
   of several moves per length; reported as ms per 1k prompt tokens of KV (and its bytes).
+- **transfer between processes**: the same moves between two processes of one device each (JAX's
+  distributed runtime over loopback: the prefill engine in process 0, the generate engine in
+  process 1, a multi-controller disaggregated server's two groups), by its `Link`
+  (serving.orchestrator.transfer: the prefill side's gathered handoff pulled by
+  `jax.experimental.transfer`, then `accept`), timed in process 1 from both meeting at a barrier.
 - **itl**: the running streams' inter-token latency while long prompts arrive: `--streams` requests
   decoding `--stream-tokens` each, and every `--long-every` seconds a prompt of `--long-tokens`
   tokens. The interleaved engine on device 0 alone against the disaggregated pair (prefill on
@@ -111,6 +116,90 @@ def transfer(engines: Engines, lengths: list[int]) -> list[dict]:
     return out
 
 
+def transfer_between_processes(lengths: list[int]) -> list[dict]:
+    """The transfer measurement between two processes (see the module's docstring): runs this
+    module twice as `--process-of-two I`, returns process 1's results."""
+    import subprocess
+
+    from loadtest.server import free_port
+
+    coordinator = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "loadtest.disagg_bench", "--lengths", ",".join(map(str, lengths)),
+               "--coordinator", f"127.0.0.1:{coordinator}", "--process-of-two"]
+    procs = [subprocess.Popen([*command, str(i)], env=env, stdout=subprocess.PIPE, text=True) for i in (0, 1)]
+    outputs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"disagg_bench: the two-process transfer failed: exit codes {[p.returncode for p in procs]}")
+    out = json.loads(outputs[1].strip().splitlines()[-1])
+    for row in out:
+        print(f"transfer between processes: {row['prompt_tokens']} tokens ({row['kv_bytes'] / 1e6:.1f} MB): "
+              f"{row['median_ms']:.2f} ms, {row['ms_per_1k_tokens']:.2f} ms per 1k tokens", flush=True)
+    return out
+
+
+def _process_of_two(index: int, coordinator: str, lengths: list[int]) -> None:
+    """One of the two processes of `transfer_between_processes`; process 1 prints its results."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, 2, index)
+    import numpy as np
+    from jax._src import distributed
+
+    from serving.checkpoints.model_source import default_model_path, load_model
+    from serving.engine.api import PrefillRow
+    from serving.engine.engine import Engine, engine_limits
+    from serving.orchestrator.transfer import Link, ProcessGroups
+    from serving.request import SamplingParams
+    from serving.runtime import make_mesh
+
+    cfg = _config(4)
+    model = load_model(str(default_model_path()), cfg)
+    prefill_mesh, generate_mesh = (make_mesh(cfg.devices, [d]) for d in jax.devices())
+    limits = engine_limits(model, cfg.engine, generate_mesh)
+    if index == 0:
+        engine = Engine(model, cfg.engine, prefill_mesh, mirror=limits)
+    else:
+        engine = Engine(model, cfg.engine, generate_mesh)
+    params = engine.load_params()
+    groups = ProcessGroups((0,), (1,), index)
+    link, store = Link(groups, 600.0), distributed.global_state.client
+    out = []
+    for length in lengths:
+        pages = list(range(1, -(-length // limits.page_size) + 1))
+        table = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)
+        table[0, : len(pages)] = pages
+        state = engine.set_pages(engine.init_decode_state(), table)
+        if index == 0:
+            tokens = tuple(int(t) % 1000 + 10 for t in range(length))
+            for start in range(0, length, limits.prefill_chunk_size):
+                chunk = tokens[start : start + limits.prefill_chunk_size]
+                row = PrefillRow(0, chunk, start, start + len(chunk) == length, SamplingParams(max_tokens=8))
+                state, _ = engine.prefill_slots(params, state, [row])
+        jax.block_until_ready(state)
+        seconds = []
+        for i in range(MOVES + 1):
+            store.wait_at_barrier(f"disagg-bench/{length}/{i}", 600_000)
+            started = time.perf_counter()
+            if index == 0:
+                link.move(engine.gathered(engine.handoff(state, 0, pages)), (0,), (1,))
+                continue
+            state = engine.accept(state, link.move(None, (0,), (1,)), 0, pages)
+            jax.block_until_ready(state)
+            if i:  # the first compiles
+                seconds.append(time.perf_counter() - started)
+        if index == 1:
+            median, kv_bytes = statistics.median(seconds), len(pages) * engine.page_bytes
+            out.append({
+                "prompt_tokens": length, "pages": len(pages), "kv_bytes": kv_bytes, "median_ms": median * 1e3,
+                "ms_per_1k_tokens": median * 1e3 * 1000 / length, "gb_per_s": kv_bytes / median / 1e9,
+            })
+    store.wait_at_barrier("disagg-bench/done", 600_000)
+    if index == 1:
+        print(json.dumps(out), flush=True)
+
+
 def itl_round(engines: Engines, shape: str, ns: argparse.Namespace) -> dict:
     """The streams' inter-token latency (and the long prompts' time to first token) under one shape."""
     from serving.orchestrator import Orchestrator
@@ -180,6 +269,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
     parser.add_argument("--lengths", default="128,512,1024", help="prompt lengths of the transfer measurement")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--process-of-two", type=int, help=argparse.SUPPRESS)  # transfer_between_processes'
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
     return parser
 
 
@@ -188,10 +279,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.disagg_b
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # before JAX starts
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     lengths = [int(n) for n in ns.lengths.split(",")]
+    if ns.process_of_two is not None:
+        _process_of_two(ns.process_of_two, ns.coordinator, lengths)
+        return 0
     if ns.rounds < 1 or ns.streams < 1 or not 0 < ns.long_tokens <= PREFILL or any(not 0 < n < TARGET for n in lengths):
         raise SystemExit(f"{prog}: error: --rounds, --streams >= 1; --long-tokens in 1..{PREFILL}; lengths in 1..{TARGET - 1}")
     engines = Engines(slots=ns.streams + 4)
     report = {"transfer": transfer(engines, lengths), "itl": []}
+    report["transfer_processes"] = transfer_between_processes(lengths)
     for shape in ("interleaved", "disaggregated"):  # untimed: each shape's calls compile first
         print(f"warming up {shape} (untimed) ...", flush=True)
         itl_round(engines, shape, ns)

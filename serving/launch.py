@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
-from serving.engine.engine import Engine
+from serving.engine.engine import Engine, engine_limits
 from serving.engine.memory import check_devices
-from serving.errors import ConfigError
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.lockstep import LockstepExecutor, PlanChannel, exit_when_loop_dies, follow
+from serving.orchestrator.transfer import ProcessGroups, meet_after_warmup
 from serving.runtime import init_runtime, make_mesh
 from serving.startup.plan import LaunchPlan, plan_launch
 
@@ -37,6 +37,9 @@ class Launched:
     warmup_s: float
     startup_s: float
     prefill: PrefillSide | None = None  # a disaggregated server's prefill engine (`engine` generates)
+    # a disaggregated server over multi-controller process groups: `engine` is this process's
+    # (process 0's: the prefill engine, mirroring the generate engine's limits)
+    groups: ProcessGroups | None = None
 
     @property
     def model_name(self) -> str:
@@ -61,6 +64,11 @@ class Launched:
         )
 
     def _sides(self) -> str:
+        if (groups := self.groups) is not None:
+            return (
+                f"disaggregated over processes: prefill {list(groups.prefill)} on {self.engine.mesh.size} devices, "
+                f"generate {list(groups.generate)}, KV moved by jax.experimental.transfer; "
+            )
         if self.prefill is None:
             return ""
         prefiller = self.prefill.engine
@@ -92,7 +100,7 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
 
         def make_executor(engine, params, adapter_weights):
             nonlocal lockstep
-            lockstep = LockstepExecutor(Executor(engine, params, adapter_weights), PlanChannel())
+            lockstep = LockstepExecutor(_own_executor(cfg, engine, params, adapter_weights), PlanChannel())
             return lockstep
 
     adapters = None
@@ -110,7 +118,8 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
             lambda: time.monotonic() - orchestrator.last_progress if orchestrator.has_work else 0.0,
             max_stall_s=cfg.liveness_timeout_s + cfg.distributed_timeout_s,
         )
-    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started, prefill)
+    groups = process_groups(cfg)
+    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started, prefill, groups)
 
 
 def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> int:
@@ -124,7 +133,35 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
         from serving.lora.serving import storage_reader
 
         adapter_weights = storage_reader(plan.config.lora, model.config)
-    return follow(Executor(engine, params, adapter_weights), PlanChannel())
+    return follow(_own_executor(plan.config, engine, params, adapter_weights), PlanChannel())
+
+
+def _own_executor(cfg: ServingConfig, engine: Engine, params, adapter_weights) -> Executor:
+    """A multi-controller process's executor: this process's side of a disaggregated server
+    (serving.orchestrator.split), else the whole plan on the one global mesh."""
+    groups = process_groups(cfg)
+    if groups is None:
+        return Executor(engine, params, adapter_weights)
+    from serving.orchestrator.split import SplitExecutor
+    from serving.orchestrator.transfer import Link
+
+    return SplitExecutor(engine, params, Link(groups, _LINK_TIMEOUT_S), adapter_weights)
+
+
+# How long one side waits for the other at start-up (its warmup) and for a move: long, since a
+# peer's death fails the next plan broadcast or the coordination service's heartbeat first.
+_LINK_TIMEOUT_S = 1800.0
+
+
+def process_groups(cfg: ServingConfig) -> ProcessGroups | None:
+    """The prefill and generate process groups of a disaggregated server on a multi-controller
+    slice (serving.orchestrator.transfer); None on one controller or an interleaved server."""
+    if (split := cfg.devices.disaggregation) is None or not is_multiprocess():
+        return None
+    import jax
+
+    prefill_devices, generate_devices = split.split(jax.devices())
+    return ProcessGroups.of(prefill_devices, generate_devices, jax.process_index())
 
 
 @dataclass
@@ -146,15 +183,14 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
 
     devices, prefill_devices = jax.devices(), None
     if (split := cfg.devices.disaggregation) is not None:
-        if is_multiprocess():
-            raise ConfigError(
-                f"inference_server={cfg.inference_server} runs on one controller (Pathways, or one process); "
-                "with runtime=multicontroller use MaxtextInterleavedServer"
-            )
         prefill_devices, devices = split.split(devices)
+    groups = process_groups(cfg)  # multi-controller: this process drives its own side's engine only
     plan = plan_launch(cfg, source, devices, origins)
     cfg = plan.config
-    mesh = make_mesh(cfg.devices, devices)
+    generate_mesh = make_mesh(cfg.devices, devices)
+    mesh = generate_mesh
+    if groups is not None and groups.on_prefill:
+        mesh = make_mesh(cfg.devices, prefill_devices)
     # On a mesh of more than one device (a Pathways slice behind one controller, or the processes of
     # a multi-controller one) each array is restored straight onto its shards: never the whole
     # model on one device (405B in int8 is 8x a v6e chip's memory) or, per process, every shard.
@@ -174,26 +210,35 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
     verify = None
     if cfg.speculative_method != "none":  # the warmup compiles its verify calls
         verify = (cfg.num_speculative_tokens, cfg.speculative_max_slots)
-    engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify)
+    mirror = None
+    if groups is not None and groups.on_prefill:  # the generate engine's limits: it lives in other processes
+        mirror = engine_limits(loaded, plan.engine, generate_mesh)
+    engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify, mirror=mirror)
     check_devices(
         plan.model, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
         engine.max_concurrent_decodes, list(mesh.devices.flat),
     )
     params = engine.load_params()
     prefill = None
-    if prefill_devices is not None:
+    if prefill_devices is not None and groups is None:
         prefill_engine = Engine(loaded, plan.engine, make_mesh(cfg.devices, prefill_devices), mirror=engine.limits)
         prefill = PrefillSide(prefill_engine, prefill_engine.load_params())
         prefill_engine.release_loaded_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
     warmup = 0.0
-    if cfg.enable_model_warmup and prefill is None:
+    if cfg.enable_model_warmup and groups is not None:  # each group its own side's calls
+        from serving.engine.warmup import warm_generate_alone
+
+        warmup = engine.warmup(params, generate=False) if groups.on_prefill else warm_generate_alone(engine, params)
+    elif cfg.enable_model_warmup and prefill is None:
         warmup = engine.warmup(params)
     elif cfg.enable_model_warmup:  # each side its own calls, and the moves between them
         from serving.engine.warmup import warm_generate_side
 
         warmup = prefill.engine.warmup(prefill.params, generate=False)
         warmup += warm_generate_side(engine, params, prefill.engine, prefill.params)
+    if groups is not None:
+        meet_after_warmup(groups, timeout_s=_LINK_TIMEOUT_S)
     return plan, model, engine, params, warmup, prefill
 
 

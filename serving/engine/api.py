@@ -196,6 +196,12 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         page on both). The slot's state is the other engine's, active or not."""
         ...
 
+    def gathered(self, tree):
+        """A handoff or a prefix whole on each of this engine's devices, for another process
+        group to pull (a disaggregated server on a multi-controller slice:
+        serving.orchestrator.transfer). Asynchronous."""
+        ...
+
     def set_pages(self, decode_state: StateT, pages) -> StateT:
         """The state with every slot's block table: int32 [slots, limits.max_pages] of page ids in
         [0, limits.num_pages) (0: the scratch page). Slot s's position t is at page

@@ -93,6 +93,25 @@ def attention_windows(max_target_length: int) -> list[int]:
     return [*windows, max_target_length]
 
 
+def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh) -> Limits:
+    """The limits an engine of `model` on `mesh` runs with: slots from per_device_batch_size, the
+    page pool from the KV cache's memory. A function of its own so that a multi-controller prefill
+    group can mirror a generate engine that lives only in the other processes."""
+    slots = max(1, int(config.per_device_batch_size * mesh.size))
+    numerics = Numerics.of(config, int8=int8_names(model.params))
+    return Limits(
+        max_concurrent_decodes=slots,
+        max_prefill_length=config.max_prefill_predict_length,
+        max_target_length=config.max_target_length,
+        prefill_chunk_size=config.prefill_chunk_size,
+        max_prefill_batch=config.max_prefill_batch,
+        prefill_batch_tokens=config.prefill_batch_tokens,
+        prefix_block=config.prefix_block_size,
+        decode_buckets=config.decode_slot_buckets,
+        num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(mesh), slots),
+    )
+
+
 class Engine(ChunkedPrefill, Speculative, Handoffs):
     """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
     prefilled in chunks straight into their slots, and prefix blocks; from Speculative, `verify`:
@@ -127,19 +146,8 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             list(self.mesh.devices.flat),
             pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         )
-        slots = mirror.max_concurrent_decodes if mirror else max(1, int(config.per_device_batch_size * self.mesh.size))
         numerics = Numerics.of(config, int8=int8_names(model.params))
-        self.limits = mirror or Limits(
-            max_concurrent_decodes=slots,
-            max_prefill_length=config.max_prefill_predict_length,
-            max_target_length=config.max_target_length,
-            prefill_chunk_size=config.prefill_chunk_size,
-            max_prefill_batch=config.max_prefill_batch,
-            prefill_batch_tokens=config.prefill_batch_tokens,
-            prefix_block=config.prefix_block_size,
-            decode_buckets=config.decode_slot_buckets,
-            num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(self.mesh), slots),
-        )
+        self.limits = mirror or engine_limits(model, config, self.mesh)
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
         self.placement = engine_placement(

@@ -7,7 +7,9 @@ and the generate engine hands a preempted sequence's slot state back (its pages 
 `accept(state, handoff, slot, pages)` places them on this engine's mesh (`jax.device_put`:
 the KV with the pool's layer and kv-head placement, one buffer for every layer as MaxText's
 stack_prefill_result_cache sends it; the rest replicated) and writes them at the same slot and
-pages. Both sides' pools are the same size and the scheduler's page ids name the same page on
+pages. Between the process groups of a multi-controller server (serving.orchestrator.transfer)
+the sender sends `gathered(...)` (whole on each of its devices) and the receiver's copy, on one
+of its own devices, is spread over this engine's mesh, each process placing its own shards. Both sides' pools are the same size and the scheduler's page ids name the same page on
 both, so the move needs no second table. Page lists are padded with the scratch page to a power of
 two (one compile per length bucket, scratch copied onto scratch).
 
@@ -54,6 +56,7 @@ def padded_pages(pages: Sequence[int]) -> np.ndarray:
 class Handoffs:
     def _init_handoffs(self) -> None:
         self._handoff_fn = jax.jit(_read_handoff)
+        self._gather_fn = jax.jit(lambda tree: tree, out_shardings=replicated(self.mesh))
         self._accept_fn = jax.jit(_write_handoff, donate_argnums=(0,), out_shardings=self._state_shardings())
 
     def handoff(self, decode_state: DecodeState, slot: int, pages: Sequence[int]) -> Handoff:
@@ -63,16 +66,21 @@ class Handoffs:
     def accept(self, decode_state: DecodeState, handoff: Handoff, slot: int, pages: Sequence[int]) -> DecodeState:
         """The state with another engine's `handoff` written at `slot` and `pages` (those it was
         read from there, in the same order)."""
-        kv = None if handoff.kv is None else jax.device_put(handoff.kv, self._pool_like(handoff.kv))
-        rest = jax.device_put(handoff._replace(kv=None), replicated(self.mesh))
+        kv = None if handoff.kv is None else _place(handoff.kv, self._pool_like(handoff.kv))
+        rest = _place(handoff._replace(kv=None), replicated(self.mesh))
         return self._accept_fn(decode_state, rest._replace(kv=kv), jnp.int32(slot), jnp.asarray(padded_pages(pages)))
 
     def receive(self, prefix: Prefix) -> Prefix:
         """Another engine's whole-prompt prefix on this engine's mesh, for `insert` (the same
         placement as a handoff's KV; asynchronous: the next call on this mesh waits for it)."""
-        kv = jax.device_put(prefix.kv, self._pool_like(prefix.kv))
-        rest = jax.device_put(prefix._replace(kv=None), replicated(self.mesh))
+        kv = _place(prefix.kv, self._pool_like(prefix.kv))
+        rest = _place(prefix._replace(kv=None), replicated(self.mesh))
         return rest._replace(kv=kv)
+
+    def gathered(self, tree):
+        """`tree` (a Handoff or a Prefix on this engine's mesh) whole on every device of it, for
+        another process group to pull (dispatched)."""
+        return self._gather_fn(tree)
 
     def _pool_like(self, kv: KVCache) -> KVCache:
         """Shardings for KV shaped [layers, n, positions, kv_heads, head_dim]: the pool's layer and
@@ -86,6 +94,21 @@ class Handoffs:
             return NamedSharding(self.mesh, P(spec[0], None, None, *spec[3:]))
 
         return KVCache(*map(like, pool, kv))
+
+
+def _place(tree, shardings):
+    """`jax.device_put(tree, shardings)`; where a sharding spans other processes' devices (a
+    multi-controller mesh) and a leaf is whole on one of this process's, each of this process's
+    shards is cut from it."""
+
+    def one(x, sharding):
+        if sharding.is_fully_addressable or not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
 
 
 def _read_handoff(state: DecodeState, slot: jax.Array, pages: jax.Array) -> Handoff:

@@ -239,6 +239,11 @@ class MockEngine:
             state.pool[page] = dict(written)
         return state
 
+    def gathered(self, tree):
+        """Mock handoffs and prefixes are host data, whole already."""
+        self.calls.append(("gathered", type(tree).__name__))
+        return tree
+
     def receive(self, prefix: MockPrefix) -> MockPrefix:
         """A mock prefix is host data: every mock engine can read it as it is."""
         self.calls.append(("receive", prefix.length))

@@ -127,6 +127,28 @@ def warm_generate_side(engine: Engine, params: dict, prefiller: Engine, prefill_
     return seconds
 
 
+def warm_generate_alone(engine: Engine, params: dict) -> float:
+    """A disaggregated server's generate engine on its own processes (multi-controller; the
+    prefill group warms up its engine without generate): a handoff's accept for every page-count
+    bucket (its own slot read back, scratch onto scratch) and generate for every slot bucket and
+    attention window. An admission's insert compiles at its first use. Returns the seconds spent."""
+    from serving.engine.handoff import padded_pages
+
+    start = time.perf_counter()
+    state = engine.init_decode_state()
+    counts = sorted({len(padded_pages([0] * n)) for n in range(1, engine.limits.max_pages + 1)})
+    for count in counts:
+        state = engine.accept(state, engine.handoff(state, 0, [0] * count), 0, [0] * count)
+    state = _warm_generate(engine, params, engine.free_resource(state, 0))
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - start
+    log.info(
+        "warmup: %d handoff sizes and %d generate shapes on the generate engine in %.1f s",
+        len(counts), len(engine.limits.decode_buckets) * len(engine.windows), seconds,
+    )
+    return seconds
+
+
 def start_background(engine: Engine, params: dict, state, shapes: list[tuple[int, int, int]]) -> BackgroundWarmup | None:
     """A started `BackgroundWarmup` over `shapes` (compiled against `state`'s shapes and shardings),
     or None when `enable_background_warmup` is off: those shapes then compile at first use."""

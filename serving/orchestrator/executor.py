@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from serving.lora.peft import LoraWeights
 from serving.lora.registry import AdapterLoad
 from serving.orchestrator.plan import Admission, StepOutcome, StepPlan
 from serving.request import TokenLogprob
+
+if TYPE_CHECKING:
+    from serving.engine.state import Prefix  # imports JAX: the mock engine's executor must not
 
 
 @dataclass
@@ -146,7 +150,15 @@ class Executor:
     def _admit(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> None:
         """The whole path: one prefill (on the prefill side's engine), inserted into each of the
         admission's slots."""
-        engine, sampling = self.engine, admission.sampling
+        prefix = self._prefill_whole(admission, firsts, on_first_token)
+        if self.prefill_side[0] is not self.engine:
+            prefix = self.engine.receive(prefix)
+        self._insert_whole(admission, prefix)
+
+    def _prefill_whole(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> Prefix:
+        """An admission's prefill on the prefill side's engine, its choices' first tokens into
+        `firsts` (and `on_first_token`); returns its prefix (on the prefill side's devices)."""
+        sampling = admission.sampling
         prefiller, params = self.prefill_side
         started = time.perf_counter()
         prefix, first = prefiller.prefill(
@@ -156,16 +168,19 @@ class Executor:
         if sampling.n > 1 or sampling.wants_logprobs or sampling.prompt_logprobs is not None:
             outputs = prefiller.prefill_outputs(prefix)
         self.timings.prefills.append(time.perf_counter() - started)
-        if prefiller is not engine:
-            prefix = engine.receive(prefix)
         firsts.prompt_logprobs.append(outputs.prompt_logprobs)
         for choice, (slot, token) in enumerate(zip(admission.slots, outputs.first_tokens, strict=True)):
             logprob = outputs.first_logprobs[choice] if outputs.first_logprobs else None
             if on_first_token is not None:
                 on_first_token(slot, token, logprob, outputs.prompt_logprobs)
-            self.state = engine.insert(prefix, self.state, slot, choice)
             firsts.tokens.append(token)
             firsts.logprobs.append(logprob)
+        return prefix
+
+    def _insert_whole(self, admission: Admission, prefix: Prefix) -> None:
+        """An admission's prefix (on this engine's devices) inserted into each of its slots."""
+        for choice, slot in enumerate(admission.slots):
+            self.state = self.engine.insert(prefix, self.state, slot, choice)
 
     def _dispatch(self, plan: StepPlan) -> ResultTokens:
         """The plan's generate (or verify) call, dispatched: its results still on the device."""
