@@ -106,10 +106,14 @@ bench-serve: install
 
 # pathserve against vLLM's CPU build (its own venv, .venv-vllm/, installed on first use) on the same
 # weights (the default model exported to safetensors), identical request sets in alternating rounds:
-# results/peers-bench.{json,png}. PEERS_ARGS narrows it, e.g. PEERS_ARGS="--concurrency 1,8 --sets short".
+# results/peers-bench.{json,png}; then the same on a random model of each of PEERS_SHAPES' shapes
+# (Llama 3.2 1B's: built once, results/peers-bench-llama3.2-1b.{json,png}; PEERS_SHAPES= skips it).
+# PEERS_ARGS narrows both, e.g. PEERS_ARGS="--concurrency 1,8 --sets short".
 PEERS_ARGS ?=
+PEERS_SHAPES ?= llama3.2-1b
 bench-peers: install
 	$(BIN)/python -m loadtest.peers $(PEERS_ARGS)
+	for shape in $(PEERS_SHAPES); do $(BIN)/python -m loadtest.peers --shape $$shape $(PEERS_ARGS) || exit 1; done
 
 # A headless locust session against the default model's server (results/locust_*.csv, locust.png).
 loadtest: install

@@ -41,7 +41,7 @@ from pathlib import Path
 from loadtest import dataset
 from loadtest.bench import run_level, summarize
 from loadtest.client import Result
-from loadtest.peers_report import METRICS, NOCACHE, PEERS, cell_report, plot, table, targets
+from loadtest.peers_report import METRICS, NOCACHE, PEERS, add_roofline, cell_report, plot, table, targets
 
 __all__ = ["METRICS", "NOCACHE", "PEERS", "cell_report", "plot", "table", "targets"]
 
@@ -204,6 +204,10 @@ def build_parser(prog: str = "python -m loadtest.peers") -> argparse.ArgumentPar
         action="store_true",
         help="also start pathserve with prefix_cache=off and run the system set against it (the prefix cache's effect)",
     )
+    parser.add_argument(
+        "--shape", help="serve a random-weight model of this preset's shape (configs/models/, e.g. llama3.2-1b; built "
+        "once with the default model's tokenizer) to both, pathserve with int8w weights, instead of the default model",
+    )
     parser.add_argument("--out", type=Path, default=Path("results"))
     return parser
 
@@ -231,12 +235,14 @@ def _parse(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lis
 
 
 def pathserve_args(ns: argparse.Namespace, sets: Sequence[str]) -> list[str]:
-    """The pathserve server's key=value arguments: its default config (`make serve`'s), with vLLM's
+    """The pathserve server's arguments (--shape's model first, with int8 weights as the default
+    model's profile has them): its default config (`make serve`'s), with vLLM's
     context (--max-model-len) as max_target_length only when the long set runs (the default 1024
     cannot hold its prompts, and a longer KV cache costs every decode step of the other sets),
     then --serve-arg (which may override either)."""
     context = [f"max_target_length={ns.max_model_len}"] if "long" in sets else []
-    return [*context, *ns.serve_arg]
+    model = [str(shape_model_dir(ns.shape)), "quantization=int8w"] if ns.shape else []
+    return [*model, *context, *ns.serve_arg]
 
 
 def default_model_dir() -> Path:
@@ -252,6 +258,27 @@ def default_model_dir() -> Path:
     return target
 
 
+def shape_model_dir(shape: str) -> Path:
+    """A random-weight model of `shape` (loadtest.random_model, bfloat16, the default model's
+    tokenizer) built once into $PATHSERVE_HOME/export/."""
+    from loadtest.random_model import write_random_model
+    from serving.home import pathserve_home
+
+    target = pathserve_home() / "export" / f"random-{shape}-hf"
+    if not (target / "model.safetensors").is_file() or not (target / "config.json").is_file():
+        print(f"bench-peers: writing a random model of {shape}'s shape to {target} (once)", flush=True)
+        write_random_model(target, shape, default_model_dir())
+    return target
+
+
+def measure_bandwidth() -> float:
+    """The machine's memory read bandwidth (bytes/s: engine_bench's probe, best of 5), measured
+    before the servers start so that neither competes with it."""
+    from loadtest.engine_bench import Machine
+
+    return Machine().measure()[0]
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") -> int:
     from contextlib import ExitStack
 
@@ -265,7 +292,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     ns = parser.parse_args(argv)
     sets, sampling, levels = _parse(ns, parser)
     ns.out.mkdir(parents=True, exist_ok=True)
-    model_dir = ns.model_dir or default_model_dir()
+    if ns.shape is not None:
+        from serving.config import load_model_config
+        from serving.errors import ConfigError
+
+        try:
+            model_config = load_model_config(ns.shape)
+        except ConfigError as exc:
+            parser.error(f"--shape: {exc}")
+        model_dir = shape_model_dir(ns.shape)
+    else:
+        model_dir = ns.model_dir or default_model_dir()
+    stem = "peers-bench" if ns.shape is None else f"peers-bench-{ns.shape}"
     tokenizer = load_tokenizer(model_dir)
     count: Counter = lambda text: len(tokenizer.encode_prompt(text))  # noqa: E731
     requests: Callable[[int], int] = lambda c: ns.requests or max(8, 2 * c)  # noqa: E731
@@ -277,6 +315,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     lengths = {name: sorted(ls) for name, ls in lengths.items()}
     for name, ls in lengths.items():
         print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
+    bandwidth = measure_bandwidth()
+    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
     vllm_env = dict(item.split("=", 1) for item in ns.vllm_env)
     with ExitStack() as stack:
@@ -284,14 +324,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
             if not ns.vllm_url:
                 python = ensure_venv(ns.vllm_venv, ns.out / "peers-vllm-install.log", install=not ns.no_install)
                 vllm = stack.enter_context(
-                    VLLMServer(python, model_dir, ns.out / "peers-vllm-server.log", max_model_len=ns.max_model_len,
+                    VLLMServer(python, model_dir, ns.out / f"{stem}-vllm-server.log", max_model_len=ns.max_model_len,
                                kv_cache_gib=ns.kv_cache_gib, extra=ns.vllm_arg, env=vllm_env)
                 )
                 print(f"starting vLLM at {vllm.url} (log: {vllm.log_path}) ...", flush=True)
                 urls["vllm"] = vllm.url
             if not ns.pathserve_url:
                 args = pathserve_args(ns, sets)
-                ours = stack.enter_context(Server(args, ns.out / "peers-pathserve-server.log"))
+                ours = stack.enter_context(Server(args, ns.out / f"{stem}-pathserve-server.log"))
                 print(f"starting pathserve at {ours.url} (log: {ours.log_path}) ...", flush=True)
                 urls["pathserve"] = ours.url
             nocache = None
@@ -318,6 +358,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         for peer in urls:  # a warm-up request each, not measured
             asyncio.run(run_level(urls[peer], "completions", warmup, 1, 2, None, models[peer], True, {}))
         report_cells = measure(urls, models, prompts, plan, requests, ns.max_tokens)
+    if ns.shape is None:
+        from serving.config import load_model_config
+
+        model_config = load_model_config("smollm2-135m")  # the default model's shape
+    contexts = {name: ls[len(ls) // 2] + ns.max_tokens // 2 for name, ls in lengths.items()}
+    add_roofline(report_cells, model_config, bandwidth, contexts)
     report = {
         "ratio": "pathserve / vllm (above 1 is better for output_tokens_per_s, below 1 for latencies)",
         "urls": urls,
@@ -331,11 +377,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "prompt_tokens": {name: {"min": ls[0], "median": ls[len(ls) // 2], "max": ls[-1]} for name, ls in lengths.items()},
         "args": {k: str(v) for k, v in vars(ns).items()},
         "cells": report_cells,
-        "targets": targets(report_cells),
+        "shape": ns.shape,
+        "bandwidth_bytes_per_s": bandwidth,
+        "roofline": "per cell and peer: output tok/s if a step read only its weights (pathserve int8w, vLLM bf16) "
+        "and its KV cache (pathserve float32, vLLM bf16) once at the measured bandwidth, and the fraction reached",
+        "targets": targets(report_cells, ns.shape),
     }
-    path = ns.out / "peers-bench.json"
+    path = ns.out / f"{stem}.json"
     path.write_text(json.dumps(report, indent=2))
-    png = plot(report_cells, ns.out / "peers-bench.png")
+    png = plot(report_cells, ns.out / f"{stem}.png")
     print(table(report_cells))
     for t in report["targets"]:
         print(f"target: {t['target']}: {t['value']} -> {'met' if t['met'] else 'not met' if t['met'] is False else 'not measured'}")

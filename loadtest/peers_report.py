@@ -72,9 +72,43 @@ def cell_report(cell: Cell, runs: dict[str, list[tuple[list[Result], float]]], m
     return out
 
 
-def targets(report_cells: Sequence[dict]) -> list[dict]:
+# Bytes each peer's decode step reads per matmul weight and per cached value: pathserve's serving
+# profile (int8w weights, a float32 KV cache) and vLLM's CPU build (bfloat16 both).
+STEP_BYTES = {"pathserve": (1, 4), "vllm": (2, 2)}
+
+
+def matmul_params(cfg) -> int:
+    """The weights a decode step reads whole: every layer's matmuls and the head (the embedding
+    table again when tied); the token lookup reads a few rows, the norms are negligible."""
+    e, d = cfg.embed_dim, cfg.head_dim
+    per_layer = e * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * e * cfg.mlp_dim
+    return cfg.num_layers * per_layer + cfg.vocab_size * e
+
+
+def bandwidth_bound(cfg, peer: str, concurrency: int, context: int, bandwidth: float) -> float:
+    """Output tokens/s if every decode step of `concurrency` sequences of `context` tokens only
+    read its weights once and each sequence's KV cache at `bandwidth` bytes/s."""
+    weight, value = STEP_BYTES[peer]
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * value * context * concurrency
+    return concurrency * bandwidth / (matmul_params(cfg) * weight + kv)
+
+
+def add_roofline(report_cells: Sequence[dict], cfg, bandwidth: float, contexts: dict[str, int]) -> None:
+    """Each cell's memory-bandwidth bound per peer and the fraction of it the peer reached
+    (`roofline`: {peer: {bound_tokens_per_s, fraction}}); `contexts`: each set's median prompt
+    tokens plus half the output, the cache a step reads on average."""
+    for c in report_cells:
+        c["roofline"] = {}
+        for peer in PEERS:
+            if peer in c:
+                bound = bandwidth_bound(cfg, peer, c["concurrency"], contexts[c["set"]], bandwidth)
+                c["roofline"][peer] = {"bound_tokens_per_s": bound, "fraction": c[peer]["output_tokens_per_s"] / bound}
+
+
+def targets(report_cells: Sequence[dict], shape: str | None = None) -> list[dict]:
     """The issue's targets that this run measures, each with its figure and whether it is met
-    (None when its cell was not run or a server completed nothing there)."""
+    (None when its cell was not run or a server completed nothing there). `shape`: a random
+    model of that preset's shape was served (--shape), whose targets are its own."""
     by_key = {(c["set"], c["sampling"], c["concurrency"]): c for c in report_cells}
 
     def figure(cell: tuple[str, str, int], key: str) -> float | None:
@@ -86,6 +120,19 @@ def targets(report_cells: Sequence[dict]) -> list[dict]:
         met = None if value is None else (value >= bound if above else value <= bound)
         return {"target": name, "cell": "/".join(map(str, cell)), "ratio": key, "value": value, "met": met}
 
+    if shape is not None:
+        at32 = by_key.get(("short", "greedy", 32), {}).get("roofline", {}).get("pathserve")
+        fraction = None if at32 is None else at32["fraction"]
+        return [
+            check(f"{shape}, 32 concurrent short: output tok/s >= 2.0x vLLM", ("short", "greedy", 32),
+                  "output_tokens_per_s", 2.0, True),
+            {"target": f"{shape}, 32 concurrent short: >= 0.6 of the memory-bandwidth bound", "cell": "short/greedy/32",
+             "value": fraction, "met": None if fraction is None else fraction >= 0.6},
+            check(f"{shape}, one request alone: output tok/s >= 2.2x vLLM", ("short", "greedy", 1),
+                  "output_tokens_per_s", 2.2, True),
+            check(f"{shape}, 32 concurrent short: TTFT median <= vLLM's", ("short", "greedy", 32),
+                  "ttft_ms.median", 1.0, False),
+        ]
     out = [
         check("32 concurrent short: output tok/s >= 2.0x vLLM", ("short", "greedy", 32), "output_tokens_per_s", 2.0, True),
         check("32 concurrent short: TTFT median <= vLLM's", ("short", "greedy", 32), "ttft_ms.median", 1.0, False),
@@ -112,7 +159,7 @@ def targets(report_cells: Sequence[dict]) -> list[dict]:
 def table(report_cells: Sequence[dict]) -> str:
     head = (
         f"{'cell':<22} {'err ps/vl':>9} {'tok/s ps':>9} {'vllm':>7} {'ratio':>6} "
-        f"{'TTFT50 ps':>10} {'vllm':>8} {'ratio':>6} {'TPOT50 ps':>10} {'vllm':>7} {'ratio':>6}"
+        f"{'TTFT50 ps':>10} {'vllm':>8} {'ratio':>6} {'TPOT50 ps':>10} {'vllm':>7} {'ratio':>6} {'of bound ps/vl':>14}"
     )
     rows = [head]
 
@@ -128,9 +175,16 @@ def table(report_cells: Sequence[dict]) -> str:
             f"{str(ps['errors']) + '/' + str(vl['errors']):>9} "
             f"{ps['output_tokens_per_s']:9.1f} {vl['output_tokens_per_s']:7.1f} {r(ratios.get('output_tokens_per_s'))} "
             f"{ps['ttft_ms']['median']:10.1f} {vl['ttft_ms']['median']:8.1f} {r(ratios.get('ttft_ms.median'))} "
-            f"{ps['tpot_ms']['median']:10.1f} {vl['tpot_ms']['median']:7.1f} {r(ratios.get('tpot_ms.median'))}"
+            f"{ps['tpot_ms']['median']:10.1f} {vl['tpot_ms']['median']:7.1f} {r(ratios.get('tpot_ms.median'))} "
+            f"{_of_bound(c):>14}"
         )
     return "\n".join(rows)
+
+
+def _of_bound(cell: dict) -> str:
+    """Each peer's fraction of its memory-bandwidth bound (add_roofline), as "40%/25%"."""
+    roof = cell.get("roofline") or {}
+    return "/".join(f"{roof[p]['fraction']:.0%}" if p in roof else "-" for p in PEERS)
 
 
 def plot(report_cells: Sequence[dict], path: Path) -> Path:

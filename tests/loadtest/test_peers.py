@@ -195,3 +195,59 @@ def test_pathserve_gets_a_2048_context_only_when_the_long_set_runs():
     ns = peers.build_parser().parse_args(["--serve-arg", "per_device_batch_size=8"])
     assert peers.pathserve_args(ns, ["short", "system"]) == ["per_device_batch_size=8"]
     assert peers.pathserve_args(ns, ["short", "long"]) == ["max_target_length=2048", "per_device_batch_size=8"]
+
+
+def test_the_bandwidth_bound_reads_the_weights_once_per_step_and_each_sequences_cache():
+    from loadtest.peers_report import bandwidth_bound, matmul_params
+    from serving.config import load_model_config
+
+    cfg = load_model_config("llama3.2-1b")
+    # every layer's matmuls and the (tied) head: the 1B shape's 1.24 billion parameters, less the norms
+    assert matmul_params(cfg) == cfg.num_params - (2 * cfg.num_layers + 1) * cfg.embed_dim
+    one = bandwidth_bound(cfg, "pathserve", 1, 0, 23e9)
+    assert one == pytest.approx(23e9 / matmul_params(cfg))  # int8 weights: ~18.6 tok/s at 23 GB/s
+    assert bandwidth_bound(cfg, "pathserve", 32, 0, 23e9) == pytest.approx(32 * one)  # one read serves 32
+    assert bandwidth_bound(cfg, "vllm", 1, 0, 23e9) == pytest.approx(one / 2)  # bfloat16 weights
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 100 * 32  # float32 cache, 100 tokens x 32
+    assert bandwidth_bound(cfg, "pathserve", 32, 100, 23e9) == pytest.approx(32 * 23e9 / (matmul_params(cfg) + kv))
+
+
+def test_a_shapes_targets_are_its_own_and_read_the_roofline():
+    from loadtest.peers_report import add_roofline
+    from serving.config import load_model_config
+
+    short32 = peers.cell_report(
+        peers.Cell("short", "greedy", 32),
+        {"pathserve": [(results(32, 0.2, 1.46), 2.0)], "vllm": [(results(32, 0.5, 4.28), 5.0)]},
+        64,
+    )
+    cfg = load_model_config("llama3.2-1b")
+    add_roofline([short32], cfg, 23e9, {"short": 100})
+    roof = short32["roofline"]["pathserve"]
+    assert roof["fraction"] == pytest.approx(short32["pathserve"]["output_tokens_per_s"] / roof["bound_tokens_per_s"])
+    found = {t["target"]: t for t in peers.targets([short32], "llama3.2-1b")}
+    assert set(found) == {
+        "llama3.2-1b, 32 concurrent short: output tok/s >= 2.0x vLLM",
+        "llama3.2-1b, 32 concurrent short: >= 0.6 of the memory-bandwidth bound",
+        "llama3.2-1b, one request alone: output tok/s >= 2.2x vLLM",
+        "llama3.2-1b, 32 concurrent short: TTFT median <= vLLM's",
+    }
+    assert found["llama3.2-1b, 32 concurrent short: output tok/s >= 2.0x vLLM"]["met"] is True  # 2.5x
+    bound = found["llama3.2-1b, 32 concurrent short: >= 0.6 of the memory-bandwidth bound"]
+    assert bound["value"] == pytest.approx(roof["fraction"]) and bound["met"] is (roof["fraction"] >= 0.6)
+    assert found["llama3.2-1b, one request alone: output tok/s >= 2.2x vLLM"]["met"] is None  # not run
+    assert "%/" in peers.table([short32]).splitlines()[1]  # each peer's fraction of its bound
+
+
+def test_an_unknown_shape_exits_2_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exited:
+        peers.main(["--shape", "llama9-7t"])
+    assert exited.value.code == 2 and "--shape: model_name: unknown model 'llama9-7t'" in capsys.readouterr().err
+
+
+def test_a_shape_is_served_by_pathserve_with_int8_weights(monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "shape_model_dir", lambda shape: tmp_path / f"random-{shape}-hf")
+    ns = peers.build_parser().parse_args(["--shape", "llama3.2-1b", "--serve-arg", "per_device_batch_size=8"])
+    assert peers.pathserve_args(ns, ["short"]) == [
+        str(tmp_path / "random-llama3.2-1b-hf"), "quantization=int8w", "per_device_batch_size=8"
+    ]
