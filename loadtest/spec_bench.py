@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             "speculative_model": str(default_model_path()), "quantization": ns.draft_quantization,
             "speculative_method": "draft", "num_speculative_tokens": spec_cfg.num_speculative_tokens,
         })
-        draft = load_draft(draft_cfg, cfg.engine, mesh, model.tokenizer)
+        draft = load_draft(draft_cfg, cfg.engine, mesh, model.tokenizer, model.config.num_params)
     engine = Engine(model, cfg.engine, mesh, draft=draft)
     params = engine.load_params()
     report: dict = {"config": spec_cfg.__dict__, "target": engine.summary(), "workloads": {}}

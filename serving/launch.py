@@ -206,7 +206,7 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
     if cfg.speculative_method == "draft":
         from serving.engine.draft import load_draft
 
-        draft = load_draft(cfg, plan.engine, mesh, loaded.tokenizer)
+        draft = load_draft(cfg, plan.engine, mesh, loaded.tokenizer, plan.model.num_params)
     verify = None
     if cfg.speculative_method != "none":  # the warmup compiles its verify calls
         verify = (cfg.num_speculative_tokens, cfg.speculative_max_slots)

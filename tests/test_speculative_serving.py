@@ -71,6 +71,18 @@ def test_a_verify_call_runs_only_when_its_expected_tokens_pay_for_it():
     assert spec.propose({0: 0, 1: 1}, 4) is not None  # two slots: 1 + 3.9 + 1 >= 4
 
 
+def test_a_draft_models_proposals_count_in_the_gate():
+    """The draft's k forward passes cost steps too: a verify call that pays for itself alone
+    (3 expected tokens against 2 steps) does not once the draft adds 1.5 (3 < 3.5)."""
+    config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                               speculative_max_slots=8, speculative_cost_ratio=2.0)
+    for draft_cost, pays in ((0.0, True), (1.0, True), (1.5, False)):
+        spec = Speculator(config, draft_cost=draft_cost)
+        spec.start(0, [1, 2, 3, 4, 5, 1], SamplingParams(max_tokens=64))
+        spec.emitted(0, [2])
+        assert (spec.propose({0: 0}, 4) is not None) is pays, draft_cost
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
     cfg = ServingConfig(
@@ -201,7 +213,9 @@ def test_load_draft_reads_speculative_model_beside_the_target(setup, tiny_model_
     _, engine, _ = setup
     cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=256, cpu_kernels="off",
                         speculative_method="draft", speculative_model=str(tiny_model_dir), num_speculative_tokens=5)
-    draft = load_draft(cfg, engine.config, engine.mesh, engine.model.tokenizer)
+    draft = load_draft(cfg, engine.config, engine.mesh, engine.model.tokenizer, 10 * engine.model.config.num_params)
     assert draft.k == 5 and draft.engine.decode_steps_per_call == 4
     assert draft.engine.max_concurrent_decodes == engine.max_concurrent_decodes
     assert draft.engine.mesh is engine.mesh
+    # its 5 forward passes, each a tenth of the (here ten times larger) target's weights
+    assert draft.cost_in_steps == pytest.approx(0.5)

@@ -81,6 +81,12 @@ class Proposer(Protocol):
         every row's chunk into its own cache (zeros for slots without a final row)."""
         ...
 
+    @property
+    def cost_in_steps(self) -> float:
+        """What one turn's proposals cost, in the target's decode steps (the speculation gate
+        counts it: serving.orchestrator.proposers)."""
+        ...
+
 
 class BackgroundCompiles(Protocol):
     """Compiles an engine runs on a thread of its own after its warmup

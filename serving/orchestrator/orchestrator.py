@@ -344,7 +344,8 @@ class Orchestrator:
             return None
         if config.speculative_method == "draft" and self.engine.draft is None:
             raise ValueError("speculative_method=draft, but the engine has no draft model (serving.engine.draft)")
-        return Speculator(config, chunk=self.engine.limits.prefill_chunk_size)
+        draft_cost = self.engine.draft.cost_in_steps if config.speculative_method == "draft" else 0.0
+        return Speculator(config, chunk=self.engine.limits.prefill_chunk_size, draft_cost=draft_cost)
 
     def _record(self, scheduler: Scheduler) -> None:
         """The scheduler's slots and prefix cache into the metrics, after a turn."""

@@ -14,7 +14,7 @@ The scheduler asks a `Speculator` each turn for every decoding slot's proposals 
   compute-bound there and verifying k + 1 positions per slot costs more than it saves), nor when
   the tokens the call is expected to emit (each proposing slot 1 + its recent acceptance x its
   proposals, the others 1) fall short of `speculative_cost_ratio` (a verify call's cost in decode
-  steps, measured) times a decode step's (one per slot), for a
+  steps, measured) plus a draft model's proposals' cost, times a decode step's (one per slot), for a
   request that opted out (`SamplingParams.speculative=False`), under a grammar (its next masks
   depend on each token), nor for a request whose recent acceptance (an exponential average of
   accepted / proposed) fell below `speculative_min_acceptance`: it rests `SPECULATION_PAUSE`
@@ -97,6 +97,10 @@ class Speculator:
 
     config: SpeculativeConfig
     chunk: int = 256
+    # A draft model's proposals' cost in the target's decode steps (DraftModel.cost_in_steps: its
+    # k forward passes, each its weights' share of the target's); 0 for the n-gram lookup, which
+    # costs the device nothing.
+    draft_cost: float = 0.0
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     _sequences: dict[int, _Sequence] = field(default_factory=dict)  # request id -> its tokens
 
@@ -147,16 +151,17 @@ class Speculator:
         return Proposals(counts, tokens, tuple(rows))
 
     def _pays(self, slots: Mapping[int, int], counts: np.ndarray) -> bool:
-        """Whether a verify call is expected to emit at least `speculative_cost_ratio` times the
-        tokens a decode step does (one per slot): each proposing slot is expected to emit 1 +
-        its recent acceptance x its proposals, every other slot 1 (where plain decoding would
-        have given it a token per step at 1 / ratio of the cost)."""
+        """Whether a verify call, with the draft's proposals before it, is expected to emit at
+        least (`speculative_cost_ratio` + `draft_cost`) times the tokens a decode step does (one
+        per slot): each proposing slot is expected to emit 1 + its recent acceptance x its
+        proposals, every other slot 1 (where plain decoding would have given it a token per step
+        at 1 / that cost)."""
         expected = 0.0
         for slot, request_id in slots.items():
             sequence = self._sequences.get(request_id)
             acceptance = sequence.acceptance if sequence is not None else 0.0
             expected += 1 + acceptance * int(counts[slot])
-        return expected >= self.config.speculative_cost_ratio * len(slots)
+        return expected >= (self.config.speculative_cost_ratio + self.draft_cost) * len(slots)
 
     def _draft_rows(self, slot: int, sequence: _Sequence) -> list[PrefillRow]:
         """The chunks of the sequence the draft's cache lacks; the last samples its first proposal."""
