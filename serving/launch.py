@@ -174,10 +174,13 @@ class PrefillSide:
 
 def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
     """Runtime, the one plan, placement and restore, the engine, warmup, in that order. On a
-    disaggregated server (serving.disaggregation) the engine is the generate engine, on the
-    generate devices, and a `PrefillSide` comes last (else None): the same loaded model placed
-    again on the prefill devices (device to device, one controller), with the generate engine's
-    slots and pool pages (a mirror: one plan's ids name the same slot and page on both)."""
+    disaggregated server (serving.disaggregation) behind one controller the engine is the generate
+    engine, on the generate devices, and a `PrefillSide` comes last (else None): the same loaded
+    model placed again on the prefill devices (device to device), with the generate engine's
+    slots and pool pages (a mirror: one plan's ids name the same slot and page on both). Over
+    multi-controller process groups (`process_groups`) the engine is this process's side's alone
+    (a prefill process's mirrors the limits of the generate engine the other processes hold) and
+    there is no `PrefillSide`."""
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     import jax
 
@@ -238,7 +241,7 @@ def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str]
         warmup = prefill.engine.warmup(prefill.params, generate=False)
         warmup += warm_generate_side(engine, params, prefill.engine, prefill.params)
     if groups is not None:
-        meet_after_warmup(groups, timeout_s=_LINK_TIMEOUT_S)
+        meet_after_warmup(groups, engine.limits, timeout_s=_LINK_TIMEOUT_S)
     return plan, model, engine, params, warmup, prefill
 
 

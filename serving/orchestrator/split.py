@@ -15,7 +15,10 @@ schedules and broadcasts) and runs, in this order:
 4. the `prefill_slots` call on prefill; each final row's slot state and prompt pages sent (a
    handoff), accepted by generate behind its generate call, freed on prefill;
 5. generate reads its call's tokens and its lead process tells process 0, which delivers them
-   with the prefill's first tokens.
+   with the prefill's first tokens;
+6. every process meets at the distributed runtime's barrier (`Link.meet`), so that neither side
+   waits in the next plan's broadcast, a collective with a short deadline, while the other
+   compiles a call at its first use.
 
 Process 0 alone reads first tokens and the generate call's tokens into an outcome; a follower's
 outcome is thrown away (serving.orchestrator.lockstep.follow).
@@ -74,16 +77,16 @@ class SplitExecutor(Executor):
                 self.state = engine.accept(self.state, link.move(None, *to_generate), slot, pages)
             self.handed_off += 1
         outcome = firsts.outcome()
-        if not decodes:
-            return outcome
-        lead = self.groups.generate_lead
-        read = self._read(result, outcome, started) if self.groups.me == lead else None
-        told = link.tell(None if read is None else _generated(read, self.timings.generate), lead, 0)
-        if told is None:
-            return outcome
-        generated, self.timings.generate = told
-        return StepOutcome(outcome.first_tokens, first_logprobs=outcome.first_logprobs,
-                           prompt_logprobs=outcome.prompt_logprobs, **generated)
+        if decodes:
+            lead = self.groups.generate_lead
+            read = self._read(result, outcome, started) if self.groups.me == lead else None
+            told = link.tell(None if read is None else _generated(read, self.timings.generate), lead, 0)
+            if told is not None:
+                generated, self.timings.generate = told
+                outcome = StepOutcome(outcome.first_tokens, first_logprobs=outcome.first_logprobs,
+                                      prompt_logprobs=outcome.prompt_logprobs, **generated)
+        link.meet()  # nobody enters the next broadcast while the other side still compiles
+        return outcome
 
 
     def close(self) -> None:
@@ -92,7 +95,7 @@ class SplitExecutor(Executor):
         print(
             f"pathserve: process {self.groups.me} ({'prefill' if self.groups.on_prefill else 'generate'}): "
             f"handed off {self.handed_off} prompts; {self.link.moves} moves, "
-            f"{self.link.bytes_received / 1e6:.2f} MB pulled here",
+            f"{self.link.bytes_received} bytes pulled here",
             file=sys.stderr, flush=True,
         )
 

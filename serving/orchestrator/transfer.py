@@ -71,20 +71,31 @@ class ProcessGroups:
             )
         return cls(tuple(prefill), tuple(generate), me)
 
-    def source_for(self, receiver: int, senders: Sequence[int]) -> int:
-        """The sender `receiver` pulls from: its rank in its group, modulo the senders."""
-        receivers = self.generate if senders == self.prefill else self.prefill
-        return senders[receivers.index(receiver) % len(senders)]
+    @staticmethod
+    def source_for(receiver: int, senders: Sequence[int], receivers: Sequence[int]) -> int:
+        """The sender `receiver` (one of `receivers`) pulls from: its rank in its group, modulo
+        the senders."""
+        return senders[list(receivers).index(receiver) % len(senders)]
 
 
-def meet_after_warmup(groups: ProcessGroups, timeout_s: float) -> None:
+def meet_after_warmup(groups: ProcessGroups, limits: Any, timeout_s: float) -> None:
     """Every process, once its side is warmed up: the two sides compile different calls (the
     prefill group's take longer), and the first plan's broadcast is a collective whose peers wait
     only about 30 s for one another (gloo's context), so all meet here first, at the distributed
-    runtime's barrier, which waits `timeout_s`."""
+    runtime's barrier, which waits `timeout_s`. The generate lead publishes its engine's `limits`
+    there and each prefill process checks its mirror against them (one plan's slot and page ids
+    must name the same on both sides); a mismatch raises RuntimeError."""
     from jax._src import distributed
 
-    distributed.global_state.client.wait_at_barrier(f"{_KEY}/warmed-up", int(timeout_s * 1000))
+    store = distributed.global_state.client
+    key = f"{_KEY}/generate-limits"
+    if groups.me == groups.generate_lead:
+        store.key_value_set_bytes(key, pickle.dumps(limits))
+    store.wait_at_barrier(f"{_KEY}/warmed-up", int(timeout_s * 1000))
+    if groups.on_prefill:
+        theirs = pickle.loads(store.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
+        if theirs != limits:
+            raise RuntimeError(f"the prefill engine's mirrored limits {limits} differ from the generate engine's {theirs}")
 
 
 class _Spec:
@@ -105,6 +116,7 @@ class Link:
         self.groups = groups
         self.timeout_s = timeout_s
         self.moves = 0  # moves so far: every process counts the same
+        self.plans = 0  # plans met at their end (meet)
         self.bytes_received = 0
         self._store = distributed.global_state.client
         if self._store is None:
@@ -128,7 +140,7 @@ class Link:
             local = [x.addressable_shards[0].data for x in jax.tree.leaves(tree)]
             shapes = pickle.dumps(jax.tree.map(lambda x: _Spec(tuple(x.shape), x.dtype.name), tree))
             for receiver in receivers:
-                if self.groups.source_for(receiver, senders) == me:
+                if self.groups.source_for(receiver, senders, receivers) == me:
                     pull = move * _IDS_PER_MOVE + receiver
                     self._server.await_pull(pull, local)
                     self._store.key_value_set_bytes(f"{_KEY}/shapes/{pull}", shapes)
@@ -145,7 +157,7 @@ class Link:
         where = jax.sharding.SingleDeviceSharding(self.device)
         wanted = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where) for s in leaves]
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
-        got = self._connection(self.groups.source_for(me, senders)).pull(pull, wanted, timeout=deadline)
+        got = self._connection(self.groups.source_for(me, senders, receivers)).pull(pull, wanted, timeout=deadline)
         self.bytes_received += sum(x.nbytes for x in got)
         return structure.unflatten(got)
 
@@ -162,6 +174,14 @@ class Link:
             self._store.key_value_delete(key)
             return value
         return None
+
+    def meet(self) -> None:
+        """Every process at the end of a plan, at the distributed runtime's barrier: the sides
+        compile different calls at first use (a shape the warmup left to the background, a
+        prefix's insert), and the next plan's broadcast is a collective whose peers wait only
+        about 30 s for one another, so no side enters it while the other still compiles."""
+        self.plans += 1
+        self._store.wait_at_barrier(f"{_KEY}/plan/{self.plans}", self._timeout_ms)
 
     @property
     def _timeout_ms(self) -> int:
@@ -182,5 +202,8 @@ def _reachable_ip(coordinator: str) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(host), 9))  # UDP: nothing is sent
             return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+    except OSError as exc:
+        raise ConfigError(
+            f"disaggregated serving over processes: no local address reaches the coordinator {coordinator} "
+            f"for the KV transfer server ({exc})"
+        ) from None

@@ -8,10 +8,10 @@ back; the generate call's tokens reach process 0 through the distributed runtime
 A mixed batch (prompts longer than a chunk, prompts behind a shared system prompt of more than a
 page, a whole admission with logprobs) with an int8 KV cache in a pool of 5 pages (4 slots of up
 to 4 pages: sequences are preempted and recomputed on the prefill side) gives the greedy tokens of
-the interleaved engine in one process with a pool for every slot; every process counts the same
-handoffs (each prefill's final row moved once). A float KV cache on two processes (1 + 1, no
-warmup) gives the same tokens too, and a request behind the system prompt after them hits the
-prefix cache.
+the interleaved engine in one process with a pool for every slot, and so do two sequences that
+preempt each other while they decode (the state moves back to process 0); both generate processes
+pull the same bytes. A float KV cache on two processes (1 + 1, no warmup) gives the same tokens
+too, and a request behind the system prompt after them hits the prefix cache.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ REQUESTS = [  # (prompt, max_tokens, logprobs)
     )
 ]
 
+# Then two short prompts that decode 200 tokens each at once: both grow into their third page
+# together, and the 4 pages cannot hold 6, so the newer is preempted while it decodes (its state
+# goes back to the prefill side for the recompute).
+DECODING = [([21, 22, 23, 24, 25, 26, 27, 28, 29, 30], 200, None), ([31, 32, 33, 34, 35, 36, 37, 38, 39, 40], 200, None)]
+
 
 @pytest.fixture(scope="module")
 def group(tiny_model_dir):
@@ -86,8 +91,12 @@ def reference(tiny_model_dir) -> list[list[int]]:
         decode_steps_per_call=4, cpu_kernels="off", quantize_kvcache=True,
     )
     engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
-    requests = [(p, SamplingParams(max_tokens=m, logprobs=lp)) for p, m, lp in REQUESTS]
-    return [r.token_ids for r in run_to_completion(engine, engine.load_params(), requests, prefix_caching=True)]
+    params = engine.load_params()
+    out = []
+    for batch in (REQUESTS, DECODING):
+        requests = [(p, SamplingParams(max_tokens=m, logprobs=lp)) for p, m, lp in batch]
+        out += [r.token_ids for r in run_to_completion(engine, params, requests, prefix_caching=True)]
+    return out
 
 
 def complete(url: str, prompt: list[int], max_tokens: int, logprobs: int | None) -> str:
@@ -106,27 +115,30 @@ def test_a_mixed_batch_gets_the_interleaved_engines_tokens(group, reference, tin
     leader, generate_lead, generate_other = group
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
         got = list(pool.map(lambda r: complete(leader.url, *r), REQUESTS))
+        got += list(pool.map(lambda r: complete(leader.url, *r), DECODING))
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
 
     tokenizer = load_model(str(tiny_model_dir), ServingConfig()).tokenizer
     assert [g[0] for g in got] == [tokenizer.decode(ids) for ids in reference], [g[1:] for g in got]
-    assert [len(ids) for ids in reference] == [r[1] for r in REQUESTS]
+    assert [len(ids) for ids in reference] == [r[1] for r in REQUESTS + DECODING]
     metrics = httpx.get(f"{leader.url}/metrics", timeout=10).text
     preempted = _metric(metrics, "pathserve_preemptions")
     assert preempted > 0  # 4 usable pages for 4 slots of up to 4: recomputed on the prefill side
     leader.stop()
     for process in (generate_lead, generate_other):
         process.proc.wait(timeout=60)
-    # Every prefill's final row was handed off once, and each generate process took each one:
-    # the 6 prompts that prefill in rows, and each preempted prompt's recompute that had been handed
-    # off before (the one with logprobs is a whole admission: its prefix moves instead)
-    counts = []
+    # Every prefill's final row was handed off, and each generate process pulled the same trees
+    # (pages and states of the 6 prompts that prefill in rows, each preempted prompt's recompute
+    # that had been handed off before, the whole admission's prefix); process 0 pulled the state
+    # of the sequence preempted while it decoded.
+    pulled = []
     for process in group:
-        moved = re.search(r"handed off (\d+) prompts", process.output())
-        assert moved, process.output()[-3000:]
-        counts.append(int(moved[1]))
-    assert counts[0] == counts[1] == counts[2] >= len(REQUESTS) - 1, counts
+        said = re.search(r"handed off (\d+) prompts; (\d+) moves, (\d+) bytes pulled here", process.output())
+        assert said, process.output()[-3000:]
+        pulled.append(int(said[3]))
+        assert int(said[1]) >= len(REQUESTS) - 1
+    assert pulled[1] == pulled[2] > 0 and pulled[0] > 0, pulled
     assert "disaggregated over processes: prefill [0]" in leader.output()
 
 

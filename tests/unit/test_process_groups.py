@@ -33,15 +33,15 @@ def test_the_guides_split_over_whole_processes():
     g = groups("ExperimentalMaxtextDisaggregatedServer_8", 4, 4, me=3)  # two v6e-8 slices of 2 hosts
     assert (g.prefill, g.generate, g.on_prefill, g.generate_lead) == ((0, 1), (2, 3), False, 2)
     # receiver j of a group pulls from sender j mod (senders)
-    assert [g.source_for(r, g.prefill) for r in g.generate] == [0, 1]
-    assert [g.source_for(r, g.generate) for r in g.prefill] == [2, 3]
+    assert [g.source_for(r, g.prefill, g.generate) for r in g.generate] == [0, 1]
+    assert [g.source_for(r, g.generate, g.prefill) for r in g.prefill] == [2, 3]
 
 
 def test_unequal_groups_pair_round_robin():
     g = groups("ExperimentalMaxtextDisaggregatedServer", 1, 3, prefill="cpu-1", generate="cpu-2")
     assert (g.prefill, g.generate, g.on_prefill) == ((0,), (1, 2), True)
-    assert [g.source_for(r, g.prefill) for r in g.generate] == [0, 0]
-    assert g.source_for(0, g.generate) == 1
+    assert [g.source_for(r, g.prefill, g.generate) for r in g.generate] == [0, 0]
+    assert g.source_for(0, g.generate, g.prefill) == 1
 
 
 def test_a_process_on_both_sides_is_refused():
