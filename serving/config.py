@@ -150,6 +150,10 @@ class ServingConfig(BaseModel):
     # A verify call's cost in decode steps (measured: loadtest.spec_bench); a call runs only when
     # its slots are expected to emit at least this many times a decode step's tokens.
     speculative_cost_ratio: float = Field(default=2.2, ge=0)
+    # A draft model's proposals' cost in decode steps, added to speculative_cost_ratio in that
+    # test; -1: derived, k passes at the draft's share of the target's parameters
+    # (serving.engine.draft.DraftModel.cost_in_steps).
+    speculative_draft_cost_ratio: float = Field(default=-1.0, ge=-1)
     jax_compilation_cache_dir: str = ""
     # runtime=multicontroller: JAX's distributed runtime. Unset, they come from JAX_COORDINATOR_ADDRESS,
     # JAX_NUM_PROCESSES, JAX_PROCESS_ID, or on an LWS pod from LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and
@@ -441,6 +445,7 @@ class SpeculativeConfig:
     speculative_max_slots: int = _default("speculative_max_slots")
     speculative_min_acceptance: float = _default("speculative_min_acceptance")
     speculative_cost_ratio: float = _default("speculative_cost_ratio")
+    speculative_draft_cost_ratio: float = _default("speculative_draft_cost_ratio")
 
 
 @dataclass(frozen=True)

@@ -344,7 +344,10 @@ class Orchestrator:
             return None
         if config.speculative_method == "draft" and self.engine.draft is None:
             raise ValueError("speculative_method=draft, but the engine has no draft model (serving.engine.draft)")
-        draft_cost = self.engine.draft.cost_in_steps if config.speculative_method == "draft" else 0.0
+        draft_cost = 0.0
+        if config.speculative_method == "draft":
+            given = config.speculative_draft_cost_ratio
+            draft_cost = given if given >= 0 else self.engine.draft.cost_in_steps
         return Speculator(config, chunk=self.engine.limits.prefill_chunk_size, draft_cost=draft_cost)
 
     def _record(self, scheduler: Scheduler) -> None:

@@ -20,6 +20,9 @@ def test_speculative_keys_reach_the_orchestrator():
     spec = cfg.orchestrator.speculative
     assert spec.speculative_method == "ngram" and spec.num_speculative_tokens == 6 and spec.prompt_lookup_min == 1
     assert ServingConfig().orchestrator.speculative.speculative_method == "none"
+    # a draft's cost in the gate: derived (-1) unless given
+    assert ServingConfig().orchestrator.speculative.speculative_draft_cost_ratio == -1
+    assert ServingConfig(speculative_draft_cost_ratio=0.3).orchestrator.speculative.speculative_draft_cost_ratio == 0.3
 
 
 @pytest.mark.parametrize(
@@ -29,6 +32,7 @@ def test_speculative_keys_reach_the_orchestrator():
         (["speculative_model=/x"], "speculative_model"),
         (["prompt_lookup_min=5", "prompt_lookup_max=3"], "prompt_lookup_min"),
         (["speculative_method=eagle"], "speculative_method"),
+        (["speculative_draft_cost_ratio=-2"], "speculative_draft_cost_ratio"),
     ],
 )
 def test_bad_speculative_settings_name_the_key(overrides, key):
