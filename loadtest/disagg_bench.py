@@ -74,29 +74,42 @@ class Engines:
         self.tokenizer = model.tokenizer
 
 
+def _slot_0_pages(limits, length: int):
+    """(the pages holding a prompt of `length` tokens in slot 0, the block table naming them)."""
+    import numpy as np
+
+    pages = list(range(1, -(-length // limits.page_size) + 1))
+    table = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)
+    table[0, : len(pages)] = pages
+    return pages, table
+
+
+def _prefilled(engine, params, state, length: int):
+    """`state` with a prompt of `length` tokens prefilled into slot 0, in chunks."""
+    from serving.engine.api import PrefillRow
+    from serving.request import SamplingParams
+
+    tokens, chunk = tuple(int(t) % 1000 + 10 for t in range(length)), engine.limits.prefill_chunk_size
+    for start in range(0, length, chunk):
+        piece = tokens[start : start + chunk]
+        row = PrefillRow(0, piece, start, start + len(piece) == length, SamplingParams(max_tokens=8))
+        state, _ = engine.prefill_slots(params, state, [row])
+    return state
+
+
 def transfer(engines: Engines, lengths: list[int]) -> list[dict]:
     """ms per 1k prompt tokens of moving a prefilled prompt's state and pages between the devices."""
     import jax
-    import numpy as np
 
-    from serving.engine.api import PrefillRow
-    from serving.request import SamplingParams
 
     prefiller, prefill_params = engines.prefill
     generate, _ = engines.generate
     limits = generate.limits
     out = []
     for length in lengths:
-        pages = list(range(1, -(-length // limits.page_size) + 1))
-        table = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)
-        table[0, : len(pages)] = pages
-        p_state = prefiller.set_pages(prefiller.init_decode_state(), table)
+        pages, table = _slot_0_pages(limits, length)
+        p_state = _prefilled(prefiller, prefill_params, prefiller.set_pages(prefiller.init_decode_state(), table), length)
         g_state = generate.set_pages(generate.init_decode_state(), table)
-        tokens = tuple(int(t) % 1000 + 10 for t in range(length))
-        for start in range(0, length, limits.prefill_chunk_size):
-            chunk = tokens[start : start + limits.prefill_chunk_size]
-            row = PrefillRow(0, chunk, start, start + len(chunk) == length, SamplingParams(max_tokens=8))
-            p_state, _ = prefiller.prefill_slots(prefill_params, p_state, [row])
         jax.block_until_ready(p_state)
         seconds = []
         for i in range(MOVES + 1):
@@ -144,14 +157,11 @@ def _process_of_two(index: int, coordinator: str, lengths: list[int]) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, 2, index)
-    import numpy as np
     from jax._src import distributed
 
     from serving.checkpoints.model_source import default_model_path, load_model
-    from serving.engine.api import PrefillRow
     from serving.engine.engine import Engine, engine_limits
     from serving.orchestrator.transfer import Link, ProcessGroups
-    from serving.request import SamplingParams
     from serving.runtime import make_mesh
 
     cfg = _config(4)
@@ -167,16 +177,10 @@ def _process_of_two(index: int, coordinator: str, lengths: list[int]) -> None:
     link, store = Link(groups, 600.0), distributed.global_state.client
     out = []
     for length in lengths:
-        pages = list(range(1, -(-length // limits.page_size) + 1))
-        table = np.zeros((limits.max_concurrent_decodes, limits.max_pages), np.int32)
-        table[0, : len(pages)] = pages
+        pages, table = _slot_0_pages(limits, length)
         state = engine.set_pages(engine.init_decode_state(), table)
         if index == 0:
-            tokens = tuple(int(t) % 1000 + 10 for t in range(length))
-            for start in range(0, length, limits.prefill_chunk_size):
-                chunk = tokens[start : start + limits.prefill_chunk_size]
-                row = PrefillRow(0, chunk, start, start + len(chunk) == length, SamplingParams(max_tokens=8))
-                state, _ = engine.prefill_slots(params, state, [row])
+            state = _prefilled(engine, params, state, length)
         jax.block_until_ready(state)
         seconds = []
         for i in range(MOVES + 1):

@@ -60,23 +60,29 @@ REQUESTS = [  # (prompt, max_tokens, logprobs)
 DECODING = [([21, 22, 23, 24, 25, 26, 27, 28, 29, 30], 200, None), ([31, 32, 33, 34, 35, 36, 37, 38, 39, 40], 200, None)]
 
 
-@pytest.fixture(scope="module")
-def group(tiny_model_dir):
-    """(process 0, process 1, process 2), process 0 ready to serve."""
+def serving_group(args: list[str], count: int):
+    """`count` `pathserve serve ARGS` processes of one device each, one distributed runtime;
+    yields them once process 0 is ready, stops them after."""
     coordinator = free_port()
-    processes = []
-    for process_id in (0, 1, 2):
-        args = [
-            str(tiny_model_dir), *ENGINE, "runtime=multicontroller", f"coordinator_address=127.0.0.1:{coordinator}",
-            "num_processes=3", f"process_id={process_id}", "distributed_timeout_s=10",
-        ]
-        processes.append(ServerProcess.pathserve(*args, env=ONE_DEVICE))
+    processes = [
+        ServerProcess.pathserve(
+            *args, "runtime=multicontroller", f"coordinator_address=127.0.0.1:{coordinator}",
+            f"num_processes={count}", f"process_id={process_id}", "distributed_timeout_s=10", env=ONE_DEVICE,
+        )
+        for process_id in range(count)
+    ]
     try:
         processes[0].wait_ready(timeout=600)
         yield processes
     finally:
         for process in processes:
             process.stop()
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model_dir):
+    """(process 0, process 1, process 2), process 0 ready to serve."""
+    yield from serving_group([str(tiny_model_dir), *ENGINE], 3)
 
 
 @pytest.fixture(scope="module")
@@ -149,23 +155,11 @@ def _metric(text: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def float_pair(tiny_model_dir):
     """A float KV cache on two processes of one device: prefill on process 0, generate on 1."""
-    coordinator = free_port()
     engine = [a for a in ENGINE if not a.startswith(("quantize_kvcache", "pagedattn_num_pages", "enable_model_warmup"))]
     engine = [a.replace("generate_slice=cpu-2", "generate_slice=cpu-1") for a in engine]
-    processes = [
-        ServerProcess.pathserve(
-            str(tiny_model_dir), *engine, "enable_model_warmup=false", "per_device_batch_size=4",
-            "runtime=multicontroller", f"coordinator_address=127.0.0.1:{coordinator}", "num_processes=2",
-            f"process_id={process_id}", "distributed_timeout_s=10", env=ONE_DEVICE,
-        )
-        for process_id in (0, 1)
-    ]
-    try:
-        processes[0].wait_ready(timeout=600)
-        yield processes
-    finally:
-        for process in processes:
-            process.stop()
+    yield from serving_group(
+        [str(tiny_model_dir), *engine, "enable_model_warmup=false", "per_device_batch_size=4"], 2
+    )
 
 
 @pytest.fixture(scope="module")
