@@ -88,7 +88,7 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
     started = time.perf_counter()
     plan, model, engine, params, warmup, prefill = _bring_up(cfg, source, origins)
     cfg = plan.config
-    make_executor, lockstep = Executor, None
+    make_executor, lockstep, groups = Executor, None, process_groups(cfg)
     if prefill is not None:
 
         def make_executor(engine, params, adapter_weights):
@@ -100,7 +100,7 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
 
         def make_executor(engine, params, adapter_weights):
             nonlocal lockstep
-            lockstep = LockstepExecutor(_own_executor(cfg, engine, params, adapter_weights), PlanChannel())
+            lockstep = LockstepExecutor(_own_executor(groups, engine, params, adapter_weights), PlanChannel())
             return lockstep
 
     adapters = None
@@ -118,7 +118,6 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
             lambda: time.monotonic() - orchestrator.last_progress if orchestrator.has_work else 0.0,
             max_stall_s=cfg.liveness_timeout_s + cfg.distributed_timeout_s,
         )
-    groups = process_groups(cfg)
     return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started, prefill, groups)
 
 
@@ -133,13 +132,12 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
         from serving.lora.serving import storage_reader
 
         adapter_weights = storage_reader(plan.config.lora, model.config)
-    return follow(_own_executor(plan.config, engine, params, adapter_weights), PlanChannel())
+    return follow(_own_executor(process_groups(plan.config), engine, params, adapter_weights), PlanChannel())
 
 
-def _own_executor(cfg: ServingConfig, engine: Engine, params, adapter_weights) -> Executor:
-    """A multi-controller process's executor: this process's side of a disaggregated server
-    (serving.orchestrator.split), else the whole plan on the one global mesh."""
-    groups = process_groups(cfg)
+def _own_executor(groups: ProcessGroups | None, engine: Engine, params, adapter_weights) -> Executor:
+    """A multi-controller process's executor: this process's side of a disaggregated server over
+    process `groups` (serving.orchestrator.split), else the whole plan on the one global mesh."""
     if groups is None:
         return Executor(engine, params, adapter_weights)
     from serving.orchestrator.split import SplitExecutor

@@ -34,6 +34,15 @@ from serving.orchestrator.executor import AdapterWeights, Executor, FirstTokenHo
 from serving.orchestrator.plan import StepOutcome, StepPlan
 
 
+def check_plan(plan: StepPlan) -> None:
+    """ValueError for a plan no disaggregated executor runs: proposals (it does not speculate),
+    or final rows without their handoffs."""
+    if plan.proposals is not None or plan.draft_rows:
+        raise ValueError("a disaggregated server does not speculate: a plan of proposals")
+    if plan.rows and len(plan.handoffs) != sum(row.final for row in plan.rows):
+        raise ValueError("a disaggregated server's plan hands off every final row (Scheduler(handoffs=True))")
+
+
 class DisaggregatedExecutor(Executor):
     def __init__(
         self,
@@ -64,10 +73,7 @@ class DisaggregatedExecutor(Executor):
         return self.prefill_engine.background_warmup
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
-        if plan.proposals is not None or plan.draft_rows:
-            raise ValueError("a disaggregated server does not speculate: a plan of proposals")
-        if plan.rows and len(plan.handoffs) != sum(row.final for row in plan.rows):
-            raise ValueError("a disaggregated server's plan hands off every final row (Scheduler(handoffs=True))")
+        check_plan(plan)
         self._prepare(plan)
         result, started = None, time.perf_counter()
         if plan.decode_steps and plan.running > 0:

@@ -30,6 +30,7 @@ import sys
 import time
 
 from serving.engine.api import EngineAPI
+from serving.orchestrator.disaggregated import check_plan
 from serving.orchestrator.executor import AdapterWeights, Executor, FirstTokenHook, _Firsts
 from serving.orchestrator.plan import StepOutcome, StepPlan
 from serving.orchestrator.transfer import Link
@@ -45,10 +46,7 @@ class SplitExecutor(Executor):
         self.handed_off = 0  # sequences moved to the generate side so far
 
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
-        if plan.proposals is not None or plan.draft_rows:
-            raise ValueError("a disaggregated server does not speculate: a plan of proposals")
-        if plan.rows and len(plan.handoffs) != sum(row.final for row in plan.rows):
-            raise ValueError("a disaggregated server's plan hands off every final row (Scheduler(handoffs=True))")
+        check_plan(plan)
         prefills, engine, link = self.groups.on_prefill, self.engine, self.link
         to_generate, to_prefill = (self.groups.prefill, self.groups.generate), (self.groups.generate, self.groups.prefill)
         for slot in plan.preempted:
