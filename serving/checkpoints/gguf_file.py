@@ -1,21 +1,32 @@
 """GGUF files (llama.cpp's format), as the default SmolLM2 model ships: config, weights, tokenizer.
 
-Quantized tensors (Q4_1, Q8_0, ...) are dequantized with the `gguf` package. llama.cpp's converter
-permutes the rows of the q and k projections so that rotary pairs are interleaved; we undo that to
-get back Hugging Face's half-split layout, which `serving.models.layers.apply_rope` uses.
+The header (metadata and tensor table) is parsed here, in one pass over the memory-mapped file:
+the `gguf` package's reader builds a numpy view per element of every metadata array and takes ~3.5 s
+on SmolLM2's 49,152-token vocabulary, each time the file is opened. Quantized tensors (Q4_1, Q8_0,
+...) are dequantized with the `gguf` package. llama.cpp's converter permutes the rows of the q and k
+projections so that rotary pairs are interleaved; we undo that to get back Hugging Face's
+half-split layout, which `serving.models.layers.apply_rope` uses.
+
+Format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), little-endian: magic `GGUF`,
+version u32 (2 or 3), tensor count u64, metadata count u64; each metadata entry a string key, a u32
+value type and the value (a string is a u64 length and UTF-8 bytes; an array a u32 element type,
+a u64 count and the elements); each tensor a string name, u32 dimension count, u64 dimensions
+(fastest first), u32 ggml type and u64 offset into the data section, which starts at the next
+multiple of `general.alignment` (default 32) after the tensor table.
 """
 
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from serving.checkpoints.errors import CheckpointError
 from serving.checkpoints.layout import ParamKey, build_params
@@ -51,6 +62,113 @@ class GGUFTokenizerData:
     chat_template: str | None
 
 
+# Metadata value types (GGUFValueType): struct formats of the scalars, numpy dtypes of their arrays.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_ARRAY_DTYPES = {
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"
+}
+_STRING, _ARRAY = 8, 9
+_PLAIN_TENSORS = {  # ggml types read as plain numpy arrays; the rest are blocks of bytes
+    GGMLQuantizationType.F32: "<f4",
+    GGMLQuantizationType.F16: "<f2",
+    GGMLQuantizationType.F64: "<f8",
+    GGMLQuantizationType.I8: "<i1",
+    GGMLQuantizationType.I16: "<i2",
+    GGMLQuantizationType.I32: "<i4",
+    GGMLQuantizationType.I64: "<i8",
+}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: `dims` in ggml's order (fastest first), `data` its raw elements
+    (a plain type's numpy array, or a quantized type's bytes, [rows..., bytes per row])."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    dims: tuple[int, ...]
+    data: np.ndarray
+
+
+class _Header:
+    """A cursor over the file's bytes that reads the header's values in order."""
+
+    def __init__(self, buffer: np.ndarray, path: Path):
+        self.buffer, self.view, self.path, self.at = buffer, memoryview(buffer), path, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.view, self.at)
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        if self.at + length > len(self.view):
+            raise ValueError(f"a string of {length} bytes at offset {self.at} runs past the end of the file")
+        text = bytes(self.view[self.at : self.at + length]).decode("utf-8", errors="replace")
+        self.at += length
+        return text
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            element, count = self.scalar("<I"), self.scalar("<Q")
+            if element == _STRING:
+                return [self.string() for _ in range(count)]
+            if element not in _ARRAY_DTYPES:
+                raise ValueError(f"metadata array of value type {element} (not in the GGUF spec)")
+            dtype = np.dtype(_ARRAY_DTYPES[element])
+            values = np.frombuffer(self.buffer, dtype, count, self.at)
+            self.at += count * dtype.itemsize
+            return values.tolist()
+        if kind not in _SCALAR_FORMATS:
+            raise ValueError(f"metadata value type {kind} (not in the GGUF spec)")
+        return self.scalar(_SCALAR_FORMATS[kind])
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """(metadata, tensors) of the GGUF file at `path`; tensor data stays memory-mapped.
+    Raises ValueError (or OSError) for a file that is not GGUF v2/v3 or is cut short."""
+    buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    header = _Header(buffer, path)
+    try:
+        if bytes(header.view[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        header.at = 4
+        version = header.scalar("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (2 and 3 are read; a big-endian file reads as a huge one)")
+        tensor_count, field_count = header.scalar("<Q"), header.scalar("<Q")
+        fields = {}
+        for _ in range(field_count):
+            key = header.string()
+            fields[key] = header.value(header.scalar("<I"))
+        table = []
+        for _ in range(tensor_count):
+            name = header.string()
+            dims = tuple(header.scalar("<Q") for _ in range(header.scalar("<I")))
+            table.append((name, GGMLQuantizationType(header.scalar("<I")), dims, header.scalar("<Q")))
+    except struct.error as exc:
+        raise ValueError(f"the header is cut short ({exc})") from None
+    alignment = int(fields.get("general.alignment", 32))
+    start = -(-header.at // alignment) * alignment
+    tensors = []
+    for name, kind, dims, offset in table:
+        shape = tuple(reversed(dims))
+        count = int(np.prod(dims, dtype=np.int64))
+        if kind in _PLAIN_TENSORS:
+            dtype, elements = np.dtype(_PLAIN_TENSORS[kind]), count
+        else:
+            block, size = GGML_QUANT_SIZES[kind]
+            dtype, elements, shape = np.dtype(np.uint8), count * size // block, quant_shape_to_byte_shape(shape, kind)
+        if start + offset + elements * dtype.itemsize > len(buffer):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        data = np.frombuffer(buffer, dtype, elements, start + offset).reshape(shape)
+        tensors.append(GGUFTensor(name, kind, dims, data))
+    return fields, tensors
+
+
 def is_gguf_file(path: Path) -> bool:
     if not path.is_file():
         return False
@@ -64,13 +182,12 @@ class GGUFFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.reader = GGUFReader(path)
+            self.fields, self.tensors = read_gguf(path)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read GGUF: {exc}") from None
 
     def field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.fields.get(key, default)
 
     def model_config(self, name: str | None = None) -> ModelConfig:
         arch = self.field("general.architecture")
@@ -79,7 +196,7 @@ class GGUFFile:
         heads = int(self.field("llama.attention.head_count"))
         embed = int(self.field("llama.embedding_length"))
         tokens = self.field("tokenizer.ggml.tokens") or []
-        has_output = any(t.name == "output.weight" for t in self.reader.tensors)
+        has_output = any(t.name == "output.weight" for t in self.tensors)
         return ModelConfig(
             name=name or self.path.stem,
             num_layers=int(self.field("llama.block_count")),
@@ -110,13 +227,12 @@ class GGUFFile:
 
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (name, float32 array in numpy [rows, cols] order) one tensor at a time."""
-        for tensor in self.reader.tensors:
-            if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        for tensor in self.tensors:
+            if tensor.tensor_type in _PLAIN_TENSORS:
                 array = np.asarray(tensor.data, dtype=np.float32)
             else:
                 array = dequantize(tensor.data, tensor.tensor_type)
-            shape = tuple(int(n) for n in reversed(tensor.shape))
-            yield tensor.name, array.reshape(shape)
+            yield tensor.name, array.reshape(tuple(reversed(tensor.dims)))
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
