@@ -55,6 +55,8 @@ def init_runtime(cfg: DevicesConfig) -> str:
             # every shape warmup compiles (JAX's default keeps only those over 1 s): a restart on a
             # warm cache loads the dozens of small CPU programs instead of compiling them again
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    if runtime == "multicontroller" and jax.process_index() != 0 and jax.default_backend() == "cpu":
+        _write_cache_entries_here()
     summary = (
         f"runtime {runtime}: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.device_count()} devices ({jax.local_device_count()} local): "
@@ -67,6 +69,36 @@ def init_runtime(cfg: DevicesConfig) -> str:
         _say(summary)
     _RUNTIME = runtime
     return runtime
+
+
+def _write_cache_entries_here() -> None:
+    """Let this process (not process 0, on CPU) write its own persistent compilation cache entries.
+
+    JAX writes entries from process 0 only (against write contention on shared filesystems), and
+    its key hashes the devices' topology, whose fingerprint on CPU is each process's own: another
+    process's key never matches an entry process 0 wrote, so it compiled every program on every
+    start (a lockstep follower of the tiny model: ~2 s per program while process 0 waited at the
+    first collective). Its keys being its own, nothing else writes them. JAX's private
+    `compiler._cache_write` is wrapped; where it or `compilation_cache.put_executable_and_time` is
+    not there (another jax), this does nothing and the process compiles as before."""
+    from jax._src import compilation_cache, compiler
+    from jax._src import config as jax_config
+
+    original, put = getattr(compiler, "_cache_write", None), getattr(compilation_cache, "put_executable_and_time", None)
+    if original is None or put is None or getattr(original, "pathserve_every_process", False):
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        too_quick = compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value
+        if host_callbacks or too_quick or backend.platform != "cpu":
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as exc:  # as JAX itself: a cache that cannot be written is no error
+            log.warning("persistent compilation cache entry for %s not written: %s: %s", module_name, type(exc).__name__, exc)
+
+    cache_write.pathserve_every_process = True
+    compiler._cache_write = cache_write
 
 
 _RUNTIME = ""  # the runtime this process brought up (JAX's backends are process-wide too)
