@@ -32,8 +32,12 @@ def test_a_pair_serves_each_adapter_through_one_device_slot(tiny_model_dir, adap
 
     tokenizer = load_tokenizer(tiny_model_dir)
     engine = [
-        *(a for a in ENGINE if not a.startswith(("enable_model_warmup", "enable_background_warmup"))),
+        *(a for a in ENGINE if not a.startswith(("enable_model_warmup", "enable_background_warmup", "liveness_timeout_s"))),
         "enable_model_warmup=false",
+        # Without warmup the first requests compile while they wait: on a cold compilation cache and
+        # a busy machine that took longer than test_lockstep's 10 s (+ distributed_timeout_s), and
+        # process 0's stall watch exited mid-request ("Server disconnected").
+        "liveness_timeout_s=300",
     ]
     lora = [f"lora_input_adapters_path={adapters[0]}", "max_loras=1"]
     coordinator = free_port()
