@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -202,6 +203,12 @@ def test_generate_and_perplexity_take_an_int8_checkpoint_without_flags(smollm2_c
 @pytest.mark.slow  # converts the default model in an empty home (docs/development.md)
 def test_default_model_is_converted_once_into_pathserve_home(tmp_path):
     env_home = {"PATHSERVE_HOME": str(tmp_path / "home")}
+    # The conversion is what is under test, not the CPU kernels' build (keyed by their sources,
+    # serving/kernels/library.py): the empty home borrows the suite's kernels directory.
+    shared_kernels = Path(os.environ["PATHSERVE_HOME"]) / "kernels"
+    shared_kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "kernels").symlink_to(shared_kernels, target_is_directory=True)
     args = ("generate", "--prompt", "Hello", "--max-tokens", "2", "--json")
     first = subprocess.run(
         [sys.executable, "-m", "serving.cli", *args],
