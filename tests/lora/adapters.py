@@ -56,7 +56,10 @@ def _read_base(base_dir: Path):
     from transformers import AutoModelForCausalLM
 
     if base_dir.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(base_dir.parent), gguf_file=base_dir.name, dtype=torch.float32)
+        from tests.conftest import CACHE
+        from tests.hf_reference import transformers_from_gguf
+
+        return transformers_from_gguf(base_dir, CACHE)
     return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
 
 
