@@ -182,7 +182,7 @@ def test_int8_kv_cache_agrees_with_float_on_smollm2(smollm2_path):
     assert agreement >= 0.95, agreement
 
     int8_cfg = cfg.model_copy(update={"quantize_kvcache": True})
-    int8_engine = Engine(load_model(str(smollm2_path), int8_cfg), int8_cfg.engine)
+    int8_engine = Engine(model, int8_cfg.engine)  # the KV cache's dtype is the engine's, not the model's
     int8_run = run_to_completion(int8_engine, int8_engine.load_params(), [(ids, SamplingParams(max_tokens=256))])[
         0
     ].token_ids
