@@ -13,6 +13,7 @@ import sys
 
 
 def main(cache: str, process_id: int, port: int) -> None:
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # the directory is CACHE, from the config below
     from serving.config import load_config
     from serving.runtime import init_runtime, make_mesh
 

@@ -6,15 +6,12 @@ equal one device's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.server_process import REPO, free_port
+from tests.multihost.probe_pair import run_probe_pair
 from tests.test_maxtext_checkpoints import FIXTURES, IDS, fixture_path, flags, load, our_logits
 
 PROBE = Path(__file__).with_name("maxtext_probe.py")
@@ -28,20 +25,7 @@ def tokenizer(tmp_path_factory) -> Path:
 
 
 def restore_on_two_processes(path: str, tokenizer: Path, mesh: list[str]) -> list[dict]:
-    port = free_port()
-    env = {
-        **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-        "PROBE_IDS": json.dumps(IDS),
-    }
-    processes = [
-        subprocess.Popen([sys.executable, str(PROBE), path, str(i), str(port), *flags("llama31-int8", tokenizer), *mesh],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300) for p in processes]
-    for p, (_, err) in zip(processes, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    return [json.JSONDecoder().raw_decode(out[out.index('{"process"'):])[0] for out, _ in outputs]
+    return run_probe_pair(PROBE, path, [*flags("llama31-int8", tokenizer), *mesh], env={"PROBE_IDS": json.dumps(IDS)})
 
 
 def test_tensor_4_x_autoregressive_2_gives_one_devices_tokens(tokenizer):

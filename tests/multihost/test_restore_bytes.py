@@ -4,7 +4,6 @@ and from gs:// (fake-gcs-server). Bytes are tensorstore's own counters (kvstore 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.gcs_emulator import create_bucket, emulator_env, fake_gcs_server
-from tests.server_process import REPO, free_port
+from tests.multihost.probe_pair import run_probe_pair
+from tests.server_process import REPO
 
 PROBE = Path(__file__).with_name("restore_probe.py")
 BUCKET = "pathserve-multihost"
@@ -28,17 +28,7 @@ def convert(source: Path, destination: str, env: dict[str, str]) -> None:
 
 
 def restore_on_two_processes(path: str, env: dict[str, str]) -> list[dict]:
-    port = free_port()
-    env = {**os.environ, **env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    processes = [
-        subprocess.Popen([sys.executable, str(PROBE), path, str(i), str(port)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=240) for p in processes]
-    for p, (_, err) in zip(processes, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    return [json.JSONDecoder().raw_decode(out[out.index('{"process"'):])[0] for out, _ in outputs]
+    return run_probe_pair(PROBE, path, env=env, timeout=240)
 
 
 def check(reports: list[dict]) -> None:
