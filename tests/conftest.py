@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-# Tests run on CPU, single-threaded BLAS keeps torch and XLA from fighting over 2 cores.
+# Tests run on CPU. torch (the references) and numpy's BLAS run one thread (OpenMP's): two
+# workers, their servers and XLA's own threads already share the cores, and a parallel region
+# whose threads are descheduled waits for the slowest (the LoRA module beside two busy cores:
+# 97 s with torch's two threads, 52 s with one). XLA's threads are left as they are: its flags
+# are part of every compilation cache key.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One cache directory that a developer and CI keep between runs, like pip's: $PATHSERVE_TEST_CACHE, by
