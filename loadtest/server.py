@@ -12,11 +12,21 @@ from pathlib import Path
 
 import httpx
 
+_GIVEN: set[int] = set()  # the ports free_port has handed out in this process
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port the kernel says is free, never one this process was given before: the
+    kernel may offer a just-released port again, and a server asked for its HTTP and gRPC ports
+    by two calls once got the same one for both ("grpc_port=... is also the HTTP --port")."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("the kernel offered no loopback port this process has not used")
 
 
 class Server:
