@@ -1,14 +1,17 @@
 """Prompts straight into their slots: chunked, batched prefill and the prefix cache's KV blocks.
 
-`prefill_slots` runs one compiled call for several rows, each the next chunk of one prompt:
-tokens [rows, bucket] at positions start + 0..bucket-1 of their slot, attending to that slot's
-cached positions [0, start) (gathered through the slot's block table from the page pool:
-[layers, rows, window, ...], the smallest history window holding every row's start) and to
-themselves. Their KV is written into the slots' pages; a final row samples its first token (the
-PRNG key and rule of the whole `prefill`; for a sequence resumed after preemption, the next token,
-as a generate step would) and makes its slot active. Compiled once per (rows bucket, length bucket, history window): by the jit
-at first use, or ahead of time by `precompile_prefill_slots` (the warmup's background thread), whose
-executables a call of that shape then runs.
+`prefill_slots` runs two compiled calls for several rows, each the next chunk of one prompt.
+The first, the model's: tokens [rows, bucket] at positions start + 0..bucket-1 of their slot,
+attending to that slot's cached positions [0, start) (gathered through the slot's block table from
+the page pool: [layers, rows, window, ...], the smallest history window holding every row's start)
+and to themselves; their KV is written into the slots' pages, and each row's last logits come back
+on the device. Compiled once per (rows bucket, length bucket, history window): by the jit at first
+use, or ahead of time by `precompile_prefill_slots` (the warmup's background thread), whose
+executables a call of that shape then runs. The second, once per rows bucket: a final row samples
+its first token (the PRNG key and rule of the whole `prefill`; for a sequence resumed after
+preemption, the next token, as a generate step would) and makes its slot active. The sampler is
+most of a small model's program (penalties, min-p, top-k, top-p, the draw): in a call of its own it
+compiles once per rows bucket instead of once per shape.
 
 `set_pages` writes the block tables the scheduler decided (serving.orchestrator.pages): a prefix
 cache hit is a table entry naming a page another sequence filled, so nothing is copied.
@@ -55,10 +58,18 @@ class ChunkedPrefill:
         state_shardings = self._state_shardings()
         self.row_buckets = row_buckets(self.limits.max_prefill_batch)
         self._prefill_slots_fn = jax.jit(
-            partial(self._prefill_slots_impl, static=static),
+            partial(self._prefill_chunks_impl, static=static),
             donate_argnums=(1,),
-            out_shardings=(state_shardings, replicated(self.mesh)),
+            # the pool placed as every other call places it (a compiled call is keyed by its
+            # inputs' shardings); the logits [rows, vocab] whole on every device, as sampling reads them
+            out_shardings=(state_shardings.cache, replicated(self.mesh)),
             static_argnames=("window",),
+        )
+        # The rows' first tokens: a decode state without its cache (None), which the call above owns.
+        self._start_rows_fn = jax.jit(
+            self._start_rows_impl,
+            donate_argnums=(0,),
+            out_shardings=(state_shardings._replace(cache=None), replicated(self.mesh)),
         )
         self._pages_sharding = state_shardings.pages
         # (rows bucket, length bucket, history window) -> an executable compiled ahead of time, and
@@ -76,14 +87,18 @@ class ChunkedPrefill:
         if not rows:
             return decode_state, ()
         inputs, shape = self._slot_inputs(rows)
+        tokens, slots, starts, lengths, *_, sampling = inputs
+        chunks = (tokens, slots, starts, lengths, sampling.lora_slot)
         with self._shapes_lock:
             compiled = self._precompiled.get(shape)
             if compiled is None:
                 self._jit_shapes.add(shape)
         if compiled is not None:
-            state, first = compiled(params, decode_state, *inputs)
+            cache, last = compiled(params, decode_state.cache, decode_state.pages, *chunks)
         else:
-            state, first = self._prefill_slots_fn(params, decode_state, *inputs, window=shape[2])
+            cache, last = self._prefill_slots_fn(params, decode_state.cache, decode_state.pages, *chunks, window=shape[2])
+        state, first = self._start_rows_fn(decode_state._replace(cache=None), last, *inputs[1:])
+        state = state._replace(cache=cache)
         first = np.asarray(first)
         return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows))
 
@@ -118,11 +133,12 @@ class ChunkedPrefill:
         """Compile, ahead of time and from any thread, the prefill_slots call `rows` make (a decode
         state shaped and placed as `state_spec`, e.g. `jax.ShapeDtypeStruct`s): later calls of that
         shape run it instead of compiling. False when that shape was compiled already."""
-        inputs, shape = self._slot_inputs(rows)
+        (tokens, slots, starts, lengths, *_, sampling), shape = self._slot_inputs(rows)
         with self._shapes_lock:
             if shape in self._precompiled or shape in self._jit_shapes:
                 return False
-        compiled = self._prefill_slots_fn.lower(params, state_spec, *inputs, window=shape[2]).compile()
+        chunks = (tokens, slots, starts, lengths, sampling.lora_slot)
+        compiled = self._prefill_slots_fn.lower(params, state_spec.cache, state_spec.pages, *chunks, window=shape[2]).compile()
         with self._shapes_lock:
             if shape in self._jit_shapes:  # the jit compiled it meanwhile: keep one executable per shape
                 return False
@@ -150,17 +166,16 @@ class ChunkedPrefill:
 
     # -- compiled bodies -----------------------------------------------------------------------
 
-    def _prefill_slots_impl(
-        self, params, state: DecodeState, tokens, slots, starts, lengths, final, generated, keys, sampling, static,
-        window,
-    ) -> tuple[DecodeState, jax.Array]:
-        """tokens [rows, bucket]; slots, starts, lengths, final, generated [rows]; keys [rows, 2];
-        sampling [rows, ...]. Returns the state and every row's first token [rows] (replicated)."""
+    def _prefill_chunks_impl(
+        self, params, cache, pages_table, tokens, slots, starts, lengths, lora_slot, static, window,
+    ) -> tuple[Any, jax.Array]:
+        """tokens [rows, bucket]; slots, starts, lengths, lora_slot [rows]; pages_table [slots,
+        max_pages]. Returns the page pool with the rows' KV written and each row's logits at its
+        last token [rows, decodable vocab]."""
         total = self.max_concurrent_decodes
         real = slots < total  # padding rows carry slot `total`: their table is all scratch
-        held = jnp.clip(slots, 0, total - 1)
-        pages = jnp.where(real[:, None], state.pages[held], SCRATCH_PAGE)  # [rows, max_pages]
-        history = gather_history(state.cache, pages, window) if window else None
+        pages = jnp.where(real[:, None], pages_table[jnp.clip(slots, 0, total - 1)], SCRATCH_PAGE)  # [rows, max_pages]
+        history = gather_history(cache, pages, window) if window else None
         logits, kv = prefill(
             params,
             tokens,
@@ -168,14 +183,23 @@ class ChunkedPrefill:
             **static,
             starts=starts if window else None,
             history=history,
-            quantized_kv=state.cache.quantized,
-            kv_scale_per_head=state.cache.scale_per_head,
-            lora=lora_stack.lora_batch(params, sampling.lora_slot),
+            quantized_kv=cache.quantized,
+            kv_scale_per_head=cache.scale_per_head,
+            lora=lora_stack.lora_batch(params, lora_slot),
         )
-        count = tokens.shape[0]
-        rows = jnp.arange(count)
-        last = self._decodable(logits[rows, lengths - 1], None)  # [rows, vocab]
-        vocab = last.shape[-1]
+        last = self._decodable(logits[jnp.arange(tokens.shape[0]), lengths - 1], None)
+        return store_chunks(cache, kv, pages, starts), last
+
+    def _start_rows_impl(
+        self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, sampling,
+    ) -> tuple[DecodeState, jax.Array]:
+        """state: a decode state whose cache is None; last [rows, vocab]; slots, starts, lengths,
+        final, generated [rows]; keys [rows, 2]; sampling [rows, ...]. Returns the state and every
+        row's first token [rows] (replicated)."""
+        total = self.max_concurrent_decodes
+        real = slots < total
+        held = jnp.clip(slots, 0, total - 1)
+        count, vocab = last.shape
         # A fresh prompt has generated nothing, and no repetition penalty (limits.prefills_whole):
         # the penalties change nothing; bad words, min_tokens and the bias apply. A resumed
         # sequence's row reads its slot's token history, which preemption kept.
@@ -210,7 +234,7 @@ class ChunkedPrefill:
         )
 
         new_state = DecodeState(
-            cache=store_chunks(state.cache, kv, pages, starts),
+            cache=None,
             pages=state.pages,
             tokens=put(state.tokens, first),
             positions=put(state.positions, jnp.where(final, starts + lengths, parked)),
