@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_flags import with_suite_flags
+
 # Tests run on CPU. torch (the references) and numpy's BLAS run one thread (OpenMP's): two
 # workers, their servers and XLA's own threads already share the cores, and a parallel region
 # whose threads are descheduled waits for the slowest (the LoRA module beside two busy cores:
@@ -16,6 +18,8 @@ import pytest
 # are part of every compilation cache key.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's loop emitters: the suite's programs compile in about 60% of the time (tests/xla_flags.py).
+os.environ["XLA_FLAGS"] = with_suite_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One cache directory that a developer and CI keep between runs, like pip's: $PATHSERVE_TEST_CACHE, by
 # default ~/.cache/pathserve/tests (`make clean` removes it). Everything in it is keyed by what it is

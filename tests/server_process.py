@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.server import free_port
+from tests.xla_flags import tiny_model_flags
 
 __all__ = ["REPO", "ServerProcess", "free_port", "grpc_is_live", "with_free_grpc_port"]
 
@@ -47,10 +48,13 @@ class ServerProcess:
 
     @classmethod
     def pathserve(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        """`pathserve serve ARGS` on free ports, HTTP and gRPC (unless ARGS set grpc_port): the
-        defaults, 8000 and 9000, would collide with servers running at once on the machine; with
-        `enable_background_warmup=false` unless ARGS set it."""
+        """`pathserve serve ARGS` of a tiny model on free ports, HTTP and gRPC (unless ARGS set
+        grpc_port): the defaults, 8000 and 9000, would collide with servers running at once on the
+        machine; with `enable_background_warmup=false` unless ARGS set it; compiling at XLA's
+        optimization level 0 (tests/xla_flags.py: a tiny model's programs run in microseconds)."""
         port = free_port()
+        env = dict(env or {})
+        env["XLA_FLAGS"] = tiny_model_flags(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         args = with_free_grpc_port(args)
         # No background warmup unless a test asks for it: minutes of compiling at the lowest
         # priority on the two cores the rest of the suite runs on (serving/engine/warmup.py).

@@ -19,6 +19,7 @@ from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.conftest import DATA
 from tests.reference import ReferenceDecoder
+from tests.xla_flags import cpu_devices
 
 TEXT = (DATA / "english.txt").read_text()
 
@@ -230,7 +231,7 @@ SHARDED = textwrap.dedent(
 def test_sharded_on_8_devices_gives_the_single_device_tokens(tiny_model_dir):
     import json
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **cpu_devices(8)}
 
     def run(parallel: dict) -> dict:
         result = subprocess.run(

@@ -77,3 +77,19 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_not_left_running():
     with pytest.raises(TimeoutError, match=r"not ready after 0\.5 s"):
         never.wait_ready(timeout=0.5)
     assert never.proc.poll() is not None
+
+
+def test_every_process_compiles_with_the_suite_xla_flags_and_cpu_devices_keeps_them():
+    """conftest puts tests/xla_flags.py's flags in this process's XLA_FLAGS (not the tiny models'
+    level 0: the workers run SmolLM2); a process started on N virtual devices (cpu_devices) gets N
+    devices, the same flags and the tiny models', not a bare device count."""
+    from tests.xla_flags import FLAGS, TINY, cpu_devices
+
+    assert os.environ["XLA_FLAGS"].startswith(FLAGS) and (not TINY or TINY not in os.environ["XLA_FLAGS"])
+    probe = "import os, jax; print(len(jax.devices()), os.environ['XLA_FLAGS'])"
+    result = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **cpu_devices(3)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    count, flags = result.stdout.strip().split(" ", 1)
+    assert count == "3"
+    assert flags.startswith(FLAGS) and "--xla_force_host_platform_device_count=3" in flags and TINY in flags

@@ -25,6 +25,7 @@ import pytest
 from serving.config import load_config
 from tests.cli import call_cli, run_cli
 from tests.conftest import DATA, make_hf_tokenizer
+from tests.xla_flags import cpu_devices
 
 FIXTURES = DATA / "maxtext"
 MODEL_NAME = {"llama3": "llama3-8b", "llama31": "llama3.1-8b"}
@@ -352,7 +353,7 @@ def test_one_controller_over_8_devices_restores_onto_the_mesh_and_generates_one_
 
     path = fixture_path("llama31-int8")
     args = ("--prompt", "the keeper", "--max-tokens", "6", "--json", *flags("llama31-int8", tokenizer_file))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **cpu_devices(8)}
     mesh = ("ici_tensor_parallelism=4", "ici_autoregressive_parallelism=2", "per_device_batch_size=1")
     sharded = subprocess.run([sys.executable, "-m", "serving.cli", "generate", path, *args, *mesh],
                              capture_output=True, text=True, timeout=300, env=env)
@@ -386,7 +387,7 @@ print(json.dumps({"placed": placed, "live": live, "loaded": loaded, "sides": 1 +
             f"inference_server={server}"]
     env = dict(os.environ)
     if "Disaggregated" in server:  # one CPU device each side
-        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+        env.update(cpu_devices(2))
     result = subprocess.run([sys.executable, "-c", code, fixture_path("llama31-int8"), *args],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from serving.checkpoints.convert import convert
+from tests.xla_flags import cpu_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -64,7 +65,7 @@ SCRIPT = textwrap.dedent(
 def test_restore_with_shardings_on_8_devices(tiny_model_dir, tmp_path, quantize):
     ckpt = tmp_path / "ckpt"
     convert(tiny_model_dir, str(ckpt), quantize=quantize, progress=False)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **cpu_devices(8)}
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(ckpt)], capture_output=True, text=True, env=env, timeout=300
     )

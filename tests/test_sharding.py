@@ -23,6 +23,7 @@ from serving.deploy.config import load_deployment
 from serving.deploy.plan import make_plan
 from tests.conftest import make_hf_tokenizer
 from tests.deploy.conftest import CONFIGS
+from tests.xla_flags import cpu_devices
 
 pytestmark = pytest.mark.slow  # one 16-device process runs every case (docs/development.md)
 
@@ -98,8 +99,7 @@ def config_dir(tmp_path_factory) -> Path:
 def runs(config_dir) -> dict[tuple, dict]:
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=16",
-        "JAX_PLATFORMS": "cpu",
+        **cpu_devices(16),
         "PATHSERVE_CONFIG_DIR": str(config_dir),
     }
     result = subprocess.run(

@@ -29,8 +29,9 @@ from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.conftest import tiny_engine
 from tests.server_process import ServerProcess
+from tests.xla_flags import cpu_devices
 
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+TWO_DEVICES = cpu_devices(2)
 # tiny_engine's shapes and numerics (XLA's ops), so that its tokens are the reference
 OVERRIDES = ["per_device_batch_size=4", "max_prefill_predict_length=64", "max_target_length=128", "cpu_kernels=off",
              "decode_steps_per_call=4", "ici_tensor_parallelism=-1"]
@@ -180,7 +181,7 @@ def test_on_8_devices_4_and_4_a_mixed_batch_gets_the_interleaved_engines_tokens(
             [(5, 150, None), (100, 140, None), (9, 16, None), (150, 30, None), (30, 8, None), (40, 24, 1), (61, 10, None)]
         )
     ]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **cpu_devices(8)}
     run = subprocess.run(
         [sys.executable, "-c", EIGHT_DEVICES, str(tiny_model_dir), json.dumps(requests)],
         capture_output=True, text=True, env=env, timeout=600,

@@ -7,6 +7,7 @@ import httpx
 
 from tests.server_process import ServerProcess, free_port, with_free_grpc_port
 from tests.test_cli import assert_usage_error, run_cli
+from tests.xla_flags import cpu_devices
 
 RECIPE = "src/maxtext/configs/inference/multihost/interleaved/llama3_405b_v5e-64.yml"
 ARGS = [
@@ -26,7 +27,7 @@ ARGS = [
 
 
 def test_serve_takes_a_maxtext_recipe_first_and_places_by_its_rules(tiny_model_dir):
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = cpu_devices(2)
     server = ServerProcess.pathserve(
         RECIPE, "model_name=default", f"load_parameters_path={tiny_model_dir}", *ARGS, env=env
     ).wait_ready()

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 from tests.lora.adapters import make_adapters
+from tests.xla_flags import cpu_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -48,7 +49,7 @@ SCRIPT = textwrap.dedent(
 def test_sharded_adapters_give_the_single_device_tokens(tiny_model_dir, tmp_path):
     root = tmp_path / "adapters"
     make_adapters(tiny_model_dir, root)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **cpu_devices(8)}
 
     def run(parallel: dict) -> dict:
         result = subprocess.run(

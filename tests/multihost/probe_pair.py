@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.server_process import REPO, free_port
+from tests.xla_flags import cpu_devices
 
 
 def run_probe_pair(probe: Path, first: str, rest: list[str] = (), env: dict[str, str] | None = None,
@@ -17,7 +18,7 @@ def run_probe_pair(probe: Path, first: str, rest: list[str] = (), env: dict[str,
     CPU devices each (one 8-device group); each must exit 0 and print one JSON object starting
     `{"process"`: returned in process order."""
     port = free_port()
-    env = {**os.environ, **(env or {}), "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **(env or {}), **cpu_devices(4)}
     processes = [
         subprocess.Popen([sys.executable, str(probe), first, str(i), str(port), *rest], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

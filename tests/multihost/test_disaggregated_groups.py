@@ -25,6 +25,7 @@ import pytest
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.server_process import ServerProcess, free_port
+from tests.xla_flags import cpu_devices
 
 pytestmark = pytest.mark.slow  # three processes compiling both sides (docs/development.md)
 
@@ -45,7 +46,7 @@ ENGINE = [
     "prefill_slice=cpu-1",
     "generate_slice=cpu-2",
 ]
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ONE_DEVICE = cpu_devices(1)
 SYSTEM = [(11 * j) % 250 + 20 for j in range(70)]  # a full page of 64 and some, shared
 REQUESTS = [  # (prompt, max_tokens, logprobs)
     ([(3 * i + j) % 250 + 20 for j in range(n)] if i % 2 else SYSTEM + [40 + i] * n, max_tokens, logprobs)

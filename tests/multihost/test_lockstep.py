@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from tests.server_process import REPO, ServerProcess, free_port
+from tests.xla_flags import cpu_devices
 
 pytestmark = pytest.mark.slow  # three servers over 4 + 4 + 8 virtual devices (docs/development.md)
 
@@ -47,7 +48,7 @@ ENGINE = [
 
 
 def devices_env(count: int) -> dict[str, str]:
-    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={count}", "JAX_PLATFORMS": "cpu"}
+    return cpu_devices(count)
 
 
 def group_args(process_id: int, coordinator_port: int) -> list[str]:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.server_process import REPO, free_port
+from tests.xla_flags import cpu_devices
 
 BOOT = Path(__file__).with_name("proxy_boot.py")
 ENGINE = [
@@ -47,7 +48,7 @@ def test_pathways_start_up_serves_the_local_runtimes_tokens(tiny_model_dir):
     # proxy client of 8 CPU devices.
     local = start(
         [sys.executable, "-m", "serving.cli", "generate", str(tiny_model_dir), *PROMPT, *ENGINE],
-        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+        cpu_devices(8),
     )
     proxy = start(
         [sys.executable, str(BOOT), "generate", str(tiny_model_dir), *PROMPT, *ENGINE,
