@@ -313,6 +313,7 @@ def tiny_server(tiny_model_dir):
     HealthCheck and HTTP's /healthcheck said at each poll while it started."""
     from tests.server_process import ServerProcess
 
-    process = ServerProcess.pathserve(str(tiny_model_dir), *TINY_SERVER_ARGS).wait_ready(grpc=True)
+    # XLA's full optimization: it serves the session's longest runs (schemathesis, gRPC streams)
+    process = ServerProcess.pathserve(str(tiny_model_dir), *TINY_SERVER_ARGS, quick_compile=False).wait_ready(grpc=True)
     yield process
     assert process.stop() == 0, process.output()

@@ -47,14 +47,17 @@ class ServerProcess:
         self.health_while_starting: list[tuple[bool, int]] = []
 
     @classmethod
-    def pathserve(cls, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    def pathserve(cls, *args: str, env: dict[str, str] | None = None, quick_compile: bool = True) -> ServerProcess:
         """`pathserve serve ARGS` of a tiny model on free ports, HTTP and gRPC (unless ARGS set
         grpc_port): the defaults, 8000 and 9000, would collide with servers running at once on the
-        machine; with `enable_background_warmup=false` unless ARGS set it; compiling at XLA's
-        optimization level 0 (tests/xla_flags.py: a tiny model's programs run in microseconds)."""
+        machine; with `enable_background_warmup=false` unless ARGS set it. `quick_compile`: at
+        XLA's optimization level 0 (tests/xla_flags.py: a few requests' programs compile in half
+        the time); False for a server that runs many (the shared tiny server's schemathesis run took
+        123 s at level 0, 16 s at XLA's default)."""
         port = free_port()
         env = dict(env or {})
-        env["XLA_FLAGS"] = tiny_model_flags(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
+        if quick_compile:
+            env["XLA_FLAGS"] = tiny_model_flags(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         args = with_free_grpc_port(args)
         # No background warmup unless a test asks for it: minutes of compiling at the lowest
         # priority on the two cores the rest of the suite runs on (serving/engine/warmup.py).

@@ -6,10 +6,12 @@ a thousand programs; its compile time falls to about 55% (a tiny model's warmup 
 whole suite's compiles 2,670 -> 1,480 s) and the programs run as fast (SmolLM2's 256
 teacher-forced positions: 37 s against 40 s on a 2-core AMD EPYC).
 
-A process of the tiny models only (every `ServerProcess.pathserve` server, every process on
-virtual CPU devices: `cpu_devices`): LLVM's optimization level 0 besides (`tiny_model_flags`). Its
-programs run in microseconds and compile in seconds: a tiny model's warmup 21.7 -> 10.3 s. Not the
-pytest workers, which run SmolLM2 too (its 256 positions: 190 s at level 0).
+A process of the tiny models only that serves a few requests (`ServerProcess.pathserve`'s servers
+but the shared tiny server, every process on virtual CPU devices: `cpu_devices`): LLVM's
+optimization level 0 besides (`tiny_model_flags`). Its programs compile in half the time (a tiny
+model's warmup 21.7 -> 10.3 s) and run slower, which a few requests do not notice; the shared tiny
+server's thousands (schemathesis: 123 s against 16) and the pytest workers, which run SmolLM2 too
+(its 256 positions: 190 s against 40), would.
 
 The programs mean the same either way; only the machine code that runs them differs.
 `PATHSERVE_TEST_XLA_FLAGS` replaces the first (empty: XLA's defaults, as `pathserve` runs outside
