@@ -83,7 +83,7 @@ def test_every_process_compiles_with_the_suite_xla_flags_and_cpu_devices_keeps_t
     """conftest puts tests/xla_flags.py's flags in this process's XLA_FLAGS (not the tiny models'
     level 0: the workers run SmolLM2); a process started on N virtual devices (cpu_devices) gets N
     devices, the same flags and the tiny models', not a bare device count."""
-    from tests.xla_flags import FLAGS, TINY, cpu_devices
+    from tests.xla_flags import FLAGS, TINY, cpu_devices, with_suite_flags
 
     assert os.environ["XLA_FLAGS"].startswith(FLAGS) and (not TINY or TINY not in os.environ["XLA_FLAGS"])
     probe = "import os, jax; print(len(jax.devices()), os.environ['XLA_FLAGS'])"
@@ -93,3 +93,5 @@ def test_every_process_compiles_with_the_suite_xla_flags_and_cpu_devices_keeps_t
     count, flags = result.stdout.strip().split(" ", 1)
     assert count == "3"
     assert flags.startswith(FLAGS) and "--xla_force_host_platform_device_count=3" in flags and TINY in flags
+    assert len(flags.split()) == len(set(flags.split())), flags  # each once: they are in every cache key
+    assert with_suite_flags(with_suite_flags()) == with_suite_flags()  # a worker imports conftest again

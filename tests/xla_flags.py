@@ -26,8 +26,12 @@ TINY = os.environ.get("PATHSERVE_TEST_TINY_XLA_FLAGS", "--xla_backend_optimizati
 
 
 def with_suite_flags(flags: str = "") -> str:
-    """`flags` after the suite's own (a later flag wins in XLA_FLAGS)."""
-    return " ".join(f for f in (FLAGS, flags) if f)
+    """`flags` after the suite's own (a later flag wins in XLA_FLAGS), each once: XLA_FLAGS is part
+    of every compilation cache key, and pytest-xdist's workers inherit the flags conftest already
+    set in the controller (twice over, the workers and their servers missed every entry a plain
+    `pytest` run wrote)."""
+    words = flags.split()
+    return " ".join([f for f in FLAGS.split() if f not in words] + words)
 
 
 def tiny_model_flags(flags: str) -> str:
