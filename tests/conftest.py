@@ -18,7 +18,7 @@ from tests.xla_flags import with_suite_flags
 # are part of every compilation cache key.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's loop emitters: the suite's programs compile in about 60% of the time (tests/xla_flags.py).
+# XLA's loop emitters: the suite's programs compile in about 55% of the time (tests/xla_flags.py).
 os.environ["XLA_FLAGS"] = with_suite_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One cache directory that a developer and CI keep between runs, like pip's: $PATHSERVE_TEST_CACHE, by

@@ -51,6 +51,13 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
     return tuple(sorted(rows))
 
 
+def _model_inputs(inputs: tuple) -> tuple:
+    """The model call's share of `_slot_inputs`' inputs: tokens, slots, starts, lengths and the
+    rows' LoRA slots (the rest are the first-token call's)."""
+    tokens, slots, starts, lengths, *_, sampling = inputs
+    return tokens, slots, starts, lengths, sampling.lora_slot
+
+
 class ChunkedPrefill:
     """prefill_slots, set_pages (see the module docstring)."""
 
@@ -87,8 +94,7 @@ class ChunkedPrefill:
         if not rows:
             return decode_state, ()
         inputs, shape = self._slot_inputs(rows)
-        tokens, slots, starts, lengths, *_, sampling = inputs
-        chunks = (tokens, slots, starts, lengths, sampling.lora_slot)
+        chunks = _model_inputs(inputs)
         with self._shapes_lock:
             compiled = self._precompiled.get(shape)
             if compiled is None:
@@ -133,11 +139,11 @@ class ChunkedPrefill:
         """Compile, ahead of time and from any thread, the prefill_slots call `rows` make (a decode
         state shaped and placed as `state_spec`, e.g. `jax.ShapeDtypeStruct`s): later calls of that
         shape run it instead of compiling. False when that shape was compiled already."""
-        (tokens, slots, starts, lengths, *_, sampling), shape = self._slot_inputs(rows)
+        inputs, shape = self._slot_inputs(rows)
         with self._shapes_lock:
             if shape in self._precompiled or shape in self._jit_shapes:
                 return False
-        chunks = (tokens, slots, starts, lengths, sampling.lora_slot)
+        chunks = _model_inputs(inputs)
         compiled = self._prefill_slots_fn.lower(params, state_spec.cache, state_spec.pages, *chunks, window=shape[2]).compile()
         with self._shapes_lock:
             if shape in self._jit_shapes:  # the jit compiled it meanwhile: keep one executable per shape
