@@ -10,6 +10,7 @@ the model then keeps XLA's own ops.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -133,14 +134,20 @@ def _build(compiler: str) -> Path:
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
-    log.info("compiling the CPU kernels into %s", library)
-    result = subprocess.run(
-        [*command, *map(str, sources), "-o", str(partial)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr.strip()]
-        raise subprocess.SubprocessError(errors[0])
-    os.replace(partial, library)  # atomic: concurrent builders each write a whole file
+    # One build per machine at a time (~20 CPU-seconds): on a cold cache a server, its test process
+    # and pytest's other worker all ask at once; the others wait here and then find the library.
+    with open(library.with_name(f"{library.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():
+            return library
+        partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+        log.info("compiling the CPU kernels into %s", library)
+        result = subprocess.run(
+            [*command, *map(str, sources), "-o", str(partial)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr.strip()]
+            raise subprocess.SubprocessError(errors[0])
+        os.replace(partial, library)  # atomic: a reader never sees a partial file
     return library
