@@ -34,7 +34,7 @@ from serving.models import (
     quantize_params,
 )
 from serving.models.cache import quantize_kv
-from serving.models.layers import attention_with_new_token
+from serving.models.layers import attention, attention_with_new_token
 from serving.models.ops import XlaOps
 from serving.models.params import MATMUL_WEIGHTS, int8_entries
 from serving.models.quantization import int8_dot, with_int8_activations
@@ -703,6 +703,55 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
+@pytest.mark.parametrize(("chunk", "page_size", "groups", "head_dim"), [(5, 8, 3, 64), (2, 16, 1, 16), (9, 8, 4, 32)])
+def test_chunk_attention_kernel_is_causal_attention_after_each_rows_pages(cache_kind, chunk, page_size, groups,
+                                                                           head_dim, isa):
+    """Several query positions per row (a prompt's chunk after its cached positions, verify's k + 1):
+    position s of row b attends to the row's cached positions [0, starts[b]) where its table puts
+    them, then to the call's own keys 0..s; against XLA's attention over the gathered positions."""
+    rng = np.random.default_rng(chunk * 1000 + groups * 100 + head_dim + page_size)
+    layers, kv, max_pages = 2, 2, 48 // page_size
+    full = max_pages * page_size
+    starts = np.array([0, 1, 7, 17, full - 1, full, full + 9], np.int32)  # the last clamped to the table
+    batch = len(starts)
+    pages = _block_table(rng, starts, page_size, max_pages)
+    num_pages = int(pages.max()) + 3
+    shape = (layers, num_pages, page_size, kv, head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32) * 2, rng.standard_normal(shape).astype(np.float32)
+    q = rng.standard_normal((batch, chunk, kv, groups, head_dim)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((batch, chunk, kv, head_dim)).astype(np.float32) for _ in range(2))
+    positions = np.arange(full)
+    tokens = pages[:, positions // page_size] * page_size + positions % page_size
+    attended = positions[None, :] < np.minimum(starts, full)[:, None]  # [batch, full]
+    unread = np.ones(num_pages * page_size, bool)
+    unread[tokens[attended]] = False
+    unread = unread.reshape(num_pages, page_size)
+    if cache_kind != "float32":
+        per_head = cache_kind == "int8 dkv"
+        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), per_head), quantize_kv(jnp.asarray(v), per_head)
+        ks, vs = np.array(ks), np.array(vs)
+        ks[:, unread], vs[:, unread] = np.nan, np.nan  # NaN wherever no row attends: reading one shows
+        cache = (kq, vq, jnp.asarray(ks), jnp.asarray(vs))
+        k, v = np.asarray(kq, np.float32) * ks, np.asarray(vq, np.float32) * vs
+    else:
+        k[:, unread], v[:, unread] = np.nan, np.nan
+        cache = (jnp.asarray(k), jnp.asarray(v), None, None)
+    causal = np.tril(np.ones((chunk, chunk), bool))
+    mask = np.concatenate([np.broadcast_to(attended[:, None, :], (batch, chunk, full)),
+                           np.broadcast_to(causal, (batch, chunk, chunk))], axis=-1)
+    attend = jax.jit(functools.partial(cpu_attention.chunk_attention, isa=isa))
+    for layer in range(layers):
+        keys, values = (
+            np.where(attended[..., None, None], x[layer].reshape(-1, kv, head_dim)[tokens], 0) for x in (k, v)
+        )
+        expected = attention(q, np.concatenate([keys, k_new], 1), np.concatenate([values, v_new], 1), mask)
+        got = attend(q, *cache, layer, jnp.asarray(starts), k_new, v_new, jnp.asarray(pages))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("entry", [-1, 9])
 def test_decode_attention_kernel_refuses_a_table_entry_outside_the_pool(isa, entry):
     """Every entry is checked, read or not: an entry outside the pool is never read."""
@@ -813,3 +862,8 @@ def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkey
     assert jaxpr.count("_matmul") == jaxpr.count(target) and jaxpr.count("decode_attention") == 1
     out = jax.eval_shape(step, params, tokens[:, 0], jnp.array([3, 9]), cache)[0]
     assert out.shape == (2, tiny_cfg.vocab_size)
+    # a chunk after cached positions (and verify, the same call) attends through the same kernel
+    chunk = functools.partial(prefill, cfg=tiny_cfg, ops=ops, starts=jnp.array([3, 9]), cache=cache, pages=pages,
+                              window=64, quantized_kv=quantized)
+    jaxpr = str(jax.make_jaxpr(chunk)(params, tokens, lengths))
+    assert jaxpr.count(attention) == 1

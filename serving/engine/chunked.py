@@ -36,7 +36,7 @@ from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
 from serving.models import prefill
-from serving.models.cache import SCRATCH_PAGE, gather_history, store_chunks
+from serving.models.cache import SCRATCH_PAGE, store_chunks
 
 if TYPE_CHECKING:
     from serving.engine.warmup import BackgroundWarmup
@@ -181,14 +181,15 @@ class ChunkedPrefill:
         total = self.max_concurrent_decodes
         real = slots < total  # padding rows carry slot `total`: their table is all scratch
         pages = jnp.where(real[:, None], pages_table[jnp.clip(slots, 0, total - 1)], SCRATCH_PAGE)  # [rows, max_pages]
-        history = gather_history(cache, pages, window) if window else None
         logits, kv = prefill(
             params,
             tokens,
             lengths,
             **static,
             starts=starts if window else None,
-            history=history,
+            cache=cache if window else None,
+            pages=pages,
+            window=window,
             quantized_kv=cache.quantized,
             kv_scale_per_head=cache.scale_per_head,
             lora=lora_stack.lora_batch(params, lora_slot),

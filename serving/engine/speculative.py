@@ -43,7 +43,7 @@ from serving.engine.sharding import replicated
 from serving.engine.state import RECENT, DecodeState, SlotSampling, TokenHistory, is_stop
 from serving.lora import stack as lora_stack
 from serving.models import prefill
-from serving.models.cache import SCRATCH_PAGE, gather_history, store_chunks
+from serving.models.cache import SCRATCH_PAGE, store_chunks
 from serving.request import MAX_LOGPROBS
 
 
@@ -168,9 +168,8 @@ class Speculative:
         starts = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
         fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
         # rows [0, num_slots), positions [0, window), through their block tables
-        history = gather_history(full.cache, state.pages, window)
         logits, kv = prefill(
-            params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, history=history,
+            params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, cache=full.cache, pages=state.pages, window=window,
             quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
         )
         vocab = logits.shape[-1]

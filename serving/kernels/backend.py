@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class CpuKernelOps(XlaOps):
-    """XLA's ops, except: matmuls of packed weights and decode attention over a float32 or int8
-    cache run as XLA FFI calls into the kernels, which read weights and cache in place."""
+    """XLA's ops, except: matmuls of packed weights, and attention over a float32 or int8 cache
+    (decode steps, chunks and verify calls), run as XLA FFI calls into the kernels, which read
+    weights and cache in place."""
 
     name = "cpu-kernels"
 
@@ -47,13 +48,18 @@ class CpuKernelOps(XlaOps):
         out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new, pages)
         return out[:, None].astype(q.dtype)
 
+    def chunk_attention(self, q, cache: KVCache, layer, starts, k_new, v_new, mask, window, pages):
+        if not self.reads_cache_in_place_for(cache.k.dtype, q):
+            return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages)
+        return cpu_attention.chunk_attention(q, *cache, layer, starts, k_new, v_new, pages).astype(q.dtype)
+
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
         return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(
             cache_dtype, cfg.head_dim, cfg.num_groups
         )
 
     def reads_cache_in_place_for(self, cache_dtype: jnp.dtype, q: jax.Array) -> bool:
-        """`reads_cache_in_place` from a traced query [batch, 1, kv_heads, groups, head_dim]."""
+        """`reads_cache_in_place` from a traced query [batch, seq, kv_heads, groups, head_dim]."""
         return q.dtype == jnp.float32 and cpu_attention.supports(cache_dtype, q.shape[-1], q.shape[-2])
 
     def split_layers(self, layers: dict) -> tuple[dict, dict]:

@@ -1,22 +1,27 @@
-// One decode step's attention on x86 CPUs with AVX-512 or AVX2 and FMA, reading the KV cache in
-// place. XLA FFI handlers: PathserveF32DecodeAttention, PathserveInt8DecodeAttention (AVX-512) and
-// PathserveF32DecodeAttentionAvx2, PathserveInt8DecodeAttentionAvx2; one body (cpu_attention.h)
-// over a 16-float vector that is one AVX-512 register or two AVX2 ones.
+// Attention over a paged KV cache on x86 CPUs with AVX-512 or AVX2 and FMA, reading the cache in
+// place: one decode step, or a call with several query positions per row (a prompt's chunk after
+// its cached positions, speculative verify's k + 1). XLA FFI handlers: PathserveF32DecodeAttention,
+// PathserveInt8DecodeAttention (AVX-512) and PathserveF32DecodeAttentionAvx2,
+// PathserveInt8DecodeAttentionAvx2 (the names from when they took one position); one body
+// (cpu_attention.h) over a 16-float vector that is one AVX-512 register or two AVX2 ones.
 //
 // Why: on XLA:CPU each layer of a decode step sliced its layer and attention window out of the
 // cache (a copy of every slot's window, live or not) before attending, which cost more than the
-// matmuls at batch 32. Here each (row, kv head) reads its own layer's keys and values where they
-// lie, and only the positions before the token: lengths[b] of them, then the token's own key and
-// value (not yet in the cache).
+// matmuls at batch 32; a chunk or a verify call gathered every layer's history into one copy, then
+// dequantized and concatenated it per layer. Here each (row, query position, kv head) reads its own
+// layer's keys and values where they lie, and only the positions before the call: lengths[b] of
+// them, then the call's own keys and values (not yet in the cache) up to its own position.
 //
-// Layout: q [B, kv_heads, groups, head_dim]; the cache is a page pool k, v [layers, pages,
-// page_size, kv_heads, head_dim] float32, or int8 with scales [layers, pages, page_size, kv_heads,
-// 1]; the block table pages [B, max_pages] says where each row's positions lie: position t of row b
-// is token pages[b, t / page_size] * page_size + t % page_size of the layer (page 0 is a scratch
-// page; unused entries are 0). lengths[B] is clamped to max_pages * page_size; k_new, v_new [B,
-// kv_heads, head_dim]; out like q. A contiguous cache is the case page_size = T, pages[b] = [b].
-// head_dim is a multiple of 16 and groups one of the kernel's (checked in Python and here); every
-// table entry is a page of the pool (checked here: an entry past it would read outside the pool).
+// Layout: q [B, kv_heads, groups, head_dim] (one position) or [B, S, kv_heads, groups, head_dim];
+// the cache is a page pool k, v [layers, pages, page_size, kv_heads, head_dim] float32, or int8
+// with scales [layers, pages, page_size, kv_heads or 1, 1]; the block table pages [B, max_pages]
+// says where each row's positions lie: position t of row b is token pages[b, t / page_size] *
+// page_size + t % page_size of the layer (page 0 is a scratch page; unused entries are 0).
+// lengths[B] is clamped to max_pages * page_size; k_new, v_new [B, (S,) kv_heads, head_dim]; out
+// like q. Query position s of row b attends to the cached [0, lengths[b]) and to k_new[b, 0..s].
+// A contiguous cache is the case page_size = T, pages[b] = [b]. head_dim is a multiple of 16 and
+// groups one of the kernel's (checked in Python and here); every table entry is a page of the pool
+// (checked here: an entry past it would read outside the pool).
 
 #include <immintrin.h>
 
@@ -39,9 +44,10 @@ using pathserve::Lanes;
 
 constexpr int64_t kAhead = 8;  // positions between a prefetch and the scores that use it
 
-// The shapes the handlers read (CheckLayout holds them), and the layer asked for.
+// The shapes the handlers read (CheckLayout holds them), and the layer asked for. `chunk`: the
+// query positions of each row (1 for a decode step's q [B, kv, groups, hd]).
 struct Layout {
-  int64_t batch, kv_heads, groups, head_dim, num_pages, page_size, max_pages, layer;
+  int64_t batch, chunk, kv_heads, groups, head_dim, num_pages, page_size, max_pages, layer;
 };
 
 bool SupportedGroups(int64_t g) { return (g >= 1 && g <= 8) || g == 12 || g == 16; }
@@ -54,14 +60,18 @@ ffi::ErrorOr<Layout> CheckLayout(ffi::Span<const int64_t> qd, ffi::Span<const in
                                  ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                                  ffi::Buffer<ffi::S32> pages) {
   const auto pd = pages.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
-      kd[2] < 1 || kd[3] != qd[1] || kd[4] != qd[3] || pd[0] != qd[0] || qd[3] % 16 != 0 || !SupportedGroups(qd[2]) ||
-      static_cast<int64_t>(lengths.element_count()) != qd[0] ||
-      static_cast<int64_t>(k_new.element_count()) != qd[0] * qd[1] * qd[3] ||
-      static_cast<int64_t>(v_new.element_count()) != qd[0] * qd[1] * qd[3]) {
+  if (qd.size() != 4 && qd.size() != 5) return ffi::Unexpected(Invalid("q must be [B, kv, groups, hd] or [B, S, kv, groups, hd]"));
+  const int64_t chunk = qd.size() == 5 ? qd[1] : 1;
+  const int64_t batch = qd[0], kv = qd[qd.size() - 3], groups = qd[qd.size() - 2], hd = qd[qd.size() - 1];
+  if (kd.size() != 5 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
+      kd[2] < 1 || kd[3] != kv || kd[4] != hd || pd[0] != batch || hd % 16 != 0 || !SupportedGroups(groups) ||
+      chunk < 1 || static_cast<int64_t>(lengths.element_count()) != batch ||
+      static_cast<int64_t>(k_new.element_count()) != batch * chunk * kv * hd ||
+      static_cast<int64_t>(v_new.element_count()) != batch * chunk * kv * hd) {
     return ffi::Unexpected(
-        Invalid("expected q[B, kv, groups, head_dim] with head_dim a multiple of 16, a page pool [layers, pages, "
-                "page_size, kv, head_dim], pages[B, max_pages], lengths[B], k_new and v_new [B, kv, head_dim]"));
+        Invalid("expected q[B, (S,) kv, groups, head_dim] with head_dim a multiple of 16, a page pool [layers, "
+                "pages, page_size, kv, head_dim], pages[B, max_pages], lengths[B], k_new and v_new [B, (S,) kv, "
+                "head_dim]"));
   }
   const int64_t index = layer.typed_data()[0];
   if (index < 0 || index >= kd[0]) {
@@ -75,7 +85,7 @@ ffi::ErrorOr<Layout> CheckLayout(ffi::Span<const int64_t> qd, ffi::Span<const in
                                      std::to_string(kd[1])));
     }
   }
-  return Layout{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], pd[1], index};
+  return Layout{batch, chunk, kv, groups, hd, kd[1], kd[2], pd[1], index};
 }
 
 // An int8 pool's scales, MaxText's kv_quant_axis layouts: one per token and kv head (dkv),

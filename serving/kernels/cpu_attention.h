@@ -1,4 +1,4 @@
-// The decode attention kernel's body (cpu_attention.cc says what and why), written once for every
+// The attention kernel's body (cpu_attention.cc says what and why), written once for every
 // instruction set: cpu_attention.cc includes it in one namespace per set, after defining there
 // PATHSERVE_TARGET (the function attribute) and the 16-float vector V with its operations: Zero,
 // Load16 (float or int8), Fma, Set1, Sum, Mul, Store16, and ExpAndSum(scores, n) (scores <-
@@ -14,10 +14,10 @@ struct Problem {
   const float* v_scale;
   const int32_t* pages;  // block table [B, max_pages], every entry a page of the pool (checked)
   const int32_t* lengths;
-  const float* k_new;
+  const float* k_new;    // [B, chunk, kv, hd]: the call's own positions, not yet in the cache
   const float* v_new;
   float* out;
-  int64_t batch, max_pages, page_size, kv_heads, groups, head_dim;
+  int64_t batch, chunk, max_pages, page_size, kv_heads, groups, head_dim;
   float scale;
   int64_t scale_heads;  // an int8 pool's scales per token: kv_heads (dkv) or 1 (heads_and_dkv)
 
@@ -39,18 +39,19 @@ struct Problem {
     for (int g = 0; g < G; ++g) scores[g * width] = Sum(dot[g]) * key_scale;
   }
 
-  // Attention of the `G` query heads sharing kv head `h` of row `b`. Position t of the row is the
-  // layer's token pages[b, t / page_size] * page_size + t % page_size; both passes walk the row a
-  // page at a time, so the table is read once per page, with no division per position.
+  // Attention of the `G` query heads sharing kv head `h` of row `b`'s query position `s` (of
+  // `chunk`): its cached positions, then the call's own positions 0..s. Position t of the row is
+  // the layer's token pages[b, t / page_size] * page_size + t % page_size; both passes walk the row
+  // a page at a time, so the table is read once per page, with no division per position.
   template <int G>
-  PATHSERVE_TARGET void Item(int64_t b, int64_t h, std::vector<float>& scores) const {
+  PATHSERVE_TARGET void Item(int64_t b, int64_t s, int64_t h, std::vector<float>& scores) const {
     const int64_t n = Length(b);
     const int64_t row = kv_heads * head_dim;  // stride between tokens
     const int32_t* table = pages + b * max_pages;
-    const float* query = q + (b * kv_heads + h) * G * head_dim;
-    const float* own_k = k_new + (b * kv_heads + h) * head_dim;
-    const float* own_v = v_new + (b * kv_heads + h) * head_dim;
-    const int64_t width = n + 1;  // the cached positions, then the token itself
+    const float* query = q + ((b * chunk + s) * kv_heads + h) * G * head_dim;
+    const float* own_k = k_new + (b * chunk * kv_heads + h) * head_dim;  // own position j at + j * row
+    const float* own_v = v_new + (b * chunk * kv_heads + h) * head_dim;
+    const int64_t width = n + s + 1;  // the cached positions, then the call's own up to s
     scores.resize(G * width);
 
     // The prefetch runs kAhead positions ahead, into the page of that position (its own walk).
@@ -75,12 +76,12 @@ struct Problem {
         Score<G>(query, keys + (t - first) * row, key_scale, scores.data() + t, width);
       }
     }
-    Score<G>(query, own_k, scale, scores.data() + n, width);
+    for (int64_t j = 0; j <= s; ++j) Score<G>(query, own_k + j * row, scale, scores.data() + n + j, width);
 
     float inverse_total[G];
     for (int g = 0; g < G; ++g) inverse_total[g] = 1.0f / ExpAndSum(scores.data() + g * width, width);
 
-    float* result = out + (b * kv_heads + h) * G * head_dim;
+    float* result = out + ((b * chunk + s) * kv_heads + h) * G * head_dim;
     for (int64_t c = 0; c < head_dim / 16; ++c) {
       V acc[G];
       for (int g = 0; g < G; ++g) acc[g] = Zero();
@@ -94,8 +95,10 @@ struct Problem {
           for (int g = 0; g < G; ++g) acc[g] = Fma(Set1(scores[g * width + t] * value_scale), value, acc[g]);
         }
       }
-      const V value = Load16(own_v + 16 * c);
-      for (int g = 0; g < G; ++g) acc[g] = Fma(Set1(scores[g * width + n]), value, acc[g]);
+      for (int64_t j = 0; j <= s; ++j) {
+        const V value = Load16(own_v + j * row + 16 * c);
+        for (int g = 0; g < G; ++g) acc[g] = Fma(Set1(scores[g * width + n + j]), value, acc[g]);
+      }
       for (int g = 0; g < G; ++g)
         Store16(result + g * head_dim + 16 * c, Mul(acc[g], Set1(inverse_total[g])));
     }
@@ -104,7 +107,8 @@ struct Problem {
   template <int G>
   void Items(int64_t first, int64_t last) const {
     thread_local std::vector<float> scores;
-    for (int64_t i = first; i < last; ++i) Item<G>(i / kv_heads, i % kv_heads, scores);
+    // item i: row i / (chunk * kv), query position (i / kv) % chunk, kv head i % kv
+    for (int64_t i = first; i < last; ++i) Item<G>(i / (chunk * kv_heads), i / kv_heads % chunk, i % kv_heads, scores);
   }
 
   void Items(int64_t first, int64_t last) const {
@@ -142,6 +146,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                            v_new.typed_data(),
                            out->typed_data(),
                            s.batch,
+                           s.chunk,
                            s.max_pages,
                            s.page_size,
                            s.kv_heads,
@@ -149,9 +154,9 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                            s.head_dim,
                            1.0f / std::sqrt(static_cast<float>(s.head_dim)),
                            scale_heads};
-  int64_t positions = 0;
-  for (int64_t b = 0; b < s.batch; ++b) positions += problem.Length(b) + 1;
-  pathserve::ParallelFor(pool, s.batch * s.kv_heads, 2 * positions * s.kv_heads * s.groups * s.head_dim,
+  int64_t positions = 0;  // scored by every query position of every row
+  for (int64_t b = 0; b < s.batch; ++b) positions += s.chunk * problem.Length(b) + s.chunk * (s.chunk + 1) / 2;
+  pathserve::ParallelFor(pool, s.batch * s.chunk * s.kv_heads, 2 * positions * s.kv_heads * s.groups * s.head_dim,
                          [problem](int64_t first, int64_t last) { problem.Items(first, last); });
   return ffi::Error::Success();
 }

@@ -1,5 +1,6 @@
-"""One decode step's attention on x86 CPUs (AVX-512, or AVX2 and FMA) through XLA FFI kernels (cpu_attention.cc says why;
-serving.kernels.library builds them)."""
+"""Attention over the paged KV cache on x86 CPUs (AVX-512, or AVX2 and FMA) through XLA FFI kernels that read the
+cache in place (cpu_attention.cc says why; serving.kernels.library builds them): one decode step, or several query
+positions per row (a prompt's chunk after its cached positions, speculative verify)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,33 @@ def decode_attention(
 
     The handler follows library.status().isa (`isa` "avx2": the AVX2 one on an AVX-512 CPU too,
     for tests)."""
+    return _call(q, k, v, k_scale, v_scale, layer, lengths, k_new, v_new, pages, isa)
+
+
+def chunk_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_scale: jax.Array | None,
+    v_scale: jax.Array | None,
+    layer: jax.Array | int,
+    starts: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    pages: jax.Array,
+    isa: str | None = None,
+) -> jax.Array:
+    """Attention of S query positions per row over layer `layer` of a paged KV cache, read in
+    place (as `decode_attention`, which is the case S = 1).
+
+    q: [batch, S, kv_heads, groups, head_dim]; k_new, v_new: the call's own keys and values
+    [batch, S, kv_heads, head_dim] (not yet in the cache). Query position s of row b attends to
+    its cached positions [0, starts[b]) through its block table, then to k_new[b, 0..s] (causal).
+    Returns float32 [batch, S, kv_heads, groups, head_dim]."""
+    return _call(q, k, v, k_scale, v_scale, layer, starts, k_new, v_new, pages, isa)
+
+
+def _call(q, k, v, k_scale, v_scale, layer, lengths, k_new, v_new, pages, isa) -> jax.Array:
     library.require()
     avx512 = (isa or library.status().isa) == "avx512"
     result = jax.ShapeDtypeStruct(q.shape, jnp.float32)

@@ -140,30 +140,6 @@ def write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache, pages: 
     return _scatter(cache, index, tuple(new))
 
 
-def gather_history(cache: KVCache, pages: jax.Array, window: int) -> KVCache:
-    """Positions [0, window) of the rows whose tables are `pages` [batch, max_pages], as stored:
-    [layers, batch, window, kv_heads, ...]."""
-    n = pages_for(window, cache.k.shape[2])
-
-    def gather(c: jax.Array) -> jax.Array:
-        got = c[:, pages[:, :n]]  # [layers, batch, n, page_size, ...]
-        return got.reshape(got.shape[0], got.shape[1], -1, *got.shape[4:])[:, :, :window]
-
-    return KVCache(*(None if c is None else gather(c) for c in cache))
-
-
-def read_history(history: KVCache, index: jax.Array | int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """Layer `index` of gathered history, keys and values [batch, window, kv_heads, head_dim] in
-    the compute dtype."""
-
-    def layer(x: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(x, index, 0, keepdims=False).astype(dtype)
-
-    if not history.quantized:
-        return layer(history.k), layer(history.v)
-    return layer(history.k) * layer(history.k_scale), layer(history.v) * layer(history.v_scale)
-
-
 def read_layer(
     cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, pages: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

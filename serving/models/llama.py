@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from serving.models.cache import KVCache, quantize_kv, read_history, write_new_tokens
+from serving.models.cache import KVCache, quantize_kv, write_new_tokens
 from serving.models.config import ModelConfig
 from serving.models.layers import apply_rope, attention, rms_norm, rope_frequencies, rope_tables
 from serving.models.lora import LoraBatch, LoraLayer
@@ -175,7 +175,9 @@ def prefill(
     dtype: jnp.dtype = jnp.float32,
     ops: XlaOps = XLA,
     starts: jax.Array | None = None,
-    history: KVCache | None = None,
+    cache: KVCache | None = None,
+    pages: jax.Array | None = None,
+    window: int = 0,
     quantized_kv: bool = False,
     lora: LoraBatch | None = None,
     kv_scale_per_head: bool = True,
@@ -185,9 +187,10 @@ def prefill(
 
     tokens [batch, seq] (padded), true_lengths [batch] (the tokens of each row that count).
     Without `starts` the rows start at position 0. With them, row b's tokens sit at positions
-    starts[b] + 0..seq-1 and also attend to `history`, the row's cached KV
-    [layers, batch, window, kv_heads, head_dim] (float, or int8 with scales), of which positions
-    [0, starts[b]) count. `quantized_kv`: attend to the chunk's keys and values as an int8 cache
+    starts[b] + 0..seq-1 and also attend to its cached positions [0, starts[b]) (all below
+    `window`) in the page pool `cache` (float, or int8 with scales) through its block table
+    pages[b] ([batch, max_pages]), read layer by layer by `ops.chunk_attention` (in place where
+    the backend can). `quantized_kv`: attend to the chunk's keys and values as an int8 cache
     will hold them, its scales per token and head or (not `kv_scale_per_head`) per token (so that a
     prompt reads the same numbers whether prefilled whole, in chunks or from cached pages).
 
@@ -201,8 +204,7 @@ def prefill(
     cos, sin = rope_tables(positions, rope_frequencies(cfg))
     causal = offsets[:, :, None] >= offsets[:, None, :]
     mask = causal & (offsets[:, None, :] < true_lengths[:, None, None])  # [batch, seq, seq]
-    if history is not None:
-        window = history.k.shape[2]
+    if cache is not None:
         earlier = jnp.arange(window)[None, None, :] < starts[:, None, None]  # [batch, 1, window]
         mask = jnp.concatenate([jnp.broadcast_to(earlier, (batch, seq, window)), mask], axis=-1)
 
@@ -214,10 +216,11 @@ def prefill(
         if quantized_kv:
             (kq, ks), (vq, vs) = quantize_kv(k, kv_scale_per_head), quantize_kv(v, kv_scale_per_head)
             keys, values = kq.astype(k.dtype) * ks.astype(k.dtype), vq.astype(v.dtype) * vs.astype(v.dtype)
-        if history is not None:
-            old_k, old_v = read_history(history, index, k.dtype)
-            keys, values = jnp.concatenate([old_k, keys], axis=1), jnp.concatenate([old_v, values], axis=1)
-        return _attention_out_and_mlp(cfg, ops, layer, x, attention(q, keys, values, mask), adapters), (k, v)
+        if cache is not None:
+            out = ops.chunk_attention(q, cache, index, starts, keys, values, mask, window, pages)
+        else:
+            out = attention(q, keys, values, mask)
+        return _attention_out_and_mlp(cfg, ops, layer, x, out, adapters), (k, v)
 
     x, (ks, vs) = _run_layers(body, x, params["layers"], cfg.num_layers, scan_layers, ops)
     return _logits(params, cfg, x, ops), KVCache(ks, vs)

@@ -1,7 +1,7 @@
 """The model's door to compute: the few ops the forward pass calls, and their plain-JAX versions.
 
-The model (serving.models.llama) calls `ops.matmul`, `ops.matmuls`, `ops.decode_attention` and
-`ops.split_layers` on an `Ops` it is handed; it never names a backend. `XlaOps` is the default:
+The model (serving.models.llama) calls `ops.matmul`, `ops.matmuls`, `ops.decode_attention`,
+`ops.chunk_attention` and `ops.split_layers` on an `Ops` it is handed; it never names a backend. `XlaOps` is the default:
 ordinary jnp / lax code that XLA compiles for any device. A backend with kernels of its own
 (serving.kernels.backend) subclasses it, overrides what it speeds up, and brings its own weight
 layout (its `prepare` packs the params; the ops recognise the packed weights).
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from serving.models.cache import KVCache, read_layer
 from serving.models.config import ModelConfig
-from serving.models.layers import attention_with_new_token, matmul
+from serving.models.layers import attention, attention_with_new_token, matmul
 
 
 class XlaOps:
@@ -48,6 +48,31 @@ class XlaOps:
         keys, values = read_layer(cache, layer, q.dtype, window, pages)
         earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
         return attention_with_new_token(q, keys, values, earlier, k_new, v_new)
+
+    def chunk_attention(
+        self,
+        q: jax.Array,
+        cache: KVCache,
+        layer: jax.Array | int,
+        starts: jax.Array,
+        k_new: jax.Array,
+        v_new: jax.Array,
+        mask: jax.Array,
+        window: int,
+        pages: jax.Array,
+    ) -> jax.Array:
+        """Attention of a call with several positions per row (a prompt's chunk after its cached
+        positions, speculative verify): q [batch, seq, kv_heads, groups, head_dim] over layer
+        `layer` of the page pool, row b's cached positions [0, starts[b]) (all below `window`)
+        through its block table pages[b], then the call's own k_new, v_new [batch, seq, kv_heads,
+        head_dim]. mask [batch, seq, window + seq]: what each query may attend to (the cached
+        positions before starts[b], then causal over the call's own up to its row's true length);
+        a backend reading the cache in place computes the same for every query position below
+        its row's true length. Returns [batch, seq, kv_heads, groups, head_dim]."""
+        old_k, old_v = read_layer(cache, layer, q.dtype, window, pages)
+        keys = jnp.concatenate([old_k, k_new.astype(q.dtype)], axis=1)
+        values = jnp.concatenate([old_v, v_new.astype(q.dtype)], axis=1)
+        return attention(q, keys, values, mask)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
         """Whether decode attention reads each row's own positions (then the `window` is unused
