@@ -95,3 +95,18 @@ def test_every_process_compiles_with_the_suite_xla_flags_and_cpu_devices_keeps_t
     assert flags.startswith(FLAGS) and "--xla_force_host_platform_device_count=3" in flags and TINY in flags
     assert len(flags.split()) == len(set(flags.split())), flags  # each once: they are in every cache key
     assert with_suite_flags(with_suite_flags()) == with_suite_flags()  # a worker imports conftest again
+
+
+def test_the_kube_build_starts_in_the_background_at_the_lowest_priority_unless_built(tmp_path):
+    from tests.conftest import build_in_background
+
+    script = tmp_path / "build.sh"
+    script.write_text(f"nice > {tmp_path / 'niceness'}\n")
+    home = tmp_path / "kube"
+    build = build_in_background(script, home)
+    assert build is not None and build.wait(timeout=30) == 0
+    assert (tmp_path / "niceness").read_text().strip() == "19"
+    for binary in (home / "bin" / "kube-apiserver", home / "root" / "usr" / "bin" / "etcd"):
+        binary.parent.mkdir(parents=True)
+        binary.touch()
+    assert build_in_background(script, home) is None
