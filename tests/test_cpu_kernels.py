@@ -649,6 +649,31 @@ def _block_table(rng: np.random.Generator, lengths: np.ndarray, page_size: int, 
     return table
 
 
+def _pool(rng: np.random.Generator, cache_kind: str, shape: tuple[int, ...], pages: np.ndarray, lengths: np.ndarray):
+    """A random page pool of `shape` [layers, num_pages, page_size, kv, head_dim] as the kernel takes
+    it (float32, or int8 with scales in one of MaxText's layouts), with NaN in every token no row
+    attends to (the scratch page among them: reading one shows); its float values (dequantized);
+    the layer's token of each row's position [batch, full]; and whether the row attends to it."""
+    num_pages, page_size = shape[1:3]
+    full = pages.shape[1] * page_size
+    k, v = rng.standard_normal(shape).astype(np.float32) * 2, rng.standard_normal(shape).astype(np.float32)
+    positions = np.arange(full)
+    tokens = pages[:, positions // page_size] * page_size + positions % page_size
+    attended = positions[None, :] < np.minimum(lengths, full)[:, None]
+    unread = np.ones(num_pages * page_size, bool)
+    unread[tokens[attended]] = False
+    unread = unread.reshape(num_pages, page_size)
+    if cache_kind == "float32":
+        k[:, unread], v[:, unread] = np.nan, np.nan
+        return (jnp.asarray(k), jnp.asarray(v), None, None), (k, v), tokens, attended
+    per_head = cache_kind == "int8 dkv"
+    (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), per_head), quantize_kv(jnp.asarray(v), per_head)
+    ks, vs = np.array(ks), np.array(vs)
+    ks[:, unread], vs[:, unread] = np.nan, np.nan
+    dense = (np.asarray(kq, np.float32) * ks, np.asarray(vq, np.float32) * vs)
+    return (kq, vq, jnp.asarray(ks), jnp.asarray(vs)), dense, tokens, attended
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
@@ -666,29 +691,10 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
     batch = len(lengths)
     pages = _block_table(rng, lengths, page_size, max_pages)
     num_pages = int(pages.max()) + 3  # and two pages no row reads
-    shape = (layers, num_pages, page_size, kv, head_dim)
-    k, v = rng.standard_normal(shape).astype(np.float32) * 2, rng.standard_normal(shape).astype(np.float32)
+    cache, (k, v), tokens, attended = _pool(rng, cache_kind, (layers, num_pages, page_size, kv, head_dim), pages, lengths)
     q = rng.standard_normal((batch, kv, groups, head_dim)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((batch, kv, head_dim)).astype(np.float32) for _ in range(2))
-    # The layer's token of each row's position [batch, full], and whether the row attends to it.
-    positions = np.arange(full)
-    tokens = pages[:, positions // page_size] * page_size + positions % page_size
-    attended = positions[None, :] < np.minimum(lengths, full)[:, None]
-    # NaN in every token no row attends to (the scratch page among them): reading one shows.
-    unread = np.ones(num_pages * page_size, bool)
-    unread[tokens[attended]] = False
-    unread = unread.reshape(num_pages, page_size)
-    if cache_kind != "float32":
-        per_head = cache_kind == "int8 dkv"
-        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), per_head), quantize_kv(jnp.asarray(v), per_head)
-        ks, vs = np.array(ks), np.array(vs)
-        ks[:, unread], vs[:, unread] = np.nan, np.nan
-        cache = (kq, vq, jnp.asarray(ks), jnp.asarray(vs))
-        k, v = np.asarray(kq, np.float32) * ks, np.asarray(vq, np.float32) * vs
-    else:
-        k[:, unread], v[:, unread] = np.nan, np.nan
-        cache = (jnp.asarray(k), jnp.asarray(v), None, None)
-    attend = jax.jit(functools.partial(cpu_attention.decode_attention, isa=isa))
+    attend = jax.jit(functools.partial(cpu_attention.paged_attention, isa=isa))
     for layer in range(layers):
         # the reference reads each row's positions gathered out of the pool (zeros where it does not attend)
         keys, values = (
@@ -717,30 +723,13 @@ def test_chunk_attention_kernel_is_causal_attention_after_each_rows_pages(cache_
     batch = len(starts)
     pages = _block_table(rng, starts, page_size, max_pages)
     num_pages = int(pages.max()) + 3
-    shape = (layers, num_pages, page_size, kv, head_dim)
-    k, v = rng.standard_normal(shape).astype(np.float32) * 2, rng.standard_normal(shape).astype(np.float32)
+    cache, (k, v), tokens, attended = _pool(rng, cache_kind, (layers, num_pages, page_size, kv, head_dim), pages, starts)
     q = rng.standard_normal((batch, chunk, kv, groups, head_dim)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((batch, chunk, kv, head_dim)).astype(np.float32) for _ in range(2))
-    positions = np.arange(full)
-    tokens = pages[:, positions // page_size] * page_size + positions % page_size
-    attended = positions[None, :] < np.minimum(starts, full)[:, None]  # [batch, full]
-    unread = np.ones(num_pages * page_size, bool)
-    unread[tokens[attended]] = False
-    unread = unread.reshape(num_pages, page_size)
-    if cache_kind != "float32":
-        per_head = cache_kind == "int8 dkv"
-        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), per_head), quantize_kv(jnp.asarray(v), per_head)
-        ks, vs = np.array(ks), np.array(vs)
-        ks[:, unread], vs[:, unread] = np.nan, np.nan  # NaN wherever no row attends: reading one shows
-        cache = (kq, vq, jnp.asarray(ks), jnp.asarray(vs))
-        k, v = np.asarray(kq, np.float32) * ks, np.asarray(vq, np.float32) * vs
-    else:
-        k[:, unread], v[:, unread] = np.nan, np.nan
-        cache = (jnp.asarray(k), jnp.asarray(v), None, None)
     causal = np.tril(np.ones((chunk, chunk), bool))
     mask = np.concatenate([np.broadcast_to(attended[:, None, :], (batch, chunk, full)),
                            np.broadcast_to(causal, (batch, chunk, chunk))], axis=-1)
-    attend = jax.jit(functools.partial(cpu_attention.chunk_attention, isa=isa))
+    attend = jax.jit(functools.partial(cpu_attention.paged_attention, isa=isa))
     for layer in range(layers):
         keys, values = (
             np.where(attended[..., None, None], x[layer].reshape(-1, kv, head_dim)[tokens], 0) for x in (k, v)
@@ -761,7 +750,7 @@ def test_decode_attention_kernel_refuses_a_table_entry_outside_the_pool(isa, ent
     new = jnp.ones((batch, kv, head_dim))
     pages = np.array([[1, 2, 0], [3, 0, 0], [4, 5, 6]], np.int32)
     pages[1, 2] = entry  # past row 1's length
-    attend = functools.partial(cpu_attention.decode_attention, isa=isa)
+    attend = functools.partial(cpu_attention.paged_attention, isa=isa)
     with pytest.raises(Exception, match=rf"pages\[1, 2\] = {entry} is not a page of the pool's 9"):
         jax.block_until_ready(attend(q, k, v, None, None, 0, jnp.array([5, 2, 9]), new, new, jnp.asarray(pages)))
 

@@ -45,13 +45,13 @@ class CpuKernelOps(XlaOps):
     def decode_attention(self, q, cache: KVCache, layer, positions, k_new, v_new, window, pages):
         if not self.reads_cache_in_place_for(cache.k.dtype, q):
             return super().decode_attention(q, cache, layer, positions, k_new, v_new, window, pages)
-        out = cpu_attention.decode_attention(q[:, 0], *cache, layer, positions, k_new, v_new, pages)
+        out = cpu_attention.paged_attention(q[:, 0], *cache, layer, positions, k_new, v_new, pages)
         return out[:, None].astype(q.dtype)
 
     def chunk_attention(self, q, cache: KVCache, layer, starts, k_new, v_new, mask, window, pages):
         if not self.reads_cache_in_place_for(cache.k.dtype, q):
             return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages)
-        return cpu_attention.chunk_attention(q, *cache, layer, starts, k_new, v_new, pages).astype(q.dtype)
+        return cpu_attention.paged_attention(q, *cache, layer, starts, k_new, v_new, pages).astype(q.dtype)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
         return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(

@@ -21,7 +21,7 @@ def supports(cache_dtype: jnp.dtype, head_dim: int, groups: int) -> bool:
     return jnp.dtype(cache_dtype) in (jnp.float32, jnp.int8) and head_dim % 16 == 0 and groups in GROUPS
 
 
-def decode_attention(
+def paged_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -34,46 +34,22 @@ def decode_attention(
     pages: jax.Array,
     isa: str | None = None,
 ) -> jax.Array:
-    """One decode step's attention over layer `layer` of a paged KV cache, read in place.
+    """Attention over layer `layer` of a paged KV cache, read in place: one decode step, or S
+    query positions per row (a prompt's chunk after its cached positions, speculative verify).
 
-    q: [batch, kv_heads, groups, head_dim]. k, v: the page pool [layers, num_pages, page_size,
-    kv_heads, head_dim], float32, or int8 with k_scale, v_scale [layers, num_pages, page_size,
-    kv_heads, 1] (None for float32). pages: the block table, int32 [batch, max_pages]: position t
-    of row b lies in page pages[b, t // page_size] at offset t % page_size (page 0 is the scratch
-    page; unused entries are 0, and every entry must be in [0, num_pages) or the call fails).
-    lengths: [batch]; row b attends to its positions [0, lengths[b]) (clamped to max_pages *
-    page_size), then to its own k_new, v_new [batch, kv_heads, head_dim], not yet in the cache.
-    Returns float32 [batch, kv_heads, groups, head_dim], scaled by 1/sqrt(head_dim).
+    q: [batch, kv_heads, groups, head_dim] (one position) or [batch, S, kv_heads, groups,
+    head_dim]. k, v: the page pool [layers, num_pages, page_size, kv_heads, head_dim], float32, or
+    int8 with k_scale, v_scale [layers, num_pages, page_size, kv_heads or 1, 1] (None for float32).
+    pages: the block table, int32 [batch, max_pages]: position t of row b lies in page
+    pages[b, t // page_size] at offset t % page_size (page 0 is the scratch page; unused entries
+    are 0, and every entry must be in [0, num_pages) or the call fails). lengths: [batch]; query
+    position s of row b attends to its cached positions [0, lengths[b]) (clamped to max_pages *
+    page_size), then causally to the call's own k_new, v_new [batch, (S,) kv_heads, head_dim] of
+    positions 0..s, not yet in the cache. Returns float32 shaped like q, scaled by
+    1/sqrt(head_dim).
 
     The handler follows library.status().isa (`isa` "avx2": the AVX2 one on an AVX-512 CPU too,
     for tests)."""
-    return _call(q, k, v, k_scale, v_scale, layer, lengths, k_new, v_new, pages, isa)
-
-
-def chunk_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    k_scale: jax.Array | None,
-    v_scale: jax.Array | None,
-    layer: jax.Array | int,
-    starts: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    pages: jax.Array,
-    isa: str | None = None,
-) -> jax.Array:
-    """Attention of S query positions per row over layer `layer` of a paged KV cache, read in
-    place (as `decode_attention`, which is the case S = 1).
-
-    q: [batch, S, kv_heads, groups, head_dim]; k_new, v_new: the call's own keys and values
-    [batch, S, kv_heads, head_dim] (not yet in the cache). Query position s of row b attends to
-    its cached positions [0, starts[b]) through its block table, then to k_new[b, 0..s] (causal).
-    Returns float32 [batch, S, kv_heads, groups, head_dim]."""
-    return _call(q, k, v, k_scale, v_scale, layer, starts, k_new, v_new, pages, isa)
-
-
-def _call(q, k, v, k_scale, v_scale, layer, lengths, k_new, v_new, pages, isa) -> jax.Array:
     library.require()
     avx512 = (isa or library.status().isa) == "avx512"
     result = jax.ShapeDtypeStruct(q.shape, jnp.float32)
