@@ -710,7 +710,11 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
-@pytest.mark.parametrize(("chunk", "page_size", "groups", "head_dim"), [(5, 8, 3, 64), (2, 16, 1, 16), (9, 8, 4, 32)])
+# the kernel takes up to 64 queries (positions x groups) per block: 40 x 3 and 11 x 12 are two blocks
+@pytest.mark.parametrize(
+    ("chunk", "page_size", "groups", "head_dim"),
+    [(5, 8, 3, 64), (2, 16, 1, 16), (9, 8, 4, 32), (40, 16, 3, 64), (11, 8, 12, 16)],
+)
 def test_chunk_attention_kernel_is_causal_attention_after_each_rows_pages(cache_kind, chunk, page_size, groups,
                                                                            head_dim, isa):
     """Several query positions per row (a prompt's chunk after its cached positions, verify's k + 1):
@@ -737,6 +741,18 @@ def test_chunk_attention_kernel_is_causal_attention_after_each_rows_pages(cache_
         expected = attention(q, np.concatenate([keys, k_new], 1), np.concatenate([values, v_new], 1), mask)
         got = attend(q, *cache, layer, jnp.asarray(starts), k_new, v_new, jnp.asarray(pages))
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+        # a chunk's padding: the positions past each row's count are skipped, their outputs zeros
+        counts = np.arange(batch) % (chunk + 1)  # none, some, all
+        got = attend(q, *cache, layer, jnp.asarray(starts), k_new, v_new, jnp.asarray(pages), jnp.asarray(counts))
+        counted = (np.arange(chunk)[None, :] < counts[:, None])[..., None, None, None]
+        np.testing.assert_allclose(np.asarray(got), np.where(counted, expected, 0), rtol=1e-5, atol=1e-5)
+        # one row at a time: too few blocks of queries to share among threads, so the kernel takes
+        # one item per query position (unless the row's chunk is more than one block)
+        for row in range(batch):
+            alone = slice(row, row + 1)
+            got = attend(q[alone], *cache, layer, jnp.asarray(starts[alone]), k_new[alone], v_new[alone],
+                         jnp.asarray(pages[alone]))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected)[alone], rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

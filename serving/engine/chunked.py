@@ -193,8 +193,9 @@ class ChunkedPrefill:
             quantized_kv=cache.quantized,
             kv_scale_per_head=cache.scale_per_head,
             lora=lora_stack.lora_batch(params, lora_slot),
+            last=lengths - 1,
         )
-        last = self._decodable(logits[jnp.arange(tokens.shape[0]), lengths - 1], None)
+        last = self._decodable(logits, None)
         return store_chunks(cache, kv, pages, starts), last
 
     def _start_rows_impl(

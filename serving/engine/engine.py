@@ -378,8 +378,12 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
             kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
             lora=lora_stack.lora_batch(params, sampling.lora_slot[None]),
+            last=None if prompt_logprobs else true_length[None] - 1,  # the prompt's logprobs read every position
         )
-        last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
+        if prompt_logprobs:
+            last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
+        else:
+            last = logits
         last = self._decodable(last, mask)
         vocab = last.shape[-1]
         seen = penalties.prompt_tokens(tokens[0], true_length, vocab)

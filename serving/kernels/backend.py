@@ -48,10 +48,10 @@ class CpuKernelOps(XlaOps):
         out = cpu_attention.paged_attention(q[:, 0], *cache, layer, positions, k_new, v_new, pages)
         return out[:, None].astype(q.dtype)
 
-    def chunk_attention(self, q, cache: KVCache, layer, starts, k_new, v_new, mask, window, pages):
+    def chunk_attention(self, q, cache: KVCache, layer, starts, k_new, v_new, mask, window, pages, lengths):
         if not self.reads_cache_in_place_for(cache.k.dtype, q):
-            return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages)
-        return cpu_attention.paged_attention(q, *cache, layer, starts, k_new, v_new, pages).astype(q.dtype)
+            return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths)
+        return cpu_attention.paged_attention(q, *cache, layer, starts, k_new, v_new, pages, lengths).astype(q.dtype)
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
         return jnp.dtype(dtype) == jnp.float32 and cpu_attention.supports(

@@ -8,9 +8,13 @@
 // Why: on XLA:CPU each layer of a decode step sliced its layer and attention window out of the
 // cache (a copy of every slot's window, live or not) before attending, which cost more than the
 // matmuls at batch 32; a chunk or a verify call gathered every layer's history into one copy, then
-// dequantized and concatenated it per layer. Here each (row, query position, kv head) reads its own
-// layer's keys and values where they lie, and only the positions before the call: lengths[b] of
-// them, then the call's own keys and values (not yet in the cache) up to its own position.
+// dequantized and concatenated it per layer. Here each row reads its own layer's keys and values
+// where they lie, and only the positions before the call: lengths[b] of them, then the call's own
+// keys and values (not yet in the cache) up to each query's position. A decode step (and a call
+// with too few blocks of queries to share among the threads) takes one item per (row, position,
+// kv head); a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
+// the vector's lanes, reading each key and value once per block with an online softmax (measured
+// in docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones ~1.3-1.6x, a 512 one ~1.6x).
 //
 // Layout: q [B, kv_heads, groups, head_dim] (one position) or [B, S, kv_heads, groups, head_dim];
 // the cache is a page pool k, v [layers, pages, page_size, kv_heads, head_dim] float32, or int8
@@ -19,6 +23,8 @@
 // page_size + t % page_size of the layer (page 0 is a scratch page; unused entries are 0).
 // lengths[B] is clamped to max_pages * page_size; k_new, v_new [B, (S,) kv_heads, head_dim]; out
 // like q. Query position s of row b attends to the cached [0, lengths[b]) and to k_new[b, 0..s].
+// counts[B]: the query positions of each row that count (a chunk's true length; clamped to [0, S]);
+// the others (a chunk's padding) are not computed, their outputs zeros.
 // A contiguous cache is the case page_size = T, pages[b] = [b]. head_dim is a multiple of 16 and
 // groups one of the kernel's (checked in Python and here); every table entry is a page of the pool
 // (checked here: an entry past it would read outside the pool).
@@ -29,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -58,7 +65,7 @@ ffi::Error Invalid(const std::string& why) { return ffi::Error::InvalidArgument(
 ffi::ErrorOr<Layout> CheckLayout(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
                                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                  ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                                 ffi::Buffer<ffi::S32> pages) {
+                                 ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> counts) {
   const auto pd = pages.dimensions();
   if (qd.size() != 4 && qd.size() != 5) return ffi::Unexpected(Invalid("q must be [B, kv, groups, hd] or [B, S, kv, groups, hd]"));
   const int64_t chunk = qd.size() == 5 ? qd[1] : 1;
@@ -66,6 +73,7 @@ ffi::ErrorOr<Layout> CheckLayout(ffi::Span<const int64_t> qd, ffi::Span<const in
   if (kd.size() != 5 || pd.size() != 2 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
       kd[2] < 1 || kd[3] != kv || kd[4] != hd || pd[0] != batch || hd % 16 != 0 || !SupportedGroups(groups) ||
       chunk < 1 || static_cast<int64_t>(lengths.element_count()) != batch ||
+      static_cast<int64_t>(counts.element_count()) != batch ||
       static_cast<int64_t>(k_new.element_count()) != batch * chunk * kv * hd ||
       static_cast<int64_t>(v_new.element_count()) != batch * chunk * kv * hd) {
     return ffi::Unexpected(
@@ -113,6 +121,7 @@ namespace avx512 {
 struct V {
   __m512 v;
 };
+constexpr int kVectorRegisters = 32;
 PATHSERVE_TARGET inline V Zero() { return {_mm512_setzero_ps()}; }
 PATHSERVE_TARGET inline V Set1(float x) { return {_mm512_set1_ps(x)}; }
 // 16 values of a cache row (float32, or int8 to be scaled by the caller).
@@ -124,6 +133,13 @@ PATHSERVE_TARGET inline V Fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v,
 PATHSERVE_TARGET inline V Mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 PATHSERVE_TARGET inline float Sum(V a) { return _mm512_reduce_add_ps(a.v); }
 PATHSERVE_TARGET inline void Store16(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+PATHSERVE_TARGET inline V Add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+PATHSERVE_TARGET inline V Sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+PATHSERVE_TARGET inline V Max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+// The lanes whose `pos` is at least `at` from `keep`, the others from `other`.
+PATHSERVE_TARGET inline V Select(V pos, float at, V keep, V other) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos.v, _mm512_set1_ps(at), _CMP_GE_OQ), other.v, keep.v)};
+}
 
 // e^x for x <= 0 (scores minus their max): 2^n * 2^f.
 PATHSERVE_TARGET inline __m512 Exp(__m512 x) {
@@ -135,6 +151,7 @@ PATHSERVE_TARGET inline __m512 Exp(__m512 x) {
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2[i]));
   return _mm512_scalef_ps(p, n);
 }
+PATHSERVE_TARGET inline V ExpV(V x) { return {Exp(x.v)}; }
 
 // s[0, n) <- exp(s - max(s)); returns their sum.
 PATHSERVE_TARGET inline float ExpAndSum(float* s, int64_t n) {
@@ -164,6 +181,7 @@ namespace avx2 {
 struct V {
   __m256 lo, hi;
 };
+constexpr int kVectorRegisters = 8;  // 16 ymm registers
 PATHSERVE_TARGET inline V Zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 PATHSERVE_TARGET inline V Set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 PATHSERVE_TARGET inline V Load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -184,6 +202,15 @@ PATHSERVE_TARGET inline void Store16(float* p, V a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
 }
+PATHSERVE_TARGET inline V Add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+PATHSERVE_TARGET inline V Sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+PATHSERVE_TARGET inline V Max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+// The lanes whose `pos` is at least `at` from `keep`, the others from `other`.
+PATHSERVE_TARGET inline V Select(V pos, float at, V keep, V other) {
+  const __m256 bound = _mm256_set1_ps(at);
+  return {_mm256_blendv_ps(other.lo, keep.lo, _mm256_cmp_ps(pos.lo, bound, _CMP_GE_OQ)),
+          _mm256_blendv_ps(other.hi, keep.hi, _mm256_cmp_ps(pos.hi, bound, _CMP_GE_OQ))};
+}
 
 // e^x for x <= 0: 2^n * 2^f, 2^n built in the exponent bits (n >= -126 for x >= -87).
 PATHSERVE_TARGET inline __m256 Exp(__m256 x) {
@@ -196,6 +223,7 @@ PATHSERVE_TARGET inline __m256 Exp(__m256 x) {
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
+PATHSERVE_TARGET inline V ExpV(V x) { return {Exp(x.lo), Exp(x.hi)}; }
 
 // s[0, n) <- exp(s - max(s)); returns their sum.
 PATHSERVE_TARGET inline float ExpAndSum(float* s, int64_t n) {
@@ -233,39 +261,37 @@ PATHSERVE_TARGET inline float ExpAndSum(float* s, int64_t n) {
 ffi::Error F32DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
-                              ffi::ResultBuffer<ffi::F32> out) {
-  return avx512::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, out);
+                              ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> out) {
+  return avx512::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, counts, out);
 }
 
 ffi::Error Int8DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> out) {
   const auto scale_heads = CheckScales(k.dimensions(), k_scale, v_scale);
   if (scale_heads.has_error()) return scale_heads.error();
   return avx512::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), scale_heads.value(), layer,
-                                lengths, k_new,
-                                v_new, pages, out);
+                                lengths, k_new, v_new, pages, counts, out);
 }
 
 ffi::Error F32DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
-                                  ffi::ResultBuffer<ffi::F32> out) {
-  return avx2::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, out);
+                                  ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> out) {
+  return avx2::Attend<float>(pool, q, k, v, nullptr, nullptr, 0, layer, lengths, k_new, v_new, pages, counts, out);
 }
 
 ffi::Error Int8DecodeAttentionAvx2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                    ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                                    ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
-                                   ffi::ResultBuffer<ffi::F32> out) {
+                                   ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> out) {
   const auto scale_heads = CheckScales(k.dimensions(), k_scale, v_scale);
   if (scale_heads.has_error()) return scale_heads.error();
   return avx2::Attend<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), scale_heads.value(), layer,
-                              lengths, k_new,
-                              v_new, pages, out);
+                              lengths, k_new, v_new, pages, counts, out);
 }
 
 }  // namespace
@@ -281,6 +307,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32DecodeAttention, F32DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttention, Int8DecodeAttention,
@@ -296,6 +323,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttention, Int8DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32DecodeAttentionAvx2, F32DecodeAttentionAvx2,
@@ -309,6 +337,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32DecodeAttentionAvx2, F32DecodeAttentio
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttentionAvx2, Int8DecodeAttentionAvx2,
@@ -324,4 +353,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8DecodeAttentionAvx2, Int8DecodeAttent
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts
                                   .Ret<ffi::Buffer<ffi::F32>>());

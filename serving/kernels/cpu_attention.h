@@ -1,9 +1,9 @@
 // The attention kernel's body (cpu_attention.cc says what and why), written once for every
 // instruction set: cpu_attention.cc includes it in one namespace per set, after defining there
 // PATHSERVE_TARGET (the function attribute) and the 16-float vector V with its operations: Zero,
-// Load16 (float or int8), Fma, Set1, Sum, Mul, Store16, and ExpAndSum(scores, n) (scores <-
-// exp(scores - max), returning their sum); the checks (Layout, CheckLayout) come before, once for
-// every set. No include guard: it is meant to be included twice.
+// Load16 (float or int8), Fma, Set1, Sum, Mul, Add, Sub, Max, ExpV, Select, Store16, and
+// ExpAndSum(scores, n) (scores <- exp(scores - max), returning their sum), and kVectorRegisters
+// (the Vs the registers hold); the checks (Layout, CheckLayout) come before, once for every set. No include guard: it is meant to be included twice.
 
 template <typename T>
 struct Problem {
@@ -16,10 +16,22 @@ struct Problem {
   const int32_t* lengths;
   const float* k_new;    // [B, chunk, kv, hd]: the call's own positions, not yet in the cache
   const float* v_new;
+  const int32_t* counts;  // [B]: the query positions of each row that count (the rest: zeros)
   float* out;
   int64_t batch, chunk, max_pages, page_size, kv_heads, groups, head_dim;
   float scale;
   int64_t scale_heads;  // an int8 pool's scales per token: kv_heads (dkv) or 1 (heads_and_dkv)
+
+  // Row b's query positions that count, counts[b] clamped to [0, chunk].
+  int64_t Count(int64_t b) const { return std::min<int64_t>(std::max<int32_t>(counts[b], 0), chunk); }
+
+  // Zeros for query positions [s0, s1) of row b, kv head h: a chunk's padding.
+  void Clear(int64_t b, int64_t h, int64_t s0, int64_t s1) const {
+    for (int64_t s = s0; s < s1; ++s) {
+      float* result = out + ((b * chunk + s) * kv_heads + h) * groups * head_dim;
+      std::fill(result, result + groups * head_dim, 0.0f);
+    }
+  }
 
   // Row b's cached positions, lengths[b] clamped to what its table can hold.
   int64_t Length(int64_t b) const {
@@ -104,11 +116,219 @@ struct Problem {
     }
   }
 
+  // -- Several query positions per row (chunk > 1): the queries in the vector's lanes -------------
+  // Item's loop reads every cached key and value once per query position and sums each score
+  // across a vector; for a chunk of S positions that is S passes over the row's history. Here an
+  // item is a block of query positions [s0, s1) of row b with the G heads of kv head h: up to
+  // kBlockQueries queries, lane r = (s - s0) * G + g. Each position's key and value is read once
+  // per block; a score is that key's element d broadcast times 16 queries' element d (the queries
+  // transposed once per block), so no horizontal sums; the softmax runs online over tiles of kTile
+  // positions (a running max and sum per lane), and the values' pass accumulates out^T [hd, lanes].
+  static constexpr int64_t kBlockQueries = 64;  // 4 vectors of lanes
+  static constexpr int64_t kTile = 16;          // positions per softmax step
+  static constexpr float kMasked = -1e30f;      // a masked score, and the running max's start
+
+  // Blocks per row and kv head, and the positions of each (the last may have fewer): as few
+  // blocks as hold kBlockQueries queries, their positions spread evenly.
+  int64_t BlockCount() const {
+    const int64_t most = std::max<int64_t>(1, kBlockQueries / groups);
+    return (chunk + most - 1) / most;
+  }
+  int64_t BlockPositions() const { return (chunk + BlockCount() - 1) / BlockCount(); }
+
+  // One thread's buffers for a block (W = 16 * RV lanes).
+  struct Scratch {
+    std::vector<float> qt;      // [hd, W]: the queries transposed, times the softmax scale
+    std::vector<float> o;       // [hd, W]: the unnormalized outputs, transposed
+    std::vector<float> p;       // [kTile, W]: a tile's scores, then its probabilities (times v's scale)
+    std::vector<float> top;     // [W]: the running max of each lane's scores
+    std::vector<float> total;   // [W]: the running sum of exp(score - top)
+    std::vector<float> pos;     // [W]: each lane's query position (its own keys 0..pos are causal)
+    std::vector<float> fixup;   // [W]: exp(previous top - top), applied to o and total
+    std::vector<float> kf, vf;  // [kTile, hd]: an int8 tile's keys and values as floats (unscaled)
+  };
+
+  // One tile of `count` positions: keys[j] and values[j] rows of head_dim floats with their scales
+  // ks[j], vs[j] (an int8 pool's, else 1). `own` < 0: cached positions, every lane attends; else
+  // the call's own positions own + j, which a lane attends only up to its own position.
+  template <int RV>
+  PATHSERVE_TARGET void Tile(Scratch& w, const float* const* keys, const float* const* values, const float* ks,
+                             const float* vs, int64_t count, int64_t own) const {
+    constexpr int64_t W = 16 * RV;
+    const float* qt = w.qt.data();
+    float* p = w.p.data();
+    V pos[RV];
+    for (int i = 0; i < RV; ++i) pos[i] = Load16(w.pos.data() + 16 * i);
+    // X keys at a time where the registers hold X * RV sums (each vector of queries loaded serves X)
+    constexpr int X = kVectorRegisters >= 3 * RV + 2 ? 2 : 1;
+    for (int64_t j = 0; j < count; j += X) {
+      const int64_t here = std::min<int64_t>(X, count - j);
+      V acc[X][RV];
+      const float* key[X];
+      for (int x = 0; x < X; ++x) {
+        key[x] = keys[j + std::min<int64_t>(x, here - 1)];  // the last key twice when one is left
+        for (int i = 0; i < RV; ++i) acc[x][i] = Zero();
+      }
+      for (int64_t d = 0; d < head_dim; ++d) {
+        V element[X];
+        for (int x = 0; x < X; ++x) element[x] = Set1(key[x][d]);
+        for (int i = 0; i < RV; ++i) {
+          const V query = Load16(qt + d * W + 16 * i);
+          for (int x = 0; x < X; ++x) acc[x][i] = Fma(element[x], query, acc[x][i]);
+        }
+      }
+      for (int64_t x = 0; x < here; ++x) {
+        const V key_scale = Set1(ks[j + x]);
+        for (int i = 0; i < RV; ++i) {
+          V score = Mul(acc[x][i], key_scale);
+          if (own >= 0) score = Select(pos[i], static_cast<float>(own + j + x), score, Set1(kMasked));
+          Store16(p + (j + x) * W + 16 * i, score);
+        }
+      }
+    }
+    V fixup[RV];
+    for (int i = 0; i < RV; ++i) {
+      const V before = Load16(w.top.data() + 16 * i);
+      V top = before;
+      for (int64_t j = 0; j < count; ++j) top = Max(top, Load16(p + j * W + 16 * i));
+      fixup[i] = ExpV(Sub(before, top));
+      V sum = Zero();
+      for (int64_t j = 0; j < count; ++j) {
+        V e = ExpV(Sub(Load16(p + j * W + 16 * i), top));
+        if (own >= 0) e = Select(pos[i], static_cast<float>(own + j), e, Zero());
+        sum = Add(sum, e);
+        Store16(p + j * W + 16 * i, Mul(e, Set1(vs[j])));
+      }
+      Store16(w.total.data() + 16 * i, Fma(Load16(w.total.data() + 16 * i), fixup[i], sum));
+      Store16(w.top.data() + 16 * i, top);
+    }
+    float* o = w.o.data();
+    for (int64_t d = 0; d < head_dim; d += X) {  // X elements at a time (head_dim is even): each p serves X
+      V acc[X][RV];
+      for (int x = 0; x < X; ++x)
+        for (int i = 0; i < RV; ++i) acc[x][i] = Mul(Load16(o + (d + x) * W + 16 * i), fixup[i]);
+      for (int64_t j = 0; j < count; ++j) {
+        V element[X];
+        for (int x = 0; x < X; ++x) element[x] = Set1(values[j][d + x]);
+        for (int i = 0; i < RV; ++i) {
+          const V weight = Load16(p + j * W + 16 * i);
+          for (int x = 0; x < X; ++x) acc[x][i] = Fma(element[x], weight, acc[x][i]);
+        }
+      }
+      for (int x = 0; x < X; ++x)
+        for (int i = 0; i < RV; ++i) Store16(o + (d + x) * W + 16 * i, acc[x][i]);
+    }
+  }
+
+  // Query positions [s0, s1) of row b, kv head h: its cached positions a page (and a tile) at a
+  // time, then the call's own positions 0..s1-1.
+  template <int RV>
+  PATHSERVE_TARGET void Block(int64_t b, int64_t h, int64_t s0, int64_t s1, Scratch& w) const {
+    constexpr int64_t W = 16 * RV;
+    const int64_t n = Length(b), queries = (s1 - s0) * groups, row = kv_heads * head_dim;
+    w.qt.assign(head_dim * W, 0.0f);
+    w.o.assign(head_dim * W, 0.0f);
+    w.p.resize(kTile * W);
+    w.top.assign(W, kMasked);
+    w.total.assign(W, 0.0f);
+    w.pos.assign(W, static_cast<float>(chunk));  // the padding lanes: queries of zeros, never masked
+    w.kf.resize(kTile * head_dim);
+    w.vf.resize(kTile * head_dim);
+    for (int64_t r = 0; r < queries; ++r) {
+      const int64_t s = s0 + r / groups;
+      const float* query = q + ((b * chunk + s) * kv_heads + h) * groups * head_dim + r % groups * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) w.qt[d * W + r] = query[d] * scale;
+      w.pos[r] = static_cast<float>(s);
+    }
+    const float* keys[kTile];
+    const float* values[kTile];
+    float ks[kTile], vs[kTile];
+    const int32_t* table = pages + b * max_pages;
+    for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
+      const int64_t token = int64_t{table[slot]} * page_size - first;  // + t: position t's token
+      const int64_t end = std::min(first + page_size, n);
+      for (int64_t t0 = first; t0 < end; t0 += kTile) {
+        const int64_t count = std::min(kTile, end - t0);
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t at = (token + t0 + j) * row + h * head_dim;
+          if constexpr (std::is_same_v<T, float>) {
+            keys[j] = k + at;
+            values[j] = v + at;
+            ks[j] = vs[j] = 1.0f;
+          } else {
+            float* kf = w.kf.data() + j * head_dim;
+            float* vf = w.vf.data() + j * head_dim;
+            for (int64_t c = 0; c < head_dim; c += 16) {
+              Store16(kf + c, Load16(k + at + c));
+              Store16(vf + c, Load16(v + at + c));
+            }
+            keys[j] = kf;
+            values[j] = vf;
+            const int64_t scale_at = (token + t0 + j) * scale_heads + (scale_heads > 1 ? h : 0);
+            ks[j] = k_scale[scale_at];
+            vs[j] = v_scale[scale_at];
+          }
+        }
+        Tile<RV>(w, keys, values, ks, vs, count, -1);
+      }
+    }
+    for (int64_t j0 = 0; j0 < s1; j0 += kTile) {
+      const int64_t count = std::min(kTile, s1 - j0);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t at = ((b * chunk + j0 + j) * kv_heads + h) * head_dim;
+        keys[j] = k_new + at;
+        values[j] = v_new + at;
+        ks[j] = vs[j] = 1.0f;
+      }
+      Tile<RV>(w, keys, values, ks, vs, count, j0);
+    }
+    for (int64_t r = 0; r < queries; ++r) {
+      const int64_t s = s0 + r / groups;
+      float* result = out + ((b * chunk + s) * kv_heads + h) * groups * head_dim + r % groups * head_dim;
+      const float inverse = 1.0f / w.total[r];
+      for (int64_t d = 0; d < head_dim; ++d) result[d] = w.o[d * W + r] * inverse;
+    }
+  }
+
+  // Blocks [first, last): block i is row i / (kv * blocks), kv head i / blocks % kv, positions
+  // from i % blocks * BlockPositions().
+  void Blocks(int64_t first, int64_t last) const {
+    thread_local Scratch scratch;
+    const int64_t blocks = BlockCount(), per = BlockPositions();
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t b = i / (kv_heads * blocks), h = i / blocks % kv_heads;
+      const int64_t s0 = i % blocks * per, end = std::min(chunk, s0 + per), s1 = std::min(end, Count(b));
+      Clear(b, h, std::max(s0, s1), end);
+      if (s1 <= s0) continue;
+      switch (((s1 - s0) * groups + 15) / 16) {
+        case 1:
+          Block<1>(b, h, s0, s1, scratch);
+          break;
+        case 2:
+          Block<2>(b, h, s0, s1, scratch);
+          break;
+        case 3:
+          Block<3>(b, h, s0, s1, scratch);
+          break;
+        default:
+          Block<4>(b, h, s0, s1, scratch);
+          break;
+      }
+    }
+  }
+
   template <int G>
   void Items(int64_t first, int64_t last) const {
     thread_local std::vector<float> scores;
     // item i: row i / (chunk * kv), query position (i / kv) % chunk, kv head i % kv
-    for (int64_t i = first; i < last; ++i) Item<G>(i / (chunk * kv_heads), i / kv_heads % chunk, i % kv_heads, scores);
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t b = i / (chunk * kv_heads), s = i / kv_heads % chunk, h = i % kv_heads;
+      if (s < Count(b)) {
+        Item<G>(b, s, h, scores);
+      } else {
+        Clear(b, h, s, s + 1);
+      }
+    }
   }
 
   void Items(int64_t first, int64_t last) const {
@@ -130,8 +350,9 @@ template <typename T, typename CacheBuffer>
 ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k, CacheBuffer v, const float* k_scale,
                   const float* v_scale, int64_t scale_heads, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> pages,
-                  ffi::ResultBuffer<ffi::F32> out) {
-  const auto checked = CheckLayout(q.dimensions(), k.dimensions(), v.dimensions(), layer, lengths, k_new, v_new, pages);
+                  ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> out) {
+  const auto checked =
+      CheckLayout(q.dimensions(), k.dimensions(), v.dimensions(), layer, lengths, k_new, v_new, pages, counts);
   if (checked.has_error()) return checked.error();
   const Layout& s = checked.value();
   const int64_t tokens = s.num_pages * s.page_size;  // per layer of the pool
@@ -144,6 +365,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                            lengths.typed_data(),
                            k_new.typed_data(),
                            v_new.typed_data(),
+                           counts.typed_data(),
                            out->typed_data(),
                            s.batch,
                            s.chunk,
@@ -155,8 +377,21 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
                            1.0f / std::sqrt(static_cast<float>(s.head_dim)),
                            scale_heads};
   int64_t positions = 0;  // scored by every query position of every row
-  for (int64_t b = 0; b < s.batch; ++b) positions += s.chunk * problem.Length(b) + s.chunk * (s.chunk + 1) / 2;
-  pathserve::ParallelFor(pool, s.batch * s.chunk * s.kv_heads, 2 * positions * s.kv_heads * s.groups * s.head_dim,
-                         [problem](int64_t first, int64_t last) { problem.Items(first, last); });
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t count = problem.Count(b);
+    positions += count * problem.Length(b) + count * (count + 1) / 2;
+  }
+  const int64_t work = 2 * positions * s.kv_heads * s.groups * s.head_dim;
+  // Blocks when there are enough of them to share among the threads (or a row's chunk is more
+  // than one block): a verify call of k + 1 = 5 positions on one row is 3 blocks of SmolLM2's
+  // heads for 2 threads, where the per-position items (15) share better.
+  const int64_t blocks = s.batch * s.kv_heads * problem.BlockCount();
+  if (s.chunk > 1 && (blocks >= 2 * pool.num_threads() || problem.BlockCount() > 1)) {
+    pathserve::ParallelFor(pool, blocks, work,
+                           [problem](int64_t first, int64_t last) { problem.Blocks(first, last); });
+  } else {
+    pathserve::ParallelFor(pool, s.batch * s.chunk * s.kv_heads, work,
+                           [problem](int64_t first, int64_t last) { problem.Items(first, last); });
+  }
   return ffi::Error::Success();
 }

@@ -32,6 +32,7 @@ def paged_attention(
     k_new: jax.Array,
     v_new: jax.Array,
     pages: jax.Array,
+    counts: jax.Array | None = None,
     isa: str | None = None,
 ) -> jax.Array:
     """Attention over layer `layer` of a paged KV cache, read in place: one decode step, or S
@@ -45,8 +46,9 @@ def paged_attention(
     are 0, and every entry must be in [0, num_pages) or the call fails). lengths: [batch]; query
     position s of row b attends to its cached positions [0, lengths[b]) (clamped to max_pages *
     page_size), then causally to the call's own k_new, v_new [batch, (S,) kv_heads, head_dim] of
-    positions 0..s, not yet in the cache. Returns float32 shaped like q, scaled by
-    1/sqrt(head_dim).
+    positions 0..s, not yet in the cache. counts: [batch], the query positions of each row that
+    count (a chunk's true length; default all S): the others are not computed and come back as
+    zeros. Returns float32 shaped like q, scaled by 1/sqrt(head_dim).
 
     The handler follows library.status().isa (`isa` "avx2": the AVX2 one on an AVX-512 CPU too,
     for tests)."""
@@ -54,7 +56,9 @@ def paged_attention(
     avx512 = (isa or library.status().isa) == "avx512"
     result = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     args = (jnp.asarray(layer, jnp.int32), lengths.astype(jnp.int32))
-    new = (k_new.astype(jnp.float32), v_new.astype(jnp.float32), pages.astype(jnp.int32))
+    if counts is None:
+        counts = jnp.full((q.shape[0],), q.shape[1] if q.ndim == 5 else 1, jnp.int32)
+    new = (k_new.astype(jnp.float32), v_new.astype(jnp.float32), pages.astype(jnp.int32), counts.astype(jnp.int32))
     q = q.astype(jnp.float32)
     if k_scale is None:
         return jax.ffi.ffi_call(F32_TARGET if avx512 else F32_AVX2_TARGET, result)(q, k, v, *args, *new)

@@ -60,6 +60,7 @@ class XlaOps:
         mask: jax.Array,
         window: int,
         pages: jax.Array,
+        lengths: jax.Array,
     ) -> jax.Array:
         """Attention of a call with several positions per row (a prompt's chunk after its cached
         positions, speculative verify): q [batch, seq, kv_heads, groups, head_dim] over layer
@@ -68,7 +69,8 @@ class XlaOps:
         head_dim]. mask [batch, seq, window + seq]: what each query may attend to (the cached
         positions before starts[b], then causal over the call's own up to its row's true length);
         a backend reading the cache in place computes the same for every query position below
-        its row's true length. Returns [batch, seq, kv_heads, groups, head_dim]."""
+        its row's true length, lengths[b] [batch], and may skip the rest (a chunk's padding: here
+        the mask already holds them). Returns [batch, seq, kv_heads, groups, head_dim]."""
         old_k, old_v = read_layer(cache, layer, q.dtype, window, pages)
         keys = jnp.concatenate([old_k, k_new.astype(q.dtype)], axis=1)
         values = jnp.concatenate([old_v, v_new.astype(q.dtype)], axis=1)
