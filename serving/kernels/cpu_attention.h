@@ -3,7 +3,8 @@
 // PATHSERVE_TARGET (the function attribute) and the 16-float vector V with its operations: Zero,
 // Load16 (float or int8), Fma, Set1, Sum, Mul, Add, Sub, Max, ExpV, Select, Store16, and
 // ExpAndSum(scores, n) (scores <- exp(scores - max), returning their sum), and kVectorRegisters
-// (the Vs the registers hold); the checks (Layout, CheckLayout) come before, once for every set. No include guard: it is meant to be included twice.
+// (the Vs the registers hold); the checks (Layout, CheckLayout) come before, once for every set.
+// No include guard: it is meant to be included twice.
 
 template <typename T>
 struct Problem {
@@ -144,7 +145,6 @@ struct Problem {
     std::vector<float> top;     // [W]: the running max of each lane's scores
     std::vector<float> total;   // [W]: the running sum of exp(score - top)
     std::vector<float> pos;     // [W]: each lane's query position (its own keys 0..pos are causal)
-    std::vector<float> fixup;   // [W]: exp(previous top - top), applied to o and total
     std::vector<float> kf, vf;  // [kTile, hd]: an int8 tile's keys and values as floats (unscaled)
   };
 
