@@ -58,6 +58,11 @@ def test_prefill_logits_match_transformers(reference, scan_layers):
     for row, ids in enumerate(PROMPTS):
         expected = _hf_logits(model, ids)
         np.testing.assert_allclose(np.asarray(logits[row, : len(ids)]), expected, atol=TOL, rtol=0)
+    # `last`: only each row's logits at its last token (the LM head on those positions alone)
+    last, _ = prefill(params, tokens, lengths, cfg, scan_layers=scan_layers, last=lengths - 1)
+    assert last.shape == (len(PROMPTS), logits.shape[-1])
+    np.testing.assert_allclose(np.asarray(last), np.asarray(logits[jnp.arange(len(PROMPTS)), lengths - 1]),
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])

@@ -174,7 +174,8 @@ def test_a_burst_of_slots_plus_queue_at_an_idle_server_is_admitted_whole_and_one
 
         def client(i: int) -> None:
             go.wait()
-            handles[i] = orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=400))  # ~1 s each
+            # ~0.8 s each on the mock's 10 ms steps; the burst's submits and the refused one take a few ms
+            handles[i] = orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=150))
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(slots + queue)]
         for t in threads:
@@ -184,7 +185,7 @@ def test_a_burst_of_slots_plus_queue_at_an_idle_server_is_admitted_whole_and_one
         assert all(h is not None for h in handles) and orch.metrics.requests_rejected == 0
         with pytest.raises(QueueFullError):  # four in slots (or about to be) and two waiting
             orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=2))
-        assert [h.result().completion_tokens for h in handles] == [400] * (slots + queue)
+        assert [h.result().completion_tokens for h in handles] == [150] * (slots + queue)
         # Finished requests give their room back: the server takes a whole burst again.
         again = [orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=2)) for _ in range(slots + queue)]
         assert [h.result().finish_reason for h in again] == ["length"] * (slots + queue)
