@@ -710,7 +710,7 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
-# the kernel takes up to 64 queries (positions x groups) per block: 40 x 3 and 11 x 12 are two blocks
+# the kernel takes up to 64 queries (positions x groups) per block: 40 x 3 is two blocks, 11 x 12 three
 @pytest.mark.parametrize(
     ("chunk", "page_size", "groups", "head_dim"),
     [(5, 8, 3, 64), (2, 16, 1, 16), (9, 8, 4, 32), (40, 16, 3, 64), (11, 8, 12, 16)],
@@ -741,18 +741,20 @@ def test_chunk_attention_kernel_is_causal_attention_after_each_rows_pages(cache_
         expected = attention(q, np.concatenate([keys, k_new], 1), np.concatenate([values, v_new], 1), mask)
         got = attend(q, *cache, layer, jnp.asarray(starts), k_new, v_new, jnp.asarray(pages))
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
-        # a chunk's padding: the positions past each row's count are skipped, their outputs zeros
-        counts = np.arange(batch) % (chunk + 1)  # none, some, all
+        # a chunk's padding: the positions past each row's count (clamped to the chunk) are skipped,
+        # their outputs zeros; none on a row with no cached position and on one with all of them
+        counts = np.array([0, 1, chunk // 2, chunk, chunk + 3, 0, chunk - 1], np.int32)
         got = attend(q, *cache, layer, jnp.asarray(starts), k_new, v_new, jnp.asarray(pages), jnp.asarray(counts))
         counted = (np.arange(chunk)[None, :] < counts[:, None])[..., None, None, None]
-        np.testing.assert_allclose(np.asarray(got), np.where(counted, expected, 0), rtol=1e-5, atol=1e-5)
+        padded = np.where(counted, expected, 0)
+        np.testing.assert_allclose(np.asarray(got), padded, rtol=1e-5, atol=1e-5)
         # one row at a time: too few blocks of queries to share among threads, so the kernel takes
         # one item per query position (unless the row's chunk is more than one block)
         for row in range(batch):
             alone = slice(row, row + 1)
             got = attend(q[alone], *cache, layer, jnp.asarray(starts[alone]), k_new[alone], v_new[alone],
-                         jnp.asarray(pages[alone]))
-            np.testing.assert_allclose(np.asarray(got), np.asarray(expected)[alone], rtol=1e-5, atol=1e-5)
+                         jnp.asarray(pages[alone]), jnp.asarray(counts[alone]))
+            np.testing.assert_allclose(np.asarray(got), padded[alone], rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

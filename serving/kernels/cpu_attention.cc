@@ -14,7 +14,7 @@
 // with too few blocks of queries to share among the threads) takes one item per (row, position,
 // kv head); a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
 // the vector's lanes, reading each key and value once per block with an online softmax (measured
-// in docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones ~1.3-1.6x, a 512 one ~1.6x).
+// in docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones 1.2-1.6x, a 512 one 1.3-1.7x).
 //
 // Layout: q [B, kv_heads, groups, head_dim] (one position) or [B, S, kv_heads, groups, head_dim];
 // the cache is a page pool k, v [layers, pages, page_size, kv_heads, head_dim] float32, or int8

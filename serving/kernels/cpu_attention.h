@@ -382,11 +382,14 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
     positions += count * problem.Length(b) + count * (count + 1) / 2;
   }
   const int64_t work = 2 * positions * s.kv_heads * s.groups * s.head_dim;
-  // Blocks when there are enough of them to share among the threads (or a row's chunk is more
-  // than one block): a verify call of k + 1 = 5 positions on one row is 3 blocks of SmolLM2's
-  // heads for 2 threads, where the per-position items (15) share better.
+  // Blocks when they fill at least half their 16 lanes (a block of 5 positions x 1 query head
+  // would pay head_dim broadcast multiply-adds per key for 5 scores, the items ~5 x head_dim / 16)
+  // and there are enough of them to share among the threads (or a row's chunk is more than one
+  // block): a verify call of k + 1 = 5 positions on one row is 3 blocks of SmolLM2's heads for 2
+  // threads, where the per-position items (15) share better.
   const int64_t blocks = s.batch * s.kv_heads * problem.BlockCount();
-  if (s.chunk > 1 && (blocks >= 2 * pool.num_threads() || problem.BlockCount() > 1)) {
+  const bool filled = problem.BlockPositions() * s.groups >= 8;
+  if (s.chunk > 1 && filled && (blocks >= 2 * pool.num_threads() || problem.BlockCount() > 1)) {
     pathserve::ParallelFor(pool, blocks, work,
                            [problem](int64_t first, int64_t last) { problem.Blocks(first, last); });
   } else {

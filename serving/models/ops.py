@@ -69,8 +69,9 @@ class XlaOps:
         head_dim]. mask [batch, seq, window + seq]: what each query may attend to (the cached
         positions before starts[b], then causal over the call's own up to its row's true length);
         a backend reading the cache in place computes the same for every query position below
-        its row's true length, lengths[b] [batch], and may skip the rest (a chunk's padding: here
-        the mask already holds them). Returns [batch, seq, kv_heads, groups, head_dim]."""
+        its row's true length, lengths[b] [batch], and may skip the rest (a chunk's padding),
+        returning zeros there instead of this method's values: callers read only the positions
+        below each row's length. Returns [batch, seq, kv_heads, groups, head_dim]."""
         old_k, old_v = read_layer(cache, layer, q.dtype, window, pages)
         keys = jnp.concatenate([old_k, k_new.astype(q.dtype)], axis=1)
         values = jnp.concatenate([old_v, v_new.astype(q.dtype)], axis=1)
