@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -126,6 +127,48 @@ def test_cancelled_slot_is_freed(tiny):
     assert not bool(np.asarray(state.active).any())
     state, result = engine.generate(params, state)
     assert not np.asarray(result.valid).any()
+
+
+def test_generate_and_verify_over_scattered_slots_equal_a_call_over_every_slot(tiny):
+    """A decode call computes the slots it is given (the scheduler's running ones, padded to a
+    bucket), wherever they lie: sequences in slots 2 and 5 of 8, one penalized (its token history
+    read and written), one sampled, decoded and verified over slots (2, 5) give the tokens and the
+    state a call over all 8 slots gives."""
+    model, _cfg, engine, params = tiny
+    prompts = _prompts(model.tokenizer, [5, 9])
+    samplings = [
+        SamplingParams(max_tokens=30, frequency_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=3),
+    ]
+
+    def started():
+        state = engine.init_decode_state()
+        for slot, prompt, sampling in zip((2, 5), prompts, samplings, strict=True):
+            prefix, _ = engine.prefill(params, engine.limits.pad(prompt), len(prompt), sampling)
+            state = engine.insert(prefix, state, slot)
+        return state
+
+    def same(a, b):  # two calls' results at the decoding slots (elsewhere never valid)
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(np.asarray(x)[:, [2, 5]], np.asarray(y)[:, [2, 5]])
+
+    every, scattered = started(), started()
+    for _ in range(3):
+        every, want = engine.generate(params, every, max_position=40)
+        scattered, got = engine.generate(params, scattered, max_position=40, slots=(2, 5))
+        same(got, want)
+    proposals = np.zeros((8, 4), np.int32)
+    proposals[2], proposals[5] = np.asarray(want.tokens)[-1, 2], np.asarray(want.tokens)[-1, 5]
+    num_proposed = np.array([0, 0, 4, 0, 0, 2, 0, 0], np.int32)
+    every, want = engine.verify(params, every, proposals, num_proposed, max_position=40)
+    scattered, got = engine.verify(params, scattered, proposals, num_proposed, max_position=40, slots=(2, 5))
+    same(got, want)
+    assert not np.asarray(got.valid)[:, [0, 1, 3, 4, 6, 7]].any() and np.asarray(got.valid)[:, 2].sum() >= 1
+    for x, y in zip(jax.tree.leaves(scattered._replace(cache=None)), jax.tree.leaves(every._replace(cache=None)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for bad in ((2, 2), (2, 8), (2, 5, 6)):  # repeated, past the slots, no bucket's count
+        with pytest.raises(ValueError, match="slots"):
+            engine.generate(params, scattered, slots=bad)
 
 
 def test_limits_are_errors_the_caller_sees(tiny):

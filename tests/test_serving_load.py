@@ -72,8 +72,8 @@ def _sampling(i: int) -> SamplingParams:
 
 
 class _Spy:
-    """Records what the real engine was asked: generate's num_slots, prefill_slots' rows and
-    starts (no behaviour of its own)."""
+    """Records what the real engine was asked: how many slots each generate call computed,
+    prefill_slots' rows and starts (no behaviour of its own)."""
 
     def __init__(self, engine: Engine):
         self.num_slots: list[int] = []
@@ -81,9 +81,9 @@ class _Spy:
         self.starts: list[int] = []
         generate, prefill_slots = engine.generate, engine.prefill_slots
 
-        def spy_generate(*args, num_slots=None, **kwargs):
-            self.num_slots.append(num_slots)
-            return generate(*args, num_slots=num_slots, **kwargs)
+        def spy_generate(*args, slots=None, **kwargs):
+            self.num_slots.append(len(slots))
+            return generate(*args, slots=slots, **kwargs)
 
         def spy_prefill_slots(params, state, rows):
             self.rows.append(len(rows))
@@ -150,9 +150,10 @@ def test_sixteen_mixed_requests_give_the_plain_loops_tokens(model, expected, ove
 
 
 def test_decode_buckets_switch_mid_run_without_losing_a_token(model, reference):
-    """One request alone decodes over 1 slot; then 8 at once fill slots 0..7 (bucket 8), and as the
-    higher slots finish first (fewer tokens) the bucket shrinks to 4, then 2. Every stream gets
-    exactly the plain loop's tokens, in order, its deltas adding up to its text."""
+    """One request alone decodes over 1 slot; then 8 at once fill slots 0..7 (bucket 8), and as
+    sequences finish the calls compute fewer rows (4, then 2 or 1: the count decoding, wherever its
+    slots lie). Every stream gets exactly the plain loop's tokens, in order, its deltas adding up to
+    its text."""
     prompts = [p for p in _prompts(model.tokenizer) if len(p) <= 48][:9]
     budgets = [10, 40, 40, 30, 30, 20, 20, 8, 8]  # request 0 alone, then slot i gets budgets[i + 1]
     samplings = [SamplingParams(max_tokens=n) for n in budgets]
@@ -172,7 +173,7 @@ def test_decode_buckets_switch_mid_run_without_losing_a_token(model, reference):
         assert completion.token_ids == tokens
         assert "".join(d.text for d in deltas) == completion.text
     assert {1, 2, 4, 8} <= set(spy.num_slots)
-    assert spy.num_slots[0] == 1 and spy.num_slots[-1] == 2  # alone; then the two longest
+    assert spy.num_slots[0] == 1 and spy.num_slots[-1] <= 2  # alone; then the two longest
 
 
 def test_a_pool_of_twelve_pages_preempts_and_keeps_the_plain_loops_tokens(model, expected):

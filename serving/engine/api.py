@@ -8,7 +8,8 @@ Beside JetStream's whole-prompt `prefill` + `insert`, an engine prefills prompts
 their slots in chunks (`prefill_slots`, several prompts per call), keeps its KV cache in pages of a
 pool that each slot's block table names (`set_pages`: the scheduler decides them, so every host of a
 slice holds the same tables; a prefix shared by two sequences is one set of pages in both tables),
-and runs `generate` over the first `num_slots` slots only.
+and runs `generate` over the slots it is given only (a bucket's count: the decoding ones and
+padding).
 
 An engine is built whole: what it runs with comes through its constructor (a draft model for
 speculative decoding, the verify shapes its warmup compiles), and what it starts itself (the
@@ -221,12 +222,14 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         max_position: int | None = None,
         masks: ArrayLike | None = None,
         num_slots: int | None = None,
+        slots: Sequence[int] | None = None,
     ) -> tuple[StateT, ResultTokens]:
         """Advance every active slot by `decode_steps_per_call` tokens; a slot that finishes turns
         inactive at that step.
 
-        `num_slots`: a bucket of `limits.decode_buckets`; no slot at or past it is active, and only
-        slots [0, num_slots) are computed (None: all). The results still have every slot's column.
+        `slots`: the slots computed, distinct, as many as a bucket of `limits.decode_buckets`, every
+        active slot among them (`limits.decode_rows`); None: the first `num_slots` (a bucket; no
+        slot at or past it is active; None: all). The results still have every slot's column.
         `max_position`: no active slot's position (prompt + tokens so far) exceeds it; the caller
         keeps these on the host so that the engine can read less of the cache without reading
         positions back from the device. None: the engine assumes the longest.
@@ -242,6 +245,7 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         num_proposed: ArrayLike,
         max_position: int | None = None,
         num_slots: int | None = None,
+        slots: Sequence[int] | None = None,
     ) -> tuple[StateT, ResultTokens]:
         """Speculative decoding's decode call (serving.engine.speculative): score every active
         slot's proposals (int32 [slots, k]; the first `num_proposed[slot]` of its row are real) in

@@ -96,7 +96,7 @@ class DraftModel:
         if self.k > 1 and finals:
             self.state, result = engine.generate(
                 self.params, self.state, max_position=max(r.start + len(r.tokens) for r in rows),
-                num_slots=limits.decode_slots(max(finals) + 1),
+                slots=limits.decode_rows(finals),
             )
             tokens = np.asarray(result.tokens)  # [k - 1, slots]
             proposals[finals, 1:] = tokens[:, finals].T

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -176,7 +177,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             donate_argnums=(1,),
             # Tokens replicated: every process of a multi-host slice reads them (lockstep).
             out_shardings=(state_shardings, replicated(self.mesh)),
-            static_argnames=("window", "steps", "num_slots"),
+            static_argnames=("window", "steps"),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
@@ -308,16 +309,30 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
 
     def generate(
         self, params: dict, decode_state: DecodeState, max_position: int | None = None, masks=None,
-        num_slots: int | None = None,
+        num_slots: int | None = None, slots: Sequence[int] | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         steps = self.config.decode_steps_per_call
         if masks is not None:
             masks, steps = jnp.asarray(masks, jnp.int32), 1
-        slots = self.max_concurrent_decodes if num_slots is None else num_slots
-        if slots not in self.limits.decode_buckets:
-            raise ValueError(f"num_slots={num_slots} is not one of the decode buckets {self.limits.decode_buckets}")
+        rows = self.call_rows(num_slots, slots)
         window = self.window_for(max_position, steps)
-        return self._generate_fn(params, decode_state, masks, window=window, steps=steps, num_slots=slots)
+        return self._generate_fn(params, decode_state, masks, rows, window=window, steps=steps)
+
+    def call_rows(self, num_slots: int | None, slots: Sequence[int] | None) -> jax.Array:
+        """int32 [bucket]: the slots a decode call computes: `slots` (distinct, as many as a bucket
+        of `limits.decode_buckets`), or else the first `num_slots` (None: all); ValueError otherwise."""
+        total = self.max_concurrent_decodes
+        if slots is None:
+            rows = np.arange(total if num_slots is None else num_slots, dtype=np.int32)
+        else:
+            rows = np.asarray(slots, np.int32).reshape(-1)
+            if num_slots is not None and num_slots != len(rows):
+                raise ValueError(f"num_slots={num_slots} but {len(rows)} slots given")
+            if len(set(rows.tolist())) != len(rows) or (len(rows) and not 0 <= rows.min() <= rows.max() < total):
+                raise ValueError(f"slots must be distinct slots of 0..{total - 1}, got {rows.tolist()}")
+        if len(rows) not in self.limits.decode_buckets:
+            raise ValueError(f"{len(rows)} slots is not one of the decode buckets {self.limits.decode_buckets}")
+        return jnp.asarray(rows)
 
     def window_for(self, max_position: int | None, steps: int | None = None) -> int:
         """The smallest attention window holding every active slot through one generate call of
@@ -446,29 +461,28 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         return state._replace(active=state.active.at[slot].set(False))
 
     def _generate_impl(
-        self, params, full: DecodeState, masks, static, window: int, steps: int, num_slots: int
+        self, params, full: DecodeState, masks, rows, static, window: int, steps: int
     ) -> tuple[DecodeState, ResultTokens]:
-        """Decode slots [0, num_slots) (the cache stays whole: rows past them are neither read nor
-        written); the results are widened to every slot, the rest never valid."""
+        """Decode the slots `rows` (int32 [bucket], distinct; the cache stays whole: other slots
+        are neither read nor written); the results are widened to every slot, the rest never valid."""
         max_len = self.config.max_target_length
         total = self.max_concurrent_decodes
 
-        def first(x):
-            return x[:num_slots]
+        def gathered(x):
+            return x[rows]
 
         # The token history stays whole (a [slots, vocab] copy per call would cost what a step
-        # of a small batch does): rows [0, num_slots) are read and written in place.
+        # of a small batch does): its `rows` are read and written in place.
         state = full._replace(
-            tokens=first(full.tokens),
-            positions=first(full.positions),
-            generated=first(full.generated),
-            active=first(full.active),
-            sampling=jax.tree.map(first, full.sampling),
+            tokens=gathered(full.tokens),
+            positions=gathered(full.positions),
+            generated=gathered(full.generated),
+            active=gathered(full.active),
+            sampling=jax.tree.map(gathered, full.sampling),
         )
-        rows = jnp.arange(num_slots)
-        pages = full.pages[:num_slots]
+        pages = full.pages[rows]
         if masks is not None:
-            masks = masks[:num_slots]
+            masks = masks[rows]
         num_top = min(MAX_LOGPROBS, self._num_decodable)
 
         def no_logprobs(logits, token, temperature):
@@ -496,8 +510,8 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             logits = self._decodable(logits, masks)
             history = state.history
             logits = penalties.process(
-                logits, sampling, state.generated, history.recent[:num_slots],
-                lambda: (history.counts[:num_slots], history.prompt[:num_slots]), state.active,
+                logits, sampling, state.generated, history.recent[rows],
+                lambda: (history.counts[rows], history.prompt[rows]), state.active,
             )
             token = self._sample(logits, keys, sampling)
             wants = state.active & state.sampling.logprobs
@@ -527,11 +541,11 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
 
         state, result = jax.lax.scan(step, state, None, length=steps)
 
-        def widen(x):  # [steps, num_slots, ...] -> [steps, total, ...], zero (not valid) past them
-            return jnp.zeros((steps, total, *x.shape[2:]), x.dtype).at[:, :num_slots].set(x)
+        def widen(x):  # [steps, bucket, ...] -> [steps, total, ...], zero (not valid) elsewhere
+            return jnp.zeros((steps, total, *x.shape[2:]), x.dtype).at[:, rows].set(x)
 
         def back(whole, part):
-            return whole.at[:num_slots].set(part)
+            return whole.at[rows].set(part)
 
         full = DecodeState(
             cache=state.cache,

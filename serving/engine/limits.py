@@ -10,12 +10,14 @@ Two ways into a slot:
   `prefill_chunk_size` tokens, several prompts per compiled call; a prompt may then be as long as
   max_target_length - max_tokens. Every other request takes it.
 
-Decode runs over the first `decode_slots(n)` slots only: generate is compiled for a few slot-count
-buckets, so that a lone request does not pay for every slot.
+Decode runs over `decode_rows(active)`: generate is compiled for a few slot-count buckets, so that a
+lone request does not pay for every slot, and it gathers the slots it decodes, so that sequences
+scattered over the slots (the others free or prefilling) cost their count, not the highest slot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from serving.errors import GenerationError
@@ -125,6 +127,17 @@ class Limits:
     def decode_slots(self, used: int) -> int:
         """The smallest slot-count bucket holding slots [0, used)."""
         return next(b for b in self.decode_buckets if b >= used)
+
+    def decode_rows(self, active: Collection[int]) -> tuple[int, ...]:
+        """The slots a decode call computes for the `active` ones, ascending: those and the lowest
+        other slots, as many as the smallest bucket holding them. Each padding slot must be inactive
+        on the device (it computes nothing)."""
+        bucket = self.decode_slots(len(active))
+        chosen = sorted(set(active))
+        if len(chosen) < bucket:
+            taken = set(chosen)
+            chosen += [s for s in range(bucket + len(taken)) if s not in taken][: bucket - len(chosen)]
+        return tuple(sorted(chosen))
 
     def check(self, prompt_length: int, sampling: SamplingParams) -> None:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""

@@ -21,8 +21,8 @@ gives other tokens, and the tests that compare tokens see it.
 The mock checks its own contract (AssertionError): a decode state used after a call replaced it
 (the real engine donates it), a chunk that reads a position no write reached, a write into the
 scratch page (a position the scheduler gave no page), a call of more rows or padded tokens than the
-limits allow, rows that mix first chunks with later ones, a generate call whose `num_slots` is no
-bucket or leaves out an active slot. `calls` records every
+limits allow, rows that mix first chunks with later ones, a generate call whose `slots` are no
+bucket's count or leave out an active slot. `calls` records every
 call for tests to read.
 
 LoRA adapters change no token: `write_adapter` records the slot and the adapter's rank, and
@@ -366,16 +366,13 @@ class MockEngine:
         max_position: int | None = None,
         masks=None,
         num_slots: int | None = None,
+        slots: Sequence[int] | None = None,
     ) -> tuple[MockState, ResultTokens]:
         self._check(decode_state)
         positions = [s.position for s in decode_state.slots.values()]
         if max_position is not None and positions and max(positions) > max_position:
             raise AssertionError(f"max_position={max_position} but a slot is at {max(positions)}")
-        if num_slots is not None:
-            if num_slots not in self.limits.decode_buckets:
-                raise AssertionError(f"num_slots={num_slots} is not one of {self.limits.decode_buckets}")
-            if any(slot >= num_slots for slot in decode_state.slots):
-                raise AssertionError(f"num_slots={num_slots} but slot {max(decode_state.slots)} is active")
+        num_slots = self._check_decode_slots(decode_state, num_slots, slots)
         call = ("generate", max_position, num_slots)
         self.calls.append(call if masks is None else (*call, "masked"))
         if self.step_seconds:
@@ -409,13 +406,31 @@ class MockEngine:
         result = ResultTokens(tokens, valid, done, logprobs, top_ids, top)
         return state, result
 
+    def _check_decode_slots(self, decode_state: MockState, num_slots: int | None, slots: Sequence[int] | None) -> int | None:
+        """The real engine's contract for a decode call's slots (`generate`): a bucket's count of
+        distinct slots holding every active one (or the first `num_slots`); returns their count."""
+        if slots is not None:
+            if len(set(slots)) != len(slots) or (num_slots is not None and num_slots != len(slots)):
+                raise AssertionError(f"slots={tuple(slots)} (num_slots={num_slots}) are not distinct slots of one bucket")
+            missing = set(decode_state.slots) - set(slots)
+            if missing:
+                raise AssertionError(f"slots={tuple(slots)} leave out active slots {sorted(missing)}")
+            num_slots = len(slots)
+        elif num_slots is not None and any(slot >= num_slots for slot in decode_state.slots):
+            raise AssertionError(f"num_slots={num_slots} but slot {max(decode_state.slots)} is active")
+        if num_slots is not None and num_slots not in self.limits.decode_buckets:
+            raise AssertionError(f"{num_slots} slots is not one of {self.limits.decode_buckets}")
+        return num_slots
+
     def verify(
         self, params: dict, decode_state: MockState, proposals, num_proposed, max_position: int | None = None,
         num_slots: int | None = None,
+        slots: Sequence[int] | None = None,
     ) -> tuple[MockState, ResultTokens]:
         """Speculative decoding's call (serving.engine.speculative): each active slot keeps its
         proposals while they are the rule's next tokens, then the rule's own token; k + 1 steps."""
         self._check(decode_state)
+        num_slots = self._check_decode_slots(decode_state, num_slots, slots)
         proposals = np.asarray(proposals)
         self.calls.append(("verify", max_position, num_slots, tuple(int(n) for n in num_proposed)))
         if self.step_seconds:

@@ -1,7 +1,7 @@
 """Speculative decoding's device side: score every slot's proposed tokens in one compiled call and
 keep what the target model would have produced.
 
-`verify(params, state, proposals, num_proposed, max_position, num_slots)`: slot s feeds its last
+`verify(params, state, proposals, num_proposed, max_position, num_slots, slots)`: slot s feeds its last
 token and its `num_proposed[s]` proposals (k = proposals.shape[1] columns, padding past them) at
 positions p .. p + k over its own cache, a prefill chunk with history (serving.models.prefill):
 logits [slots, k + 1, vocab] in one forward pass. The rule (`verify_tokens`) then keeps, per slot,
@@ -29,6 +29,7 @@ Mixed into `serving.engine.engine.Engine`, whose sampling, shardings and limits 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -114,25 +115,23 @@ class Speculative:
             partial(self._verify_impl, static=static),
             donate_argnums=(1,),
             out_shardings=(self._state_shardings(), replicated(self.mesh)),
-            static_argnames=("window", "num_slots"),
+            static_argnames=("window",),
         )
 
     def verify(
         self, params: dict, decode_state: DecodeState, proposals, num_proposed, max_position: int | None = None,
-        num_slots: int | None = None,
+        num_slots: int | None = None, slots: Sequence[int] | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         """Score and accept `proposals` (int [slots, k]; `num_proposed` [slots] of each row are
-        real) for every active slot of [0, num_slots) in one call; results of k + 1 steps."""
+        real) for every active slot in one call over `slots` (as `generate` takes them; default
+        the first `num_slots`); results of k + 1 steps."""
         proposals = np.asarray(proposals, np.int32)
-        slots = self.max_concurrent_decodes if num_slots is None else num_slots
-        if slots not in self.limits.decode_buckets:
-            raise ValueError(f"num_slots={num_slots} is not one of the decode buckets {self.limits.decode_buckets}")
+        rows = self.call_rows(num_slots, slots)
         if proposals.ndim != 2 or proposals.shape[0] != self.max_concurrent_decodes or proposals.shape[1] < 1:
             raise ValueError(f"proposals must be [{self.max_concurrent_decodes}, k >= 1], got {proposals.shape}")
         window = self.verify_window(max_position)
         return self._verify_fn(
-            params, decode_state, jnp.asarray(proposals), jnp.asarray(num_proposed, jnp.int32), window=window,
-            num_slots=slots,
+            params, decode_state, jnp.asarray(proposals), jnp.asarray(num_proposed, jnp.int32), rows, window=window,
         )
 
     def warm_verify(self, params: dict, decode_state: DecodeState) -> DecodeState:
@@ -147,7 +146,7 @@ class Speculative:
         for num_slots in (b for b in self.limits.decode_buckets if b <= max(most, smallest)):
             for window in self.history_windows:
                 decode_state, _ = self._verify_fn(
-                    params, decode_state, proposals, counts, window=window, num_slots=num_slots
+                    params, decode_state, proposals, counts, self.call_rows(num_slots, None), window=window
                 )
         return decode_state
 
@@ -158,16 +157,16 @@ class Speculative:
         return next((w for w in self.history_windows if w >= max(max_position, 1)), self.history_windows[-1])
 
     def _verify_impl(
-        self, params, full: DecodeState, proposals, num_proposed, static, window: int, num_slots: int
+        self, params, full: DecodeState, proposals, num_proposed, rows, static, window: int
     ) -> tuple[DecodeState, ResultTokens]:
         max_len, total = self.config.max_target_length, self.max_concurrent_decodes
-        k = proposals.shape[1]
-        state = jax.tree.map(lambda x: x[:num_slots], full._replace(cache=None, history=None))
-        proposals, num_proposed = proposals[:num_slots], num_proposed[:num_slots]
+        k, num_slots = proposals.shape[1], rows.shape[0]
+        state = jax.tree.map(lambda x: x[rows], full._replace(cache=None, history=None))
+        proposals, num_proposed = proposals[rows], num_proposed[rows]
         # an inactive row starts at 0: it attends to no cached position (its writes go to scratch)
         starts = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
         fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
-        # rows [0, num_slots), positions [0, window), through their block tables
+        # the slots `rows`, positions [0, window), through their block tables
         logits, kv = prefill(
             params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, cache=full.cache, pages=state.pages, window=window,
             quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
@@ -175,7 +174,7 @@ class Speculative:
         vocab = logits.shape[-1]
         logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
         sampling = state.sampling._replace(temperature=jnp.where(state.active, state.sampling.temperature, 0.0))
-        logits = _processed(logits, proposals, state, sampling, full.history)
+        logits = _processed(logits, proposals, state, sampling, full.history, rows)
         column = jnp.arange(k + 1)
         keys = jax.vmap(lambda key, g: jax.vmap(lambda j: jax.random.fold_in(key, g + j))(column))(
             sampling.key, state.generated
@@ -190,10 +189,10 @@ class Speculative:
         writes = jnp.where(state.active[:, None], state.pages, SCRATCH_PAGE)
         wants = jnp.any(state.active & state.sampling.logprobs)
         chosen, top_ids, top = _logprobs(logits, tokens, sampling.temperature, wants)
-        result = ResultTokens(*(_steps_first(x, total) for x in (tokens, valid, done, chosen, top_ids, top)))
+        result = ResultTokens(*(_steps_first(x, total, rows) for x in (tokens, valid, done, chosen, top_ids, top)))
 
         def back(whole, part):
-            return whole.at[:num_slots].set(part)
+            return whole.at[rows].set(part)
 
         new_state = DecodeState(
             cache=store_chunks(full.cache, kv, writes, starts),
@@ -204,31 +203,33 @@ class Speculative:
             active=back(full.active, state.active & ~jnp.any(done, axis=1)),
             sampling=full.sampling,
             history=penalties.record(
-                full.history, jnp.arange(num_slots), tokens, valid, penalties.reads_history(state.sampling)
+                full.history, rows, tokens, valid, penalties.reads_history(state.sampling)
             ),
         )
         return new_state, result
 
 
 def _processed(
-    logits: jax.Array, proposals: jax.Array, state: DecodeState, sampling: SlotSampling, history: TokenHistory
+    logits: jax.Array, proposals: jax.Array, state: DecodeState, sampling: SlotSampling, history: TokenHistory,
+    rows: jax.Array,
 ) -> jax.Array:
     """logits [slots, k + 1, vocab] after each slot's logit processing (serving.engine.penalties),
-    column j as plain decoding would process it after the first j proposals were generated."""
+    column j as plain decoding would process it after the first j proposals were generated. The
+    arguments are the gathered slots `rows` [slots] but `history`, which holds every slot."""
     slots, columns, vocab = logits.shape
     column = jnp.arange(columns)
 
     def each(x: jax.Array) -> jax.Array:  # [slots, ...] -> [slots * (k + 1), ...]
         return jnp.repeat(x, columns, axis=0)
 
-    seq = jnp.concatenate([history.recent[:slots], proposals], axis=1)  # [slots, RECENT + k]
+    seq = jnp.concatenate([history.recent[rows], proposals], axis=1)  # [slots, RECENT + k]
     recent = jax.vmap(lambda j: lax.dynamic_slice_in_dim(seq, j, RECENT, axis=1), out_axes=1)(column)
 
     def counts_so_far() -> tuple[jax.Array, jax.Array]:  # [slots * (k + 1), vocab] each
         proposed = jnp.cumsum(jax.nn.one_hot(proposals, vocab, dtype=jnp.int32), axis=1)  # [slots, k, vocab]
         before = jnp.pad(proposed, ((0, 0), (1, 0), (0, 0)))  # column j: the first j proposals
-        counts = history.counts[:slots, None] + before
-        return counts.reshape(-1, vocab), each(history.prompt[:slots])
+        counts = history.counts[rows][:, None] + before
+        return counts.reshape(-1, vocab), each(history.prompt[rows])
 
     flat = penalties.process(
         logits.reshape(-1, vocab),
@@ -277,7 +278,7 @@ def _logprobs(
     return tuple(x.reshape(slots, columns, *x.shape[1:]) for x in flat)
 
 
-def _steps_first(x: jax.Array, total: int) -> jax.Array:
-    """[slots, steps, ...] -> [steps, total, ...], zero (not valid) past the slots."""
+def _steps_first(x: jax.Array, total: int, rows: jax.Array) -> jax.Array:
+    """[slots, steps, ...] of the slots `rows` -> [steps, total, ...], zero (not valid) elsewhere."""
     x = jnp.swapaxes(x, 0, 1)
-    return jnp.zeros((x.shape[0], total, *x.shape[2:]), x.dtype).at[:, : x.shape[1]].set(x)
+    return jnp.zeros((x.shape[0], total, *x.shape[2:]), x.dtype).at[:, rows].set(x)

@@ -95,7 +95,8 @@ def _warm_generate(engine: Engine, params: dict, state):
     steps = engine.config.decode_steps_per_call
     for num_slots in engine.limits.decode_buckets:
         for window in engine.windows:
-            state, _ = engine._generate_fn(params, state, None, window=window, steps=steps, num_slots=num_slots)
+            rows = engine.call_rows(num_slots, None)
+            state, _ = engine._generate_fn(params, state, None, rows, window=window, steps=steps)
     return state
 
 

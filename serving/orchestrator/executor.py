@@ -6,7 +6,7 @@ the same order.
 Order within a plan: frees and preemptions, LoRA adapter writes (`adapter_loads`: each adapter's
 weights from `adapter_weights`, written into its device slot by `engine.write_adapter`), the changed
 block tables (one write of the whole table), whole admissions (prefill + insert each), the
-`prefill_slots` call, the generate call (over the plan's `num_slots`; first the engine's draft
+`prefill_slots` call, the generate call (over the plan's `slots`; first the engine's draft
 model's proposals when the plan has `draft_rows`).
 
 An adapter's weights come from storage at most here, on the device loop's thread and under no lock
@@ -197,11 +197,11 @@ class Executor:
             raise ValueError(f"a plan of {plan.decode_steps} decode steps for a call of {expected}")
         if proposals is not None:
             self.state, result = engine.verify(
-                self.params, self.state, proposals, plan.num_proposed, plan.max_position, plan.num_slots
+                self.params, self.state, proposals, plan.num_proposed, plan.max_position, slots=plan.slots
             )
         else:
             self.state, result = engine.generate(
-                self.params, self.state, max_position=plan.max_position, masks=plan.masks, num_slots=plan.num_slots
+                self.params, self.state, max_position=plan.max_position, masks=plan.masks, slots=plan.slots
             )
         return result
 

@@ -64,8 +64,9 @@ class StepPlan:
 
     `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped when
     no slot is active after the prefills (`running` slots were active before them, and a slot whose
-    first token finished it never becomes active). It runs over the first `num_slots` slots, and
-    `max_position` bounds every active slot's position at that call. `masks` (int32 [slots, words],
+    first token finished it never becomes active). It computes the `slots` (`num_slots` of them, a
+    decode bucket: the running slots and the lowest others), and `max_position` bounds every active
+    slot's position at that call. `masks` (int32 [slots, words],
     or None): the grammar masks of that call, which is then one step. With `proposals` the call
     verifies them (serving.engine.speculative) instead.
     """
@@ -79,6 +80,7 @@ class StepPlan:
     running: int = 0
     max_position: int = 0
     num_slots: int | None = None
+    slots: tuple[int, ...] | None = None
     masks: np.ndarray | None = None
     # Speculative decoding: the decode call is the engine's `verify` of these proposals (int32
     # [slots, k], num_proposed [slots] of each row real), k + 1 decode steps; with a draft model,

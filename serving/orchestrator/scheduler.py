@@ -190,7 +190,7 @@ class Scheduler:
         if any(r.constrained for r in self.running.values()):
             steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
             plan_masks = self._masks(masks or {}) if steps else None
-        num_slots = self.limits.decode_slots(max(self.running) + 1) if steps else None
+        decode_rows = self.limits.decode_rows(self.running) if steps else None
         proposals = None
         if steps and plan_masks is None and self.speculator is not None:
             slots = {slot: r.request_id for slot, r in self.running.items()}
@@ -214,7 +214,8 @@ class Scheduler:
             decode_steps=steps,
             running=max(running_before, 0),
             max_position=max((r.position for r in self.running.values()), default=0),
-            num_slots=num_slots,
+            num_slots=None if decode_rows is None else len(decode_rows),
+            slots=decode_rows,
             masks=plan_masks,
             proposals=None if proposals is None else proposals.tokens,
             num_proposed=None if proposals is None else proposals.num_proposed,

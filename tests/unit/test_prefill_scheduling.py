@@ -27,16 +27,19 @@ def _rows(plan) -> list[tuple[int, int, int, bool]]:
     return [(r.slot, r.start, len(r.tokens), r.final) for r in plan.rows]
 
 
-def test_the_lowest_free_slot_is_taken_first_and_decode_runs_the_smallest_bucket_holding_it():
+def test_the_lowest_free_slot_is_taken_first_and_decode_computes_the_running_slots_in_the_smallest_bucket():
     scheduler = Scheduler(Limits(8, 32, 256, prefill_batch_tokens=128), decode_steps_per_call=2)
     plan = scheduler.schedule([_waiting(i, [i + 1]) for i in range(4)])
-    assert [r.slot for r in plan.rows] == [0, 1, 2, 3] and plan.num_slots == 4
+    assert [r.slot for r in plan.rows] == [0, 1, 2, 3] and (plan.num_slots, plan.slots) == (4, (0, 1, 2, 3))
     plan = scheduler.schedule([], cancelled={2, 0})
-    assert plan.frees == (0, 2) and plan.num_slots == 4  # slot 3 still decodes
+    assert plan.frees == (0, 2) and (plan.num_slots, plan.slots) == (2, (1, 3))  # not the first 4 slots
     plan = scheduler.schedule([], cancelled={3})
-    assert plan.num_slots == 2  # slot 1 alone: the bucket of 2 slots
+    assert (plan.num_slots, plan.slots) == (1, (1,))  # slot 1 alone: one row, not the bucket of 2
     plan = scheduler.schedule([_waiting(10, [5]), _waiting(11, [6]), _waiting(12, [7])])
-    assert [r.slot for r in plan.rows] == [0, 2, 3] and plan.num_slots == 4  # a final row decodes at once
+    assert [r.slot for r in plan.rows] == [0, 2, 3] and plan.slots == (0, 1, 2, 3)  # a final row decodes at once
+    plan = scheduler.schedule([], cancelled={10, 11})
+    assert plan.slots == (1, 3)
+    assert Limits(8, 32, 256, decode_buckets=(3,)).decode_rows({6, 3}) == (0, 3, 6)  # padded with the lowest other
     assert Limits(8, 32, 256).decode_buckets == (1, 2, 4, 8)
     assert Limits(8, 32, 256, decode_buckets=(3, 6)).decode_buckets == (3, 6, 8)
 
@@ -116,10 +119,14 @@ def test_the_mock_checks_the_chunked_contract():
         engine.prefill_slots({}, state, [PrefillRow(0, (6,), 5, True, sampling), PrefillRow(1, (6,), 0, True, sampling)])
     state, firsts = engine.prefill_slots({}, state, [PrefillRow(1, (6,), 0, True, sampling)])
     assert firsts == (7,)
-    with pytest.raises(AssertionError, match="num_slots=3 is not one of"):
+    with pytest.raises(AssertionError, match="3 slots is not one of"):
         engine.generate({}, state, num_slots=3)
     with pytest.raises(AssertionError, match="num_slots=1 but slot 1 is active"):
         engine.generate({}, state, num_slots=1)
+    with pytest.raises(AssertionError, match=r"leave out active slots \[1\]"):
+        engine.generate({}, state, slots=(0,))
+    with pytest.raises(AssertionError, match="are not distinct"):
+        engine.generate({}, state, slots=(1, 1))
     with pytest.raises(AssertionError, match="a chunk prefilled into slot 1, which is decoding"):
         engine.prefill_slots({}, state, [PrefillRow(1, (6,), 0, True, sampling)])
 
