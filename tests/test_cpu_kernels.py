@@ -678,7 +678,7 @@ def _pool(rng: np.random.Generator, cache_kind: str, shape: tuple[int, ...], pag
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
 @pytest.mark.parametrize("page_size", [8, 16])
-@pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128)])
+@pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128), (8, 64)])  # 8 x 64: values in 3 + 1 vectors
 def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, page_size, groups, head_dim, isa):
     """int8 pools in both of MaxText's scale layouts: per token and kv head (dkv), per token
     (heads_and_dkv)."""

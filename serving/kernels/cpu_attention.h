@@ -1,9 +1,10 @@
 // The attention kernel's body (cpu_attention.cc says what and why), written once for every
 // instruction set: cpu_attention.cc includes it in one namespace per set, after defining there
 // PATHSERVE_TARGET (the function attribute) and the 16-float vector V with its operations: Zero,
-// Load16 (float or int8), Fma, Set1, Sum, Mul, Add, Sub, Max, ExpV, Select, Store16, and
-// ExpAndSum(scores, n) (scores <- exp(scores - max), returning their sum), and kVectorRegisters
-// (the Vs the registers hold); the checks (Layout, CheckLayout) come before, once for every set.
+// Load16 (float or int8), Fma, Set1, Sum, Sums16 (16 vectors' sums in one), Mul, Add, Sub, Max,
+// ExpV, Select, Store16, and ExpAndSum(scores, n) (scores <- exp(scores - max), returning their
+// sum), and kVectorRegisters (the Vs the registers hold); the checks (Layout, CheckLayout) come
+// before, once for every set.
 // No include guard: it is meant to be included twice.
 
 template <typename T>
@@ -56,65 +57,122 @@ struct Problem {
   // `chunk`): its cached positions, then the call's own positions 0..s. Position t of the row is
   // the layer's token pages[b, t / page_size] * page_size + t % page_size; both passes walk the row
   // a page at a time, so the table is read once per page, with no division per position.
+  // Scores: each key's G dot products stay vectors (16 partial sums each) for a tile of 16
+  // positions, then one transposing reduction (Sums16) gives 16 scores per query head: no
+  // horizontal sum per (position, head). Values: one pass over the positions per CC vectors of
+  // head_dim, G x CC sums in registers (each value vector loaded once, each score broadcast once).
   template <int G>
   PATHSERVE_TARGET void Item(int64_t b, int64_t s, int64_t h, std::vector<float>& scores) const {
     const int64_t n = Length(b);
     const int64_t row = kv_heads * head_dim;  // stride between tokens
+    const int64_t vectors = head_dim / 16;
+    const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));  // one head of one token
     const int32_t* table = pages + b * max_pages;
     const float* query = q + ((b * chunk + s) * kv_heads + h) * G * head_dim;
     const float* own_k = k_new + (b * chunk * kv_heads + h) * head_dim;  // own position j at + j * row
     const float* own_v = v_new + (b * chunk * kv_heads + h) * head_dim;
     const int64_t width = n + s + 1;  // the cached positions, then the call's own up to s
-    scores.resize(G * width);
+    // each head's scores, a tile's full 16 stored even past its last position: the slack holds it
+    const int64_t stride = (width + 15) / 16 * 16 + 16;
+    scores.resize(G * stride);
 
+    V tile[G][16];
+    float tile_scales[16];
     // The prefetch runs kAhead positions ahead, into the page of that position (its own walk).
     int64_t ahead_slot = kAhead / page_size, ahead_offset = kAhead % page_size;
     for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
       const int64_t token = int64_t{table[slot]} * page_size;
       const T* keys = k + token * row + h * head_dim;
       const float* k_scales = k_scale ? k_scale + token * scale_heads + (scale_heads > 1 ? h : 0) : nullptr;
-      for (int64_t t = first; t < std::min(first + page_size, n); ++t) {
-        if (t + kAhead < n) {  // this position's keys and values are far apart in the pool: fetch both early
-          const int64_t at = (int64_t{table[ahead_slot]} * page_size + ahead_offset) * row + h * head_dim;
-          for (int64_t c = 0; c < head_dim * static_cast<int64_t>(sizeof(T)); c += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(k + at) + c, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(v + at) + c, _MM_HINT_T0);
+      const int64_t end = std::min(first + page_size, n);
+      for (int64_t t0 = first; t0 < end; t0 += 16) {
+        const int64_t count = std::min<int64_t>(16, end - t0);
+        for (int64_t j = 0; j < count; ++j) {
+          if (t0 + j + kAhead < n) {  // this position's keys and values are far apart in the pool: fetch both early
+            const int64_t at = (int64_t{table[ahead_slot]} * page_size + ahead_offset) * row;
+            const char* k_at = reinterpret_cast<const char*>(k + at);
+            const char* v_at = reinterpret_cast<const char*>(v + at);
+            for (int64_t c = h * bytes; c < (h + 1) * bytes; c += 64) {
+              _mm_prefetch(k_at + c, _MM_HINT_T0);
+              _mm_prefetch(v_at + c, _MM_HINT_T0);
+            }
+            if (h == 0) {  // the other kv heads' lines of the token too, into L2: the row in one stream
+              for (int64_t c = bytes; c < row * static_cast<int64_t>(sizeof(T)); c += 64) {
+                _mm_prefetch(k_at + c, _MM_HINT_T1);
+                _mm_prefetch(v_at + c, _MM_HINT_T1);
+              }
+            }
+            if (++ahead_offset == page_size) {
+              ahead_offset = 0;
+              ++ahead_slot;
+            }
           }
-          if (++ahead_offset == page_size) {
-            ahead_offset = 0;
-            ++ahead_slot;
+          const T* key = keys + (t0 - first + j) * row;
+          for (int g = 0; g < G; ++g) tile[g][j] = Zero();
+          for (int64_t c = 0; c < vectors; ++c) {
+            const V k16 = Load16(key + 16 * c);
+            for (int g = 0; g < G; ++g) tile[g][j] = Fma(Load16(query + g * head_dim + 16 * c), k16, tile[g][j]);
           }
+          tile_scales[j] = k_scales ? k_scales[(t0 - first + j) * scale_heads] * scale : scale;
         }
-        const float key_scale = k_scales ? k_scales[(t - first) * scale_heads] * scale : scale;
-        Score<G>(query, keys + (t - first) * row, key_scale, scores.data() + t, width);
+        for (int64_t j = count; j < 16; ++j) {
+          for (int g = 0; g < G; ++g) tile[g][j] = Zero();
+          tile_scales[j] = 0.0f;
+        }
+        const V key_scales = Load16(tile_scales);
+        for (int g = 0; g < G; ++g) Store16(scores.data() + g * stride + t0, Mul(Sums16(tile[g]), key_scales));
       }
     }
-    for (int64_t j = 0; j <= s; ++j) Score<G>(query, own_k + j * row, scale, scores.data() + n + j, width);
+    for (int64_t j = 0; j <= s; ++j) Score<G>(query, own_k + j * row, scale, scores.data() + n + j, stride);
 
     float inverse_total[G];
-    for (int g = 0; g < G; ++g) inverse_total[g] = 1.0f / ExpAndSum(scores.data() + g * width, width);
+    for (int g = 0; g < G; ++g) inverse_total[g] = 1.0f / ExpAndSum(scores.data() + g * stride, width);
 
     float* result = out + ((b * chunk + s) * kv_heads + h) * G * head_dim;
-    for (int64_t c = 0; c < head_dim / 16; ++c) {
-      V acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = Zero();
-      for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
-        const int64_t token = int64_t{table[slot]} * page_size;
-        const T* values = v + token * row + h * head_dim + 16 * c;
-        const float* v_scales = v_scale ? v_scale + token * scale_heads + (scale_heads > 1 ? h : 0) : nullptr;
-        for (int64_t t = first; t < std::min(first + page_size, n); ++t) {
-          const V value = Load16(values + (t - first) * row);
-          const float value_scale = v_scales ? v_scales[(t - first) * scale_heads] : 1.0f;
-          for (int g = 0; g < G; ++g) acc[g] = Fma(Set1(scores[g * width + t] * value_scale), value, acc[g]);
+    constexpr int CC = std::max(1, std::min(4, (kVectorRegisters - 2) / G));  // vectors of head_dim per pass
+    for (int64_t c0 = 0; c0 < vectors;) {
+      if (c0 + CC <= vectors) {
+        Values<G, CC>(b, h, c0, n, s, table, own_v, scores.data(), stride, inverse_total, result);
+        c0 += CC;
+      } else {
+        Values<G, 1>(b, h, c0, n, s, table, own_v, scores.data(), stride, inverse_total, result);
+        c0 += 1;
+      }
+    }
+  }
+
+  // Vectors [c0, c0 + CC) of head_dim of Item's output: the probabilities `scores` (stride apart
+  // per query head) times the cached values, then the call's own values 0..s, normalized.
+  template <int G, int CC>
+  PATHSERVE_TARGET void Values(int64_t b, int64_t h, int64_t c0, int64_t n, int64_t s, const int32_t* table,
+                               const float* own_v, const float* scores, int64_t stride, const float* inverse_total,
+                               float* result) const {
+    const int64_t row = kv_heads * head_dim;
+    V acc[G][CC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CC; ++c) acc[g][c] = Zero();
+    for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
+      const int64_t token = int64_t{table[slot]} * page_size;
+      const T* values = v + token * row + h * head_dim + 16 * c0;
+      const float* v_scales = v_scale ? v_scale + token * scale_heads + (scale_heads > 1 ? h : 0) : nullptr;
+      for (int64_t t = first; t < std::min(first + page_size, n); ++t) {
+        V value[CC];
+        for (int c = 0; c < CC; ++c) value[c] = Load16(values + (t - first) * row + 16 * c);
+        const float value_scale = v_scales ? v_scales[(t - first) * scale_heads] : 1.0f;
+        for (int g = 0; g < G; ++g) {
+          const V weight = Set1(scores[g * stride + t] * value_scale);
+          for (int c = 0; c < CC; ++c) acc[g][c] = Fma(weight, value[c], acc[g][c]);
         }
       }
-      for (int64_t j = 0; j <= s; ++j) {
-        const V value = Load16(own_v + j * row + 16 * c);
-        for (int g = 0; g < G; ++g) acc[g] = Fma(Set1(scores[g * width + n + j]), value, acc[g]);
-      }
-      for (int g = 0; g < G; ++g)
-        Store16(result + g * head_dim + 16 * c, Mul(acc[g], Set1(inverse_total[g])));
     }
+    for (int64_t j = 0; j <= s; ++j) {
+      for (int c = 0; c < CC; ++c) {
+        const V value = Load16(own_v + j * row + 16 * (c0 + c));
+        for (int g = 0; g < G; ++g) acc[g][c] = Fma(Set1(scores[g * stride + n + j]), value, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CC; ++c) Store16(result + g * head_dim + 16 * (c0 + c), Mul(acc[g][c], Set1(inverse_total[g])));
   }
 
   // -- Several query positions per row (chunk > 1): the queries in the vector's lanes -------------
