@@ -677,7 +677,8 @@ def _pool(rng: np.random.Generator, cache_kind: str, shape: tuple[int, ...], pag
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_kind", ["float32", "int8 dkv", "int8 heads_and_dkv"])
-@pytest.mark.parametrize("page_size", [8, 16])
+# 24: a page holds one tile of 16 positions and part of the next
+@pytest.mark.parametrize("page_size", [8, 16, 24])
 @pytest.mark.parametrize(("groups", "head_dim"), [(1, 16), (3, 64), (4, 128), (8, 64)])  # 8 x 64: values in 3 + 1 vectors
 def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, page_size, groups, head_dim, isa):
     """int8 pools in both of MaxText's scale layouts: per token and kv head (dkv), per token
@@ -713,7 +714,7 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
 # the kernel takes up to 64 queries (positions x groups) per block: 40 x 3 is two blocks, 11 x 12 three
 @pytest.mark.parametrize(
     ("chunk", "page_size", "groups", "head_dim"),
-    [(5, 8, 3, 64), (2, 16, 1, 16), (9, 8, 4, 32), (40, 16, 3, 64), (11, 8, 12, 16)],
+    [(5, 8, 3, 64), (2, 16, 1, 16), (9, 8, 4, 32), (40, 16, 3, 64), (11, 8, 12, 16), (5, 24, 3, 64)],
 )
 def test_chunk_attention_kernel_is_causal_attention_after_each_rows_pages(cache_kind, chunk, page_size, groups,
                                                                            head_dim, isa):

@@ -153,10 +153,16 @@ def test_generate_and_verify_over_scattered_slots_equal_a_call_over_every_slot(t
             np.testing.assert_array_equal(np.asarray(x)[:, [2, 5]], np.asarray(y)[:, [2, 5]])
 
     every, scattered = started(), started()
-    for _ in range(3):
-        every, want = engine.generate(params, every, max_position=40)
-        scattered, got = engine.generate(params, scattered, max_position=40, slots=(2, 5))
+    words = -(-model.config.vocab_size // 32)
+    masks = np.full((8, words), -1, np.int32)  # every token allowed, but slot 5 may take token 7 only
+    masks[5], masks[5, 0] = 0, 1 << 7
+    # the decoding slots alone, then padded with inactive slots between and after them, then masked
+    for slots, call_masks in (((2, 5), None), ((0, 2, 5, 7), None), ((0, 2, 5, 7), masks), ((2, 5), None)):
+        every, want = engine.generate(params, every, max_position=40, masks=call_masks)
+        scattered, got = engine.generate(params, scattered, max_position=40, masks=call_masks, slots=slots)
         same(got, want)
+        if call_masks is not None:
+            assert int(np.asarray(got.tokens)[0, 5]) == 7
     proposals = np.zeros((8, 4), np.int32)
     proposals[2], proposals[5] = np.asarray(want.tokens)[-1, 2], np.asarray(want.tokens)[-1, 5]
     num_proposed = np.array([0, 0, 4, 0, 0, 2, 0, 0], np.int32)

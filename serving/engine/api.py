@@ -252,7 +252,8 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         one call, keep the longest prefix the target accepts (greedy: its argmax; sampled: the
         rejection rule, so the output distribution is the target's) and one token of its own after
         it. Results have k + 1 steps, `valid` marking the 1..k + 1 tokens each slot emitted; a stop
-        id, max_tokens or max_target_length ends a slot there as in `generate`."""
+        id, max_tokens or max_target_length ends a slot there as in `generate`. `slots` and
+        `num_slots`: the slots computed, as `generate` takes them."""
         ...
 
     def write_adapter(self, params: ParamsT, slot: int, weights: LoraWeights) -> ParamsT:

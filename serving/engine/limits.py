@@ -125,7 +125,7 @@ class Limits:
         return next(b for b in self.buckets if b >= length)
 
     def decode_slots(self, used: int) -> int:
-        """The smallest slot-count bucket holding slots [0, used)."""
+        """The smallest slot-count bucket of at least `used` slots."""
         return next(b for b in self.decode_buckets if b >= used)
 
     def decode_rows(self, active: Collection[int]) -> tuple[int, ...]:

@@ -410,7 +410,12 @@ class MockEngine:
         """The real engine's contract for a decode call's slots (`generate`): a bucket's count of
         distinct slots holding every active one (or the first `num_slots`); returns their count."""
         if slots is not None:
-            if len(set(slots)) != len(slots) or (num_slots is not None and num_slots != len(slots)):
+            total = self.limits.max_concurrent_decodes
+            if (
+                len(set(slots)) != len(slots)
+                or not all(0 <= slot < total for slot in slots)
+                or (num_slots is not None and num_slots != len(slots))
+            ):
                 raise AssertionError(f"slots={tuple(slots)} (num_slots={num_slots}) are not distinct slots of one bucket")
             missing = set(decode_state.slots) - set(slots)
             if missing:

@@ -142,8 +142,9 @@ class Speculative:
         k, most = self.verify_warmup
         proposals = jnp.zeros((self.max_concurrent_decodes, k), jnp.int32)
         counts = jnp.zeros((self.max_concurrent_decodes,), jnp.int32)
-        smallest = min(self.limits.decode_buckets)
-        for num_slots in (b for b in self.limits.decode_buckets if b <= max(most, smallest)):
+        # a verify call computes the speculating slots padded to a bucket: the one holding `most`
+        widest = self.limits.decode_slots(max(1, min(most, self.max_concurrent_decodes)))
+        for num_slots in (b for b in self.limits.decode_buckets if b <= widest):
             for window in self.history_windows:
                 decode_state, _ = self._verify_fn(
                     params, decode_state, proposals, counts, self.call_rows(num_slots, None), window=window

@@ -215,14 +215,15 @@ PATHSERVE_TARGET inline float Sum8(__m256 a) {
   return _mm_cvtss_f32(x);
 }
 PATHSERVE_TARGET inline float Sum(V a) { return Sum8(_mm256_add_ps(a.lo, a.hi)); }
-// Lane j: the sum of x[j]'s lanes, for 16 vectors: each vector's halves added, then per 8 vectors
-// two rounds of hadd (per 128-bit half) and the halves added across.
+// Lane j: the sum of a[j]'s lanes, for 8 vectors: two rounds of hadd (per 128-bit half), then the
+// halves added across.
 PATHSERVE_TARGET inline __m256 Sums8(const __m256* a) {
   const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);  // [a0..a3 | a4..a7] per half
   return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
 }
+// Lane j: the sum of x[j]'s lanes, for 16 vectors: each vector's halves added, then Sums8 twice.
 PATHSERVE_TARGET inline V Sums16(const V* x) {
   __m256 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm256_add_ps(x[i].lo, x[i].hi);

@@ -9,7 +9,7 @@
    a. decide (serving.orchestrator.scheduler, plain Python): the slots of cancelled requests are
       freed (decoding or still prefilling), queued requests take the lowest free slots, the next
       prompt chunks are picked for one batched prefill (prefix-cache blocks reused and kept), a
-      generate call runs over the smallest slot bucket if any slot decodes (with speculative
+      generate call runs over the decoding slots (padded to a slot bucket) if any slot decodes (with speculative
       decoding on and proposals, a verify call: serving.orchestrator.proposers); the result is a
       `StepPlan`;
    b. execute (serving.orchestrator.executor): free_resource, LoRA adapter writes, set_pages,

@@ -6,7 +6,7 @@ executor; on a multi-host slice that plan is what the leader sends to every host
 The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequence holds pages as
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
-b. waiting requests take free slots, the lowest first (so the decode buckets stay small). A request
+b. waiting requests take free slots, the lowest first. A request
    that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
@@ -28,7 +28,8 @@ d. one `prefill_slots` call: the next chunk of each prefilling slot whose pages 
    before ones that would widen it); rows start all at 0 or all after it, as the first row does. A
    row that reaches its prompt's end is final: its slot decodes from this turn. Each full prompt
    page it completes is registered under its key;
-e. one generate call over the smallest slot bucket holding every decoding slot; with a
+e. one generate call over the decoding slots, padded to the smallest slot bucket holding their
+   count (`Limits.decode_rows`); with a
    speculator (serving.orchestrator.proposers) that proposes tokens for some slot, a verify call
    of those proposals instead (no grammar running).
 
@@ -142,8 +143,8 @@ class Scheduler:
     def room(self, cancelled: Collection[int] = ()) -> int:
         """How many slots the next `schedule` can fill, once `cancelled` are freed (a waiting
         request takes `num_slots` of them): none while the pool has no page beyond the running
-        sequences' next growth (a request admitted then would hold a slot without a page, and the
-        slots that decode would spread over larger decode buckets), unless nothing runs."""
+        sequences' next growth (a request admitted then would hold a slot without a page), unless
+        nothing runs."""
         cancelled_slots = self._cancelled_slots(cancelled)
         if self.running and not cancelled_slots and self.pool.num_free <= self._headroom():
             return 0
