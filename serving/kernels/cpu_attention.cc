@@ -15,8 +15,8 @@
 // kv head): its scores 16 positions at a time (one transposing sum for 16, not a horizontal sum
 // per position), its values in one pass holding every query head's sums, and its first kv head
 // prefetches the other heads' lines of each token, so that a row comes from memory in one stream
-// (30 layers of 18 rows x 400 positions: 28.8 -> 22.1 ms on a 2-core EPYC, bound by memory at
-// ~15 GB/s; one row, from cache, 0.94 -> 0.57 ms); a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
+// (30 layers of 18 rows x 400 positions on a 2-core EPYC, alternating runs: 25.7-29.7 -> 25.0-25.5
+// ms, bound by reading the pages at ~13-15 GB/s); a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
 // the vector's lanes, reading each key and value once per block with an online softmax (measured
 // in docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones 1.2-1.6x, a 512 one 1.3-1.7x).
 //
