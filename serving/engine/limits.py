@@ -17,6 +17,7 @@ scattered over the slots (the others free or prefilling) cost their count, not t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -132,12 +133,10 @@ class Limits:
         """The slots a decode call computes for the `active` ones, ascending: those and the lowest
         other slots, as many as the smallest bucket holding them. Each padding slot must be inactive
         on the device (it computes nothing)."""
-        bucket = self.decode_slots(len(active))
-        chosen = sorted(set(active))
-        if len(chosen) < bucket:
-            taken = set(chosen)
-            chosen += [s for s in range(bucket + len(taken)) if s not in taken][: bucket - len(chosen)]
-        return tuple(sorted(chosen))
+        taken = set(active)
+        others = (s for s in range(self.max_concurrent_decodes) if s not in taken)
+        padding = itertools.islice(others, self.decode_slots(len(taken)) - len(taken))
+        return tuple(sorted([*taken, *padding]))
 
     def check(self, prompt_length: int, sampling: SamplingParams) -> None:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""

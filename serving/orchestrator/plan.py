@@ -64,8 +64,8 @@ class StepPlan:
 
     `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped when
     no slot is active after the prefills (`running` slots were active before them, and a slot whose
-    first token finished it never becomes active). It computes the `slots` (`num_slots` of them, a
-    decode bucket: the running slots and the lowest others), and `max_position` bounds every active
+    first token finished it never becomes active). It computes the `slots` (a decode bucket's count:
+    the running slots and the lowest others), and `max_position` bounds every active
     slot's position at that call. `masks` (int32 [slots, words],
     or None): the grammar masks of that call, which is then one step. With `proposals` the call
     verifies them (serving.engine.speculative) instead.
@@ -79,7 +79,6 @@ class StepPlan:
     decode_steps: int = 0
     running: int = 0
     max_position: int = 0
-    num_slots: int | None = None
     slots: tuple[int, ...] | None = None
     masks: np.ndarray | None = None
     # Speculative decoding: the decode call is the engine's `verify` of these proposals (int32
@@ -92,6 +91,11 @@ class StepPlan:
     # A disaggregated server: (slot, the pages holding its prompt) of each final row, moved from the
     # prefill engine to the generate engine once that row has run (serving.orchestrator.disaggregated)
     handoffs: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def num_slots(self) -> int | None:
+        """How many slots the decode call computes (a decode bucket), None without one."""
+        return None if self.slots is None else len(self.slots)
 
     @property
     def empty(self) -> bool:

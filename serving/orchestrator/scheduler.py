@@ -215,7 +215,6 @@ class Scheduler:
             decode_steps=steps,
             running=max(running_before, 0),
             max_position=max((r.position for r in self.running.values()), default=0),
-            num_slots=None if decode_rows is None else len(decode_rows),
             slots=decode_rows,
             masks=plan_masks,
             proposals=None if proposals is None else proposals.tokens,

@@ -158,13 +158,13 @@ def test_the_generate_call_goes_out_before_the_prefill_and_the_new_slot_decodes_
     sampling = SamplingParams(max_tokens=8)
     tables = ((0, (1,)), (1, (2,)))
     first = StepPlan(page_tables=tables, rows=(PrefillRow(0, (1, 2, 3), 0, True, sampling),), decode_steps=2,
-                     num_slots=1, max_position=3, handoffs=((0, (1,)),))
+                     slots=(0,), max_position=3, handoffs=((0, (1,)),))
     executor.run(first)
     assert [c[0] for c in generate.calls] == ["init_decode_state", "set_pages", "accept"]  # nothing decoded yet
     order: list = []
     prefill.calls = _Recorder(order, "prefill side", prefill.calls)
     generate.calls = _Recorder(order, "generate side", generate.calls)
-    second = StepPlan(rows=(PrefillRow(1, (7, 8), 0, True, sampling),), decode_steps=2, running=1, num_slots=2,
+    second = StepPlan(rows=(PrefillRow(1, (7, 8), 0, True, sampling),), decode_steps=2, running=1, slots=(0, 1),
                       max_position=5, handoffs=((1, (2,)),))
     outcome = executor.run(second)
     assert order == [("generate side", "generate"), ("prefill side", "prefill_slots"), ("prefill side", "handoff"),

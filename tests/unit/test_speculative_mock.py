@@ -64,7 +64,7 @@ def test_a_speculative_plan_reaches_a_follower_whole(monkeypatch):
 
     wire = Wire(monkeypatch)
     rows = (PrefillRow(1, (5, 6, 7), 40, True, SamplingParams(max_tokens=3)),)
-    plan = StepPlan(decode_steps=4, running=2, max_position=43, num_slots=2,
+    plan = StepPlan(decode_steps=4, running=2, max_position=43, slots=(0, 1),
                     proposals=np.arange(12, dtype=np.int32).reshape(4, 3),
                     num_proposed=np.array([3, 0, 0, 0], np.int32), draft_rows=rows)
     channel(True).send(plan)
