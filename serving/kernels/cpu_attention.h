@@ -40,16 +40,22 @@ struct Problem {
     return std::min<int64_t>(std::max<int32_t>(lengths[b], 0), max_pages * page_size);
   }
 
+  // dot[g * step] <- query g . key as 16 partial sums, for the G query heads of one kv head.
+  template <int G, typename U>
+  PATHSERVE_TARGET void Dots(const float* query, const U* key, V* dot, int64_t step) const {
+    for (int g = 0; g < G; ++g) dot[g * step] = Zero();
+    for (int64_t c = 0; c < head_dim / 16; ++c) {
+      const V k16 = Load16(key + 16 * c);
+      for (int g = 0; g < G; ++g) dot[g * step] = Fma(Load16(query + g * head_dim + 16 * c), k16, dot[g * step]);
+    }
+  }
+
   // scores[g * width] <- scale * query g . key, for the G query heads of one kv head.
   template <int G, typename U>
   PATHSERVE_TARGET void Score(const float* query, const U* key, float key_scale, float* scores,
                               int64_t width) const {
     V dot[G];
-    for (int g = 0; g < G; ++g) dot[g] = Zero();
-    for (int64_t c = 0; c < head_dim / 16; ++c) {
-      const V k16 = Load16(key + 16 * c);
-      for (int g = 0; g < G; ++g) dot[g] = Fma(Load16(query + g * head_dim + 16 * c), k16, dot[g]);
-    }
+    Dots<G>(query, key, dot, 1);
     for (int g = 0; g < G; ++g) scores[g * width] = Sum(dot[g]) * key_scale;
   }
 
@@ -107,12 +113,7 @@ struct Problem {
               ++ahead_slot;
             }
           }
-          const T* key = keys + (t0 - first + j) * row;
-          for (int g = 0; g < G; ++g) tile[g][j] = Zero();
-          for (int64_t c = 0; c < vectors; ++c) {
-            const V k16 = Load16(key + 16 * c);
-            for (int g = 0; g < G; ++g) tile[g][j] = Fma(Load16(query + g * head_dim + 16 * c), k16, tile[g][j]);
-          }
+          Dots<G>(query, keys + (t0 - first + j) * row, &tile[0][j], 16);
           tile_scales[j] = k_scales ? k_scales[(t0 - first + j) * scale_heads] * scale : scale;
         }
         for (int64_t j = count; j < 16; ++j) {
