@@ -704,6 +704,12 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
         expected = attention_with_new_token(q[:, None], keys, values, attended[:, None], k_new, v_new)[:, 0]
         got = attend(q, *cache, layer, jnp.asarray(lengths), k_new, v_new, jnp.asarray(pages))
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+        # 7 rows: an item per row, its kv heads together (up to 3 threads); one row: an item per kv head
+        for row in range(batch):
+            alone = slice(row, row + 1)
+            got = attend(q[alone], *cache, layer, jnp.asarray(lengths[alone]), k_new[alone], v_new[alone],
+                         jnp.asarray(pages[alone]))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected)[alone], rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="layer 3 of 3"):
         jax.block_until_ready(attend(q, *cache, 3, jnp.asarray(lengths), k_new, v_new, jnp.asarray(pages)))
 

@@ -11,12 +11,16 @@
 // dequantized and concatenated it per layer. Here each row reads its own layer's keys and values
 // where they lie, and only the positions before the call: lengths[b] of them, then the call's own
 // keys and values (not yet in the cache) up to each query's position. A decode step (and a call
-// with too few blocks of queries to share among the threads) takes one item per (row, position,
-// kv head): its scores 16 positions at a time (one transposing sum for 16, not a horizontal sum
-// per position), its values in one pass holding every query head's sums, and its first kv head
-// prefetches the other heads' lines of each token, so that a row comes from memory in one stream
-// (30 layers of 18 rows x 400 positions on a 2-core EPYC, alternating runs: 25.7-29.7 -> 25.0-25.5
-// ms, bound by reading the pages at ~13-15 GB/s); a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
+// with too few blocks of queries to share among the threads) takes items of one query position:
+// its scores 16 positions at a time (one transposing sum for 16, not a horizontal sum per
+// position), then its values. On a float pool with rows enough for every thread, an item is a
+// whole row: every kv head of each token row before the next, so the pool is read in one stream
+// the hardware prefetches (30 layers of 18 rows x 400 positions of SmolLM2's heads on a 2-core
+// EPYC, alternating runs: 22-25 -> 18.5-19.5 ms on 4 KB pages, 16-17 ms on the 2 MB pages the
+// engine gives the pool (serving/kernels/huge_pages.py); AVX2 25.6-28 -> 20-21 ms). Otherwise
+// (an int8 pool, few rows) an item is one kv head, its values in one pass holding every query
+// head's sums in registers, its first kv head prefetching the other heads' lines of each token;
+// a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
 // the vector's lanes, reading each key and value once per block with an online softmax (measured
 // in docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones 1.2-1.6x, a 512 one 1.3-1.7x).
 //

@@ -23,6 +23,7 @@ struct Problem {
   int64_t batch, chunk, max_pages, page_size, kv_heads, groups, head_dim;
   float scale;
   int64_t scale_heads;  // an int8 pool's scales per token: kv_heads (dkv) or 1 (heads_and_dkv)
+  bool whole_rows = false;  // Items: RowItem (every kv head of a row per item), else Item (one head)
 
   // Row b's query positions that count, counts[b] clamped to [0, chunk].
   int64_t Count(int64_t b) const { return std::min<int64_t>(std::max<int32_t>(counts[b], 0), chunk); }
@@ -174,6 +175,90 @@ struct Problem {
     }
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CC; ++c) Store16(result + g * head_dim + 16 * (c0 + c), Mul(acc[g][c], Set1(inverse_total[g])));
+  }
+
+  // Item for every kv head of row `b`'s query position `s` at once, for a float pool (no int8
+  // scales here) where the rows are enough to share among the threads (Attend decides). Item reads
+  // a head's slice of each token row (256 of 768 bytes for SmolLM2), a stride the hardware
+  // prefetchers follow poorly: ~15 GB/s on two threads. Here both passes read whole token rows one
+  // after another (one stream; ~19 GB/s on 4 KB pages, ~22 on 2 MB ones): each tile of 16
+  // positions takes every head's G dot products per row (vectors in `dots`, reduced per head by
+  // Sums16 as in Item), and the values' pass adds each row's values to sums [kv heads, G,
+  // head_dim] held in L1 (too many for the registers) before the next row.
+  template <int G>
+  PATHSERVE_TARGET void RowItem(int64_t b, int64_t s, std::vector<float>& scores, std::vector<float>& sums,
+                                std::vector<float>& dots) const {
+    const int64_t n = Length(b);
+    const int64_t row = kv_heads * head_dim;  // stride between tokens
+    const int64_t vectors = head_dim / 16;
+    const int32_t* table = pages + b * max_pages;
+    const float* queries = q + (b * chunk + s) * row * G;  // kv head h's G queries at + h * G * head_dim
+    const float* own_k = k_new + b * chunk * row;          // own position j, kv head h at + j * row + h * head_dim
+    const float* own_v = v_new + b * chunk * row;
+    const int64_t width = n + s + 1;  // the cached positions, then the call's own up to s
+    const int64_t stride = (width + 15) / 16 * 16 + 16;  // per (kv head, query head), as in Item
+    scores.resize(kv_heads * G * stride);
+    sums.assign(kv_heads * G * head_dim, 0.0f);
+    // a tile's dot products [kv heads, G, 16 positions], vectors aligned in `dots`
+    dots.resize(kv_heads * G * 16 * 16 + 16);
+    V* tile = reinterpret_cast<V*>((reinterpret_cast<uintptr_t>(dots.data()) + 63) & ~uintptr_t{63});
+    for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
+      const T* keys = k + int64_t{table[slot]} * page_size * row;
+      const int64_t end = std::min(first + page_size, n);
+      for (int64_t t0 = first; t0 < end; t0 += 16) {
+        const int64_t count = std::min<int64_t>(16, end - t0);
+        for (int64_t j = 0; j < 16; ++j) {
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            V* dot = tile + h * G * 16 + j;
+            if (j < count) {
+              Dots<G>(queries + h * G * head_dim, keys + (t0 - first + j) * row + h * head_dim, dot, 16);
+            } else {
+              for (int g = 0; g < G; ++g) dot[g * 16] = Zero();
+            }
+          }
+        }
+        for (int64_t i = 0; i < kv_heads * G; ++i)
+          Store16(scores.data() + i * stride + t0, Mul(Sums16(tile + i * 16), Set1(scale)));
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t j = 0; j <= s; ++j) {
+        Score<G>(queries + h * G * head_dim, own_k + j * row + h * head_dim, scale,
+                 scores.data() + h * G * stride + n + j, stride);
+      }
+    }
+    float inverse_total[16 * G];  // kv_heads <= 16 (Attend)
+    for (int64_t i = 0; i < kv_heads * G; ++i) inverse_total[i] = 1.0f / ExpAndSum(scores.data() + i * stride, width);
+
+    for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
+      const T* values = v + int64_t{table[slot]} * page_size * row;
+      for (int64_t t = first; t < std::min(first + page_size, n); ++t)
+        AddRow<G>(values + (t - first) * row, scores.data() + t, stride, sums.data());
+    }
+    for (int64_t j = 0; j <= s; ++j) AddRow<G>(own_v + j * row, scores.data() + n + j, stride, sums.data());
+    float* result = out + (b * chunk + s) * row * G;
+    for (int64_t i = 0; i < kv_heads * G; ++i)
+      for (int64_t c = 0; c < vectors; ++c)
+        Store16(result + i * head_dim + 16 * c,
+                Mul(Load16(sums.data() + i * head_dim + 16 * c), Set1(inverse_total[i])));
+  }
+
+  // sums [kv heads, G, head_dim] += each head's probabilities probs[(h * G + g) * stride] times the
+  // token row `value`'s values [kv heads, head_dim].
+  template <int G, typename U>
+  PATHSERVE_TARGET void AddRow(const U* value, const float* probs, int64_t stride, float* sums) const {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      V weight[G];  // read before the stores below, which the compiler cannot tell from `probs`
+      for (int g = 0; g < G; ++g) weight[g] = Set1(probs[(h * G + g) * stride]);
+      float* head_sums = sums + h * G * head_dim;
+      for (int64_t c = 0; c < head_dim / 16; ++c) {
+        const V v16 = Load16(value + h * head_dim + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          float* sum = head_sums + g * head_dim + 16 * c;
+          Store16(sum, Fma(weight[g], v16, Load16(sum)));
+        }
+      }
+    }
   }
 
   // -- Several query positions per row (chunk > 1): the queries in the vector's lanes -------------
@@ -379,6 +464,20 @@ struct Problem {
   template <int G>
   void Items(int64_t first, int64_t last) const {
     thread_local std::vector<float> scores;
+    if (whole_rows) {  // item i: row i / chunk, query position i % chunk, every kv head
+      if constexpr (std::is_same_v<T, float>) {
+        thread_local std::vector<float> sums, dots;
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t b = i / chunk, s = i % chunk;
+          if (s < Count(b)) {
+            RowItem<G>(b, s, scores, sums, dots);
+          } else {
+            for (int64_t h = 0; h < kv_heads; ++h) Clear(b, h, s, s + 1);
+          }
+        }
+      }
+      return;
+    }
     // item i: row i / (chunk * kv), query position (i / kv) % chunk, kv head i % kv
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / (chunk * kv_heads), s = i / kv_heads % chunk, h = i % kv_heads;
@@ -415,26 +514,26 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
   if (checked.has_error()) return checked.error();
   const Layout& s = checked.value();
   const int64_t tokens = s.num_pages * s.page_size;  // per layer of the pool
-  const Problem<T> problem{q.typed_data(),
-                           k.typed_data() + s.layer * tokens * s.kv_heads * s.head_dim,
-                           v.typed_data() + s.layer * tokens * s.kv_heads * s.head_dim,
-                           k_scale ? k_scale + s.layer * tokens * scale_heads : nullptr,
-                           v_scale ? v_scale + s.layer * tokens * scale_heads : nullptr,
-                           pages.typed_data(),
-                           lengths.typed_data(),
-                           k_new.typed_data(),
-                           v_new.typed_data(),
-                           counts.typed_data(),
-                           out->typed_data(),
-                           s.batch,
-                           s.chunk,
-                           s.max_pages,
-                           s.page_size,
-                           s.kv_heads,
-                           s.groups,
-                           s.head_dim,
-                           1.0f / std::sqrt(static_cast<float>(s.head_dim)),
-                           scale_heads};
+  Problem<T> problem{q.typed_data(),
+                     k.typed_data() + s.layer * tokens * s.kv_heads * s.head_dim,
+                     v.typed_data() + s.layer * tokens * s.kv_heads * s.head_dim,
+                     k_scale ? k_scale + s.layer * tokens * scale_heads : nullptr,
+                     v_scale ? v_scale + s.layer * tokens * scale_heads : nullptr,
+                     pages.typed_data(),
+                     lengths.typed_data(),
+                     k_new.typed_data(),
+                     v_new.typed_data(),
+                     counts.typed_data(),
+                     out->typed_data(),
+                     s.batch,
+                     s.chunk,
+                     s.max_pages,
+                     s.page_size,
+                     s.kv_heads,
+                     s.groups,
+                     s.head_dim,
+                     1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                     scale_heads};
   int64_t positions = 0;  // scored by every query position of every row
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t count = problem.Count(b);
@@ -452,7 +551,12 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
     pathserve::ParallelFor(pool, blocks, work,
                            [problem](int64_t first, int64_t last) { problem.Blocks(first, last); });
   } else {
-    pathserve::ParallelFor(pool, s.batch * s.chunk * s.kv_heads, work,
+    // A float pool's rows whole where they alone give every thread two items or more (an int8 pool
+    // reads a quarter of the bytes, and there Item's registers measured faster; with fewer rows,
+    // a row's kv heads go to different threads).
+    problem.whole_rows =
+        std::is_same_v<T, float> && s.kv_heads <= 16 && s.batch * s.chunk >= 2 * pool.num_threads();
+    pathserve::ParallelFor(pool, s.batch * s.chunk * (problem.whole_rows ? 1 : s.kv_heads), work,
                            [problem](int64_t first, int64_t last) { problem.Items(first, last); });
   }
   return ffi::Error::Success();
