@@ -181,13 +181,17 @@ class ChunkedPrefill:
         total = self.max_concurrent_decodes
         real = slots < total  # padding rows carry slot `total`: their table is all scratch
         pages = jnp.where(real[:, None], pages_table[jnp.clip(slots, 0, total - 1)], SCRATCH_PAGE)  # [rows, max_pages]
+        # Fresh chunks (nothing cached) too go to the backend's chunk attention where it reads the
+        # pool in place: causal over each row's own positions up to its length, where XLA's
+        # attention computes the whole [bucket, bucket] square and masks what it does not need.
+        history = window > 0 or self.cache_in_place
         logits, kv = prefill(
             params,
             tokens,
             lengths,
             **static,
-            starts=starts if window else None,
-            cache=cache if window else None,
+            starts=starts if history else None,
+            cache=cache if history else None,
             pages=pages,
             window=window,
             quantized_kv=cache.quantized,

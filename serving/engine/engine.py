@@ -168,7 +168,8 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(5,), out_shardings=state_shardings)
         cache_dtype = jnp.int8 if config.quantize_kvcache else self._dtype
-        if self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype):
+        self.cache_in_place = self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype)
+        if self.cache_in_place:
             self.windows = [config.max_target_length]  # attention reads only each row's positions
         else:
             self.windows = attention_windows(config.max_target_length)
