@@ -704,7 +704,12 @@ def test_decode_attention_kernel_is_attention_over_each_rows_pages(cache_kind, p
         expected = attention_with_new_token(q[:, None], keys, values, attended[:, None], k_new, v_new)[:, 0]
         got = attend(q, *cache, layer, jnp.asarray(lengths), k_new, v_new, jnp.asarray(pages))
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
-        # 7 rows: an item per row, its kv heads together (up to 3 threads); one row: an item per kv head
+        # rows enough for every thread (the rows repeated): an item per row, its kv heads together;
+        # one row: an item per kv head
+        reps = -(-2 * (os.cpu_count() or 1) // batch)
+        got = attend(np.tile(q, (reps, 1, 1, 1)), *cache, layer, jnp.asarray(np.tile(lengths, reps)),
+                     np.tile(k_new, (reps, 1, 1)), np.tile(v_new, (reps, 1, 1)), jnp.asarray(np.tile(pages, (reps, 1))))
+        np.testing.assert_allclose(np.asarray(got), np.tile(np.asarray(expected), (reps, 1, 1, 1)), rtol=1e-5, atol=1e-5)
         for row in range(batch):
             alone = slice(row, row + 1)
             got = attend(q[alone], *cache, layer, jnp.asarray(lengths[alone]), k_new[alone], v_new[alone],

@@ -3,21 +3,12 @@ the arrays read and write as before (what a donated call does to the decode stat
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from serving.kernels import huge_pages
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _huge_pages_possible() -> bool:
-    return sys.platform.startswith("linux") and THP.exists() and "[never]" not in THP.read_text()
 
 
 def test_a_zeroed_pool_reads_zeros_and_takes_writes_after_its_pages_are_given_back():
@@ -26,7 +17,7 @@ def test_a_zeroed_pool_reads_zeros_and_takes_writes_after_its_pages_are_given_ba
     start = pool.unsafe_buffer_pointer()
     whole = ((start + pool.nbytes) // huge_pages.HUGE_PAGE - -(-start // huge_pages.HUGE_PAGE)) * huge_pages.HUGE_PAGE
     advised = huge_pages.advise_zeroed([pool, None, small])
-    assert advised == (whole if _huge_pages_possible() else 0)
+    assert advised == (whole if huge_pages.available() else 0)
     assert whole >= 2 * huge_pages.HUGE_PAGE
     assert float(jnp.abs(pool).sum()) == 0.0
 
@@ -38,7 +29,7 @@ def test_a_zeroed_pool_reads_zeros_and_takes_writes_after_its_pages_are_given_ba
     np.testing.assert_array_equal(np.asarray(pool), expected)
 
 
-@pytest.mark.skipif(not _huge_pages_possible(), reason="needs Linux with transparent huge pages")
+@pytest.mark.skipif(not huge_pages.available(), reason="needs Linux with transparent huge pages")
 def test_the_engine_gives_its_fresh_pool_back_as_huge_pages(tiny_model_dir, monkeypatch):
     """The engine's decode state: every whole 2 MB page of the pool is advised (the bytes advised
     equal the pool's whole pages), and the pool still reads zeros."""

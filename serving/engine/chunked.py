@@ -4,10 +4,11 @@
 The first, the model's: tokens [rows, bucket] at positions start + 0..bucket-1 of their slot,
 attending to that slot's cached positions [0, start) (gathered through the slot's block table from
 the page pool: [layers, rows, window, ...], the smallest history window holding every row's start)
-and to themselves; their KV is written into the slots' pages, and each row's last logits come back
-on the device. Compiled once per (rows bucket, length bucket, history window): by the jit at first
-use, or ahead of time by `precompile_prefill_slots` (the warmup's background thread), whose
-executables a call of that shape then runs. The second, once per rows bucket: a final row samples
+and to themselves (a backend that reads the pool in place, the CPU kernels, takes fresh chunks
+too: causal over their own positions); their KV is written into the slots' pages, and each row's
+last logits come back on the device. Compiled once per (rows bucket, length bucket, history
+window): by the jit at first use, or ahead of time by `precompile_prefill_slots` (the warmup's
+background thread), whose executables a call of that shape then runs. The second, once per rows bucket: a final row samples
 its first token (the PRNG key and rule of the whole `prefill`; for a sequence resumed after
 preemption, the next token, as a generate step would) and makes its slot active. The sampler is
 most of a small model's program (penalties, min-p, top-k, top-p, the draw): in a call of its own it

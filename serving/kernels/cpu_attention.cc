@@ -13,16 +13,16 @@
 // keys and values (not yet in the cache) up to each query's position. A decode step (and a call
 // with too few blocks of queries to share among the threads) takes items of one query position:
 // its scores 16 positions at a time (one transposing sum for 16, not a horizontal sum per
-// position), then its values. On a float pool with rows enough for every thread, an item is a
-// whole row: every kv head of each token row before the next, so the pool is read in one stream
-// the hardware prefetches (30 layers of 18 rows x 400 positions of SmolLM2's heads on a 2-core
-// EPYC, alternating runs: 22-25 -> 18.5-19.5 ms on 4 KB pages, 16-17 ms on the 2 MB pages the
-// engine gives the pool (serving/kernels/huge_pages.py); AVX2 25.6-28 -> 20-21 ms). Otherwise
-// (an int8 pool, few rows) an item is one kv head, its values in one pass holding every query
-// head's sums in registers, its first kv head prefetching the other heads' lines of each token;
-// a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in
-// the vector's lanes, reading each key and value once per block with an online softmax (measured
-// in docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones 1.2-1.6x, a 512 one 1.3-1.7x).
+// position), then its values. A decode step on a float pool with rows enough for every thread (two
+// each) takes an item per whole row: every kv head of each token row before the next, so the pool
+// is read in one stream the hardware prefetches (30 layers of 18 rows x 400 positions of SmolLM2's
+// heads on a 2-core EPYC, alternating runs: 22-25 -> 18.5-19.5 ms on 4 KB pages, 16-17 ms on the 2
+// MB pages the engine gives the pool (serving/kernels/huge_pages.py); AVX2 25.6-28 -> 20-21 ms).
+// Otherwise (an int8 pool, few rows) an item is one kv head, its values in one pass holding every
+// query head's sums in registers, its first kv head prefetching the other heads' lines of each
+// token; a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in the
+// vector's lanes, reading each key and value once per block with an online softmax (measured in
+// docs/cpu-kernels.md: a 32-position chunk over 2,048 cached ones 1.2-1.6x, a 512 one 1.3-1.7x).
 //
 // Layout: q [B, kv_heads, groups, head_dim] (one position) or [B, S, kv_heads, groups, head_dim];
 // the cache is a page pool k, v [layers, pages, page_size, kv_heads, head_dim] float32, or int8

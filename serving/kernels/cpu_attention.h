@@ -464,8 +464,8 @@ struct Problem {
   template <int G>
   void Items(int64_t first, int64_t last) const {
     thread_local std::vector<float> scores;
-    if (whole_rows) {  // item i: row i / chunk, query position i % chunk, every kv head
-      if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (whole_rows) {  // item i: row i / chunk, query position i % chunk, every kv head
         thread_local std::vector<float> sums, dots;
         for (int64_t i = first; i < last; ++i) {
           const int64_t b = i / chunk, s = i % chunk;
@@ -475,8 +475,8 @@ struct Problem {
             for (int64_t h = 0; h < kv_heads; ++h) Clear(b, h, s, s + 1);
           }
         }
+        return;
       }
-      return;
     }
     // item i: row i / (chunk * kv), query position (i / kv) % chunk, kv head i % kv
     for (int64_t i = first; i < last; ++i) {
@@ -551,11 +551,12 @@ ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, CacheBuffer k,
     pathserve::ParallelFor(pool, blocks, work,
                            [problem](int64_t first, int64_t last) { problem.Blocks(first, last); });
   } else {
-    // A float pool's rows whole where they alone give every thread two items or more (an int8 pool
-    // reads a quarter of the bytes, and there Item's registers measured faster; with fewer rows,
-    // a row's kv heads go to different threads).
+    // A decode step's rows whole on a float pool where they alone give every thread two items or
+    // more (an int8 pool reads a quarter of the bytes, and there Item's registers measured faster;
+    // with fewer rows, a row's kv heads go to different threads; a verify call's positions keep
+    // the per-position items, as measured when they were chosen).
     problem.whole_rows =
-        std::is_same_v<T, float> && s.kv_heads <= 16 && s.batch * s.chunk >= 2 * pool.num_threads();
+        std::is_same_v<T, float> && s.chunk == 1 && s.kv_heads <= 16 && s.batch >= 2 * pool.num_threads();
     pathserve::ParallelFor(pool, s.batch * s.chunk * (problem.whole_rows ? 1 : s.kv_heads), work,
                            [problem](int64_t first, int64_t last) { problem.Items(first, last); });
   }

@@ -11,8 +11,8 @@ and gets it back), so this runs once, when the decode state is made. Measured (S
 rows x 400 positions x 30 layers, float pool, the decode kernel on two threads): ~19 ms per step on
 4 KB pages, ~16 ms on 2 MB ones.
 
-Where Linux gives no huge page (transparent huge pages `never`, none free), the pages fault in as
-4 KB ones: same zeros, the old speed, and the pool's memory is taken as it is written.
+Where transparent huge pages are `never` (or absent) nothing is done; where Linux has no 2 MB page
+free when one is written, it faults in 4 KB ones: same zeros, the old speed.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import jax
 
-HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 
@@ -36,11 +38,21 @@ def _madvise():
     return madvise
 
 
+def available() -> bool:
+    """Whether this Linux host hands out transparent huge pages to memory that asks for them
+    (`always` or `madvise`; MADV_HUGEPAGE itself succeeds under `never` too, and changes nothing)."""
+    try:
+        enabled = THP_ENABLED.read_text()
+    except OSError:  # not Linux, or a kernel (or sandbox) without transparent huge pages
+        return False
+    return "[never]" not in enabled
+
+
 def advise_zeroed(arrays: Iterable[jax.Array | None]) -> int:
     """For arrays that hold zeros and nothing else yet: the whole 2 MB pages inside each CPU buffer
     (every addressable shard) advised huge and given back, to fault in as huge pages when written.
-    Returns the bytes advised (0 off Linux or on other devices)."""
-    if not sys.platform.startswith("linux"):
+    Returns the bytes advised (0 where huge pages are not `available` or on other devices)."""
+    if not sys.platform.startswith("linux") or not available():
         return 0
     madvise = _madvise()
     advised = 0
@@ -55,7 +67,7 @@ def advise_zeroed(arrays: Iterable[jax.Array | None]) -> int:
             first = -(-start // HUGE_PAGE) * HUGE_PAGE
             last = (start + shard.data.nbytes) // HUGE_PAGE * HUGE_PAGE
             if last <= first or madvise(first, last - first, MADV_HUGEPAGE) != 0:
-                continue  # no whole 2 MB page, or no huge pages here (transparent huge pages `never`)
+                continue  # no whole 2 MB page inside
             if madvise(first, last - first, MADV_DONTNEED) == 0:
                 advised += last - first
     return advised
