@@ -66,7 +66,7 @@ from serving.engine.state import (
     stacked_sampling,
 )
 from serving.errors import GenerationError
-from serving.kernels import backend, huge_pages
+from serving.kernels import backend
 from serving.lora import stack as lora_stack
 from serving.lora.peft import LoraWeights
 from serving.models import decode_step, init_pool, prefill, store_prefix
@@ -241,9 +241,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             sampling=jax.tree.map(jnp.asarray, stacked_sampling([], slots)),  # neutral, inactive
             history=penalties.init_history(slots, self._num_decodable),
         )
-        state = jax.device_put(state, self._state_shardings())
-        huge_pages.advise_zeroed(state.cache)  # on a CPU host: 2 MB pages as the pool is written
-        return state
+        return jax.device_put(state, self._state_shardings())
 
     def _default_pages(self) -> np.ndarray:
         """The block tables before a scheduler sets any: where the pool holds every slot's full

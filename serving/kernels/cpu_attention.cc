@@ -16,8 +16,7 @@
 // position), then its values. A decode step on a float pool with rows enough for every thread (two
 // each) takes an item per whole row: every kv head of each token row before the next, so the pool
 // is read in one stream the hardware prefetches (30 layers of 18 rows x 400 positions of SmolLM2's
-// heads on a 2-core EPYC, alternating runs: 22-25 -> 18.5-19.5 ms on 4 KB pages, 16-17 ms on the 2
-// MB pages the engine gives the pool (serving/kernels/huge_pages.py); AVX2 25.6-28 -> 20-21 ms).
+// heads on a 2-core EPYC, alternating runs: 22-25 -> 18.5-19.5 ms; AVX2 25.6-28 -> 20-21 ms).
 // Otherwise (an int8 pool, few rows) an item is one kv head, its values in one pass holding every
 // query head's sums in registers, its first kv head prefetching the other heads' lines of each
 // token; a chunk takes blocks of up to 64 queries (positions x query heads of one kv head) in the

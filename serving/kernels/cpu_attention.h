@@ -181,7 +181,7 @@ struct Problem {
   // scales here) where the rows are enough to share among the threads (Attend decides). Item reads
   // a head's slice of each token row (256 of 768 bytes for SmolLM2), a stride the hardware
   // prefetchers follow poorly: ~15 GB/s on two threads. Here both passes read whole token rows one
-  // after another (one stream; ~19 GB/s on 4 KB pages, ~22 on 2 MB ones): each tile of 16
+  // after another (one stream, ~19 GB/s; ~22 on 2 MB pages): each tile of 16
   // positions takes every head's G dot products per row (vectors in `dots`, reduced per head by
   // Sums16 as in Item), and the values' pass adds each row's values to sums [kv heads, G,
   // head_dim] held in L1 (too many for the registers) before the next row.
