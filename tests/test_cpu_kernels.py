@@ -229,6 +229,47 @@ def test_w8a8_kernel_is_exact_integer_sums_of_int8_rows_and_weights(rows, k, n, 
     assert np.abs(got - xla).max() <= 1e-3 * np.abs(xla).max()
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("weights", "isa"),
+    [
+        *(pytest.param(kind, p.values[0], marks=p.marks) for kind in ("int8", "w8a8") for p in ISAS),
+        pytest.param("float32", "avx512", marks=needs_avx512),  # float32 weights: AVX-512 only
+    ],
+)
+def test_only_the_counted_rows_are_computed_and_the_others_are_zeros(weights, isa):
+    """A prompt chunk's padding and a decode call's inactive rows: x [groups, span, in] with
+    counts [groups] computes each group's first counts[g] rows as the whole matmul does, exactly,
+    and gives zeros for the rest without reading them (NaN there stays out)."""
+    rng = np.random.default_rng(5)
+    groups, span, k, n = 6, 9, 200, 150  # n off the 64-column tiles, spans off the 4-row blocks
+    values = rng.integers(-127, 128, (k, n), dtype=np.int8)
+    scales = (rng.random(n) + 0.5).astype(np.float32)
+    w = {
+        "int8": lambda: cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=False),
+        "w8a8": lambda: cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales)),
+        "float32": lambda: cpu_matmul.pack(jnp.asarray(values.astype(np.float32) * scales)),
+    }[weights]()
+    counts = np.array([0, 9, 4, 1, 12, 5], np.int32)  # none, all, some, one, past the span (all)
+    counted = np.arange(span)[None, :] < counts[:, None]
+    x = rng.standard_normal((groups, span, k)).astype(np.float32)
+    whole = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), w))
+    first = x[:, 0].copy()
+    x[~counted] = np.nan
+    part = jax.jit(functools.partial(cpu_matmul.matmul, w=w, isa=isa))
+    got = np.asarray(part(jnp.asarray(x), counts=jnp.asarray(counts)))
+    np.testing.assert_array_equal(got[counted], whole[counted])
+    assert np.all(got[~counted] == 0)
+    # decode rows: one per group, active or not
+    active = np.array([1, 0, 0, 1, 1, 0], np.int32)
+    rows = np.where(active[:, None] == 1, first, np.nan)  # [groups, k]
+    got = np.asarray(part(jnp.asarray(rows), counts=jnp.asarray(active)))
+    np.testing.assert_array_equal(got[active == 1], whole[active == 1, 0])
+    assert np.all(got[active == 0] == 0)
+    with pytest.raises(Exception, match="4 row counts do not split 54 rows"):
+        np.asarray(part(jnp.asarray(x), counts=jnp.zeros((4,), jnp.int32)))
+
+
 def test_w8a8_layout_is_four_input_rows_per_column_with_column_sums():
     values = (np.arange(7 * 70, dtype=np.int32).reshape(7, 70) % 251 - 125).astype(np.int8)
     w = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.ones(70))

@@ -502,6 +502,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
                 params, state.tokens, positions, state.cache, **static, window=window,
                 lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
                 pages=pages, write_pages=jnp.where(state.active[:, None], pages, SCRATCH_PAGE),
+                active=state.active,
             )
             keys = jax.vmap(jax.random.fold_in)(state.sampling.key, state.generated)
             # Free and finished slots are not drawn: greedy, whatever their request asked.

@@ -126,6 +126,28 @@ inline xla::ffi::ErrorOr<Shapes> CheckShapes(const char* name, xla::ffi::Span<co
   return s;
 }
 
+// The rows of x[M, K] a matmul computes. `counts` [G] splits the M rows into G groups of M / G
+// consecutive rows and says how many of each group's first rows count: a prompt row's true length
+// (padding past it), or 1 or 0 for a decode row that is active or not. Fills `rows` with the
+// counted rows' indices in order (the kernels quantize and multiply only those, then store each
+// result row at its index) and zeroes y[M, N]'s other rows. Returns how many rows count.
+inline xla::ffi::ErrorOr<int64_t> SelectRows(const char* name, xla::ffi::Span<const int64_t> xd, const int32_t* counts,
+                                             int64_t groups, int64_t n, float* y, std::vector<int64_t>& rows) {
+  const int64_t m = xd.size() == 2 ? xd[0] : 0;
+  if (groups < 1 || m % groups != 0) {
+    return xla::ffi::Unexpected(xla::ffi::Error::InvalidArgument(
+        std::string(name) + ": " + std::to_string(groups) + " row counts do not split " + std::to_string(m) + " rows"));
+  }
+  const int64_t span = m / groups;
+  rows.clear();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t count = std::clamp<int64_t>(counts[g], 0, span);
+    for (int64_t r = 0; r < count; ++r) rows.push_back(g * span + r);
+    std::fill(y + (g * span + count) * n, y + (g + 1) * span * n, 0.0f);
+  }
+  return static_cast<int64_t>(rows.size());
+}
+
 }  // namespace pathserve
 
 #endif  // PATHSERVE_KERNELS_CPU_COMMON_H_

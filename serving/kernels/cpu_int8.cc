@@ -22,7 +22,8 @@
 //   (unsigned) by w (signed) into int32, and the column sums of w (packed beside the scales)
 //   take 128 * sum(w) back off: exact, as int32 arithmetic wraps (vpdpbusd does not saturate).
 // The W8A8 result is float(sum) * x_scale * w_scale, in that order, as XLA's int8 dot path computes.
-// Weights may hold every layer ([layers, ...]); the `layer` operand picks one in place.
+// Weights may hold every layer ([layers, ...]); the `layer` operand picks one in place. `counts` names
+// the rows of x that count, as for cpu_matmul.cc's handlers (pathserve::SelectRows).
 
 #include <immintrin.h>
 
@@ -84,12 +85,13 @@ PATHSERVE_AVX2 void RowRange(const float* row, int64_t k, float* absmax, bool* f
   *finite = !std::isnan(nan);
 }
 
-// Each row of x[M, K] as int16 (absmax / 32767), zero-padded to `width` columns, and its scale;
-// a row with NaN or infinity gets a NaN scale (the output carries it, as a float matmul would).
-PATHSERVE_AVX2 void QuantizeRows16(const float* x, int64_t m, int64_t k, int64_t width, int16_t* xq,
-                                   float* scales) {
+// Rows x[which[r]] for r < m of x[., K] as int16 (absmax / 32767), zero-padded to `width` columns,
+// and their scales; a row with NaN or infinity gets a NaN scale (the output carries it, as a float
+// matmul would).
+PATHSERVE_AVX2 void QuantizeRows16(const float* x, const int64_t* which, int64_t m, int64_t k, int64_t width,
+                                   int16_t* xq, float* scales) {
   for (int64_t r = 0; r < m; ++r) {
-    const float* row = x + r * k;
+    const float* row = x + which[r] * k;
     int16_t* out = xq + r * width;
     float absmax;
     bool finite;
@@ -111,14 +113,14 @@ PATHSERVE_AVX2 void QuantizeRows16(const float* x, int64_t m, int64_t k, int64_t
   }
 }
 
-// Each row of x[M, K] as int8 the way XLA's W8A8 quantizes it (scale = max(absmax, 1e-30) / 127,
-// x / scale rounded half to even, clipped to [-127, 127]), plus `offset` (128: unsigned for
-// vpdpbusd), zero-padded (offset included) to `width` columns; and its scale (NaN for a row with
-// NaN or infinity).
-PATHSERVE_AVX2 void QuantizeRows8(const float* x, int64_t m, int64_t k, int64_t width, int offset, int8_t* xq,
-                                  float* scales) {
+// Rows x[which[r]] for r < m of x[., K] as int8 the way XLA's W8A8 quantizes them (scale =
+// max(absmax, 1e-30) / 127, x / scale rounded half to even, clipped to [-127, 127]), plus `offset`
+// (128: unsigned for vpdpbusd), zero-padded (offset included) to `width` columns; and their scales
+// (NaN for a row with NaN or infinity).
+PATHSERVE_AVX2 void QuantizeRows8(const float* x, const int64_t* which, int64_t m, int64_t k, int64_t width,
+                                  int offset, int8_t* xq, float* scales) {
   for (int64_t r = 0; r < m; ++r) {
-    const float* row = x + r * k;
+    const float* row = x + which[r] * k;
     int8_t* out = xq + r * width;
     float absmax;
     bool finite;
@@ -179,6 +181,7 @@ struct Int8Avx2Problem {
   const int8_t* w;        // [tiles, pairs, kTile, 2]
   const float* w_scales;  // [tiles * kTile]
   float* y;               // [M, N]
+  const int64_t* out;     // [m]: the row of y each computed row goes to (pathserve::SelectRows)
   int64_t m, pairs, n, tiles;
 
   // Rows [row, row + R) of tile t, C vectors of 8 columns at a time.
@@ -213,8 +216,8 @@ struct Int8Avx2Problem {
         const int64_t col = t * kTile + (g * C + c) * 8;
         const __m256 ws = _mm256_loadu_ps(w_scales + col);
         for (int r = 0; r < R; ++r) {
-          const __m256 out = _mm256_mul_ps(sum[r][c], _mm256_mul_ps(ws, _mm256_set1_ps(x_scales[row + r])));
-          Store8(y, n, row + r, col, out);
+          const __m256 result = _mm256_mul_ps(sum[r][c], _mm256_mul_ps(ws, _mm256_set1_ps(x_scales[row + r])));
+          Store8(y, n, out[row + r], col, result);
         }
       }
     }
@@ -229,6 +232,7 @@ struct W8a8Avx2Problem {
   const int8_t* w;        // [tiles, quads, kTile, 4]
   const float* w_scales;  // [tiles * kTile]
   float* y;               // [M, N]
+  const int64_t* out;     // [m]: the row of y each computed row goes to
   int64_t m, quads, n, tiles;
 
   template <int R>
@@ -259,9 +263,9 @@ struct W8a8Avx2Problem {
         const int64_t col = t * kTile + (g * C + c) * 8;
         const __m256 ws = _mm256_loadu_ps(w_scales + col);
         for (int r = 0; r < R; ++r) {
-          const __m256 out =
+          const __m256 result =
               _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_set1_ps(x_scales[row + r])), ws);
-          Store8(y, n, row + r, col, out);
+          Store8(y, n, out[row + r], col, result);
         }
       }
     }
@@ -277,6 +281,7 @@ struct W8a8VnniProblem {
   const float* w_scales;  // [tiles * kTile]
   const int32_t* w_sums;  // [tiles * kTile]: each column's sum of its weights
   float* y;               // [M, N]
+  const int64_t* out;     // [m]: the row of y each computed row goes to
   int64_t m, quads, n, tiles;
 
   template <int R>
@@ -301,8 +306,8 @@ struct W8a8VnniProblem {
       const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w_sums + col), 7);  // 128 * sum(w)
       for (int r = 0; r < R; ++r) {
         const __m512i exact = _mm512_sub_epi32(acc[r][c], offset);
-        const __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x_scales[row + r])), ws);
-        if (mask) _mm512_mask_storeu_ps(y + (row + r) * n + col, mask, out);
+        const __m512 result = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x_scales[row + r])), ws);
+        if (mask) _mm512_mask_storeu_ps(y + out[row + r] * n + col, mask, result);
       }
     }
   }
@@ -332,6 +337,7 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
 
 // Per calling thread: XLA may run two matmuls at once on different threads.
 struct Scratch {
+  std::vector<int64_t> rows;  // the rows of x computed (pathserve::SelectRows)
   std::vector<int8_t> bytes;
   std::vector<int32_t> interleaved;
   std::vector<float> scales;
@@ -342,7 +348,8 @@ Scratch& ThreadScratch() {
 }
 
 ffi::Error Int8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> counts,
+                          ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const int64_t pairs = xd.size() == 2 ? (xd[1] + 1) / 2 : -1;
   auto shapes = CheckShapes("int8_avx2_matmul", xd, w.dimensions(), y->dimensions(), 4, pairs, layer.typed_data()[0]);
@@ -353,29 +360,36 @@ ffi::Error Int8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   }
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
   Scratch& scratch = ThreadScratch();
-  scratch.bytes.resize(s.m * 2 * pairs * sizeof(int16_t));
-  scratch.interleaved.resize(((s.m + kRows - 1) / kRows) * kRows * pairs);
-  scratch.scales.resize(s.m);
+  auto m = pathserve::SelectRows("int8_avx2_matmul", xd, counts.typed_data(), counts.element_count(), s.n,
+                                 y->typed_data(), scratch.rows);
+  if (m.has_error()) return m.error();
+  if (*m == 0) return ffi::Error::Success();
+  scratch.bytes.resize(*m * 2 * pairs * sizeof(int16_t));
+  scratch.interleaved.resize(((*m + kRows - 1) / kRows) * kRows * pairs);
+  scratch.scales.resize(*m);
   auto* xq = reinterpret_cast<int16_t*>(scratch.bytes.data());
-  QuantizeRows16(x.typed_data(), s.m, s.k, 2 * pairs, xq, scratch.scales.data());
-  Interleave(reinterpret_cast<const int32_t*>(xq), s.m, pairs, scratch.interleaved.data());
+  QuantizeRows16(x.typed_data(), scratch.rows.data(), *m, s.k, 2 * pairs, xq, scratch.scales.data());
+  Interleave(reinterpret_cast<const int32_t*>(xq), *m, pairs, scratch.interleaved.data());
   const Int8Avx2Problem problem{scratch.interleaved.data(),
                                 scratch.scales.data(),
                                 w.typed_data() + s.index * s.tiles * pairs * kTile * 2,
                                 w_scales.typed_data() + s.index * s.tiles * kTile,
                                 y->typed_data(),
-                                s.m,
+                                scratch.rows.data(),
+                                *m,
                                 pairs,
                                 s.n,
                                 s.tiles};
-  Run(pool, problem, s.m * 2 * pairs * s.tiles * kTile);
+  Run(pool, problem, *m * 2 * pairs * s.tiles * kTile);
   return ffi::Error::Success();
 }
 
-// x quantized to int8 quads (plus `offset`), interleaved; returns the shapes or an error.
+// x's computed rows (`counts`, pathserve::SelectRows) quantized to int8 quads (plus `offset`),
+// interleaved; returns the shapes, `m` the rows computed, or an error.
 ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& w,
                                  ffi::Buffer<ffi::F32>& w_scales, ffi::Buffer<ffi::S32>& layer,
-                                 ffi::ResultBuffer<ffi::F32>& y, int offset, Scratch& scratch) {
+                                 ffi::Buffer<ffi::S32>& counts, ffi::ResultBuffer<ffi::F32>& y, int offset,
+                                 Scratch& scratch) {
   const auto xd = x.dimensions();
   const int64_t quads = xd.size() == 2 ? (xd[1] + 3) / 4 : -1;
   auto shapes = CheckShapes(name, xd, w.dimensions(), y->dimensions(), 4, quads, layer.typed_data()[0], kTile, 4);
@@ -384,19 +398,25 @@ ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi
   if (static_cast<int64_t>(w_scales.element_count()) != s.layers * s.tiles * kTile) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(name) + ": scales must hold one float per packed column"));
   }
-  scratch.bytes.resize(s.m * 4 * quads);
-  scratch.interleaved.resize(((s.m + kRows - 1) / kRows) * kRows * quads);
-  scratch.scales.resize(s.m);
-  QuantizeRows8(x.typed_data(), s.m, s.k, 4 * quads, offset, scratch.bytes.data(), scratch.scales.data());
-  Interleave(reinterpret_cast<const int32_t*>(scratch.bytes.data()), s.m, quads, scratch.interleaved.data());
-  return s;
+  auto m = pathserve::SelectRows(name, xd, counts.typed_data(), counts.element_count(), s.n, y->typed_data(),
+                                 scratch.rows);
+  if (m.has_error()) return ffi::Unexpected(m.error());
+  Shapes computed = s;
+  computed.m = *m;
+  scratch.bytes.resize(*m * 4 * quads);
+  scratch.interleaved.resize(((*m + kRows - 1) / kRows) * kRows * quads);
+  scratch.scales.resize(*m);
+  QuantizeRows8(x.typed_data(), scratch.rows.data(), *m, s.k, 4 * quads, offset, scratch.bytes.data(),
+                scratch.scales.data());
+  Interleave(reinterpret_cast<const int32_t*>(scratch.bytes.data()), *m, quads, scratch.interleaved.data());
+  return computed;
 }
 
 ffi::Error W8a8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                           ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> w_sums, ffi::Buffer<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y) {
   Scratch& scratch = ThreadScratch();
-  auto shapes = PrepareW8a8("w8a8_avx2_matmul", x, w, w_scales, layer, y, 0, scratch);
+  auto shapes = PrepareW8a8("w8a8_avx2_matmul", x, w, w_scales, layer, counts, y, 0, scratch);
   if (shapes.has_error()) return shapes.error();
   const Shapes& s = *shapes;
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
@@ -406,6 +426,7 @@ ffi::Error W8a8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                                 w.typed_data() + s.index * s.tiles * quads * kTile * 4,
                                 w_scales.typed_data() + s.index * s.tiles * kTile,
                                 y->typed_data(),
+                                scratch.rows.data(),
                                 s.m,
                                 quads,
                                 s.n,
@@ -416,9 +437,9 @@ ffi::Error W8a8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 
 ffi::Error W8a8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                       ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> w_sums, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y) {
   Scratch& scratch = ThreadScratch();
-  auto shapes = PrepareW8a8("w8a8_matmul", x, w, w_scales, layer, y, 128, scratch);
+  auto shapes = PrepareW8a8("w8a8_matmul", x, w, w_scales, layer, counts, y, 128, scratch);
   if (shapes.has_error()) return shapes.error();
   const Shapes& s = *shapes;
   if (static_cast<int64_t>(w_sums.element_count()) != s.layers * s.tiles * kTile) {
@@ -432,6 +453,7 @@ ffi::Error W8a8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                                 w_scales.typed_data() + s.index * s.tiles * kTile,
                                 w_sums.typed_data() + s.index * s.tiles * kTile,
                                 y->typed_data(),
+                                scratch.rows.data(),
                                 s.m,
                                 quads,
                                 s.n,
@@ -455,6 +477,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8Avx2Matmul, Int8Avx2Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Avx2Matmul, W8a8Avx2Matmul,
@@ -465,6 +488,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Avx2Matmul, W8a8Avx2Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Matmul, W8a8Matmul,
@@ -475,4 +499,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Matmul, W8a8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -39,6 +39,12 @@
 // Any of them may hold every layer ([layers, ...]): the `layer` operand picks one in place, so a scanned
 // model does not copy each layer's weight out of the stack.
 //
+// Rows that do not count: the AVX-512 handlers (and cpu_int8.cc's) take `counts` [G], x's M rows in
+// G groups of M / G, each group's first counts[g] computed and the others zeros, not read
+// (pathserve::SelectRows): a prompt's padding to its length bucket and a decode bucket's inactive
+// rows cost no multiply-adds (the mixed benchmark padded 19% of its prompt tokens). The AMX
+// handlers compute every row.
+//
 // Threads: the output tiles are shared out between the calling thread and XLA's intra-op pool
 // (pathserve::ParallelFor in cpu_common.h).
 
@@ -70,22 +76,23 @@ constexpr int kRows = 4;         // rows of x per register block
 
 constexpr int64_t kChunk = 128;  // float32: input rows per pass over a tile (32 KB of weights, in L1)
 
-// Partial sums of columns [t * 64, t * 64 + 64), rows [row, row + R), kept in y between passes over
-// the input rows: loaded unless this is the first pass, scaled (int8) after the last, stored.
+// Partial sums of columns [t * 64, t * 64 + 64), computed rows [row, row + R) (y's rows out[row + r]),
+// kept in y between passes over the input rows: loaded unless this is the first pass, scaled (int8)
+// after the last, stored.
 template <int R>
 struct Block {
   __m512 sum[R][4];
 
-  PATHSERVE_AVX512 void Start(const float* y, int64_t n, int64_t t, int64_t row, bool first) {
+  PATHSERVE_AVX512 void Start(const float* y, const int64_t* out, int64_t n, int64_t t, int64_t row, bool first) {
     for (int c = 0; c < 4; ++c) {
       const __mmask16 mask = Lanes(n - (t * kTile + 16 * c));
       for (int r = 0; r < R; ++r)
-        sum[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + (row + r) * n + t * kTile + 16 * c);
+        sum[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + out[row + r] * n + t * kTile + 16 * c);
     }
   }
 
-  PATHSERVE_AVX512 void Finish(float* y, int64_t n, int64_t t, int64_t row, const float* w_scales,
-                               const float* x_scales) {
+  PATHSERVE_AVX512 void Finish(float* y, const int64_t* out_rows, int64_t n, int64_t t, int64_t row,
+                               const float* w_scales, const float* x_scales) {
     for (int c = 0; c < 4; ++c) {
       const int64_t col = t * kTile + 16 * c;
       const __mmask16 mask = Lanes(n - col);
@@ -94,7 +101,7 @@ struct Block {
         if (w_scales) {
           out = _mm512_mul_ps(out, _mm512_mul_ps(_mm512_loadu_ps(w_scales + col), _mm512_set1_ps(x_scales[row + r])));
         }
-        _mm512_mask_storeu_ps(y + (row + r) * n + col, mask, out);
+        _mm512_mask_storeu_ps(y + out_rows[row + r] * n + col, mask, out);
       }
     }
   }
@@ -118,6 +125,7 @@ struct F32Problem {
   const float* x;  // [blocks, K, kRows]: x's rows interleaved in blocks of kRows (Interleave)
   const float* w;  // [tiles, K, kTile]
   float* y;        // [M, N]
+  const int64_t* out;  // [m]: the row of y each computed row goes to (pathserve::SelectRows)
   int64_t m, k, n, tiles;
 
   static constexpr int64_t kStepBytes = kTile * sizeof(float);  // weights per input row
@@ -132,7 +140,7 @@ struct F32Problem {
     const float* wp = w + (t * k + k0) * kTile;
     const float* xr = x + row * k;  // row is a multiple of kRows: its block starts here
     Block<R> block;
-    block.Start(y, n, t, row, k0 == 0);
+    block.Start(y, out, n, t, row, k0 == 0);
     for (int64_t i = k0; i < k1; ++i, wp += kTile) {
       prefetch.Step();
       __m512 wv[4];
@@ -142,7 +150,7 @@ struct F32Problem {
         for (int c = 0; c < 4; ++c) block.sum[r][c] = _mm512_fmadd_ps(xv, wv[c], block.sum[r][c]);
       }
     }
-    block.Finish(y, n, t, row, nullptr, nullptr);
+    block.Finish(y, out, n, t, row, nullptr, nullptr);
   }
 };
 
@@ -152,6 +160,7 @@ struct Int8Problem {
   const int8_t* w;        // [tiles, pairs, kTile, 2]
   const float* w_scales;  // [tiles * kTile]
   float* y;               // [M, N]
+  const int64_t* out;     // [m]: the row of y each computed row goes to
   int64_t m, pairs, n, tiles;
 
   static constexpr int64_t kStepBytes = kTile * 2;  // weights per input-row pair
@@ -179,11 +188,11 @@ struct Int8Problem {
       }
     }
     Block<R> block;
-    block.Start(y, n, t, row, k0 == 0);
+    block.Start(y, out, n, t, row, k0 == 0);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 4; ++c) block.sum[r][c] = _mm512_add_ps(block.sum[r][c], _mm512_cvtepi32_ps(acc[r][c]));
     const bool last = k1 == pairs;
-    block.Finish(y, n, t, row, last ? w_scales : nullptr, x_scales);
+    block.Finish(y, out, n, t, row, last ? w_scales : nullptr, x_scales);
   }
 };
 
@@ -224,24 +233,27 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
                          [problem](int64_t first, int64_t last) { Tiles(problem, first, last); });
 }
 
-// rows[M, cols] -> out[blocks, cols, kRows]: the kRows values a register block broadcasts at each
-// step lie together, so each block streams its x from one place instead of kRows rows apart (worth
-// ~10% at batch 32, where x no longer fits in L1 beside the weights). Lanes past M are not read.
+// rows[which[r]] for r < m (`which` null: rows[r]), of `cols` each -> out[blocks, cols, kRows]: the
+// kRows values a register block broadcasts at each step lie together, so each block streams its x
+// from one place instead of kRows rows apart (worth ~10% at batch 32, where x no longer fits in L1
+// beside the weights). Lanes past m are not read.
 template <typename T>
-void Interleave(const T* rows, int64_t m, int64_t cols, T* out) {
+void Interleave(const T* rows, const int64_t* which, int64_t m, int64_t cols, T* out) {
   for (int64_t r = 0; r < m; ++r) {
     T* lane = out + (r / kRows) * cols * kRows + r % kRows;
-    for (int64_t i = 0; i < cols; ++i) lane[i * kRows] = rows[r * cols + i];
+    const T* row = rows + (which ? which[r] : r) * cols;
+    for (int64_t i = 0; i < cols; ++i) lane[i * kRows] = row[i];
   }
 }
 
-// Each row of x[M, K] as int16 with its scale (absmax / 32767), zero-padded to 2 * pairs columns.
-// A row holding NaN or infinity gets a NaN scale, so the output carries it as a float matmul would.
-PATHSERVE_AVX512 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t pairs, int16_t* xq,
-                                   float* scales) {
+// Rows x[which[r]] (`which` null: x[r]) for r < m of x[., K] as int16 with their scales (absmax /
+// 32767), zero-padded to 2 * pairs columns. A row holding NaN or infinity gets a NaN scale, so the
+// output carries it as a float matmul would.
+PATHSERVE_AVX512 void QuantizeRows(const float* x, const int64_t* which, int64_t m, int64_t k, int64_t pairs,
+                                   int16_t* xq, float* scales) {
   const int64_t width = 2 * pairs;
   for (int64_t r = 0; r < m; ++r) {
-    const float* row = x + r * k;
+    const float* row = x + (which ? which[r] : r) * k;
     __m512 vmax = _mm512_setzero_ps();
     __m512 nonfinite = _mm512_setzero_ps();  // x * 0 is NaN exactly where x is NaN or infinite
     for (int64_t i = 0; i < k; i += 16) {
@@ -267,24 +279,29 @@ PATHSERVE_AVX512 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t
 }
 
 ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   auto shapes = CheckShapes("f32_matmul", xd, w.dimensions(), y->dimensions(), 3, xd.size() == 2 ? xd[1] : -1,
                             layer.typed_data()[0]);
   if (shapes.has_error()) return shapes.error();
   const Shapes& s = *shapes;
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  thread_local std::vector<int64_t> rows;  // per calling thread: XLA may run two matmuls at once
+  thread_local std::vector<float> xi;
+  auto m = pathserve::SelectRows("f32_matmul", xd, counts.typed_data(), counts.element_count(), s.n, y->typed_data(), rows);
+  if (m.has_error()) return m.error();
+  if (*m == 0) return ffi::Error::Success();
   const float* w_layer = w.typed_data() + s.index * s.tiles * s.k * kTile;
-  thread_local std::vector<float> xi;  // per calling thread: XLA may run two matmuls at once
-  xi.resize(((s.m + kRows - 1) / kRows) * kRows * s.k);
-  Interleave(x.typed_data(), s.m, s.k, xi.data());
-  const F32Problem problem{xi.data(), w_layer, y->typed_data(), s.m, s.k, s.n, s.tiles};
-  Run(pool, problem, s.m * s.k * s.tiles * kTile);
+  xi.resize(((*m + kRows - 1) / kRows) * kRows * s.k);
+  Interleave(x.typed_data(), rows.data(), *m, s.k, xi.data());
+  const F32Problem problem{xi.data(), w_layer, y->typed_data(), rows.data(), *m, s.k, s.n, s.tiles};
+  Run(pool, problem, *m * s.k * s.tiles * kTile);
   return ffi::Error::Success();
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> counts,
+                      ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const int64_t pairs = xd.size() == 2 ? (xd[1] + 1) / 2 : -1;
   auto shapes = CheckShapes("int8_matmul", xd, w.dimensions(), y->dimensions(), 4, pairs, layer.typed_data()[0]);
@@ -295,24 +312,29 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
   // Per calling thread: XLA may run two matmuls at once on different threads.
+  thread_local std::vector<int64_t> rows;
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<int32_t> xi;
   thread_local std::vector<float> x_scales;
-  xq.resize(s.m * 2 * pairs);
-  xi.resize(((s.m + kRows - 1) / kRows) * kRows * pairs);
-  x_scales.resize(s.m);
-  QuantizeRows(x.typed_data(), s.m, s.k, pairs, xq.data(), x_scales.data());
-  Interleave(reinterpret_cast<const int32_t*>(xq.data()), s.m, pairs, xi.data());
+  auto m = pathserve::SelectRows("int8_matmul", xd, counts.typed_data(), counts.element_count(), s.n, y->typed_data(), rows);
+  if (m.has_error()) return m.error();
+  if (*m == 0) return ffi::Error::Success();
+  xq.resize(*m * 2 * pairs);
+  xi.resize(((*m + kRows - 1) / kRows) * kRows * pairs);
+  x_scales.resize(*m);
+  QuantizeRows(x.typed_data(), rows.data(), *m, s.k, pairs, xq.data(), x_scales.data());
+  Interleave(reinterpret_cast<const int32_t*>(xq.data()), nullptr, *m, pairs, xi.data());
   const Int8Problem problem{xi.data(),
                             x_scales.data(),
                             w.typed_data() + s.index * s.tiles * pairs * kTile * 2,
                             w_scales.typed_data() + s.index * s.tiles * kTile,
                             y->typed_data(),
-                            s.m,
+                            rows.data(),
+                            *m,
                             pairs,
                             s.n,
                             s.tiles};
-  Run(pool, problem, s.m * 2 * pairs * s.tiles * kTile);
+  Run(pool, problem, *m * 2 * pairs * s.tiles * kTile);
   return ffi::Error::Success();
 }
 
@@ -500,7 +522,7 @@ ffi::Error Int8AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   high.resize(rows * depth);
   low.resize(rows * depth);
   x_scales.resize(s.m);
-  QuantizeRows(x.typed_data(), s.m, s.k, depth / 2, xq.data(), x_scales.data());
+  QuantizeRows(x.typed_data(), nullptr, s.m, s.k, depth / 2, xq.data(), x_scales.data());
   SplitBytes(xq.data(), s.m, rows, depth, high.data(), low.data());
   const Int8AmxProblem problem{high.data(),
                                low.data(),
@@ -861,6 +883,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveF32Matmul, F32Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // 1 when int8 weights can take the AMX kernel here (CPU, Linux and compiler); packing asks first.
@@ -902,4 +925,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
                                   .Ret<ffi::Buffer<ffi::F32>>());

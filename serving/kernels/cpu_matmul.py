@@ -239,26 +239,36 @@ def _pack_amx(values: jax.Array, scales: jax.Array) -> PackedWeight:
     return PackedWeight(values=v, scales=s, in_features=k, out_features=n, amx=True)
 
 
-def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, counts: jax.Array | None = None) -> jax.Array:
     """x[..., in] @ w as float32 [..., out]. With int8 weights x is quantized per row to int16, with
     W8A8 weights to int8 (as XLA's W8A8 path does, serving.models.quantization.int8_dot). The
     handler follows the instruction set the kernels run with (library.status().isa; `isa` "avx2"
-    picks the AVX2 handlers on an AVX-512 CPU too, for tests)."""
+    picks the AVX2 handlers on an AVX-512 CPU too, for tests).
+
+    `counts` (int32 [G], G dividing x's rows M): the rows that count. x's rows, flattened, fall in G
+    groups of M / G consecutive rows, and only each group's first counts[g] are computed (a
+    prompt's padding past its true length, a decode row that is not active); the others come back
+    as zeros. Default: all. The AMX kernels compute every row (their results there are not zeros,
+    but no caller reads them)."""
     library.require()
     avx512 = (isa or library.status().isa) == "avx512"
     lead = x.shape[:-1]
     rows = x.reshape(-1, w.in_features).astype(jnp.float32)
     layer = jnp.zeros((), jnp.int32) if w.layer is None else w.layer
+    counted = jnp.full((1,), rows.shape[0], jnp.int32) if counts is None else counts.astype(jnp.int32).reshape(-1)
     result = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
     if w.w8a8:
         target = W8A8_TARGET if avx512 else W8A8_AVX2_TARGET
-        out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, w.sums, layer)
+        out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, w.sums, layer, counted)
+    elif w.scales is None and w.amx:
+        out = jax.ffi.ffi_call(F32_AMX_TARGET, result)(rows, w.values, layer)
     elif w.scales is None:
-        target = F32_AMX_TARGET if w.amx else F32_TARGET
-        out = jax.ffi.ffi_call(target, result)(rows, w.values, layer)
+        out = jax.ffi.ffi_call(F32_TARGET, result)(rows, w.values, layer, counted)
     elif w.values.dtype == jnp.bfloat16:
         out = jax.ffi.ffi_call(F32_BLOCKS_AMX_TARGET, result)(rows, w.values, w.scales, layer)
+    elif w.amx:
+        out = jax.ffi.ffi_call(INT8_AMX_TARGET, result)(rows, w.values, w.scales, layer)
     else:
-        target = INT8_AMX_TARGET if w.amx else (INT8_TARGET if avx512 else INT8_AVX2_TARGET)
-        out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, layer)
+        target = INT8_TARGET if avx512 else INT8_AVX2_TARGET
+        out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, layer, counted)
     return out.reshape(*lead, w.out_features)

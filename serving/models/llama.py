@@ -201,6 +201,7 @@ def prefill(
     31 it threw away); and the chunk's float KV [layers, batch, seq, kv_heads, head_dim].
     """
     batch, seq = tokens.shape
+    ops = ops.counting(true_lengths, seq)  # a backend may skip the padding's matmuls
     x = _embed(params, tokens, dtype)
     offsets = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     positions = offsets if starts is None else offsets + starts[:, None]
@@ -245,6 +246,7 @@ def decode_step(
     *,
     pages: jax.Array,
     write_pages: jax.Array | None = None,
+    active: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Advance every row by one token (each with its LoRA adapter of `lora`, as `prefill`).
 
@@ -257,8 +259,12 @@ def decode_step(
     max_target_length.
 
     The cache is read-only inside the layer loop and written once after it, so the loop never
-    carries (and copies) the whole cache from layer to layer.
+    carries (and copies) the whole cache from layer to layer. `active` [batch] (bool): the rows
+    whose results are read; a backend may skip the others' matmuls (`XlaOps.counting`) and return
+    anything for them.
     """
+    if active is not None:
+        ops = ops.counting(active.astype(jnp.int32), 1)
     x = _embed(params, tokens, dtype)[:, None, :]  # [batch, 1, embed]
     cos, sin = rope_tables(positions[:, None], rope_frequencies(cfg))
     capacity = pages.shape[1] * cache.k.shape[2]

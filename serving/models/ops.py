@@ -1,7 +1,7 @@
 """The model's door to compute: the few ops the forward pass calls, and their plain-JAX versions.
 
 The model (serving.models.llama) calls `ops.matmul`, `ops.matmuls`, `ops.decode_attention`,
-`ops.chunk_attention` and `ops.split_layers` on an `Ops` it is handed; it never names a backend. `XlaOps` is the default:
+`ops.chunk_attention`, `ops.split_layers` and `ops.counting` on an `Ops` it is handed; it never names a backend. `XlaOps` is the default:
 ordinary jnp / lax code that XLA compiles for any device. A backend with kernels of its own
 (serving.kernels.backend) subclasses it, overrides what it speeds up, and brings its own weight
 layout (its `prepare` packs the params; the ops recognise the packed weights).
@@ -76,6 +76,14 @@ class XlaOps:
         keys = jnp.concatenate([old_k, k_new.astype(q.dtype)], axis=1)
         values = jnp.concatenate([old_v, v_new.astype(q.dtype)], axis=1)
         return attention(q, keys, values, mask)
+
+    def counting(self, counts: jax.Array, span: int) -> XlaOps:
+        """These ops for a forward pass whose activations [groups, span, ...] count only each
+        group's first counts[g] rows (int32 [groups]): a prompt chunk's true lengths (span: the
+        bucket), or a decode call's active rows (1 or 0, span 1). A backend may skip the other rows'
+        matmuls and return zeros there (callers read only the rows that count); XLA's computes
+        them, as it must compute a fixed shape: it returns itself."""
+        return self
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
         """Whether decode attention reads each row's own positions (then the `window` is unused
