@@ -167,6 +167,8 @@ SHAPES = [
     (37, 33, 70),
     (2, 2000, 64),
     (32, 576, 80),
+    (70, 96, 200),  # a prompt's rows: each tile's rows in parts shared out between threads
+    (261, 576, 576),  # 8 parts of 36 rows (the last 9), 9 tiles
 ]
 
 

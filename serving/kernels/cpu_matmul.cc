@@ -196,41 +196,55 @@ struct Int8Problem {
   }
 };
 
-// Tiles [first, last): for each tile, pass by pass over the input rows, every block of rows, so a
-// pass's weights are read from memory once (prefetched two passes before) and from L1 by the
-// other row blocks. Tiles and passes lie one after another, so later passes start where this ends
-// (after the last one, the lines asked for are simply not used: a prefetch never faults).
+// Rows [r0, r1) (r0 a multiple of kRows) of tile `t`: pass by pass over the input rows, every block
+// of rows, so a pass's weights are read from memory once (prefetched two passes before) and from L1
+// by the other row blocks. Tiles and passes lie one after another, so later passes start where this
+// ends (after the last one, the lines asked for are simply not used: a prefetch never faults).
 template <typename Problem>
-void Tiles(const Problem& p, int64_t first, int64_t last) {
-  const int64_t blocks = (p.m + kRows - 1) / kRows;
+void TileRows(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
+  const int64_t blocks = (r1 - r0 + kRows - 1) / kRows;
   const int64_t lines = p.chunk() * Problem::kStepBytes / 64;  // of a whole pass
   const int64_t per_block = (lines + blocks - 1) / blocks;
-  for (int64_t t = first; t < last; ++t) {
-    for (int64_t k0 = 0; k0 < p.depth(); k0 += p.chunk()) {
-      const int64_t k1 = std::min(p.depth(), k0 + p.chunk());
-      const char* next = p.weights(t, k1) + lines * 64;  // the pass after the next
-      const auto prefetch = [&](int64_t row) {
-        const int64_t begin = std::min(lines, row / kRows * per_block);
-        const int64_t end = std::min(lines, begin + per_block);
-        return Prefetch{next + 64 * begin, next + 64 * end, (end - begin + (k1 - k0) - 1) / (k1 - k0)};
-      };
-      int64_t row = 0;
-      for (; row + kRows <= p.m; row += kRows) p.template Rows<kRows>(t, row, k0, k1, prefetch(row));
-      switch (p.m - row) {
-        case 3: p.template Rows<3>(t, row, k0, k1, prefetch(row)); break;
-        case 2: p.template Rows<2>(t, row, k0, k1, prefetch(row)); break;
-        case 1: p.template Rows<1>(t, row, k0, k1, prefetch(row)); break;
-        default: break;
-      }
+  for (int64_t k0 = 0; k0 < p.depth(); k0 += p.chunk()) {
+    const int64_t k1 = std::min(p.depth(), k0 + p.chunk());
+    const char* next = p.weights(t, k1) + lines * 64;  // the pass after the next
+    const auto prefetch = [&](int64_t row) {
+      const int64_t begin = std::min(lines, (row - r0) / kRows * per_block);
+      const int64_t end = std::min(lines, begin + per_block);
+      return Prefetch{next + 64 * begin, next + 64 * end, (end - begin + (k1 - k0) - 1) / (k1 - k0)};
+    };
+    int64_t row = r0;
+    for (; row + kRows <= r1; row += kRows) p.template Rows<kRows>(t, row, k0, k1, prefetch(row));
+    switch (r1 - row) {
+      case 3: p.template Rows<3>(t, row, k0, k1, prefetch(row)); break;
+      case 2: p.template Rows<2>(t, row, k0, k1, prefetch(row)); break;
+      case 1: p.template Rows<1>(t, row, k0, k1, prefetch(row)); break;
+      default: break;
     }
   }
 }
 
-// All tiles of `problem`, shared out between threads when the work is large enough.
+// Rows per part when a tile's rows are split between threads (below: one part).
+constexpr int64_t kPartRows = 32;
+
+// Items [first, last) of `parts` per tile: item i is tile i / parts, its rows' part i % parts.
+template <typename Problem>
+void Items(const Problem& p, int64_t parts, int64_t first, int64_t last) {
+  const int64_t span = ((p.m + parts - 1) / parts + kRows - 1) / kRows * kRows;
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t r0 = i % parts * span, r1 = std::min(p.m, r0 + span);
+    if (r0 < r1) TileRows(p, i / parts, r0, r1);
+  }
+}
+
+// All tiles of `problem`, shared out between threads when the work is large enough. Many rows
+// (a prompt's) split each tile's rows into parts too, so that a few tiles still share out evenly:
+// SmolLM2's 576-wide outputs are 9 tiles, 5 against 4 on two threads.
 template <typename Problem>
 void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
-  pathserve::ParallelFor(pool, problem.tiles, multiply_adds,
-                         [problem](int64_t first, int64_t last) { Tiles(problem, first, last); });
+  const int64_t parts = std::clamp<int64_t>(problem.m / kPartRows, 1, 8);
+  pathserve::ParallelFor(pool, problem.tiles * parts, multiply_adds,
+                         [problem, parts](int64_t first, int64_t last) { Items(problem, parts, first, last); });
 }
 
 // rows[which[r]] for r < m (`which` null: rows[r]), of `cols` each -> out[blocks, cols, kRows]: the
