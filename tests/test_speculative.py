@@ -18,6 +18,7 @@ from serving.engine.speculative import verify_tokens
 from serving.engine.state import SlotSampling
 from serving.models import prefill
 from serving.request import SamplingParams
+from tests.backends import kernels_run_here
 from tests.conftest import DATA, tiny_engine
 
 TEXT = (DATA / "english.txt").read_text()
@@ -51,7 +52,24 @@ def _plain(engine, params, prompts, sampling, count):
 
 
 def test_verify_emits_greedy_tokens_whatever_the_proposals(tiny):
-    _check_greedy(*tiny, modes=("right", "wrong", "mixed"))
+    _check_greedy(*tiny, modes=("right", "wrong", "mixed", "partial"))
+
+
+def test_verify_on_the_cpu_kernels_counts_only_the_real_proposals(tiny_model_dir):
+    """Where the kernels run, a verify row computes its token and its real proposals only (the
+    matmuls skip the rest, serving.models.ops.XlaOps.counting): slots proposing K, none and 2
+    tokens still emit plain decoding's greedy tokens."""
+    available, why = kernels_run_here()
+    if not available:
+        pytest.skip(f"the CPU kernels do not run here: {why}")
+    cfg = ServingConfig(
+        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, decode_steps_per_call=1,
+        quantization="int8w", cpu_kernels="on",
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    assert engine.ops.name == "cpu-kernels"
+    _check_greedy(model, engine, engine.load_params(), modes=("partial", "mixed"))
 
 
 def test_verify_with_an_int8_kv_cache_emits_greedy_tokens(tiny_model_dir):
@@ -93,6 +111,8 @@ def _check_greedy(model, engine, params, modes, sampling=SamplingParams(max_toke
                 truth = expected[slot][n : n + K]
                 if mode == "wrong" or (mode == "mixed" and slot == 1):
                     truth = [(t + 1 + int(rng.integers(5))) % 300 for t in truth]
+                if mode == "partial":  # slot 1 proposes nothing, slot 2 two tokens
+                    truth = truth[: (K, 0, 2)[slot]]
                 proposals[slot, : len(truth)], num[slot] = truth, len(truth)
             max_position = max(len(p) + len(t) for p, t in zip(prompts, tokens, strict=True))
             state, result = engine.verify(params, state, proposals, num, max_position=max_position)

@@ -167,9 +167,14 @@ class Speculative:
         # an inactive row starts at 0: it attends to no cached position (its writes go to scratch)
         starts = jnp.where(state.active, jnp.minimum(state.positions, max_len - 1), 0)
         fed = jnp.concatenate([state.tokens[:, None], proposals], axis=1)  # [slots, k + 1]
+        # Each row counts its token and its real proposals: the logits past them are never read
+        # (a backend may skip their matmuls, serving.models.ops.XlaOps.counting), and their KV goes
+        # where a rejected proposal's does, to positions written again before they are read. A
+        # call with one slot of S proposing computes S + k positions, not S x (k + 1).
+        counted = jnp.where(state.active, 1 + jnp.clip(num_proposed, 0, k), 1).astype(jnp.int32)
         # the slots `rows`, positions [0, window), through their block tables
         logits, kv = prefill(
-            params, fed, jnp.full((num_slots,), k + 1, jnp.int32), **static, starts=starts, cache=full.cache, pages=state.pages, window=window,
+            params, fed, counted, **static, starts=starts, cache=full.cache, pages=state.pages, window=window,
             quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
         )
         vocab = logits.shape[-1]
