@@ -268,8 +268,24 @@ def test_only_the_counted_rows_are_computed_and_the_others_are_zeros(weights, is
     got = np.asarray(part(jnp.asarray(rows), counts=jnp.asarray(active)))
     np.testing.assert_array_equal(got[active == 1], whole[active == 1, 0])
     assert np.all(got[active == 0] == 0)
-    with pytest.raises(Exception, match="4 row counts do not split 54 rows"):
-        np.asarray(part(jnp.asarray(x), counts=jnp.zeros((4,), jnp.int32)))
+    with pytest.raises(ValueError, match="4 row counts do not split 54 rows"):
+        part(jnp.asarray(x), counts=jnp.zeros((4,), jnp.int32))
+    # a prompt's rows: 64 or more counted rows split in parts between threads, depth past one
+    # int32 pass (128 pairs), the map and the parts together
+    x = rng.standard_normal((2, 64, 600)).astype(np.float32)
+    values = rng.integers(-127, 128, (600, 150), dtype=np.int8)
+    w = {
+        "int8": lambda: cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=False),
+        "w8a8": lambda: cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales)),
+        "float32": lambda: cpu_matmul.pack(jnp.asarray(values.astype(np.float32) * scales)),
+    }[weights]()
+    whole = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), w))
+    counts = np.array([50, 40], np.int32)
+    counted = np.arange(64)[None, :] < counts[:, None]
+    x[~counted] = np.nan
+    got = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, w=w, isa=isa))(jnp.asarray(x), counts=jnp.asarray(counts)))
+    np.testing.assert_array_equal(got[counted], whole[counted])
+    assert np.all(got[~counted] == 0)
 
 
 def test_w8a8_layout_is_four_input_rows_per_column_with_column_sums():

@@ -58,13 +58,14 @@ def test_verify_emits_greedy_tokens_whatever_the_proposals(tiny):
 def test_verify_on_the_cpu_kernels_counts_only_the_real_proposals(tiny_model_dir):
     """Where the kernels run, a verify row computes its token and its real proposals only (the
     matmuls skip the rest, serving.models.ops.XlaOps.counting): slots proposing K, none and 2
-    tokens still emit plain decoding's greedy tokens."""
+    tokens still emit plain decoding's greedy tokens. W8A8 weights: their handlers (VNNI or AVX2)
+    take the counts on every CPU, where int8w weights go to the AMX kernel where there is one."""
     available, why = kernels_run_here()
     if not available:
         pytest.skip(f"the CPU kernels do not run here: {why}")
     cfg = ServingConfig(
         per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, decode_steps_per_call=1,
-        quantization="int8w", cpu_kernels="on",
+        quantization="int8", cpu_kernels="on",
     )
     model = load_model(str(tiny_model_dir), cfg)
     engine = Engine(model, cfg.engine)

@@ -171,6 +171,8 @@ class Speculative:
         # (a backend may skip their matmuls, serving.models.ops.XlaOps.counting), and their KV goes
         # where a rejected proposal's does, to positions written again before they are read. A
         # call with one slot of S proposing computes S + k positions, not S x (k + 1).
+        # An inactive row counts 1, not 0: a row with no position counted would leave XLA's
+        # attention a row of queries with every key masked (NaN).
         counted = jnp.where(state.active, 1 + jnp.clip(num_proposed, 0, k), 1).astype(jnp.int32)
         # the slots `rows`, positions [0, window), through their block tables
         logits, kv = prefill(

@@ -198,7 +198,8 @@ struct Int8Problem {
 
 // Rows [r0, r1) (r0 a multiple of kRows) of tile `t`: pass by pass over the input rows, every block
 // of rows, so a pass's weights are read from memory once (prefetched two passes before) and from L1
-// by the other row blocks. Tiles and passes lie one after another, so later passes start where this
+// by the other row blocks (once per part where the rows are split in parts, below: each part
+// prefetches the passes it reads, and parts on two threads stream the tile twice, from L3 at best). Tiles and passes lie one after another, so later passes start where this
 // ends (after the last one, the lines asked for are simply not used: a prefetch never faults).
 template <typename Problem>
 void TileRows(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
@@ -237,8 +238,8 @@ void Items(const Problem& p, int64_t parts, int64_t first, int64_t last) {
   }
 }
 
-// All tiles of `problem`, shared out between threads when the work is large enough. Many rows
-// (a prompt's) split each tile's rows into parts too, so that a few tiles still share out evenly:
+// All tiles of `problem`, shared out between threads when the work is large enough. 64 rows or
+// more (a prompt's; a decode call of 64 rows too) split each tile's rows into parts too, so that a few tiles still share out evenly:
 // SmolLM2's 576-wide outputs are 9 tiles, 5 against 4 on two threads.
 template <typename Problem>
 void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {

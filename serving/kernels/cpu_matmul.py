@@ -255,6 +255,8 @@ def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, counts: jax.Ar
     lead = x.shape[:-1]
     rows = x.reshape(-1, w.in_features).astype(jnp.float32)
     layer = jnp.zeros((), jnp.int32) if w.layer is None else w.layer
+    if counts is not None and (counts.size < 1 or rows.shape[0] % counts.size):
+        raise ValueError(f"{counts.size} row counts do not split {rows.shape[0]} rows into equal groups")
     counted = jnp.full((1,), rows.shape[0], jnp.int32) if counts is None else counts.astype(jnp.int32).reshape(-1)
     result = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
     if w.w8a8:

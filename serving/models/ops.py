@@ -81,8 +81,9 @@ class XlaOps:
         """These ops for a forward pass whose activations [groups, span, ...] count only each
         group's first counts[g] rows (int32 [groups]): a prompt chunk's true lengths (span: the
         bucket), or a decode call's active rows (1 or 0, span 1). A backend may skip the other rows'
-        matmuls and return zeros there (callers read only the rows that count); XLA's computes
-        them, as it must compute a fixed shape: it returns itself."""
+        matmuls and return anything there (callers read only the rows that count; the CPU kernels
+        give zeros, their AMX handlers the rows computed); XLA's computes them, as it must compute
+        a fixed shape: it returns itself."""
         return self
 
     def reads_cache_in_place(self, cfg: ModelConfig, cache_dtype: jnp.dtype, dtype: jnp.dtype) -> bool:
