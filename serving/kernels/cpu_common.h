@@ -131,9 +131,9 @@ inline xla::ffi::ErrorOr<Shapes> CheckShapes(const char* name, xla::ffi::Span<co
 // (padding past it), or 1 or 0 for a decode row that is active or not. Fills `rows` with the
 // counted rows' indices in order (the kernels quantize and multiply only those, then store each
 // result row at its index) and zeroes y[M, N]'s other rows. Returns how many rows count.
-inline xla::ffi::ErrorOr<int64_t> SelectRows(const char* name, xla::ffi::Span<const int64_t> xd, const int32_t* counts,
-                                             int64_t groups, int64_t n, float* y, std::vector<int64_t>& rows) {
-  const int64_t m = xd.size() == 2 ? xd[0] : 0;
+inline xla::ffi::ErrorOr<int64_t> SelectRows(const char* name, int64_t m, const xla::ffi::Buffer<xla::ffi::S32>& counts,
+                                             int64_t n, float* y, std::vector<int64_t>& rows) {
+  const int64_t groups = static_cast<int64_t>(counts.element_count());
   if (groups < 1 || m % groups != 0) {
     return xla::ffi::Unexpected(xla::ffi::Error::InvalidArgument(
         std::string(name) + ": " + std::to_string(groups) + " row counts do not split " + std::to_string(m) + " rows"));
@@ -141,7 +141,7 @@ inline xla::ffi::ErrorOr<int64_t> SelectRows(const char* name, xla::ffi::Span<co
   const int64_t span = m / groups;
   rows.clear();
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t count = std::clamp<int64_t>(counts[g], 0, span);
+    const int64_t count = std::clamp<int64_t>(counts.typed_data()[g], 0, span);
     for (int64_t r = 0; r < count; ++r) rows.push_back(g * span + r);
     std::fill(y + (g * span + count) * n, y + (g + 1) * span * n, 0.0f);
   }

@@ -360,8 +360,7 @@ ffi::Error Int8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   }
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
   Scratch& scratch = ThreadScratch();
-  auto m = pathserve::SelectRows("int8_avx2_matmul", xd, counts.typed_data(), counts.element_count(), s.n,
-                                 y->typed_data(), scratch.rows);
+  auto m = pathserve::SelectRows("int8_avx2_matmul", s.m, counts, s.n, y->typed_data(), scratch.rows);
   if (m.has_error()) return m.error();
   if (*m == 0) return ffi::Error::Success();
   scratch.bytes.resize(*m * 2 * pairs * sizeof(int16_t));
@@ -398,8 +397,7 @@ ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi
   if (static_cast<int64_t>(w_scales.element_count()) != s.layers * s.tiles * kTile) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(name) + ": scales must hold one float per packed column"));
   }
-  auto m = pathserve::SelectRows(name, xd, counts.typed_data(), counts.element_count(), s.n, y->typed_data(),
-                                 scratch.rows);
+  auto m = pathserve::SelectRows(name, s.m, counts, s.n, y->typed_data(), scratch.rows);
   if (m.has_error()) return ffi::Unexpected(m.error());
   Shapes computed = s;
   computed.m = *m;

@@ -198,9 +198,10 @@ struct Int8Problem {
 
 // Rows [r0, r1) (r0 a multiple of kRows) of tile `t`: pass by pass over the input rows, every block
 // of rows, so a pass's weights are read from memory once (prefetched two passes before) and from L1
-// by the other row blocks (once per part where the rows are split in parts, below: each part
-// prefetches the passes it reads, and parts on two threads stream the tile twice, from L3 at best). Tiles and passes lie one after another, so later passes start where this
-// ends (after the last one, the lines asked for are simply not used: a prefetch never faults).
+// by the other row blocks: once per part where the rows are split in parts (below; parts on two
+// threads stream the tile twice, from L3 at best). Tiles and passes lie one after another, so later
+// passes start where this ends (after the last one, the lines asked for are simply not used: a
+// prefetch never faults).
 template <typename Problem>
 void TileRows(const Problem& p, int64_t t, int64_t r0, int64_t r1) {
   const int64_t blocks = (r1 - r0 + kRows - 1) / kRows;
@@ -239,8 +240,9 @@ void Items(const Problem& p, int64_t parts, int64_t first, int64_t last) {
 }
 
 // All tiles of `problem`, shared out between threads when the work is large enough. 64 rows or
-// more (a prompt's; a decode call of 64 rows too) split each tile's rows into parts too, so that a few tiles still share out evenly:
-// SmolLM2's 576-wide outputs are 9 tiles, 5 against 4 on two threads.
+// more (a prompt's; a decode call of 64 rows too) split each tile's rows into parts too, so that a
+// few tiles still share out evenly: SmolLM2's 576-wide outputs are 9 tiles, 5 against 4 on two
+// threads.
 template <typename Problem>
 void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
   const int64_t parts = std::clamp<int64_t>(problem.m / kPartRows, 1, 8);
@@ -303,7 +305,7 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (s.m == 0 || s.n == 0) return ffi::Error::Success();
   thread_local std::vector<int64_t> rows;  // per calling thread: XLA may run two matmuls at once
   thread_local std::vector<float> xi;
-  auto m = pathserve::SelectRows("f32_matmul", xd, counts.typed_data(), counts.element_count(), s.n, y->typed_data(), rows);
+  auto m = pathserve::SelectRows("f32_matmul", s.m, counts, s.n, y->typed_data(), rows);
   if (m.has_error()) return m.error();
   if (*m == 0) return ffi::Error::Success();
   const float* w_layer = w.typed_data() + s.index * s.tiles * s.k * kTile;
@@ -331,7 +333,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<int32_t> xi;
   thread_local std::vector<float> x_scales;
-  auto m = pathserve::SelectRows("int8_matmul", xd, counts.typed_data(), counts.element_count(), s.n, y->typed_data(), rows);
+  auto m = pathserve::SelectRows("int8_matmul", s.m, counts, s.n, y->typed_data(), rows);
   if (m.has_error()) return m.error();
   if (*m == 0) return ffi::Error::Success();
   xq.resize(*m * 2 * pairs);
