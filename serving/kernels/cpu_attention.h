@@ -95,13 +95,13 @@ struct Problem {
       for (int64_t t0 = first; t0 < end; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, end - t0);
         for (int64_t j = 0; j < count; ++j) {
-          if (t0 + j + kAhead < n) {  // this position's keys and values are far apart in the pool: fetch both early
+          if (t0 + j + kAhead < n) {  // this position's keys and values are far apart in the pool: fetch both into L2
             const int64_t at = (int64_t{table[ahead_slot]} * page_size + ahead_offset) * row;
             const char* k_at = reinterpret_cast<const char*>(k + at);
             const char* v_at = reinterpret_cast<const char*>(v + at);
             for (int64_t c = h * bytes; c < (h + 1) * bytes; c += 64) {
-              _mm_prefetch(k_at + c, _MM_HINT_T0);
-              _mm_prefetch(v_at + c, _MM_HINT_T0);
+              _mm_prefetch(k_at + c, _MM_HINT_T1);
+              _mm_prefetch(v_at + c, _MM_HINT_T1);
             }
             if (h == 0) {  // the other kv heads' lines of the token too, into L2: the row in one stream
               for (int64_t c = bytes; c < row * static_cast<int64_t>(sizeof(T)); c += 64) {
@@ -202,12 +202,14 @@ struct Problem {
     // a tile's dot products [kv heads, G, 16 positions], vectors aligned in `dots`
     dots.resize(kv_heads * G * 16 * 16 + 16);
     V* tile = reinterpret_cast<V*>((reinterpret_cast<uintptr_t>(dots.data()) + 63) & ~uintptr_t{63});
+    for (int64_t t = 0; t < kRowAhead; ++t) FetchRow(k, table, t, n);  // the first keys; the pass asks ahead
     for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
       const T* keys = k + int64_t{table[slot]} * page_size * row;
       const int64_t end = std::min(first + page_size, n);
       for (int64_t t0 = first; t0 < end; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, end - t0);
         for (int64_t j = 0; j < 16; ++j) {
+          if (j < count) FetchRow(k, table, t0 + j + kRowAhead, n);
           for (int64_t h = 0; h < kv_heads; ++h) {
             V* dot = tile + h * G * 16 + j;
             if (j < count) {
@@ -227,13 +229,16 @@ struct Problem {
                  scores.data() + h * G * stride + n + j, stride);
       }
     }
+    for (int64_t t = 0; t < kRowAhead; ++t) FetchRow(v, table, t, n);  // the first values, during the softmax
     float inverse_total[16 * G];  // kv_heads <= 16 (Attend)
     for (int64_t i = 0; i < kv_heads * G; ++i) inverse_total[i] = 1.0f / ExpAndSum(scores.data() + i * stride, width);
 
     for (int64_t first = 0, slot = 0; first < n; first += page_size, ++slot) {
       const T* values = v + int64_t{table[slot]} * page_size * row;
-      for (int64_t t = first; t < std::min(first + page_size, n); ++t)
+      for (int64_t t = first; t < std::min(first + page_size, n); ++t) {
+        FetchRow(v, table, t + kRowAhead, n);
         AddRow<G>(values + (t - first) * row, scores.data() + t, stride, sums.data());
+      }
     }
     for (int64_t j = 0; j <= s; ++j) AddRow<G>(own_v + j * row, scores.data() + n + j, stride, sums.data());
     float* result = out + (b * chunk + s) * row * G;
@@ -241,6 +246,17 @@ struct Problem {
       for (int64_t c = 0; c < vectors; ++c)
         Store16(result + i * head_dim + 16 * c,
                 Mul(Load16(sums.data() + i * head_dim + 16 * c), Set1(inverse_total[i])));
+  }
+
+  // Asks for the token row (every kv head) of position t, into L2, of a row whose block table is
+  // `table` in `pool` (k or v), if t < n: RowItem's loads alone kept too few lines in flight
+  // (kRowAhead says what it measured).
+  PATHSERVE_TARGET void FetchRow(const T* pool, const int32_t* table, int64_t t, int64_t n) const {
+    if (t >= n) return;
+    const int64_t row = kv_heads * head_dim;
+    const char* at = reinterpret_cast<const char*>(pool + (int64_t{table[t / page_size]} * page_size + t % page_size) * row);
+    // asm, not _mm_prefetch: GCC 12 compiled this loop of builtin prefetches to nothing here
+    for (int64_t c = 0; c < row * static_cast<int64_t>(sizeof(T)); c += 64) asm volatile("prefetcht1 %0" : : "m"(at[c]));
   }
 
   // sums [kv heads, G, head_dim] += each head's probabilities probs[(h * G + g) * stride] times the

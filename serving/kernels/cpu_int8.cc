@@ -48,17 +48,6 @@ constexpr int64_t kTile = 64;    // output columns per packed tile
 constexpr int kRows = 4;         // rows of x per register block (x is interleaved in blocks of 4)
 constexpr int64_t kPairs = 128;  // int16 x int8: input-row pairs per int32 accumulation
 
-// rows[M, cols] -> out[blocks, cols, kRows] (the kRows values a block broadcasts together lie
-// together); lanes past M are zero.
-void Interleave(const int32_t* rows, int64_t m, int64_t cols, int32_t* out) {
-  const int64_t blocks = (m + kRows - 1) / kRows;
-  std::fill(out, out + blocks * cols * kRows, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    int32_t* lane = out + (r / kRows) * cols * kRows + r % kRows;
-    for (int64_t i = 0; i < cols; ++i) lane[i * kRows] = rows[r * cols + i];
-  }
-}
-
 // Whether a row holds NaN or infinity (x * 0 is NaN exactly there), and its largest magnitude.
 PATHSERVE_AVX2 void RowRange(const float* row, int64_t k, float* absmax, bool* finite) {
   __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -368,7 +357,7 @@ ffi::Error Int8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   scratch.scales.resize(*m);
   auto* xq = reinterpret_cast<int16_t*>(scratch.bytes.data());
   QuantizeRows16(x.typed_data(), scratch.rows.data(), *m, s.k, 2 * pairs, xq, scratch.scales.data());
-  Interleave(reinterpret_cast<const int32_t*>(xq), *m, pairs, scratch.interleaved.data());
+  pathserve::InterleaveRows(reinterpret_cast<const int32_t*>(xq), nullptr, *m, pairs, scratch.interleaved.data());
   const Int8Avx2Problem problem{scratch.interleaved.data(),
                                 scratch.scales.data(),
                                 w.typed_data() + s.index * s.tiles * pairs * kTile * 2,
@@ -406,7 +395,7 @@ ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi
   scratch.scales.resize(*m);
   QuantizeRows8(x.typed_data(), scratch.rows.data(), *m, s.k, 4 * quads, offset, scratch.bytes.data(),
                 scratch.scales.data());
-  Interleave(reinterpret_cast<const int32_t*>(scratch.bytes.data()), *m, quads, scratch.interleaved.data());
+  pathserve::InterleaveRows(reinterpret_cast<const int32_t*>(scratch.bytes.data()), nullptr, *m, quads, scratch.interleaved.data());
   return computed;
 }
 

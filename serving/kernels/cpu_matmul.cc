@@ -122,7 +122,7 @@ struct Prefetch {
 };
 
 struct F32Problem {
-  const float* x;  // [blocks, K, kRows]: x's rows interleaved in blocks of kRows (Interleave)
+  const float* x;  // [blocks, K, kRows]: x's rows interleaved in blocks of kRows (InterleaveRows)
   const float* w;  // [tiles, K, kTile]
   float* y;        // [M, N]
   const int64_t* out;  // [m]: the row of y each computed row goes to (pathserve::SelectRows)
@@ -250,19 +250,6 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
                          [problem, parts](int64_t first, int64_t last) { Items(problem, parts, first, last); });
 }
 
-// rows[which[r]] for r < m (`which` null: rows[r]), of `cols` each -> out[blocks, cols, kRows]: the
-// kRows values a register block broadcasts at each step lie together, so each block streams its x
-// from one place instead of kRows rows apart (worth ~10% at batch 32, where x no longer fits in L1
-// beside the weights). Lanes past m are not read.
-template <typename T>
-void Interleave(const T* rows, const int64_t* which, int64_t m, int64_t cols, T* out) {
-  for (int64_t r = 0; r < m; ++r) {
-    T* lane = out + (r / kRows) * cols * kRows + r % kRows;
-    const T* row = rows + (which ? which[r] : r) * cols;
-    for (int64_t i = 0; i < cols; ++i) lane[i * kRows] = row[i];
-  }
-}
-
 // Rows x[which[r]] (`which` null: x[r]) for r < m of x[., K] as int16 with their scales (absmax /
 // 32767), zero-padded to 2 * pairs columns. A row holding NaN or infinity gets a NaN scale, so the
 // output carries it as a float matmul would.
@@ -310,7 +297,7 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (*m == 0) return ffi::Error::Success();
   const float* w_layer = w.typed_data() + s.index * s.tiles * s.k * kTile;
   xi.resize(((*m + kRows - 1) / kRows) * kRows * s.k);
-  Interleave(x.typed_data(), rows.data(), *m, s.k, xi.data());
+  pathserve::InterleaveRows(x.typed_data(), rows.data(), *m, s.k, xi.data());
   const F32Problem problem{xi.data(), w_layer, y->typed_data(), rows.data(), *m, s.k, s.n, s.tiles};
   Run(pool, problem, *m * s.k * s.tiles * kTile);
   return ffi::Error::Success();
@@ -340,7 +327,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   xi.resize(((*m + kRows - 1) / kRows) * kRows * pairs);
   x_scales.resize(*m);
   QuantizeRows(x.typed_data(), rows.data(), *m, s.k, pairs, xq.data(), x_scales.data());
-  Interleave(reinterpret_cast<const int32_t*>(xq.data()), nullptr, *m, pairs, xi.data());
+  pathserve::InterleaveRows(reinterpret_cast<const int32_t*>(xq.data()), nullptr, *m, pairs, xi.data());
   const Int8Problem problem{xi.data(),
                             x_scales.data(),
                             w.typed_data() + s.index * s.tiles * pairs * kTile * 2,
