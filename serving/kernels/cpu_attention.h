@@ -340,11 +340,11 @@ struct Problem {
         for (int i = 0; i < RV; ++i) acc[x][i] = Zero();
       }
       for (int64_t d = 0; d < head_dim; ++d) {
-        V element[X];
-        for (int x = 0; x < X; ++x) element[x] = Set1(key[x][d]);
-        for (int i = 0; i < RV; ++i) {
-          const V query = Load16(qt + d * W + 16 * i);
-          for (int x = 0; x < X; ++x) acc[x][i] = Fma(element[x], query, acc[x][i]);
+        V query[RV];  // RV queries, then one broadcast at a time: X * RV + RV + 1 registers live
+        for (int i = 0; i < RV; ++i) query[i] = Load16(qt + d * W + 16 * i);
+        for (int x = 0; x < X; ++x) {
+          const V element = Set1(key[x][d]);
+          for (int i = 0; i < RV; ++i) acc[x][i] = Fma(element, query[i], acc[x][i]);
         }
       }
       for (int64_t x = 0; x < here; ++x) {
@@ -378,11 +378,11 @@ struct Problem {
       for (int x = 0; x < X; ++x)
         for (int i = 0; i < RV; ++i) acc[x][i] = Mul(Load16(o + (d + x) * W + 16 * i), fixup[i]);
       for (int64_t j = 0; j < count; ++j) {
-        V element[X];
-        for (int x = 0; x < X; ++x) element[x] = Set1(values[j][d + x]);
-        for (int i = 0; i < RV; ++i) {
-          const V weight = Load16(p + j * W + 16 * i);
-          for (int x = 0; x < X; ++x) acc[x][i] = Fma(element[x], weight, acc[x][i]);
+        V weight[RV];
+        for (int i = 0; i < RV; ++i) weight[i] = Load16(p + j * W + 16 * i);
+        for (int x = 0; x < X; ++x) {
+          const V element = Set1(values[j][d + x]);
+          for (int i = 0; i < RV; ++i) acc[x][i] = Fma(element, weight[i], acc[x][i]);
         }
       }
       for (int x = 0; x < X; ++x)

@@ -46,15 +46,15 @@ template <typename T>
 __attribute__((target("avx2"))) void InterleaveRows(const T* rows, const int64_t* which, int64_t m, int64_t cols,
                                                     T* out) {
   static_assert(sizeof(T) == 4, "4-byte values");
-  thread_local std::vector<int32_t> zeros;  // the rows past m
-  if (m % 4 && static_cast<int64_t>(zeros.size()) < cols) zeros.assign(cols, 0);
+  thread_local std::vector<T> zeros;  // the rows past m
+  if (m % 4 && static_cast<int64_t>(zeros.size()) < cols) zeros.assign(cols, T{});
   for (int64_t b = 0; b < (m + 3) / 4; ++b) {
-    const int32_t* src[4];
+    const T* src[4];
     for (int64_t j = 0; j < 4; ++j) {
       const int64_t r = 4 * b + j;
-      src[j] = r < m ? reinterpret_cast<const int32_t*>(rows + (which ? which[r] : r) * cols) : zeros.data();
+      src[j] = r < m ? rows + (which ? which[r] : r) * cols : zeros.data();
     }
-    int32_t* dst = reinterpret_cast<int32_t*>(out + b * cols * 4);
+    T* dst = out + b * cols * 4;
     int64_t i = 0;
     for (; i + 8 <= cols; i += 8) {
       __m256i q[4];

@@ -46,6 +46,7 @@ using pathserve::Shapes;
 
 constexpr int64_t kTile = 64;    // output columns per packed tile
 constexpr int kRows = 4;         // rows of x per register block (x is interleaved in blocks of 4)
+static_assert(kRows == 4, "pathserve::InterleaveRows interleaves blocks of 4 rows");
 constexpr int64_t kPairs = 128;  // int16 x int8: input-row pairs per int32 accumulation
 
 // Whether a row holds NaN or infinity (x * 0 is NaN exactly there), and its largest magnitude.

@@ -73,6 +73,7 @@ using pathserve::Shapes;
 constexpr int64_t kTile = 64;    // output columns per packed tile: four vectors of 16 lanes
 constexpr int64_t kPairs = 128;  // int8: input-row pairs per int32 accumulation
 constexpr int kRows = 4;         // rows of x per register block
+static_assert(kRows == 4, "pathserve::InterleaveRows interleaves blocks of 4 rows");
 
 constexpr int64_t kChunk = 128;  // float32: input rows per pass over a tile (32 KB of weights, in L1)
 

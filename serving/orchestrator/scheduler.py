@@ -150,9 +150,9 @@ class Scheduler:
 
     def room(self, cancelled: Collection[int] = ()) -> int:
         """How many slots the next `schedule` can fill, once `cancelled` are freed (a waiting
-        request takes `num_slots` of them): none while the pool has no page beyond the running
-        sequences' next growth (a request admitted then would hold a slot without a page), unless
-        nothing runs."""
+        request takes `num_slots` of them): none while the pool has no page beyond what the running
+        sequences grow into soon (`_headroom`: a request admitted then would hold a slot without a
+        page), unless nothing runs."""
         cancelled_slots = self._cancelled_slots(cancelled)
         if self.running and not cancelled_slots and self.pool.num_free <= self._headroom():
             return 0
@@ -283,13 +283,14 @@ class Scheduler:
 
     def _headroom(self) -> int:
         """Pages the running sequences grow into over their next calls (`GROWTH_HORIZON` positions
-        past the next call's): kept free of new prompts, so that admitting one does not preempt a
-        running sequence a few calls later."""
-        horizon = self._ahead + GROWTH_HORIZON
-        return sum(
-            max(0, self._pages_for(entry.position + horizon) - len(self.tables.get(slot, ())))
-            for slot, entry in self.running.items()
-        )
+        past the next call's, but not past a sequence's last position): kept free of new prompts,
+        so that admitting one does not preempt a running sequence a few calls later."""
+        total = 0
+        for slot, entry in self.running.items():
+            last = len(entry.prompt_ids) + entry.sampling.max_tokens  # no position reaches it
+            reach = min(entry.position + self._ahead + GROWTH_HORIZON, max(last, entry.position + self._ahead))
+            total += max(0, self._pages_for(reach) - len(self.tables.get(slot, ())))
+        return total
 
     def _victim(self, exclude: int) -> int | None:
         """The newest sequence holding pages that may be preempted (not a whole admission)."""
@@ -405,8 +406,8 @@ class Scheduler:
         limits = self.limits
         candidates: list[tuple[int, _Prefilling, tuple[int, ...]]] = []  # oldest first
         fresh = None
-        # A page for each running sequence's next call stays free: prompts do not take the pages
-        # the running ones are about to grow into (which would preempt them, or the prompt itself).
+        # The pages the running sequences grow into soon stay free (`_headroom`): prompts do not
+        # take them (which would preempt the running ones, or the prompt itself).
         headroom = self._headroom()
         for slot, entry in self.prefilling.items():
             if entry.waits:

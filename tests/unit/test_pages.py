@@ -101,15 +101,16 @@ def test_preemption_counts_and_a_preempted_sequence_resumes_with_its_generated_t
         assert tokens[i] == engine.expected(r.prompt_ids, r.sampling)
 
 
-@pytest.mark.parametrize(("prompt", "room"), [(10, 1), (60, 0)])
-def test_new_prompts_take_the_pages_running_sequences_will_not_grow_into_soon(prompt, room):
+@pytest.mark.parametrize(("prompt", "max_tokens", "room"), [(10, 60, 1), (60, 60, 0), (58, 5, 1)])
+def test_new_prompts_take_the_pages_running_sequences_will_not_grow_into_soon(prompt, max_tokens, room):
     # one running sequence in a pool of 2 pages of 64 positions, one of them free: at position 12
     # (its prompt, then the turn's decode call of 2 steps) its next GROWTH_HORIZON positions stay in
     # its page, so a new request may take the free one; at 62 they cross into a second page, so
-    # the free page stays its own (before, every running sequence kept a page free)
+    # the free page stays its own (before, every running sequence kept a page free); at 60 with 5
+    # tokens to generate, its last position (62) is in its page: nothing to keep
     engine = MockEngine(slots=2, max_prefill_length=64, max_target_length=128, prefix_block=64, num_pages=3)
     scheduler, executor = Scheduler(engine.limits, 2), Executor(engine, {})
-    plan = scheduler.schedule([Waiting(0, tuple(range(1, prompt + 1)), SamplingParams(max_tokens=60))])
+    plan = scheduler.schedule([Waiting(0, tuple(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens))])
     scheduler.update(plan, executor.run(plan))
     assert scheduler.running[0].position == prompt + 2 and len(scheduler.tables[0]) == 1
     assert scheduler.pool.num_free == 1 and scheduler.room() == room
