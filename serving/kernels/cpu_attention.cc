@@ -57,11 +57,12 @@ namespace {
 
 using pathserve::Lanes;
 
-// Positions between a prefetch and the scores that use it (Item; RowItem: kRowAhead), into L2:
-// at 8 positions into L1 the prefetches themselves stalled (too few lines may be in flight to L1)
-// and a row read ~11 GB/s (Item) or ~17 GB/s (RowItem, two threads) where two threads stream
-// ~31 GB/s; 16 positions into L2: 1 row x 1,000 positions x 30 layers 4.1 -> 2.6 ms, 18 rows x
-// 400 20.5 -> 14.9 ms (alternating runs; 32 measured no better).
+// Positions between a prefetch and the scores that use it (Item; RowItem: kRowAhead), into L2.
+// Into L1 (Item: 8 ahead; RowItem: none, or 4 ahead as tried) a row read ~11 GB/s (Item) or
+// ~17 GB/s (RowItem, two threads) where two threads stream ~31 GB/s, RowItem's samples sitting on
+// the instruction after each L1 prefetch (the L1's misses in flight are the limit); 16 positions
+// into L2: 1 row x 1,000 positions x 30 layers 4.1 -> 2.6 ms, 18 rows x 400 20.5 -> 14.9 ms
+// (alternating runs; 32 measured no better).
 constexpr int64_t kAhead = 16;
 constexpr int64_t kRowAhead = 16;
 
