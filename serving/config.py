@@ -117,9 +117,10 @@ class ServingConfig(BaseModel):
     # their token ids and shared by later prompts that begin with them; freed ones stay until the
     # pool needs them (least recently used first). The pool is the cache: no budget of its own.
     prefix_cache: Literal["on", "off"] = "on"
-    prefix_block_size: int = Field(default=64, ge=1)
+    prefix_block_size: int = Field(default=32, ge=1)
     # The KV cache is a pool of pages of prefix_block_size positions that sequences take as they
-    # grow (serving.orchestrator.pages): its bytes per chip (0: enough for every decode slot to
+    # grow (serving.orchestrator.pages; 32, MaxText's pagedattn_tokens_per_page: a sequence's last
+    # page is half empty on average, 16 positions rather than 32 of 64): its bytes per chip (0: enough for every decode slot to
     # reach max_target_length at once). per_device_batch_size stays the most sequences decoding.
     kv_cache_bytes_per_chip: int = Field(default=0, ge=0)
     # MaxText's paged attention keys, read (as MaxText reads them) only with attention=paged: the

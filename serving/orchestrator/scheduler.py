@@ -21,10 +21,13 @@ c. every running sequence takes the pages its next decode call writes, oldest fi
    is preempted: its pages are freed and it prefills again from the start, its prompt now the
    prompt and the tokens it already streamed, and its final chunk samples its next token (so its
    stream neither repeats nor loses one). A sequence that would preempt only itself waits;
-d. one `prefill_slots` call: the next chunk of each prefilling slot whose pages are free (leaving
-   free the pages the running sequences grow into over their next GROWTH_HORIZON positions), oldest
-   admission first, while the rows fit `max_prefill_batch` and rows x bucket of the longest chunk
-   fits `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen
+d. one `prefill_slots` call: the next chunk of each prefilling slot holding its pages, oldest
+   admission first. A prompt takes the pages of its whole prompt (and its first decode call) when
+   it starts, if they are free (leaving free the pages the running sequences grow into over their
+   next GROWTH_HORIZON positions), so a prompt once started never waits half computed, holding
+   pages; a newer prompt whose pages are free starts before an older one whose are not, until that
+   one has waited STARVED_TURNS. The rows fit `max_prefill_batch` and rows x bucket of the longest
+   chunk fits `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen
    before ones that would widen it); rows start all at 0 or all after it, as the first row does. A
    row that reaches its prompt's end is final: its slot decodes from this turn. Each full prompt
    page it completes is registered under its key;
@@ -69,6 +72,11 @@ __all__ = ["Admission", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
 # not yet computed); a horizon of 8: 47, 7 preemptions recomputing 2% more prompt tokens.
 GROWTH_HORIZON = 16
 
+# Turns a prompt may wait for its pages while newer (shorter) prompts whose pages are free start
+# before it; past them, no newer prompt starts until it has. The mixed benchmark's longest wait
+# without this bound was ~120 turns; 64 leaves its most sequences decoding at once unchanged.
+STARVED_TURNS = 64
+
 
 @dataclass
 class _Running:
@@ -92,6 +100,7 @@ class _Prefilling:
     keys: tuple[bytes, ...] = ()  # the block key of each full page of the prompt (prefix cache on)
     checked: int = 0  # full pages below this one were found cached or registered
     waits: bool = False  # for a page another prefilling slot will register (nothing found yet)
+    turns_waited: int = 0  # turns its prompt's pages were not free
     generated: tuple[int, ...] = ()  # tokens it had generated when it was preempted
     original: int = 0  # the request's own prompt length
 
@@ -399,7 +408,7 @@ class Scheduler:
     def _rows(self) -> list[PrefillRow]:
         """This turn's `prefill_slots` rows: the oldest prefilling slot's next chunk, then the next
         chunks of others (oldest first) within the call's row and padded-token budgets, all
-        starting at 0 or all after it, each with its pages taken. Chunks that fit the length bucket
+        starting at 0 or all after it, each holding its whole prompt's pages. Chunks that fit the length bucket
         of those already chosen go first, then the ones that would widen it: one longer chunk does
         not cut a call of short ones (a shared system prompt's questions) to fewer rows at the
         same padded cost."""
@@ -409,14 +418,17 @@ class Scheduler:
         # The pages the running sequences grow into soon stay free (`_headroom`): prompts do not
         # take them (which would preempt the running ones, or the prompt itself).
         headroom = self._headroom()
+        starved = False  # a prompt has waited STARVED_TURNS for its pages: no newer prompt starts
         for slot, entry in self.prefilling.items():
             if entry.waits:
                 continue
             chunk = entry.prompt_ids[entry.computed : entry.computed + limits.prefill_chunk_size]
-            end = entry.computed + len(chunk)
-            final = end == len(entry.prompt_ids)
-            if not self._grow(slot, end + (self._ahead if final else 0), keep=headroom):
-                continue  # its pages are not free: it waits (a running sequence frees them)
+            whole = len(entry.prompt_ids) + self._ahead
+            started = len(self.tables.get(slot, ())) >= self._pages_for(whole)
+            if not started and (starved or not self._grow(slot, whole, keep=headroom)):
+                entry.turns_waited += 1  # its pages are not free: it waits (sequences free them)
+                starved = starved or entry.turns_waited > STARVED_TURNS
+                continue
             if fresh is None:
                 fresh = entry.computed == 0
             elif (entry.computed == 0) != fresh:

@@ -278,18 +278,18 @@ def test_plan_sizes_each_side_by_hand(tmp_path):
     weights = one_slice.weight_bytes_per_chip
     assert prefill.weight_bytes_per_chip == generate.weight_bytes_per_chip == plan.weight_bytes_per_chip == weights
     assert 9.0e9 < weights < 9.2e9  # 70B int8 over 8 chips: about 72.7 GB / 8
-    # The pool: 216 slots (27 x the 8 generate chips) x 2048 positions = 32 pages of 64 each, and the
-    # scratch page, rounded up to the 8 chips: 6920 pages, whole on every chip (autoregressive 1),
+    # The pool: 216 slots (27 x the 8 generate chips) x 2048 positions = 64 pages of 32 each, and the
+    # scratch page, rounded up to the 8 chips: 13832 pages, whole on every chip (autoregressive 1),
     # one kv head of 8 a chip (tensor), int8 and a float32 scale per head.
-    assert plan.slots == 216 and plan.num_pages == 6920 and plan.pages_per_chip == 6920
-    kv = 6920 * 64 * L * 2 * 1 * (D + 4)
+    assert plan.slots == 216 and plan.num_pages == 13832 and plan.pages_per_chip == 13832
+    kv = 13832 * 32 * L * 2 * 1 * (D + 4)
     assert generate.kv_bytes_per_chip == plan.kv_bytes_per_chip == one_slice.kv_bytes_per_chip == kv
     # The prefill side mirrors the generate side's pool (prompts prefill into their pages there).
     assert prefill.kv_bytes_per_chip == kv
     # A prefill call of 1024 tokens (float32 activations): a layer's residual and normed input,
     # gate and up, q/k/v, the attention scores of 8 heads a chip, one row of logits (its prompt's
     # KV is written into the pool's pages).
-    prompt_kv = 16 * 64 * L * 2 * (D + 4)
+    prompt_kv = 32 * 32 * L * 2 * (D + 4)
     per_token = 2 * E + 2 * MLP // 8 + (H + 2 * KV) * D // 8
     call = 1024 * per_token * 4 + 1024 * 1024 * (H // 8) * 4 + (V // 8) * 4
     assert prefill.activation_bytes_per_chip == call

@@ -176,20 +176,20 @@ def test_plan_for_405b_int8_on_v6e_16_matches_a_hand_calculation():
     per_chip = (matmul_int8 + embed_and_head_bf16) / 16 + scales + norms_bf16
     assert plan.weight_bytes_per_chip == pytest.approx(per_chip, rel=1e-12)
     assert plan.weight_bytes_per_chip / 1e9 == pytest.approx(25.71, abs=0.01)
-    # The KV cache: a pool of pages of 64 positions, by default every slot's 2048 at once: 160 x 32
-    # pages and the scratch page, rounded up to a multiple of the 16 chips (5136). The pages over
-    # autoregressive (2568 a chip), the 8 kv heads over tensor (1 a chip), int8 + a float32 scale
+    # The KV cache: a pool of pages of 32 positions, by default every slot's 2048 at once: 160 x 64
+    # pages and the scratch page, rounded up to a multiple of the 16 chips (10256). The pages over
+    # autoregressive (5128 a chip), the 8 kv heads over tensor (1 a chip), int8 + a float32 scale
     # per head: 5.46 GB, no copy.
-    assert plan.page_size == 64 and plan.num_pages == 5136 and plan.pages_per_chip == 2568
-    kv_per_chip = 2568 * 64 * L * 2 * 1 * (D + 4)
+    assert plan.page_size == 32 and plan.num_pages == 10256 and plan.pages_per_chip == 5128
+    kv_per_chip = 5128 * 32 * L * 2 * 1 * (D + 4)
     assert plan.kv_heads_per_chip == 1 and plan.slots == 160
-    assert plan.kv_capacity_tokens == 5135 * 64 >= 160 * 2048
+    assert plan.kv_capacity_tokens == 10255 * 32 >= 160 * 2048
     assert plan.kv_bytes_per_chip == kv_per_chip
     limit = 33_550_237_696  # a v6e chip's bytes_limit
     used = per_chip + kv_per_chip + plan.temporaries_bytes_per_chip
     assert plan.bytes_limit_per_chip == limit and plan.headroom_bytes_per_chip == pytest.approx(limit - used)
-    assert 0 < plan.temporaries_bytes_per_chip < 0.5e9 and used / 1e9 == pytest.approx(31.31, abs=0.01)
-    kv_token_chip = kv_per_chip / (2568 * 64)
+    assert 0 < plan.temporaries_bytes_per_chip < 0.5e9 and used / 1e9 == pytest.approx(31.30, abs=0.01)
+    kv_token_chip = kv_per_chip / (5128 * 32)
     assert plan.kv_tokens_that_fit_per_chip == int(
         (limit - plan.weight_bytes_per_chip - plan.temporaries_bytes_per_chip) // kv_token_chip
     )
@@ -226,7 +226,7 @@ def test_the_seeds_flags_without_the_recipe_file_are_refused_with_the_numbers_an
     result = call_cli("deploy", "plan", str(variant), *SEED_FLAGS, "dtype=bfloat16")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     for text in (
-        "params 25.91 GB + KV cache 10.93 GB + temporaries",  # 5136 pages of 64: 160 x 2048 and one
+        "params 25.91 GB + KV cache 10.92 GB + temporaries",  # 10256 pages of 32: 160 x 2048 and one
         "exceed its bytes_limit of 33.55 GB",
         "slots of 2048 tokens would fit (per_device_batch_size <= ",
         "or a KV pool of kv_cache_bytes_per_chip <= ",

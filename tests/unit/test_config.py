@@ -222,7 +222,7 @@ def test_attention_paged_sizes_the_pool_with_maxtexts_keys():
     cfg = ServingConfig(attention="paged", pagedattn_num_pages=40, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
     assert cfg.prefix_block_size == 16 and cfg.engine.pagedattn_num_pages == 40
     # MaxText reads the pagedattn_* keys only with attention=paged
-    assert ServingConfig(pagedattn_tokens_per_page=16).prefix_block_size == 64
+    assert ServingConfig(pagedattn_tokens_per_page=16).prefix_block_size == 32
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         ServingConfig(attention="paged", pagedattn_num_pages=16, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
     with pytest.raises(ValueError, match=r"pagedattn_max_pages_per_group \(8\) is below the 16 pages"):

@@ -11,6 +11,7 @@ import pytest
 
 from serving.engine.limits import Limits
 from serving.engine.mock import MockEngine
+from serving.orchestrator import scheduler as scheduler_module
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.offline import run_to_completion
 from serving.orchestrator.pages import PagePool
@@ -117,3 +118,37 @@ def test_new_prompts_take_the_pages_running_sequences_will_not_grow_into_soon(pr
     if room:
         plan = scheduler.schedule([Waiting(1, (7, 8, 9), SamplingParams(max_tokens=4))])
         assert [r.slot for r in plan.rows] == [1] and len(scheduler.tables[1]) == 1
+
+
+@pytest.mark.parametrize("starved_turns", [64, 1])
+def test_a_prompt_takes_its_whole_prompts_pages_when_it_starts_and_newer_ones_pass_it_for_a_while(
+    monkeypatch, starved_turns
+):
+    # pages of 16 positions, 8 free; R runs (2 pages, one more kept free for its growth), so the
+    # 100-token prompt A (7 pages with its first decode call) waits while the 20-token B (2 pages)
+    # starts: before, A took its first chunk's 2 pages and then waited half computed, holding them,
+    # for pages only a finishing sequence frees. Once A has waited `STARVED_TURNS`, C (whose pages
+    # are free) does not start before it.
+    monkeypatch.setattr(scheduler_module, "STARVED_TURNS", starved_turns)
+    limits = Limits(4, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+    scheduler = Scheduler(limits, 2)
+    scheduler.schedule([Waiting(0, tuple(range(1, 21)), SamplingParams(max_tokens=50))])
+    assert list(scheduler.running) == [0] and len(scheduler.tables[0]) == 2
+    plan = scheduler.schedule([
+        Waiting(1, tuple(range(1, 101)), SamplingParams(max_tokens=4)),
+        Waiting(2, tuple(range(201, 221)), SamplingParams(max_tokens=4)),
+    ])
+    assert [r.slot for r in plan.rows] == [2] and len(scheduler.tables[2]) == 2 and not scheduler.tables.get(1)
+    plan = scheduler.schedule([Waiting(3, tuple(range(301, 321)), SamplingParams(max_tokens=4))])
+    assert [r.slot for r in plan.rows] == ([3] if starved_turns > 1 else []) and not scheduler.tables.get(1)
+
+
+def test_a_started_prompt_holds_every_page_of_its_prompt_while_its_chunks_are_computed():
+    limits = Limits(2, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+    scheduler = Scheduler(limits, 2)
+    plan = scheduler.schedule([Waiting(0, tuple(range(1, 101)), SamplingParams(max_tokens=4))])
+    assert [(r.slot, r.start, len(r.tokens)) for r in plan.rows] == [(0, 0, 32)]
+    assert len(scheduler.tables[0]) == 7  # 100 prompt positions and the first decode call's 2
+    for start in (32, 64, 96):
+        plan = scheduler.schedule([])
+        assert [r.start for r in plan.rows] == [start] and len(scheduler.tables[0]) == 7
