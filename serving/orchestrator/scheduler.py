@@ -69,7 +69,8 @@ __all__ = ["Admission", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
 # kept ~1 page in 6 of the mixed benchmark's pool unused; this horizon holds what 8 calls of 2
 # steps write. loadtest.paged_bench's mixed requests, scheduled on the mock engine (64-position
 # pages): most sequences decoding at once 39 -> 46, mean 17.7 -> 18.3, 1 preemption (of a prompt
-# not yet computed); a horizon of 8: 47, 7 preemptions recomputing 2% more prompt tokens.
+# not yet computed); a horizon of 8: 47, 7 preemptions recomputing 2% more prompt tokens. Since
+# prompts take their whole prompt's pages, in pages of 32: 50 at most, 4 preemptions (8: 50, 10).
 GROWTH_HORIZON = 16
 
 # Turns a prompt may wait for its pages while newer (shorter) prompts whose pages are free start

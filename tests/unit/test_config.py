@@ -218,6 +218,18 @@ def test_each_default_is_written_once_on_servingconfig_and_the_parts_read_it():
     assert source.count("max_lora_rank: int = Field(default=16") == 1 and "max_lora_rank: int = 16" not in source
 
 
+@pytest.mark.parametrize("page", [16, 64])
+def test_attention_paged_over_the_default_serving_file_takes_maxtexts_page_size(page):
+    # the default serving file leaves prefix_block_size unset: given there, MaxText's
+    # pagedattn_tokens_per_page (64 in a test of the disaggregated groups) was refused as differing
+    cfg = load_config(
+        config_dir() / "serving" / "default.yml",
+        ["attention=paged", "pagedattn_num_pages=512", f"pagedattn_tokens_per_page={page}"],
+    )
+    assert cfg.prefix_block_size == page
+    assert load_config(config_dir() / "serving" / "default.yml").prefix_block_size == 32
+
+
 def test_attention_paged_sizes_the_pool_with_maxtexts_keys():
     cfg = ServingConfig(attention="paged", pagedattn_num_pages=40, pagedattn_tokens_per_page=16, max_target_length=256, max_prefill_predict_length=64)
     assert cfg.prefix_block_size == 16 and cfg.engine.pagedattn_num_pages == 40
