@@ -68,13 +68,15 @@ __all__ = ["Admission", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
 # for: prompts (and new requests) take only the rest. One page per running sequence (what it was)
 # kept ~1 page in 6 of the mixed benchmark's pool unused; this horizon holds what 8 calls of 2
 # steps write. loadtest.paged_bench's mixed requests, scheduled on the mock engine (64-position
-# pages): most sequences decoding at once 39 -> 46, mean 17.7 -> 18.3, 1 preemption (of a prompt
-# not yet computed); a horizon of 8: 47, 7 preemptions recomputing 2% more prompt tokens. Since
-# prompts take their whole prompt's pages, in pages of 32: 50 at most, 4 preemptions (8: 50, 10).
+# pages, prompts then taking a chunk's pages at a time): most sequences decoding at once 39 -> 46,
+# mean 17.7 -> 18.3, 1 preemption (of a prompt not yet computed); a horizon of 8: 47, 7 preemptions
+# recomputing 2% more prompt tokens. Since prompts take their whole prompt's pages, in pages of 32:
+# 50 at most, 4 preemptions (8: 50, 10).
 GROWTH_HORIZON = 16
 
 # Turns a prompt may wait for its pages while newer (shorter) prompts whose pages are free start
-# before it; past them, no newer prompt starts until it has. The mixed benchmark's longest wait
+# before it; past them, no newer prompt starts until it has (a whole admission, which takes its
+# pages before any prompt starts and preempts to get them, is not held back). The mixed benchmark's longest wait
 # without this bound was ~120 turns; 64 leaves its most sequences decoding at once unchanged.
 STARVED_TURNS = 64
 
@@ -101,7 +103,7 @@ class _Prefilling:
     keys: tuple[bytes, ...] = ()  # the block key of each full page of the prompt (prefix cache on)
     checked: int = 0  # full pages below this one were found cached or registered
     waits: bool = False  # for a page another prefilling slot will register (nothing found yet)
-    turns_waited: int = 0  # turns its prompt's pages were not free
+    turns_waited: int = 0  # turns it could not start: its pages not free, or behind a starved prompt
     generated: tuple[int, ...] = ()  # tokens it had generated when it was preempted
     original: int = 0  # the request's own prompt length
 
@@ -319,12 +321,13 @@ class Scheduler:
             entry = self.running.pop(slot)
             generated = tuple(entry.tokens)
             original = len(entry.prompt_ids)
+            # a preempted sequence goes before the prompts that came after it: first in order, and
+            # starved from its first turn without pages (no newer prompt starts before it)
             redo = _Prefilling(
                 entry.request_id, (*entry.prompt_ids, *generated), entry.sampling, generated=generated,
-                original=original,
+                original=original, turns_waited=STARVED_TURNS,
             )
             self._keys_of(redo)
-            # a preempted sequence goes before the prompts that came after it
             self.prefilling = {slot: redo, **self.prefilling}
             preempted.append(slot)
         else:
@@ -409,10 +412,10 @@ class Scheduler:
     def _rows(self) -> list[PrefillRow]:
         """This turn's `prefill_slots` rows: the oldest prefilling slot's next chunk, then the next
         chunks of others (oldest first) within the call's row and padded-token budgets, all
-        starting at 0 or all after it, each holding its whole prompt's pages. Chunks that fit the length bucket
-        of those already chosen go first, then the ones that would widen it: one longer chunk does
-        not cut a call of short ones (a shared system prompt's questions) to fewer rows at the
-        same padded cost."""
+        starting at 0 or all after it, each holding its whole prompt's pages. Chunks that fit the
+        length bucket of those already chosen go first, then the ones that would widen it: one
+        longer chunk does not cut a call of short ones (a shared system prompt's questions) to
+        fewer rows at the same padded cost."""
         limits = self.limits
         candidates: list[tuple[int, _Prefilling, tuple[int, ...]]] = []  # oldest first
         fresh = None
@@ -427,9 +430,11 @@ class Scheduler:
             whole = len(entry.prompt_ids) + self._ahead
             started = len(self.tables.get(slot, ())) >= self._pages_for(whole)
             if not started and (starved or not self._grow(slot, whole, keep=headroom)):
-                entry.turns_waited += 1  # its pages are not free: it waits (sequences free them)
+                entry.turns_waited += 1  # its pages are not free (sequences free them), or it is behind a starved one
                 starved = starved or entry.turns_waited > STARVED_TURNS
                 continue
+            # A prompt that took its pages goes on next turn if this call's rows start elsewhere
+            # (taking them now, while free, measured more sequences at once than waiting for a row)
             if fresh is None:
                 fresh = entry.computed == 0
             elif (entry.computed == 0) != fresh:
@@ -458,12 +463,15 @@ class Scheduler:
         ]
 
     def _unstick(self) -> None:
-        """Nothing decodes and no prompt could take its pages: the pages are held by prompts half
-        done. Preempt the newest of them, so that the oldest can go on next turn."""
+        """Nothing decodes and no prompt could start: the oldest prompt's pages are not free while
+        newer prompts hold cached prefix pages and wait (their own pages not free, or behind the
+        oldest once it is starved). Preempt the newest holder but the oldest prompt (its pages go
+        back to the pool, still cached), so that the oldest can start next turn."""
         if self.running or not self.prefilling:
             return
-        holders = [s for s in self.prefilling if self.tables.get(s)]
-        if len(holders) > 1:
+        oldest = next((s for s, e in self.prefilling.items() if not e.waits), None)
+        holders = [s for s in self.prefilling if s != oldest and self.tables.get(s)]
+        if holders:
             self._preempt(max(holders, key=lambda s: self._order[s]), [])
 
     def _advance(self, rows: Sequence[PrefillRow]) -> None:

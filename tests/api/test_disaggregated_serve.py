@@ -174,7 +174,7 @@ EIGHT_DEVICES = textwrap.dedent(
 
 @pytest.mark.slow  # four engines per KV format, each compiling its shapes (docs/development.md)
 def test_on_8_devices_4_and_4_a_mixed_batch_gets_the_interleaved_engines_tokens(tiny_model_dir):
-    system = [(11 * j) % 250 + 20 for j in range(70)]  # a full page of 64 and some, shared
+    system = [(11 * j) % 250 + 20 for j in range(70)]  # full pages (2 of 32; int8's: 1 of 64) and some, shared
     requests = [
         ([(3 * i + j) % 250 + 20 for j in range(n)] if i % 2 else system + [40 + i] * n, max_tokens, logprobs)
         for i, (n, max_tokens, logprobs) in enumerate(

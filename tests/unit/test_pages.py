@@ -152,3 +152,46 @@ def test_a_started_prompt_holds_every_page_of_its_prompt_while_its_chunks_are_co
     for start in (32, 64, 96):
         plan = scheduler.schedule([])
         assert [r.start for r in plan.rows] == [start] and len(scheduler.tables[0]) == 7
+
+
+def test_a_starved_prompt_starts_when_nothing_runs_though_a_newer_one_holds_cached_prefix_pages():
+    # pages of 16, 8 free. A (100 tokens: 7 pages) waits past STARVED_TURNS behind the running R;
+    # then B arrives and its 2 cached prefix pages go into its table, but B may not start before
+    # A. When R ends nothing runs, A needs 7 of the 6 free pages: B is preempted (its pages go back,
+    # still cached) and A starts; before, no prompt ever ran again.
+    limits = Limits(4, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+    scheduler = Scheduler(limits, 2, prefix_caching=True)
+    prefix = tuple(range(500, 532))
+    scheduler.schedule([Waiting(0, (*prefix, 1, 2, 3, 4), SamplingParams(max_tokens=4))])
+    scheduler.schedule([], cancelled=[0])
+    assert scheduler.pool.num_cached == 2 and scheduler.pool.num_free == 8
+    scheduler.schedule([Waiting(1, tuple(range(1, 21)), SamplingParams(max_tokens=100))])  # R, slot 0
+    scheduler.schedule([Waiting(2, tuple(range(600, 700)), SamplingParams(max_tokens=4))])  # A, slot 1
+    for _ in range(scheduler_module.STARVED_TURNS + 1):
+        assert not scheduler.schedule([]).rows
+    scheduler.schedule([Waiting(3, (*prefix, 9, 9, 9, 9), SamplingParams(max_tokens=4))])  # B, slot 2
+    assert len(scheduler.tables[2]) == 2 and 2 in scheduler.prefilling
+    scheduler.schedule([], cancelled=[1])  # R ends
+    rows = next(plan.rows for plan in (scheduler.schedule([]) for _ in range(3)) if plan.rows)
+    assert [r.slot for r in rows] == [1] and len(scheduler.tables[1]) == 7
+
+
+def test_a_preempted_sequence_starts_again_before_newer_prompts(monkeypatch):
+    # R1 and R2 run in the 4 pages of 16 (no growth headroom kept) until both need a third: R2,
+    # the newer, is preempted and cannot start again yet; the 3-token C, whose page is free, does
+    # not start before it (before, C did: R2 had waited one turn, not STARVED_TURNS)
+    monkeypatch.setattr(scheduler_module, "GROWTH_HORIZON", 0)
+    limits = Limits(3, 64, 64, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=5)
+    scheduler = Scheduler(limits, 2)
+    scheduler.schedule([Waiting(0, tuple(range(1, 21)), SamplingParams(max_tokens=40))])
+    scheduler.schedule([Waiting(1, tuple(range(101, 121)), SamplingParams(max_tokens=40))])
+    assert set(scheduler.running) == {0, 1} and scheduler.pool.num_free == 0
+    for _ in range(8):  # the decode calls' positions (no engine runs them)
+        for entry in scheduler.running.values():
+            entry.position += 2
+        plan = scheduler.schedule([])
+        if plan.preempted:
+            break
+    assert plan.preempted == (1,) and 1 in scheduler.prefilling and scheduler.pool.num_free == 1
+    plan = scheduler.schedule([Waiting(2, (7, 8, 9), SamplingParams(max_tokens=2))])
+    assert not plan.rows and not scheduler.tables.get(2) and not scheduler.tables.get(1)
