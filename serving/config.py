@@ -120,8 +120,8 @@ class ServingConfig(BaseModel):
     prefix_block_size: int = Field(default=32, ge=1)
     # The KV cache is a pool of pages of prefix_block_size positions that sequences take as they
     # grow (serving.orchestrator.pages; 32, MaxText's pagedattn_tokens_per_page: a sequence's last
-    # page is half empty on average, 16 positions rather than 32 of 64): its bytes per chip (0: enough for every decode slot to
-    # reach max_target_length at once). per_device_batch_size stays the most sequences decoding.
+    # page is half empty on average, 16 positions rather than 32 of 64): its bytes per chip (0:
+    # enough for every decode slot to reach max_target_length at once). per_device_batch_size stays the most sequences decoding.
     kv_cache_bytes_per_chip: int = Field(default=0, ge=0)
     # MaxText's paged attention keys, read (as MaxText reads them) only with attention=paged: the
     # pool's pages (page 0, scratch, included; per layer in MaxText, one index for every layer

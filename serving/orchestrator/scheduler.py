@@ -76,8 +76,9 @@ GROWTH_HORIZON = 16
 
 # Turns a prompt may wait for its pages while newer (shorter) prompts whose pages are free start
 # before it; past them, no newer prompt starts until it has (a whole admission, which takes its
-# pages before any prompt starts and preempts to get them, is not held back). The mixed benchmark's longest wait
-# without this bound was ~120 turns; 64 leaves its most sequences decoding at once unchanged.
+# pages before any prompt starts and preempts to get them, is not held back). The mixed
+# benchmark's longest wait without this bound was ~120 turns; 64 leaves its most sequences
+# decoding at once unchanged.
 STARVED_TURNS = 64
 
 
@@ -430,7 +431,7 @@ class Scheduler:
             whole = len(entry.prompt_ids) + self._ahead
             started = len(self.tables.get(slot, ())) >= self._pages_for(whole)
             if not started and (starved or not self._grow(slot, whole, keep=headroom)):
-                entry.turns_waited += 1  # its pages are not free (sequences free them), or it is behind a starved one
+                entry.turns_waited += 1  # its pages are not free, or it is behind a starved prompt
                 starved = starved or entry.turns_waited > STARVED_TURNS
                 continue
             # A prompt that took its pages goes on next turn if this call's rows start elsewhere

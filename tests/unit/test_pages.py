@@ -120,6 +120,11 @@ def test_new_prompts_take_the_pages_running_sequences_will_not_grow_into_soon(pr
         assert [r.slot for r in plan.rows] == [1] and len(scheduler.tables[1]) == 1
 
 
+def _pages_of_16(slots: int) -> Limits:
+    """Prompts of up to 128 positions in chunks of 32, pages of 16 positions, 8 of them free."""
+    return Limits(slots, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+
+
 @pytest.mark.parametrize("starved_turns", [64, 1])
 def test_a_prompt_takes_its_whole_prompts_pages_when_it_starts_and_newer_ones_pass_it_for_a_while(
     monkeypatch, starved_turns
@@ -130,7 +135,7 @@ def test_a_prompt_takes_its_whole_prompts_pages_when_it_starts_and_newer_ones_pa
     # for pages only a finishing sequence frees. Once A has waited `STARVED_TURNS`, C (whose pages
     # are free) does not start before it.
     monkeypatch.setattr(scheduler_module, "STARVED_TURNS", starved_turns)
-    limits = Limits(4, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+    limits = _pages_of_16(slots=4)
     scheduler = Scheduler(limits, 2)
     scheduler.schedule([Waiting(0, tuple(range(1, 21)), SamplingParams(max_tokens=50))])
     assert list(scheduler.running) == [0] and len(scheduler.tables[0]) == 2
@@ -144,7 +149,7 @@ def test_a_prompt_takes_its_whole_prompts_pages_when_it_starts_and_newer_ones_pa
 
 
 def test_a_started_prompt_holds_every_page_of_its_prompt_while_its_chunks_are_computed():
-    limits = Limits(2, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+    limits = _pages_of_16(slots=2)
     scheduler = Scheduler(limits, 2)
     plan = scheduler.schedule([Waiting(0, tuple(range(1, 101)), SamplingParams(max_tokens=4))])
     assert [(r.slot, r.start, len(r.tokens)) for r in plan.rows] == [(0, 0, 32)]
@@ -159,7 +164,7 @@ def test_a_starved_prompt_starts_when_nothing_runs_though_a_newer_one_holds_cach
     # then B arrives and its 2 cached prefix pages go into its table, but B may not start before
     # A. When R ends nothing runs, A needs 7 of the 6 free pages: B is preempted (its pages go back,
     # still cached) and A starts; before, no prompt ever ran again.
-    limits = Limits(4, 128, 128, prefill_chunk_size=32, prefix_block=16, prefill_batch_tokens=256, num_pages=9)
+    limits = _pages_of_16(slots=4)
     scheduler = Scheduler(limits, 2, prefix_caching=True)
     prefix = tuple(range(500, 532))
     scheduler.schedule([Waiting(0, (*prefix, 1, 2, 3, 4), SamplingParams(max_tokens=4))])
