@@ -62,7 +62,9 @@ def describe() -> str:
     flags = cpu_flags()
     offered = [f for f in ("avx2", "fma", "avx512_vnni", "amx_int8", "amx_bf16") if f in flags]
     cpu = ", ".join(offered) if {"avx2", "fma"} <= flags else "no avx2 and fma (the CPU kernels cannot run here)"
-    return f"cpu kernels: {ENV}={choice()}; this CPU: {cpu}"
+    amx = os.environ.get("PATHSERVE_CPU_AMX", "").strip().lower()
+    emulated = "; PATHSERVE_CPU_AMX=emulate (AMX tiles emulated)" if amx == "emulate" else ""
+    return f"cpu kernels: {ENV}={choice()}; this CPU: {cpu}{emulated}"
 
 
 def switch_in_process(setting: str):

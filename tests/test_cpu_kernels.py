@@ -64,22 +64,24 @@ ISAS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not CAN_RUN_AVX2, reason="needs AVX2 and FMA")),
     pytest.param("avx512", marks=pytest.mark.skipif(not CAN_RUN_AVX512, reason="needs AVX-512 VNNI")),
 ]
-HAS_AMX = ISA_HERE == "avx512" and {"amx_tile", "amx_int8"} <= CPU_FLAGS
+# PATHSERVE_CPU_AMX=emulate: the AMX kernels with their tile instructions emulated in C++ (cpu_amx.h)
+AMX_EMULATED = os.environ.get(library.AMX_ENV, "").strip().lower() == "emulate"
+HAS_AMX = ISA_HERE == "avx512" and ({"amx_tile", "amx_int8"} <= CPU_FLAGS or AMX_EMULATED)
 # int8 weights in every layout and handler: the AVX2 and AVX-512 loops' (one layout) and, where
 # the CPU has it, the AMX kernel's
 INT8_LAYOUTS = [
     *ISAS,
-    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-INT8")),
+    pytest.param("amx", marks=[pytest.mark.amx, pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-INT8")]),
 ]
-HAS_AMX_BF16 = ISA_HERE == "avx512" and {"amx_tile", "amx_bf16"} <= CPU_FLAGS
+HAS_AMX_BF16 = ISA_HERE == "avx512" and ({"amx_tile", "amx_bf16"} <= CPU_FLAGS or AMX_EMULATED)
 needs_amx_bf16 = pytest.mark.skipif(not HAS_AMX_BF16, reason="needs a CPU with AMX-BF16")
 # float32 weights in each layout: the AVX-512 kernel's and the AMX kernels' (two bfloat16 each;
 # integers in 8-bit blocks; in 4-bit blocks with an offset)
 F32_LAYOUTS = [
     "avx512",
-    pytest.param("pairs", marks=needs_amx_bf16),
-    pytest.param("blocks8", marks=needs_amx_bf16),
-    pytest.param("blocks4", marks=needs_amx_bf16),
+    pytest.param("pairs", marks=[pytest.mark.amx, needs_amx_bf16]),
+    pytest.param("blocks8", marks=[pytest.mark.amx, needs_amx_bf16]),
+    pytest.param("blocks4", marks=[pytest.mark.amx, needs_amx_bf16]),
 ]
 
 
@@ -130,6 +132,7 @@ def _f32_weights(rng: np.random.Generator, shape: tuple[int, ...], layout: str) 
     ]
 
 
+@pytest.mark.amx  # rerun emulated: status says AMX there
 def test_status_says_whether_this_machine_runs_the_kernel():
     status = library.status()
     assert status.available == CAN_RUN, status.detail
@@ -137,7 +140,7 @@ def test_status_says_whether_this_machine_runs_the_kernel():
         assert Path(status.detail).is_file()  # the built library, in $PATHSERVE_HOME/kernels
     else:
         assert status.detail
-    allowed = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0"
+    allowed = os.environ.get(library.AMX_ENV, "1") != "0"
     assert status.amx == (HAS_AMX and allowed)
     assert status.amx_bf16 == (HAS_AMX_BF16 and allowed)
 
@@ -207,8 +210,9 @@ def _w8a8_expected(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> tup
 @needs_kernel
 # the int16 test's shapes (k off the 4-row quads, n off the 64-column tiles, remainders of rows),
 # a depth whose unsigned-offset sums pass 2^31 (VNNI: exact only as int32 wraps) and -128 weights
+# (AMX: k off its 64-input tile steps and its 16 quads, rows past one and two tiles of 16)
 @pytest.mark.parametrize(("rows", "k", "n"), [*SHAPES, (3, 70000, 9)])
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", INT8_LAYOUTS)
 def test_w8a8_kernel_is_exact_integer_sums_of_int8_rows_and_weights(rows, k, n, isa):
     rng = np.random.default_rng(rows * 1000 + k + 7)
     values = rng.integers(-128, 128, (k, n), dtype=np.int8)
@@ -216,10 +220,10 @@ def test_w8a8_kernel_is_exact_integer_sums_of_int8_rows_and_weights(rows, k, n, 
     scales = (rng.random(n) + 0.1).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32) * 3
     x[0, 1 % k] = 100.0  # an outlier: the row's other values take few of the 127 steps
-    w = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales))
-    assert w.w8a8 and (w.in_features, w.out_features) == (k, n)
+    w = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales), amx=isa == "amx")
+    assert w.w8a8 and (w.in_features, w.out_features, w.amx) == (k, n, isa == "amx")
     assert w.values.shape == (-(-n // 64), -(-k // 4), 64, 4) and w.sums.shape == (-(-n // 64) * 64,)
-    got = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), w))
+    got = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=None if isa == "amx" else isa))(jnp.asarray(x), w))
     sums, expected = _w8a8_expected(x, values, scales)
     assert got.shape == (rows, n) and got.dtype == np.float32
     row_scales = (np.maximum(np.abs(x).max(axis=1, keepdims=True), 1e-30) / 127).astype(np.float32)
@@ -235,7 +239,8 @@ def test_w8a8_kernel_is_exact_integer_sums_of_int8_rows_and_weights(rows, k, n, 
 @pytest.mark.parametrize(
     ("weights", "isa"),
     [
-        *(pytest.param(kind, p.values[0], marks=p.marks) for kind in ("int8", "w8a8") for p in ISAS),
+        *(pytest.param("int8", p.values[0], marks=p.marks) for p in ISAS),
+        *(pytest.param("w8a8", p.values[0], marks=p.marks) for p in INT8_LAYOUTS),  # AMX's W8A8 too
         pytest.param("float32", "avx512", marks=needs_avx512),  # float32 weights: AVX-512 only
     ],
 )
@@ -247,9 +252,10 @@ def test_only_the_counted_rows_are_computed_and_the_others_are_zeros(weights, is
     groups, span, k, n = 6, 9, 200, 150  # n off the 64-column tiles, spans off the 4-row blocks
     values = rng.integers(-127, 128, (k, n), dtype=np.int8)
     scales = (rng.random(n) + 0.5).astype(np.float32)
+    amx, isa = isa == "amx", None if isa == "amx" else isa
     w = {
         "int8": lambda: cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=False),
-        "w8a8": lambda: cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales)),
+        "w8a8": lambda: cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales), amx=amx),
         "float32": lambda: cpu_matmul.pack(jnp.asarray(values.astype(np.float32) * scales)),
     }[weights]()
     counts = np.array([0, 9, 4, 1, 12, 5], np.int32)  # none, all, some, one, past the span (all)
@@ -276,7 +282,7 @@ def test_only_the_counted_rows_are_computed_and_the_others_are_zeros(weights, is
     values = rng.integers(-127, 128, (600, 150), dtype=np.int8)
     w = {
         "int8": lambda: cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=False),
-        "w8a8": lambda: cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales)),
+        "w8a8": lambda: cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales), amx=amx),
         "float32": lambda: cpu_matmul.pack(jnp.asarray(values.astype(np.float32) * scales)),
     }[weights]()
     whole = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), w))
@@ -359,6 +365,7 @@ def test_float32_kernel_is_the_matmul(rows, k, n, layout):
     assert (np.abs(got - expected) / magnitude).max() < 1e-6
 
 
+@pytest.mark.amx
 @needs_amx_bf16
 @pytest.mark.parametrize("layout", ["pairs", "blocks8", "blocks4"])
 def test_float32_on_amx_gives_nan_for_a_row_with_nan_and_zeros_for_a_zero_row(layout):
@@ -443,14 +450,18 @@ def test_float32_amx_layout_is_high_then_low_halves_of_row_pairs_per_block_of_32
 
 
 @needs_kernel
-@pytest.mark.parametrize("layout", [*INT8_LAYOUTS, *(pytest.param(f"w8a8-{p.values[0]}", marks=p.marks) for p in ISAS)])
+@pytest.mark.parametrize(
+    "layout", [*INT8_LAYOUTS, *(pytest.param(f"w8a8-{p.values[0]}", marks=p.marks) for p in INT8_LAYOUTS)]
+)
 def test_a_row_with_nan_gives_nan_and_a_zero_row_gives_zeros(layout):
     values = np.random.default_rng(0).integers(-127, 128, (80, 64), dtype=np.int8)
     x = np.ones((3, 80), np.float32)
     x[1, 5] = np.nan
     x[2] = 0
     if layout.startswith("w8a8"):
-        packed, isa = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.ones(64)), layout.split("-")[1]
+        isa = layout.split("-")[1]
+        packed = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.ones(64), amx=isa == "amx")
+        isa = None if isa == "amx" else isa
     else:
         packed, isa = cpu_matmul.pack(values, np.ones(64), amx=layout == "amx"), None if layout == "amx" else layout
     got = np.asarray(jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))(jnp.asarray(x), packed))
@@ -480,8 +491,9 @@ def test_amx_layout_is_four_input_rows_per_column_and_only_where_int32_sums_cann
         "w8a8",
         pytest.param("float32", marks=needs_avx512),
         pytest.param("int8-amx", marks=INT8_LAYOUTS[-1].marks),
-        pytest.param("float32-amx", marks=needs_amx_bf16),
-        pytest.param("float32-blocks4", marks=needs_amx_bf16),
+        pytest.param("w8a8-amx", marks=INT8_LAYOUTS[-1].marks),
+        pytest.param("float32-amx", marks=[pytest.mark.amx, needs_amx_bf16]),
+        pytest.param("float32-blocks4", marks=[pytest.mark.amx, needs_amx_bf16]),
     ],
 )
 def test_stacked_layers_are_read_in_place_by_index(layout):
@@ -500,11 +512,15 @@ def test_stacked_layers_are_read_in_place_by_index(layout):
         ]
         stacked = cpu_matmul.pack(jnp.asarray(values), jnp.asarray(scales), amx=amx)
         assert stacked.amx == amx
-    elif layout == "w8a8":
+    elif layout.startswith("w8a8"):
+        amx = layout == "w8a8-amx"
         values = rng.integers(-127, 128, (3, 96, 128), dtype=np.int8)
         scales = (rng.random((3, 128)) + 0.5).astype(np.float32)
-        per_layer = [cpu_matmul.pack_w8a8(jnp.asarray(values[i]), jnp.asarray(scales[i])) for i in range(3)]
-        stacked = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales))
+        per_layer = [
+            cpu_matmul.pack_w8a8(jnp.asarray(values[i]), jnp.asarray(scales[i]), amx=amx) for i in range(3)
+        ]
+        stacked = cpu_matmul.pack_w8a8(jnp.asarray(values), jnp.asarray(scales), amx=amx)
+        assert stacked.amx == amx
     else:
         values = rng.standard_normal((3, 96, 128)).astype(np.float32)
         per_layer = [cpu_matmul.pack(jnp.asarray(values[i])) for i in range(3)]
@@ -529,8 +545,8 @@ def test_stacked_layers_are_read_in_place_by_index(layout):
         "int8",
         "w8a8",
         pytest.param("float32", marks=needs_avx512),
-        pytest.param("float32-bf16", marks=needs_amx_bf16),
-        pytest.param("float32-blocks", marks=needs_amx_bf16),
+        pytest.param("float32-bf16", marks=[pytest.mark.amx, needs_amx_bf16]),
+        pytest.param("float32-blocks", marks=[pytest.mark.amx, needs_amx_bf16]),
     ],
 )
 @pytest.mark.parametrize("tie", [False, True])
@@ -589,6 +605,7 @@ def test_packed_params_give_the_models_logits(tiny_cfg, tie, weights):
     )
 
 
+@pytest.mark.amx
 @needs_amx_bf16
 def test_only_float32_weights_exact_in_a_layout_take_amx(tiny_cfg):
     params = init_params(tiny_cfg, jax.random.PRNGKey(4))
@@ -617,6 +634,7 @@ def test_a_weight_exact_in_two_layouts_takes_the_one_of_fewer_bytes_and_fused_pa
     assert amx.describe() == "4-bit blocks with an offset: a; bfloat16 pairs: b"
 
 
+@pytest.mark.amx
 @needs_amx_bf16
 def test_smollm2s_q4_1_layers_and_q8_0_embedding_take_amx_blocks(smollm2):
     amx_f32 = amx_float32(smollm2.params)
@@ -651,6 +669,7 @@ def test_engine_uses_the_kernels_by_default_and_keeps_xla_when_off(served_model)
 
 
 @needs_kernel
+@pytest.mark.amx  # where AMX runs (or is emulated), the W8A8 layers take its kernel
 @pytest.mark.parametrize("quantize_kvcache", [False, True])
 def test_w8a8_on_the_kernels_gives_xlas_w8a8_tokens(tiny_model_dir, quantize_kvcache):
     """quantization=int8 (MaxText's W8A8) takes the kernels, which quantize x per row as XLA's
@@ -667,6 +686,7 @@ def test_w8a8_on_the_kernels_gives_xlas_w8a8_tokens(tiny_model_dir, quantize_kvc
     assert engine.ops.name == "cpu-kernels"
     params = engine.load_params()
     assert params["layers"]["wqkv"].w8a8 and params["layers"]["w_down"].w8a8
+    assert params["layers"]["wqkv"].amx == params["layers"]["w_down"].amx == library.status().amx
     xla = Engine(model, cfg.model_copy(update={"cpu_kernels": "off"}).engine)
     assert xla.ops.name == "xla"
     ids = model.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
@@ -899,14 +919,23 @@ class _KernelMatmulsOnly(CpuKernelOps):
 
 
 @pytest.mark.parametrize(
-    ("isa", "weights"), [("avx512", "float32"), ("avx512", "int8"), ("avx2", "int8"), ("avx2", "w8a8")]
+    ("isa", "weights"),
+    [
+        ("avx512", "float32"),
+        ("avx512", "int8"),
+        ("avx2", "int8"),
+        ("avx512", "w8a8"),
+        ("avx2", "w8a8"),
+        ("amx", "w8a8"),  # AMX-INT8: the W8A8 layers on its kernel
+    ],
 )
 def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkeypatch, isa, weights):
     """The backend's Python side (fused splits, weights read in place by layer, the attention
     kernel's call, the handler each instruction set takes) is checked on every machine: traced to a
     jaxpr, which needs no kernel library."""
     monkeypatch.setattr(library, "require", lambda: None)
-    monkeypatch.setattr(library, "status", lambda: library.KernelStatus(True, "traced", isa=isa))
+    amx, isa = isa == "amx", "avx512" if isa == "amx" else isa
+    monkeypatch.setattr(library, "status", lambda: library.KernelStatus(True, "traced", amx=amx, isa=isa))
     params = init_params(tiny_cfg, jax.random.PRNGKey(0))
     if weights == "int8":
         params = quantize_params(params)
@@ -932,12 +961,15 @@ def test_the_kernel_backend_traces_where_the_kernels_cannot_run(tiny_cfg, monkey
         ("avx512", "float32"): cpu_matmul.F32_TARGET,
         ("avx512", "int8"): cpu_matmul.INT8_TARGET,
         ("avx2", "int8"): cpu_matmul.INT8_AVX2_TARGET,
+        ("avx512", "w8a8"): cpu_matmul.W8A8_AMX_TARGET if amx else cpu_matmul.W8A8_TARGET,
         ("avx2", "w8a8"): cpu_matmul.W8A8_AVX2_TARGET,
     }[(isa, weights)]
     # the layer scan's body once: q, k and v as one weight, gate and up as one, wo, w_down; the
-    # head (W8A8: float32, which AVX2 leaves to XLA)
+    # head (W8A8: float32, which AVX2 leaves to XLA and AVX-512 takes on its float32 kernel)
     assert jaxpr.count(target) == (4 if weights == "w8a8" else 5)
-    assert jaxpr.count("_matmul") == jaxpr.count(target) and jaxpr.count("decode_attention") == 1
+    head = int(weights == "w8a8" and isa == "avx512")
+    assert jaxpr.count(cpu_matmul.F32_TARGET) == head or weights == "float32"
+    assert jaxpr.count("_matmul") == jaxpr.count(target) + head and jaxpr.count("decode_attention") == 1
     out = jax.eval_shape(step, params, tokens[:, 0], jnp.array([3, 9]), cache)[0]
     assert out.shape == (2, tiny_cfg.vocab_size)
     # a chunk after cached positions (and verify, the same call) attends through the same kernel

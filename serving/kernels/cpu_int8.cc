@@ -1,6 +1,6 @@
 // int8-weight matmuls y[M, N] = x[M, K] @ w[K, N] for every x86-64 CPU with AVX2 and FMA, and the
 // W8A8 matmul (int8 activations times int8 weights) on AVX-512 VNNI. XLA FFI handlers:
-// PathserveInt8Avx2Matmul, PathserveW8a8Avx2Matmul, PathserveW8a8Matmul.
+// PathserveInt8Avx2Matmul, PathserveW8a8Avx2Matmul, PathserveW8a8Matmul, PathserveW8a8AmxMatmul.
 //
 // Why: where the CPU lacks AVX-512 VNNI the model otherwise runs XLA's own int8 dots, which move a
 // few GB/s: a decode step of a 135M model read its weights ~5x slower than the memory allows. And
@@ -21,6 +21,9 @@
 // - W8A8, AVX-512 VNNI (PathserveW8a8Matmul): the same layout; vpdpbusd multiplies x + 128
 //   (unsigned) by w (signed) into int32, and the column sums of w (packed beside the scales)
 //   take 128 * sum(w) back off: exact, as int32 arithmetic wraps (vpdpbusd does not saturate).
+// - W8A8, AMX-INT8 (PathserveW8a8AmxMatmul, where the CPU has AMX): the same layout read in place,
+//   64 input rows (16 quads) of 16 columns one B tile at a 256-byte stride; x signed (no offset),
+//   TDPBSSD, exact int32 sums (cpu_amx.h; PATHSERVE_CPU_AMX=emulate checks it on any AVX-512 CPU).
 // The W8A8 result is float(sum) * x_scale * w_scale, in that order, as XLA's int8 dot path computes.
 // Weights may hold every layer ([layers, ...]); the `layer` operand picks one in place. `counts` names
 // the rows of x that count, as for cpu_matmul.cc's handlers (pathserve::SelectRows).
@@ -30,8 +33,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,8 +46,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using pathserve::AmxReady;
 using pathserve::CheckShapes;
+using pathserve::kAmxCols;
+using pathserve::kAmxDepth;
+using pathserve::kAmxInt8;
+using pathserve::kAmxRows;
 using pathserve::Shapes;
+using pathserve::TileConfig;
 
 constexpr int64_t kTile = 64;    // output columns per packed tile
 constexpr int kRows = 4;         // rows of x per register block (x is interleaved in blocks of 4)
@@ -328,7 +339,7 @@ void Run(ffi::ThreadPool& pool, const Problem& problem, int64_t multiply_adds) {
 // Per calling thread: XLA may run two matmuls at once on different threads.
 struct Scratch {
   std::vector<int64_t> rows;  // the rows of x computed (pathserve::SelectRows)
-  std::vector<int8_t> bytes;
+  pathserve::LineVector<int8_t> bytes;  // AMX: its tiles' rows of x start on 64-byte lines
   std::vector<int32_t> interleaved;
   std::vector<float> scales;
 };
@@ -374,11 +385,13 @@ ffi::Error Int8Avx2Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 }
 
 // x's computed rows (`counts`, pathserve::SelectRows) quantized to int8 quads (plus `offset`),
-// interleaved; returns the shapes, `m` the rows computed, or an error.
+// interleaved; or, for AMX (`amx_rows`), left as rows [R, K padded to 64] of int8, R = m or, past
+// one tile of 16 rows, whole tiles (zero rows after m). Returns the shapes, `m` the rows computed,
+// or an error.
 ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& w,
                                  ffi::Buffer<ffi::F32>& w_scales, ffi::Buffer<ffi::S32>& layer,
                                  ffi::Buffer<ffi::S32>& counts, ffi::ResultBuffer<ffi::F32>& y, int offset,
-                                 Scratch& scratch) {
+                                 Scratch& scratch, bool amx_rows = false) {
   const auto xd = x.dimensions();
   const int64_t quads = xd.size() == 2 ? (xd[1] + 3) / 4 : -1;
   auto shapes = CheckShapes(name, xd, w.dimensions(), y->dimensions(), 4, quads, layer.typed_data()[0], kTile, 4);
@@ -391,11 +404,17 @@ ffi::ErrorOr<Shapes> PrepareW8a8(const char* name, ffi::Buffer<ffi::F32>& x, ffi
   if (m.has_error()) return ffi::Unexpected(m.error());
   Shapes computed = s;
   computed.m = *m;
-  scratch.bytes.resize(*m * 4 * quads);
-  scratch.interleaved.resize(((*m + kRows - 1) / kRows) * kRows * quads);
+  const int64_t width = amx_rows ? (s.k + kAmxDepth - 1) / kAmxDepth * kAmxDepth : 4 * quads;
+  const int64_t rows = amx_rows && *m > kAmxRows ? (*m + kAmxRows - 1) / kAmxRows * kAmxRows : *m;
+  scratch.bytes.resize(rows * width);
   scratch.scales.resize(*m);
-  QuantizeRows8(x.typed_data(), scratch.rows.data(), *m, s.k, 4 * quads, offset, scratch.bytes.data(),
+  QuantizeRows8(x.typed_data(), scratch.rows.data(), *m, s.k, width, offset, scratch.bytes.data(),
                 scratch.scales.data());
+  if (amx_rows) {
+    std::fill(scratch.bytes.begin() + *m * width, scratch.bytes.end(), int8_t{0});
+    return computed;
+  }
+  scratch.interleaved.resize(((*m + kRows - 1) / kRows) * kRows * quads);
   pathserve::InterleaveRows(reinterpret_cast<const int32_t*>(scratch.bytes.data()), nullptr, *m, quads, scratch.interleaved.data());
   return computed;
 }
@@ -450,6 +469,130 @@ ffi::Error W8a8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---- W8A8, AMX-INT8 -------------------------------------------------------------------------------
+
+constexpr int64_t kQuadBytes = kTile * 4;  // one quad of input rows of a 64-column tile: 256 bytes
+
+#if PATHSERVE_HAS_AMX
+
+struct W8a8AmxProblem {
+  const int8_t* x;        // [mtiles * rows, depth]: int8 rows, zero past K (and past m)
+  const float* x_scales;  // [m]
+  const int8_t* w;        // [tiles, quads, kTile, 4]
+  const float* w_scales;  // [tiles * kTile]
+  float* y;               // [M, N]
+  const int64_t* out;     // [m]: the row of y each computed row goes to
+  int64_t m, n, tiles, quads, depth, mtiles, rows;
+
+  // y's rows of row tile `mt`, the 16 columns of quarter `j` of tile `t`, from their int32 sums.
+  PATHSERVE_AMX void Finish(int64_t mt, int64_t t, int64_t j, const int32_t* sums) const {
+    const int64_t count = std::min(rows, m - mt * rows), col = t * kTile + j * kAmxCols;
+    const __mmask16 mask = pathserve::Lanes(n - col);
+    if (!mask) return;
+    const __m512 ws = _mm512_loadu_ps(w_scales + col);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t row = mt * rows + r;
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + kAmxCols * r));
+      _mm512_mask_storeu_ps(y + out[row] * n + col, mask,
+                            _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(x_scales[row])), ws));
+    }
+  }
+};
+
+// Column tiles [first, last) of 64 columns, each the four C tiles of its quarters (tile registers
+// 0-3) for one row tile at a time; 4: x's 64 inputs, 5: a quarter's weights for them (16 quads at
+// the layout's 256-byte stride). Quads past the last whole 16 come from a zero-padded copy, so no
+// tile reads past the weights. Later row tiles find the tile's weights in cache.
+PATHSERVE_AMX void W8a8AmxTiles(const W8a8AmxProblem& p, int64_t first, int64_t last) {
+  TileConfig config;
+  for (int i = 0; i < 6; ++i) {
+    config.colsb[i] = 64;
+    config.rows[i] = i == 5 ? kAmxRows : static_cast<uint8_t>(p.rows);
+  }
+  _tile_loadconfig(&config);
+  const int64_t steps = p.quads / 16, tail = p.quads % 16, step_bytes = 16 * kQuadBytes;
+  alignas(64) int8_t tail_weights[16 * kQuadBytes];
+  alignas(64) int32_t sums[kAmxRows * kAmxCols];
+  for (int64_t t = first; t < last; ++t) {
+    const int8_t* wt = p.w + t * p.quads * kQuadBytes;
+    if (tail) {
+      std::memcpy(tail_weights, wt + steps * step_bytes, tail * kQuadBytes);
+      std::memset(tail_weights + tail * kQuadBytes, 0, (16 - tail) * kQuadBytes);
+    }
+    for (int64_t mt = 0; mt < p.mtiles; ++mt) {
+      const int8_t* xt = p.x + mt * p.rows * p.depth;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s <= steps; ++s) {
+        if (s == steps && !tail) break;
+        const int8_t* ws = s < steps ? wt + s * step_bytes : tail_weights;
+        if (mt == 0 && s + 1 < steps) {
+          for (int i = 0; i < 64; ++i) _mm_prefetch(reinterpret_cast<const char*>(ws + step_bytes) + 64 * i, _MM_HINT_T0);
+        }
+        _tile_loadd(4, xt + s * kAmxDepth, p.depth);
+        _tile_loadd(5, ws, kQuadBytes);
+        _tile_dpbssd(0, 4, 5);
+        _tile_loadd(5, ws + 64, kQuadBytes);
+        _tile_dpbssd(1, 4, 5);
+        _tile_loadd(5, ws + 128, kQuadBytes);
+        _tile_dpbssd(2, 4, 5);
+        _tile_loadd(5, ws + 192, kQuadBytes);
+        _tile_dpbssd(3, 4, 5);
+      }
+      _tile_stored(0, sums, 64);
+      p.Finish(mt, t, 0, sums);
+      _tile_stored(1, sums, 64);
+      p.Finish(mt, t, 1, sums);
+      _tile_stored(2, sums, 64);
+      p.Finish(mt, t, 2, sums);
+      _tile_stored(3, sums, 64);
+      p.Finish(mt, t, 3, sums);
+    }
+  }
+  _tile_release();
+}
+
+ffi::Error W8a8AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                         ffi::Buffer<ffi::F32> w_scales, ffi::Buffer<ffi::S32> w_sums, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y) {
+  if (!AmxReady(kAmxInt8)) return ffi::Error::InvalidArgument("w8a8_amx_matmul: this CPU (or kernel) does not run AMX");
+  Scratch& scratch = ThreadScratch();
+  auto shapes = PrepareW8a8("w8a8_amx_matmul", x, w, w_scales, layer, counts, y, 0, scratch, true);
+  if (shapes.has_error()) return shapes.error();
+  const Shapes& s = *shapes;
+  if (s.m == 0 || s.n == 0) return ffi::Error::Success();
+  const int64_t quads = (s.k + 3) / 4, depth = (s.k + kAmxDepth - 1) / kAmxDepth * kAmxDepth;
+  const int64_t rows = std::min(kAmxRows, s.m), mtiles = (s.m + rows - 1) / rows;
+  const W8a8AmxProblem problem{scratch.bytes.data(),
+                               scratch.scales.data(),
+                               w.typed_data() + s.index * s.tiles * quads * kQuadBytes,
+                               w_scales.typed_data() + s.index * s.tiles * kTile,
+                               y->typed_data(),
+                               scratch.rows.data(),
+                               s.m,
+                               s.n,
+                               s.tiles,
+                               quads,
+                               depth,
+                               mtiles,
+                               rows};
+  pathserve::ParallelFor(pool, s.tiles, s.m * depth * s.tiles * kTile,
+                         [problem](int64_t first, int64_t last) { W8a8AmxTiles(problem, first, last); });
+  return ffi::Error::Success();
+}
+
+#else  // a compiler without AMX intrinsics: the handler exists and says so
+
+ffi::Error W8a8AmxMatmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
+                         ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                         ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::InvalidArgument("w8a8_amx_matmul: built by a compiler without AMX intrinsics");
+}
+
+#endif
+
 }  // namespace
 
 // 1 when this CPU runs the AVX2 kernels (AVX2 and FMA).
@@ -486,6 +629,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8Matmul, W8a8Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PathserveW8a8AmxMatmul, W8a8AmxMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // column sums (unused: x is signed here)
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts (pathserve::SelectRows)
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -48,10 +48,7 @@
 // Threads: the output tiles are shared out between the calling thread and XLA's intra-op pool
 // (pathserve::ParallelFor in cpu_common.h).
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -59,6 +56,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -345,34 +343,18 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 // ---- AMX: readiness, tile configuration, int8 weights -----------------------------------------
 
-constexpr int kAmxInt8 = 25, kAmxBf16 = 22;  // CPUID leaf 7 EDX bits of AMX's int8 and bfloat16 multiplies
+#if PATHSERVE_HAS_AMX
 
-#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
-#define PATHSERVE_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8,amx-bf16")))
+using pathserve::AmxReady;
+using pathserve::kAmxBf16;
+using pathserve::kAmxCols;
+using pathserve::kAmxDepth;
+using pathserve::kAmxInt8;
+using pathserve::kAmxRows;
+using pathserve::PrefetchTile;
+using pathserve::TileConfig;
 
-constexpr int64_t kAmxCols = 16;   // output columns per tile (an AMX C tile's width in int32)
-constexpr int64_t kAmxDepth = 64;  // input rows per tile multiply (an A tile row: 64 bytes)
-constexpr int64_t kAmxRows = 16;   // rows of x per tile multiply
 constexpr int64_t kAmxMaxDepth = 65536;  // low-byte sums stay in int32: 255 * 128 * 65536 < 2^31
-
-// Whether Linux lets this process use AMX tiles (the tile data state must be asked for once per
-// process) and the CPU has AMX with `feature` (CPUID leaf 7 EDX bit: 25 AMX-INT8, 22 AMX-BF16).
-// Decided once: every kernel call asks, and CPUID traps to the hypervisor in a VM.
-bool AmxReady(int feature) {
-  static const unsigned features = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return 0u;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl: ARCH_REQ_XCOMP_PERM
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 ? d : 0u;
-  }();
-  return features & (1u << feature);
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 struct Int8AmxProblem {
   // x's int16 rows as bytes, [M, depth] (or, past one row tile, [mtiles * 16, depth] with zero rows):
@@ -402,9 +384,6 @@ struct Int8AmxProblem {
 
 // Asks for the weights `kAhead` tile multiplies ahead (measured: 2 to 4 best, 8 worse).
 constexpr int64_t kAhead = 4;
-inline void PrefetchTile(const void* next) {
-  for (int i = 0; i < 16; ++i) _mm_prefetch(static_cast<const char*>(next) + 64 * i, _MM_HINT_T0);
-}
 
 // Column tiles [first, last). Tile registers: 0-3 int32 sums, 4-5 x's high and low bytes, 6-7
 // weights. With one row tile, two column tiles at a time (sums: high and low of each); with more,
@@ -854,7 +833,9 @@ ffi::Error F32BlocksAmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
 
 #else  // a compiler without AMX intrinsics: the handlers exist and say so
 
-bool AmxReady(int) { return false; }
+using pathserve::AmxReady;
+using pathserve::kAmxBf16;
+using pathserve::kAmxInt8;
 
 ffi::Error Int8AmxMatmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
                          ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>) {

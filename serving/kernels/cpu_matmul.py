@@ -18,6 +18,7 @@ F32_BLOCKS_AMX_TARGET = "pathserve_f32_blocks_amx_matmul"
 INT8_AVX2_TARGET = "pathserve_int8_avx2_matmul"
 W8A8_TARGET = "pathserve_w8a8_matmul"  # AVX-512 VNNI
 W8A8_AVX2_TARGET = "pathserve_w8a8_avx2_matmul"
+W8A8_AMX_TARGET = "pathserve_w8a8_amx_matmul"
 QUAD = 4  # W8A8: input rows per column group (kTile columns x 4 rows of int8)
 TILE = 64  # output columns per packed tile (kTile in the C++ source)
 AMX_TILE = 16  # int8 on AMX: output columns per tile (kAmxCols)
@@ -47,8 +48,9 @@ class PackedWeight:
     [..., tiles, quads, 16, 4] (16 columns per tile, input rows in fours, padded to a multiple of
     64) with scales [..., tiles * 16], for the AMX kernel. W8A8 (`w8a8`, activations quantized to
     int8 per row by the kernel): values [..., tiles, quads, 64, 4] (input rows in fours per column),
-    scales and each column's weight sum `sums` (int32) [..., tiles * 64]. `in_features` and
-    `out_features` are the sizes before padding.
+    scales and each column's weight sum `sums` (int32) [..., tiles * 64], in that one layout for
+    every kernel (`amx`: the AMX kernel reads it). `in_features` and `out_features` are the sizes
+    before padding.
 
     Stacked layers stay stacked inside a scan: `at_layer(i)` names the layer the kernel reads, where
     a slice would make XLA copy the weight out of the stack before every call.
@@ -95,11 +97,12 @@ def pack(values: jax.Array, scales: jax.Array | None = None, amx: bool | None = 
     return PackedWeight(values=v, scales=s, in_features=k, out_features=n)
 
 
-def pack_w8a8(values: jax.Array, scales: jax.Array) -> PackedWeight:
+def pack_w8a8(values: jax.Array, scales: jax.Array, amx: bool | None = None) -> PackedWeight:
     """int8 values [..., in, out] with per-output `scales` [..., out] for the W8A8 kernels:
     [..., tiles, quads, 64, 4], four input rows side by side per column (input rows padded to a
     multiple of 4, columns to 64), with each column's sum of its weights (VNNI's unsigned-offset
-    correction)."""
+    correction). `amx` (default: where the AMX kernel runs, `library.status().amx`) sends it to the
+    AMX kernel, which reads the same layout (16 quads of 16 columns are one tile at a stride)."""
     *lead, k, n = values.shape
     tiles, nd, quads = -(-n // TILE), len(lead), -(-k // QUAD)
     pad = [(0, 0)] * nd
@@ -107,7 +110,8 @@ def pack_w8a8(values: jax.Array, scales: jax.Array) -> PackedWeight:
     sums = jnp.sum(v.astype(jnp.int32), axis=-2)  # [..., tiles * 64]
     v = v.reshape(*lead, quads, QUAD, tiles, TILE).transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)
     s = jnp.pad(scales.reshape(*lead, n).astype(jnp.float32), [*pad, (0, tiles * TILE - n)])
-    return PackedWeight(values=v, scales=s, in_features=k, out_features=n, sums=sums, w8a8=True)
+    amx = library.status().amx if amx is None else amx
+    return PackedWeight(values=v, scales=s, in_features=k, out_features=n, sums=sums, w8a8=True, amx=amx)
 
 
 def _halves(values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -243,13 +247,14 @@ def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, counts: jax.Ar
     """x[..., in] @ w as float32 [..., out]. With int8 weights x is quantized per row to int16, with
     W8A8 weights to int8 (as XLA's W8A8 path does, serving.models.quantization.int8_dot). The
     handler follows the instruction set the kernels run with (library.status().isa; `isa` "avx2"
-    picks the AVX2 handlers on an AVX-512 CPU too, for tests).
+    picks the AVX2 handlers on an AVX-512 CPU too, for tests), or is the AMX kernel for weights
+    packed for it (`w.amx`).
 
     `counts` (int32 [G], G dividing x's rows M): the rows that count. x's rows, flattened, fall in G
     groups of M / G consecutive rows, and only each group's first counts[g] are computed (a
     prompt's padding past its true length, a decode row that is not active); the others come back
-    as zeros. Default: all. The AMX kernels compute every row (their results there are not zeros,
-    but no caller reads them)."""
+    as zeros. Default: all. The AMX kernels for int8w and float32 weights compute every row (their
+    results there are not zeros, but no caller reads them); W8A8's takes the counts."""
     library.require()
     avx512 = (isa or library.status().isa) == "avx512"
     lead = x.shape[:-1]
@@ -260,7 +265,7 @@ def matmul(x: jax.Array, w: PackedWeight, isa: str | None = None, counts: jax.Ar
     counted = jnp.full((1,), rows.shape[0], jnp.int32) if counts is None else counts.astype(jnp.int32).reshape(-1)
     result = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
     if w.w8a8:
-        target = W8A8_TARGET if avx512 else W8A8_AVX2_TARGET
+        target = W8A8_AMX_TARGET if w.amx else W8A8_TARGET if avx512 else W8A8_AVX2_TARGET
         out = jax.ffi.ffi_call(target, result)(rows, w.values, w.scales, w.sums, layer, counted)
     elif w.scales is None and w.amx:
         out = jax.ffi.ffi_call(F32_AMX_TARGET, result)(rows, w.values, layer)

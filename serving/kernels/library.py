@@ -41,6 +41,7 @@ TARGETS = {
     "pathserve_int8_avx2_matmul": "PathserveInt8Avx2Matmul",
     "pathserve_w8a8_avx2_matmul": "PathserveW8a8Avx2Matmul",
     "pathserve_w8a8_matmul": "PathserveW8a8Matmul",
+    "pathserve_w8a8_amx_matmul": "PathserveW8a8AmxMatmul",
     "pathserve_f32_decode_attention_avx2": "PathserveF32DecodeAttentionAvx2",
     "pathserve_int8_decode_attention_avx2": "PathserveInt8DecodeAttentionAvx2",
 }
@@ -51,6 +52,9 @@ ISA_FLAGS = {
     "avx2": frozenset({"avx2", "fma"}),
 }
 ISA_ENV = "PATHSERVE_CPU_ISA"  # avx2: take the AVX2 kernels on a CPU that has AVX-512 too
+# 0: keep every weight off AMX on a CPU that has it; emulate: build the library with the tile
+# instructions in plain C++ (cpu_amx.h) and take the AMX kernels on any AVX-512 CPU, slowly: for tests
+AMX_ENV = "PATHSERVE_CPU_AMX"
 
 
 def choose_isa(flags: set[str] | frozenset[str], asked: str = "") -> tuple[str | None, str]:
@@ -94,8 +98,10 @@ def status() -> KernelStatus:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return KernelStatus(False, "no C++ compiler found (set CXX or install g++)")
+    amx_setting = os.environ.get(AMX_ENV, "1").strip().lower()
+    emulate = amx_setting == "emulate"
     try:
-        library = _build(compiler)
+        library = _build(compiler, ("-DPATHSERVE_AMX_EMULATE",) if emulate else ())
         lib = ctypes.cdll.LoadLibrary(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         return KernelStatus(False, f"building the CPU kernels failed: {e}")
@@ -109,9 +115,11 @@ def status() -> KernelStatus:
         return KernelStatus(False, why)
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    allowed = os.environ.get("PATHSERVE_CPU_AMX", "1") != "0" and isa == "avx512"
+    allowed = amx_setting != "0" and isa == "avx512"
     amx = allowed and bool(lib.pathserve_cpu_amx_supported())
     amx_bf16 = allowed and bool(lib.pathserve_cpu_amx_bf16_supported())
+    if emulate:
+        log.warning("%s=emulate: AMX tiles emulated in plain C++ (for tests; slow)", AMX_ENV)
     return KernelStatus(True, str(library), amx, amx_bf16, isa)
 
 
@@ -122,10 +130,10 @@ def require() -> None:
         raise RuntimeError(f"the CPU kernels cannot run here: {kernels.detail}")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, defines: tuple[str, ...] = ()) -> Path:
     sources = sorted(HERE.glob("*.cc"))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    command = [compiler, *COMPILE_FLAGS, "-I", jax.ffi.include_dir()]
+    command = [compiler, *COMPILE_FLAGS, *defines, "-I", jax.ffi.include_dir()]
     # Keyed by everything the library is made of: sources, compiler, flags, jax's FFI headers.
     digest = hashlib.sha256(version.encode() + jax.__version__.encode() + " ".join(command).encode())
     for path in sorted([*sources, *HERE.glob("*.h")]):
