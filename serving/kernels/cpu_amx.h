@@ -91,10 +91,16 @@ inline Tiles& Use(int tile) {
   return s;
 }
 
+// LDTILECFG's checks: palette 1, start_row 0, reserved bytes and tiles 8-15 zero, shapes in range.
 inline void LoadConfig(const void* config) {
   const auto* c = static_cast<const TileConfig*>(config);
   Tiles& s = State();
   if (c->palette != 1) Fault("palette other than 1", -1);
+  if (c->start_row != 0) Fault("a start row other than 0", -1);
+  for (uint8_t byte : c->reserved)
+    if (byte) Fault("a reserved byte set", -1);
+  for (int t = 8; t < 16; ++t)
+    if (c->colsb[t] || c->rows[t]) Fault("a shape for a tile palette 1 lacks", t);
   for (int t = 0; t < 8; ++t) {
     if (c->colsb[t] > 64 || c->rows[t] > 16 || (c->colsb[t] == 0) != (c->rows[t] == 0)) Fault("a bad shape", t);
     s.colsb[t] = c->colsb[t];
@@ -122,11 +128,13 @@ inline void Store(int tile, void* base, int64_t stride) {
     std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.data[tile][r], s.colsb[tile]);
 }
 
-// C's rows and A's, A's 4-byte groups and B's rows, C's columns and B's must match.
+// Three different tiles; C's rows and A's, A's 4-byte groups and B's rows, C's columns and B's
+// must match.
 inline Tiles& Multiply(int c, int a, int b) {
   Tiles& s = Use(c);
   Use(a);
   Use(b);
+  if (c == a || c == b || a == b) Fault("a multiply naming one tile twice", c);
   if (s.rows[c] != s.rows[a] || s.colsb[a] != 4 * s.rows[b] || s.colsb[c] != s.colsb[b] || s.colsb[c] % 4)
     Fault("tile shapes that do not multiply", c);
   return s;
@@ -140,7 +148,7 @@ template <bool kSignedA>
 inline void DotBytes(int c, int a, int b) {
   Tiles& s = Multiply(c, a, b);
   const int columns = s.colsb[c] / 4, depth = s.colsb[a];
-  int32_t wide[64][16];
+  int32_t wide[64][16] = {};
   for (int k = 0; k < s.rows[b]; ++k)
     for (int n = 0; n < columns; ++n)
       for (int i = 0; i < 4; ++i) wide[4 * k + i][n] = static_cast<int8_t>(s.data[b][k][4 * n + i]);
@@ -168,7 +176,8 @@ inline float Bf16(const uint8_t* at) {
 
 // TDPBF16PS, as Intel's pseudocode orders it: for each k, C[m][n] += A[m][2k] * B[k][2n], then
 // += A[m][2k + 1] * B[k][2n + 1], in float32 (bfloat16 products are exact there), round to nearest
-// even, denormal inputs and results flushed to zero.
+// even, denormal inputs and results flushed to zero. (library.py builds the emulation with
+// -ffp-contract=off: a fused multiply-add would round a denormal product differently.)
 inline void DotBf16(int c, int a, int b) {
   Tiles& s = Multiply(c, a, b);
   const int columns = s.colsb[c] / 4, depth = s.colsb[a] / 2;
@@ -179,6 +188,7 @@ inline void DotBf16(int c, int a, int b) {
   for (int m = 0; m < s.rows[c]; ++m) {
     float acc[16];
     std::memcpy(acc, s.data[c][m], 64);
+    for (float& sum : acc) sum = std::fabs(sum) < 1.17549435e-38f ? std::copysign(0.0f, sum) : sum;  // DAZ
     for (int j = 0; j < depth; ++j) {
       const float x = Bf16(&s.data[a][m][2 * j]);
       for (int n = 0; n < 16; ++n) {
@@ -199,6 +209,8 @@ inline void DotBf16(int c, int a, int b) {
 #undef _tile_dpbssd
 #undef _tile_dpbusd
 #undef _tile_dpbf16ps
+#undef _tile_loadconfig  // inline functions in GCC's and clang's headers; macros in case they are not
+#undef _tile_release
 #define _tile_loadconfig(config) ::pathserve::amx_emulation::LoadConfig(config)
 #define _tile_release() ::pathserve::amx_emulation::Release()
 #define _tile_loadd(tile, base, stride) ::pathserve::amx_emulation::Load(tile, base, stride)

@@ -500,14 +500,15 @@ struct W8a8AmxProblem {
 };
 
 // Column tiles [first, last) of 64 columns, each the four C tiles of its quarters (tile registers
-// 0-3) for one row tile at a time; 4: x's 64 inputs, 5: a quarter's weights for them (16 quads at
-// the layout's 256-byte stride). Quads past the last whole 16 come from a zero-padded copy, so no
+// 0-3) for one row tile at a time; 4: x's 64 inputs, 5-7: the quarters' weights for them (16 quads
+// at the layout's 256-byte stride; three registers, so a load need not wait for the multiply
+// before it to finish reading its register). Quads past the last whole 16 come from a zero-padded copy, so no
 // tile reads past the weights. Later row tiles find the tile's weights in cache.
 PATHSERVE_AMX void W8a8AmxTiles(const W8a8AmxProblem& p, int64_t first, int64_t last) {
   TileConfig config;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 8; ++i) {
     config.colsb[i] = 64;
-    config.rows[i] = i == 5 ? kAmxRows : static_cast<uint8_t>(p.rows);
+    config.rows[i] = i >= 5 ? kAmxRows : static_cast<uint8_t>(p.rows);
   }
   _tile_loadconfig(&config);
   const int64_t steps = p.quads / 16, tail = p.quads % 16, step_bytes = 16 * kQuadBytes;
@@ -533,12 +534,12 @@ PATHSERVE_AMX void W8a8AmxTiles(const W8a8AmxProblem& p, int64_t first, int64_t 
         }
         _tile_loadd(4, xt + s * kAmxDepth, p.depth);
         _tile_loadd(5, ws, kQuadBytes);
+        _tile_loadd(6, ws + 64, kQuadBytes);
+        _tile_loadd(7, ws + 128, kQuadBytes);
         _tile_dpbssd(0, 4, 5);
-        _tile_loadd(5, ws + 64, kQuadBytes);
-        _tile_dpbssd(1, 4, 5);
-        _tile_loadd(5, ws + 128, kQuadBytes);
-        _tile_dpbssd(2, 4, 5);
+        _tile_dpbssd(1, 4, 6);
         _tile_loadd(5, ws + 192, kQuadBytes);
+        _tile_dpbssd(2, 4, 7);
         _tile_dpbssd(3, 4, 5);
       }
       _tile_stored(0, sums, 64);

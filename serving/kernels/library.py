@@ -101,7 +101,7 @@ def status() -> KernelStatus:
     amx_setting = os.environ.get(AMX_ENV, "1").strip().lower()
     emulate = amx_setting == "emulate"
     try:
-        library = _build(compiler, ("-DPATHSERVE_AMX_EMULATE",) if emulate else ())
+        library = _build(compiler, ("-DPATHSERVE_AMX_EMULATE", "-ffp-contract=off") if emulate else ())
         lib = ctypes.cdll.LoadLibrary(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         return KernelStatus(False, f"building the CPU kernels failed: {e}")
