@@ -16,6 +16,7 @@ from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.limits import prefill_buckets
 from serving.errors import GenerationError
+from serving.orchestrator.executor import Executor
 from serving.orchestrator.offline import run_to_completion
 from serving.request import SamplingParams
 from tests.conftest import DATA
@@ -93,8 +94,10 @@ def test_seeded_sampling_is_reproducible_and_matches_the_plain_loop(tiny):
         (p, SamplingParams(max_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=7 + i))
         for i, p in enumerate(prompts)
     ]
-    first = run_to_completion(engine, params, requests)
-    second = run_to_completion(engine, params, requests)
+    executor = Executor(engine, params)
+    first = run_to_completion(engine, params, requests, executor=executor)
+    # on the decode state the first run left (its slots freed, its pages written): the same tokens
+    second = run_to_completion(engine, params, requests, executor=executor)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     generator = ReferenceDecoder(model, cfg)
     assert [c.token_ids for c in first] == [generator.generate(p, s).token_ids for p, s in requests]

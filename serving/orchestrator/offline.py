@@ -34,12 +34,15 @@ def run_to_completion(
     prefix_caching: bool = False,
     speculator: Speculator | None = None,
     prefill: tuple[EngineAPI, object] | None = None,
+    executor: Executor | None = None,
 ) -> list[OfflineResult]:
     """Every request's tokens, in request order: the device loop's scheduler and executor, driven
     synchronously, without threads or streams. `prefix_caching`: share cached prompt pages
     between requests (off by default). `speculator`: speculative decoding's proposer and policy (None: off).
     `prefill`: a disaggregated server's prefill engine and its params (`engine` then generates;
-    serving.orchestrator.disaggregated)."""
+    serving.orchestrator.disaggregated). `executor`: one an earlier call left idle, with its decode
+    state (every slot free again, the pool's pages given out anew), so a benchmark's rounds do not
+    each allocate and fault in the KV pool (default: a new one on `engine` and `params`)."""
     results = [OfflineResult(list(p), s) for p, s in requests]
     for r in results:
         engine.limits.check(len(r.prompt_ids), r.sampling)
@@ -47,7 +50,8 @@ def run_to_completion(
     scheduler = Scheduler(
         engine.limits, engine.decode_steps_per_call, prefix_caching, speculator, handoffs=prefill is not None
     )
-    executor = Executor(engine, params) if prefill is None else DisaggregatedExecutor(*prefill, engine, params)
+    if executor is None:
+        executor = Executor(engine, params) if prefill is None else DisaggregatedExecutor(*prefill, engine, params)
     try:  # the engine's background warmup, if any, starts no shape meanwhile (Executor.run)
         _drive(results, waiting, scheduler, executor)
     finally:
