@@ -28,14 +28,16 @@ def _load(cfg: ServingConfig, source: str | None):
     return engine, params, model.tokenizer
 
 
-def _round(engine, params, requests: list, batch: int) -> dict:
-    """Output tokens/s of `requests` run `batch` at a time (greedy, exactly max_tokens each)."""
+def _round(engine, params, executor, requests: list, batch: int) -> dict:
+    """Output tokens/s of `requests` run `batch` at a time (greedy, exactly max_tokens each) on
+    `executor`, made once before any round: a new one per run allocated and faulted in the KV pool
+    inside the timing (SmolLM2, batch 1: 59-103 tok/s offline against the server's 150-158)."""
     from serving.orchestrator.offline import run_to_completion
 
     started = time.perf_counter()
     done = []
     for first in range(0, len(requests), batch):
-        done += run_to_completion(engine, params, requests[first : first + batch])
+        done += run_to_completion(engine, params, requests[first : first + batch], executor=executor)
     wall = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for c in done)
     return {
@@ -54,10 +56,14 @@ def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_toke
     compiling): the offline baseline the HTTP server is compared with."""
     from serving.orchestrator.offline import run_to_completion
 
+    from serving.orchestrator.executor import Executor
+
     engine, params, tokenizer = _load(cfg, source)
+    executor = Executor(engine, params)
     requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes])  # compile what warmup did not
-    return _round(engine, params, requests, engine.max_concurrent_decodes)
+    # compile what warmup did not
+    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes], executor=executor)
+    return _round(engine, params, executor, requests, engine.max_concurrent_decodes)
 
 
 def serve_rounds(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, commands, out) -> None:
@@ -65,14 +71,16 @@ def serve_rounds(cfg: ServingConfig, source: str | None, prompts: list[str], max
     BATCH at a time and write one JSON line of `_round`'s figures to `out`: the offline side of
     rounds that alternate with the HTTP server's (`pathserve bench overhead`), so that the machine's
     drift falls on both alike. Writes {"ready": true} once loaded."""
+    from serving.orchestrator.executor import Executor
     from serving.orchestrator.offline import run_to_completion
 
     engine, params, tokenizer = _load(cfg, source)
+    executor = Executor(engine, params)
     requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes])
+    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes], executor=executor)
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in commands:
         if not line.strip():
             continue
         batch, count = (int(v) for v in line.split())
-        print(json.dumps(_round(engine, params, requests[:count], batch)), file=out, flush=True)
+        print(json.dumps(_round(engine, params, executor, requests[:count], batch)), file=out, flush=True)
