@@ -54,9 +54,8 @@ def _round(engine, params, executor, requests: list, batch: int) -> dict:
 def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int) -> dict:
     """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
     compiling): the offline baseline the HTTP server is compared with."""
-    from serving.orchestrator.offline import run_to_completion
-
     from serving.orchestrator.executor import Executor
+    from serving.orchestrator.offline import run_to_completion
 
     engine, params, tokenizer = _load(cfg, source)
     executor = Executor(engine, params)
