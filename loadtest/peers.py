@@ -279,6 +279,38 @@ def measure_bandwidth() -> float:
     return Machine().measure()[0]
 
 
+def measure_int8_rate(rows: int = 64, size: int = 1024, calls: int = 16) -> float | None:
+    """Multiply-adds a second of the int8w matmul pathserve serves with (the CPU kernels, in the
+    layout this CPU takes: AMX's where it has it), on `rows` rows and a `size` x `size` weight that
+    stays in cache: the rate a compute-bound decode step runs at, best of 5 runs of `calls` calls;
+    None where the kernels do not run. Measured before the servers start."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from serving.kernels import cpu_matmul, library
+
+    if not library.status().available:
+        return None
+    rng = np.random.default_rng(0)
+    w = cpu_matmul.pack(jnp.asarray(rng.integers(-127, 128, (size, size), dtype=np.int8)), jnp.ones(size))
+    x = jnp.asarray(rng.standard_normal((rows, size)).astype(np.float32))
+
+    @jax.jit
+    def run(x):  # x + i: no call is the same as another
+        return jax.lax.fori_loop(0, calls, lambda i, acc: acc + cpu_matmul.matmul(x + i, w)[0, 0], 0.0)
+
+    run(x).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        run(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return calls * rows * size * size / best
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") -> int:
     from contextlib import ExitStack
 
@@ -317,6 +349,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
     bandwidth = measure_bandwidth()
     print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    int8_rate = measure_int8_rate()
+    if int8_rate:
+        print(f"int8w matmul (the CPU kernels, in cache) {int8_rate / 1e9:.0f} G multiply-adds/s", flush=True)
     urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
     vllm_env = dict(item.split("=", 1) for item in ns.vllm_env)
     with ExitStack() as stack:
@@ -363,7 +398,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
 
         model_config = load_model_config("smollm2-135m")  # the default model's shape
     contexts = {name: ls[len(ls) // 2] + ns.max_tokens // 2 for name, ls in lengths.items()}
-    add_roofline(report_cells, model_config, bandwidth, contexts)
+    add_roofline(report_cells, model_config, bandwidth, contexts, int8_rate)
     report = {
         "ratio": "pathserve / vllm (above 1 is better for output_tokens_per_s, below 1 for latencies)",
         "urls": urls,
@@ -379,8 +414,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "cells": report_cells,
         "shape": ns.shape,
         "bandwidth_bytes_per_s": bandwidth,
+        "int8_macs_per_s": int8_rate,
         "roofline": "per cell and peer: output tok/s if a step read only its weights (pathserve int8w, vLLM bf16) "
-        "and its KV cache (pathserve float32, vLLM bf16) once at the measured bandwidth, and the fraction reached",
+        "and its KV cache (pathserve float32, vLLM bf16) once at the measured bandwidth, and the fraction reached; "
+        "pathserve's also if every token cost only its matmuls' multiply-adds at the measured int8w rate "
+        "(compute_bound_tokens_per_s), `applies` naming the lower bound",
         "targets": targets(report_cells, ns.shape),
     }
     path = ns.out / f"{stem}.json"

@@ -93,16 +93,33 @@ def bandwidth_bound(cfg, peer: str, concurrency: int, context: int, bandwidth: f
     return concurrency * bandwidth / (matmul_params(cfg) * weight + kv)
 
 
-def add_roofline(report_cells: Sequence[dict], cfg, bandwidth: float, contexts: dict[str, int]) -> None:
+def compute_bound(cfg, macs_per_s: float) -> float:
+    """Output tokens/s if decoding were bound only by its matmuls' multiply-adds at `macs_per_s`:
+    matmul_params(cfg) a token, at any concurrency (attention's over these short contexts is under
+    1% of them and left out)."""
+    return macs_per_s / matmul_params(cfg)
+
+
+def add_roofline(
+    report_cells: Sequence[dict], cfg, bandwidth: float, contexts: dict[str, int], int8_rate: float | None = None
+) -> None:
     """Each cell's memory-bandwidth bound per peer and the fraction of it the peer reached
     (`roofline`: {peer: {bound_tokens_per_s, fraction}}); `contexts`: each set's median prompt
-    tokens plus half the output, the cache a step reads on average."""
+    tokens plus half the output, the cache a step reads on average. With `int8_rate` (multiply-adds
+    a second of pathserve's int8w matmul, measure_int8_rate), pathserve's compute bound too
+    (`compute_bound_tokens_per_s`, `compute_fraction`) and which of the two applies (`applies`:
+    the lower, memory or compute): one request is bound by reading the weights, 32 by multiplying."""
     for c in report_cells:
         c["roofline"] = {}
         for peer in PEERS:
             if peer in c:
+                rate = c[peer]["output_tokens_per_s"]
                 bound = bandwidth_bound(cfg, peer, c["concurrency"], contexts[c["set"]], bandwidth)
-                c["roofline"][peer] = {"bound_tokens_per_s": bound, "fraction": c[peer]["output_tokens_per_s"] / bound}
+                roof = c["roofline"][peer] = {"bound_tokens_per_s": bound, "fraction": rate / bound, "applies": "memory"}
+                if peer == "pathserve" and int8_rate:
+                    compute = compute_bound(cfg, int8_rate)
+                    roof.update(compute_bound_tokens_per_s=compute, compute_fraction=rate / compute)
+                    roof["applies"] = "compute" if compute < bound else "memory"
 
 
 def targets(report_cells: Sequence[dict], shape: str | None = None) -> list[dict]:
@@ -182,9 +199,15 @@ def table(report_cells: Sequence[dict]) -> str:
 
 
 def _of_bound(cell: dict) -> str:
-    """Each peer's fraction of its memory-bandwidth bound (add_roofline), as "40%/25%"."""
+    """Each peer's fraction of the bound that applies to it (add_roofline), m(emory) or c(ompute),
+    as "40%m/25%m"."""
     roof = cell.get("roofline") or {}
-    return "/".join(f"{roof[p]['fraction']:.0%}" if p in roof else "-" for p in PEERS)
+
+    def one(r: dict) -> str:
+        compute = r.get("applies") == "compute"
+        return f"{r['compute_fraction' if compute else 'fraction']:.0%}{'c' if compute else 'm'}"
+
+    return "/".join(one(roof[p]) if p in roof else "-" for p in PEERS)
 
 
 def plot(report_cells: Sequence[dict], path: Path) -> Path:

@@ -213,7 +213,7 @@ def test_the_bandwidth_bound_reads_the_weights_once_per_step_and_each_sequences_
 
 
 def test_a_shapes_targets_are_its_own_and_read_the_roofline():
-    from loadtest.peers_report import add_roofline
+    from loadtest.peers_report import add_roofline, matmul_params
     from serving.config import load_model_config
 
     short32 = peers.cell_report(
@@ -236,7 +236,31 @@ def test_a_shapes_targets_are_its_own_and_read_the_roofline():
     bound = found["llama3.2-1b, 32 concurrent short: >= 0.6 of the memory-bandwidth bound"]
     assert bound["value"] == pytest.approx(roof["fraction"]) and bound["met"] is (roof["fraction"] >= 0.6)
     assert found["llama3.2-1b, one request alone: output tok/s >= 2.2x vLLM"]["met"] is None  # not run
-    assert "%/" in peers.table([short32]).splitlines()[1]  # each peer's fraction of its bound
+    assert "%m/" in peers.table([short32]).splitlines()[1]  # each peer's fraction of its bound
+    # with the int8w matmul's rate: 32 at once are bound by multiplying, one request by reading
+    one = peers.cell_report(
+        peers.Cell("short", "greedy", 1),
+        {"pathserve": [(results(1, 0.05, 0.1), 2.0)], "vllm": [(results(1, 0.1, 0.2), 5.0)]},
+        64,
+    )
+    add_roofline([short32, one], cfg, 23e9, {"short": 100}, int8_rate=150e9)
+    compute = 150e9 / matmul_params(cfg)  # ~121 tok/s: 1.24 G multiply-adds a token
+    for cell, applies in ((short32, "compute"), (one, "memory")):
+        roof = cell["roofline"]["pathserve"]
+        assert roof["compute_bound_tokens_per_s"] == pytest.approx(compute, rel=1e-3) and roof["applies"] == applies
+        assert roof["compute_fraction"] == pytest.approx(cell["pathserve"]["output_tokens_per_s"] / roof["compute_bound_tokens_per_s"])
+        assert "applies" in cell["roofline"]["vllm"] and "compute_fraction" not in cell["roofline"]["vllm"]
+    assert f"{short32['roofline']['pathserve']['compute_fraction']:.0%}c/" in peers.table([short32]).splitlines()[1]
+
+
+def test_the_int8_rate_probe_measures_the_kernels_int8w_matmul():
+    from serving.kernels import library
+
+    rate = peers.measure_int8_rate(rows=16, size=256, calls=4)
+    if library.status().available:
+        assert rate is not None and 1e8 < rate < 1e14  # multiply-adds a second, of some CPU
+    else:
+        assert rate is None  # no compute bound where pathserve serves on XLA's ops
 
 
 def test_an_unknown_shape_exits_2_naming_the_flag(capsys):
