@@ -31,15 +31,20 @@ AVX512 = library.ISA_FLAGS["avx512"] <= FLAGS and os.environ.get(library.ISA_ENV
 @pytest.mark.skipif(backends.choice() == "off", reason="PATHSERVE_CPU_KERNELS=off: the suite runs on XLA's ops")
 def test_the_amx_kernels_pass_their_tests_with_the_tiles_emulated():
     env = {**os.environ, library.AMX_ENV: "emulate"}
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "amx", "tests/test_cpu_kernels.py"]
+    # Not the whole models' logits on every float32 layout, nor SmolLM2's packing: what they add to
+    # the kernels' own tests is which weights take AMX (their normal runs check that everywhere),
+    # and emulated they took a third of this run. The engine's W8A8 greedy tokens stay.
+    skipped = "not test_packed_params_give_the_models_logits and not test_smollm2s_q4_1"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "amx", "-k", skipped]
+    command.append("tests/test_cpu_kernels.py")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "PATHSERVE_CPU_AMX=emulate" in output  # the inner session's header: emulated tiles
     summary = output.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    # every AMX test ran (none skipped): the int8w, W8A8, float32 pairs and blocks kernels, the
-    # engine's W8A8 tokens
+    # every AMX test chosen ran (none skipped): the int8w, W8A8, float32 pairs and blocks kernels,
+    # the engine's W8A8 tokens
     assert passed and int(passed.group(1)) >= 70 and "skipped" not in summary, summary
 
 
