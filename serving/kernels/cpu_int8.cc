@@ -499,11 +499,12 @@ struct W8a8AmxProblem {
   }
 };
 
-// Column tiles [first, last) of 64 columns, each the four C tiles of its quarters (tile registers
-// 0-3) for one row tile at a time; 4: x's 64 inputs, 5-7: the quarters' weights for them (16 quads
-// at the layout's 256-byte stride; three registers, so a load need not wait for the multiply
-// before it to finish reading its register). Quads past the last whole 16 come from a zero-padded copy, so no
-// tile reads past the weights. Later row tiles find the tile's weights in cache.
+// Column tiles [first, last) of 64 columns. Past 16 rows, two row tiles at a time (below); one row
+// tile: the four C tiles of its quarters (tile registers 0-3); 4: x's 64 inputs, 5-7: the
+// quarters' weights for them (16 quads at the layout's 256-byte stride; three registers, so a load
+// need not wait for the multiply before it to finish reading its register). Quads past the last
+// whole 16 come from a zero-padded copy, so no tile reads past the weights. Later row tiles find
+// the tile's weights in cache.
 PATHSERVE_AMX void W8a8AmxTiles(const W8a8AmxProblem& p, int64_t first, int64_t last) {
   TileConfig config;
   for (int i = 0; i < 8; ++i) {
@@ -520,18 +521,56 @@ PATHSERVE_AMX void W8a8AmxTiles(const W8a8AmxProblem& p, int64_t first, int64_t 
       std::memcpy(tail_weights, wt + steps * step_bytes, tail * kQuadBytes);
       std::memset(tail_weights + tail * kQuadBytes, 0, (16 - tail) * kQuadBytes);
     }
-    for (int64_t mt = 0; mt < p.mtiles; ++mt) {
+    const auto weights = [&](int64_t s) { return s < steps ? wt + s * step_bytes : tail_weights; };
+    const auto prefetch = [&](int64_t s) {  // the next step's 4 KB, while this one multiplies
+      if (s + 1 < steps) {
+        const char* next = reinterpret_cast<const char*>(wt + (s + 1) * step_bytes);
+        for (int i = 0; i < 64; ++i) _mm_prefetch(next + 64 * i, _MM_HINT_T0);
+      }
+    };
+    int64_t mt = 0;
+    // Two row tiles at a time, two quarters per pass: sums 0-1 the first tile's, 2-3 the second's,
+    // x's tiles in 4 and 5, the quarters' weights in 6 and 7: each weight tile read serves 32 rows.
+    for (; mt + 1 < p.mtiles; mt += 2) {
+      const int8_t* x0 = p.x + mt * p.rows * p.depth;
+      const int8_t* x1 = x0 + p.rows * p.depth;
+      for (int64_t half = 0; half < 2; ++half) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps + (tail ? 1 : 0); ++s) {
+          if (mt == 0 && half == 0) prefetch(s);
+          const int8_t* ws = weights(s) + half * 128;
+          _tile_loadd(4, x0 + s * kAmxDepth, p.depth);
+          _tile_loadd(5, x1 + s * kAmxDepth, p.depth);
+          _tile_loadd(6, ws, kQuadBytes);
+          _tile_loadd(7, ws + 64, kQuadBytes);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+        _tile_stored(0, sums, 64);
+        p.Finish(mt, t, 2 * half, sums);
+        _tile_stored(1, sums, 64);
+        p.Finish(mt, t, 2 * half + 1, sums);
+        _tile_stored(2, sums, 64);
+        p.Finish(mt + 1, t, 2 * half, sums);
+        _tile_stored(3, sums, 64);
+        p.Finish(mt + 1, t, 2 * half + 1, sums);
+      }
+    }
+    // One row tile (a decode call's rows, or an odd count's last): its four quarters at a time.
+    for (; mt < p.mtiles; ++mt) {
       const int8_t* xt = p.x + mt * p.rows * p.depth;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t s = 0; s <= steps; ++s) {
-        if (s == steps && !tail) break;
-        const int8_t* ws = s < steps ? wt + s * step_bytes : tail_weights;
-        if (mt == 0 && s + 1 < steps) {
-          for (int i = 0; i < 64; ++i) _mm_prefetch(reinterpret_cast<const char*>(ws + step_bytes) + 64 * i, _MM_HINT_T0);
-        }
+      for (int64_t s = 0; s < steps + (tail ? 1 : 0); ++s) {
+        if (mt == 0) prefetch(s);
+        const int8_t* ws = weights(s);
         _tile_loadd(4, xt + s * kAmxDepth, p.depth);
         _tile_loadd(5, ws, kQuadBytes);
         _tile_loadd(6, ws + 64, kQuadBytes);
