@@ -31,10 +31,14 @@ AVX512 = library.ISA_FLAGS["avx512"] <= FLAGS and os.environ.get(library.ISA_ENV
 @pytest.mark.skipif(backends.choice() == "off", reason="PATHSERVE_CPU_KERNELS=off: the suite runs on XLA's ops")
 def test_the_amx_kernels_pass_their_tests_with_the_tiles_emulated():
     env = {**os.environ, library.AMX_ENV: "emulate"}
-    # Not the whole models' logits on every float32 layout, nor SmolLM2's packing: what they add to
-    # the kernels' own tests is which weights take AMX (their normal runs check that everywhere),
-    # and emulated they took a third of this run. The engine's W8A8 greedy tokens stay.
-    skipped = "not test_packed_params_give_the_models_logits and not test_smollm2s_q4_1"
+    # Not the whole models' logits on every float32 layout, nor SmolLM2's packing, nor which float32
+    # weights take AMX: what they add to the kernels' own tests is which weights take AMX (their
+    # normal runs check that everywhere), and emulated they took a third of this run. The engine's
+    # W8A8 greedy tokens stay, with a float KV cache (the int8 one is the same matmuls).
+    skipped = (
+        "not test_packed_params_give_the_models_logits and not test_smollm2s_q4_1"
+        " and not test_only_float32_weights_exact and not test_w8a8_on_the_kernels_gives_xlas_w8a8_tokens[True]"
+    )
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "amx", "-k", skipped]
     command.append("tests/test_cpu_kernels.py")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -45,7 +49,7 @@ def test_the_amx_kernels_pass_their_tests_with_the_tiles_emulated():
     passed = re.search(r"(\d+) passed", summary)
     # every AMX test chosen ran (none skipped): the int8w, W8A8, float32 pairs and blocks kernels,
     # the engine's W8A8 tokens
-    assert passed and int(passed.group(1)) >= 70 and "skipped" not in summary, summary
+    assert passed and int(passed.group(1)) >= 65 and "skipped" not in summary, summary
 
 
 # A 2 x 8 by 8 x 3 byte multiply through the emulation alone (cpu_amx.h, no kernel): its sums,
