@@ -86,9 +86,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory):
-    import shutil
-
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = library.find_compiler()
     if not compiler or platform.machine() != "x86_64":
         pytest.skip("needs an x86-64 C++ compiler")
     folder = tmp_path_factory.mktemp("amx")

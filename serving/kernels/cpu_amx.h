@@ -2,8 +2,8 @@
 // whether this process may use the tiles, their configuration, the tile shapes the kernels use.
 //
 // Built with -DPATHSERVE_AMX_EMULATE (PATHSERVE_CPU_AMX=emulate, serving/kernels/library.py), the
-// tile intrinsics the kernels call run in plain C++ instead (EmulatedTiles below), and AMX counts
-// as present on any CPU with the AVX-512 the kernels' other code needs. That is for tests only:
+// tile intrinsics the kernels call run in plain C++ instead (namespace amx_emulation below), and
+// AMX counts as present on any CPU with the AVX-512 the kernels' other code needs. That is for tests only:
 // the kernels' tile logic (configurations, strides, tails, the integer and bfloat16 arithmetic) is
 // checked on every AVX-512 machine, where AMX hardware is rare; it says nothing of their speed.
 
@@ -59,7 +59,8 @@ inline bool AmxReady(int feature) {
 
 #elif PATHSERVE_HAS_AMX  // emulated
 
-// Emulated: present wherever the library loads (library.py asks for it only on AVX-512 CPUs).
+// Emulated: present wherever the library loads (library.py takes the AMX kernels only where the
+// kernels run on AVX-512).
 inline bool AmxReady(int) { return true; }
 
 // Eight tile registers per thread, as the hardware has, and the checks the hardware makes: a

@@ -90,12 +90,17 @@ class KernelStatus:
         return self.isa == "avx512"
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else `c++` or `g++` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 @functools.cache
 def status() -> KernelStatus:
     """Build (once per machine), load and register the kernels; never raises."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return KernelStatus(False, f"the kernels are for x86-64 CPUs, not {platform.machine()}")
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = find_compiler()
     if not compiler:
         return KernelStatus(False, "no C++ compiler found (set CXX or install g++)")
     amx_setting = os.environ.get(AMX_ENV, "1").strip().lower()
