@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serving.checkpoints import cli as checkpoint_cli
-from serving.config import ConfigError, ServingConfig, load_config
+from serving.config import ConfigError, ServingConfig
 from serving.deploy import cli as deploy_cli
 from serving.errors import GenerationError, UserError
 from serving.maxtext_config import is_config_file
@@ -439,6 +439,27 @@ def _follow(command: str, given: Given, source: str | None) -> int:
     os._exit(0)  # see serving.orchestrator.lockstep.meet_at_exit
 
 
+def offline_parser(prog: str = "pathserve bench offline") -> argparse.ArgumentParser:
+    """`pathserve bench offline`'s arguments: the model's as `serve` takes them, and the prompts."""
+    parser = argparse.ArgumentParser(prog=prog, description="offline engine tokens/s over a prompts file (JSON)")
+    _add_model_args(parser)
+    parser.add_argument("--prompts", required=True, type=Path, help='a JSON list of {"prompt": text}')
+    parser.add_argument("--max-tokens", type=_positive_int, required=True)
+    parser.add_argument(
+        "--rounds-from-stdin",
+        action="store_true",
+        help='stay loaded and run a round per "BATCH COUNT" line on stdin (JSON line each)',
+    )
+    return parser
+
+
+def offline_config(offline_ns: argparse.Namespace) -> tuple[ServingConfig, str | None]:
+    """`bench offline`'s config and SOURCE, as `serve` has them from the same arguments (the serving
+    profile under them): `bench overhead` runs both on one set of arguments and compares them."""
+    given, source = _given(offline_ns)
+    return given.config, source
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
     prog = f"pathserve bench {ns.what}"
     if ns.what == "serve":
@@ -449,22 +470,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from loadtest.overhead import main as overhead
 
         return overhead(ns.rest, prog=prog)
-    parser = argparse.ArgumentParser(
-        prog=prog, description="offline engine tokens/s over a prompts file (JSON)"
-    )
-    _add_model_args(parser)
-    parser.add_argument("--prompts", required=True, type=Path, help='a JSON list of {"prompt": text}')
-    parser.add_argument("--max-tokens", type=_positive_int, required=True)
-    parser.add_argument(
-        "--rounds-from-stdin",
-        action="store_true",
-        help='stay loaded and run a round per "BATCH COUNT" line on stdin (JSON line each)',
-    )
-    offline_ns = parser.parse_args(ns.rest)
+    offline_ns = offline_parser(prog).parse_args(ns.rest)
     from loadtest.offline import measure, serve_rounds
 
-    maxtext, source, overrides = split_args(offline_ns.args)
-    cfg = load_config(maxtext or offline_ns.config, overrides, defaults=_env_defaults())
+    cfg, source = offline_config(offline_ns)
     try:
         prompts = [item["prompt"] for item in json.loads(offline_ns.prompts.read_text())]
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -157,3 +157,16 @@ def test_an_offline_round_runs_on_the_executor_it_is_given(monkeypatch):
     for batch in (1, 2):
         round_ = offline._round(engine, {}, executor, requests, batch)
         assert round_["output_tokens"] == 5 * 6 and round_["requests"] == 5 and round_["batch"] == batch
+
+
+def test_the_offline_engine_takes_the_config_serve_takes(tmp_path):
+    """`bench overhead` runs the HTTP server and `bench offline` on the same arguments: the offline
+    side read them without the serving profile (4 decode steps a call, no slot buckets, prompts
+    prefilled one at a time), so HTTP / offline compared two configs."""
+    from serving.cli.main import _given, build_parser, offline_config, offline_parser
+
+    args = [str(tmp_path), "quantization=int8w", "per_device_batch_size=32"]  # SOURCE: a path that exists
+    offline_ns = offline_parser().parse_args(["--prompts", "p.json", "--max-tokens", "4", *args])
+    offline, served = offline_config(offline_ns)[0], _given(build_parser().parse_args(["serve", *args]))[0].config
+    assert offline == served
+    assert offline.per_device_batch_size == 32 and offline.decode_slot_buckets  # the arguments, the profile under them
