@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -208,6 +209,10 @@ def build_parser(prog: str = "python -m loadtest.peers") -> argparse.ArgumentPar
         "--shape", help="serve a random-weight model of this preset's shape (configs/models/, e.g. llama3.2-1b; built "
         "once with the default model's tokenizer) to both, pathserve with int8w weights, instead of the default model",
     )
+    parser.add_argument(
+        "--isa", choices=("native", "avx2"), default="native", help="avx2: hold both servers to AVX2 on a CPU that "
+        "has more, for an AVX2-only machine's figures (loadtest.vllm_peer.isa_env says how; results get -avx2)",
+    )
     parser.add_argument("--out", type=Path, default=Path("results"))
     return parser
 
@@ -317,7 +322,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     import httpx
 
     from loadtest.server import Server
-    from loadtest.vllm_peer import PeerError, VLLMServer, ensure_venv, server_env
+    from loadtest.vllm_peer import (
+        PeerError,
+        VLLMServer,
+        compute_cpus,
+        ensure_venv,
+        isa_env,
+        measure_bf16_rate,
+        server_env,
+    )
     from serving.text.tokenizer import load_tokenizer
 
     parser = build_parser(prog)
@@ -335,15 +348,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         model_dir = shape_model_dir(ns.shape)
     else:
         model_dir = ns.model_dir or default_model_dir()
-    stem = "peers-bench" if ns.shape is None else f"peers-bench-{ns.shape}"
+    stem = ("peers-bench" if ns.shape is None else f"peers-bench-{ns.shape}") + ("" if ns.isa == "native" else f"-{ns.isa}")
+    ours_env, isa_vllm_env = isa_env(ns.isa, dict(os.environ))
+    os.environ.update(ours_env)  # before the probes and pathserve's server, which inherits it
     tokenizer = load_tokenizer(model_dir)
     count: Counter = lambda text: len(tokenizer.encode_prompt(text))  # noqa: E731
     requests: Callable[[int], int] = lambda c: ns.requests or max(8, 2 * c)  # noqa: E731
     plan = schedule(cells(sets, sampling, levels), ns.rounds, system_peers=(NOCACHE,) if ns.prefix_cache_off else ())
     prompts = prompt_sets(plan, requests, count, ns.seed, ns.max_tokens)
     lengths: dict[str, list[int]] = {}
+    computed: dict[str, list[int]] = {}  # prompt tokens a request computes: a shared prefix is cached
     for (_r, cell), cell_prompts in prompts.items():
         lengths.setdefault(cell.set, []).extend(count(p.text) for p in cell_prompts)
+        shared = count(cell_prompts[0].text.split("\n\nUser:")[0]) if cell.set == "system" else 0
+        computed.setdefault(cell.set, []).extend(count(p.text) - shared for p in cell_prompts)
     lengths = {name: sorted(ls) for name, ls in lengths.items()}
     for name, ls in lengths.items():
         print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
@@ -353,7 +371,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     if int8_rate:
         print(f"int8w matmul (the CPU kernels, in cache) {int8_rate / 1e9:.0f} G multiply-adds/s", flush=True)
     urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
-    vllm_env = dict(item.split("=", 1) for item in ns.vllm_env)
+    vllm_env = {**isa_vllm_env, **dict(item.split("=", 1) for item in ns.vllm_env)}
     with ExitStack() as stack:
         try:
             if not ns.vllm_url:
@@ -381,6 +399,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
                 ours.wait_ready()
             if nocache is not None:
                 nocache.wait_ready()
+            peer_matmul = None  # vLLM's bfloat16 matmul rate on its own cores, both servers idle
+            if not ns.vllm_url:
+                cpus = compute_cpus(vllm.log_path.read_text(errors="replace")) or sorted(os.sched_getaffinity(0))
+                rate, kernel = measure_bf16_rate(python, cpus, vllm_env)
+                peer_matmul = {"macs_per_s": rate, "kernel": kernel, "cpus": cpus}
+                print(f"vLLM's bfloat16 matmul ({kernel}, in cache, CPUs {cpus}) {rate / 1e9:.0f} G multiply-adds/s", flush=True)
         except (PeerError, RuntimeError, TimeoutError) as exc:
             raise SystemExit(f"{prog}: error: {exc}") from None
         models = {}
@@ -398,7 +422,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
 
         model_config = load_model_config("smollm2-135m")  # the default model's shape
     contexts = {name: ls[len(ls) // 2] + ns.max_tokens // 2 for name, ls in lengths.items()}
-    add_roofline(report_cells, model_config, bandwidth, contexts, int8_rate)
+    rates = {"pathserve": int8_rate, "vllm": peer_matmul and peer_matmul["macs_per_s"]}
+    prompt_per_output = {name: sum(ts) / len(ts) / ns.max_tokens for name, ts in computed.items()}
+    add_roofline(report_cells, model_config, bandwidth, contexts, rates, prompt_per_output)
     report = {
         "ratio": "pathserve / vllm (above 1 is better for output_tokens_per_s, below 1 for latencies)",
         "urls": urls,
@@ -413,12 +439,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "args": {k: str(v) for k, v in vars(ns).items()},
         "cells": report_cells,
         "shape": ns.shape,
+        "isa": {"asked": ns.isa, "pathserve": ours_env, "vllm": isa_vllm_env},
         "bandwidth_bytes_per_s": bandwidth,
         "int8_macs_per_s": int8_rate,
+        "vllm_matmul": peer_matmul,
         "roofline": "per cell and peer: output tok/s if a step read only its weights (pathserve int8w, vLLM bf16) "
         "and its KV cache (pathserve float32, vLLM bf16) once at the measured bandwidth, and the fraction reached; "
-        "pathserve's also if every token cost only its matmuls' multiply-adds at the measured int8w rate "
-        "(compute_bound_tokens_per_s), `applies` naming the lower bound",
+        "also if every token, prompt and output, cost only its matmuls' multiply-adds at the peer's measured rate "
+        "(pathserve's int8w kernel, vLLM's bfloat16 oneDNN matmul on the CPUs it binds; a prompt token without "
+        "the head, the system set's shared prefix free) (compute_bound_tokens_per_s), `applies` naming the lower bound",
+        "prompt_tokens_computed_per_output_token": prompt_per_output,
         "targets": targets(report_cells, ns.shape),
     }
     path = ns.out / f"{stem}.json"

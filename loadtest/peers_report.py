@@ -93,22 +93,32 @@ def bandwidth_bound(cfg, peer: str, concurrency: int, context: int, bandwidth: f
     return concurrency * bandwidth / (matmul_params(cfg) * weight + kv)
 
 
-def compute_bound(cfg, macs_per_s: float) -> float:
-    """Output tokens/s if decoding were bound only by its matmuls' multiply-adds at `macs_per_s`:
-    matmul_params(cfg) a token, at any concurrency (attention's over these short contexts is under
-    1% of them and left out)."""
-    return macs_per_s / matmul_params(cfg)
+def compute_bound(cfg, macs_per_s: float, prompt_per_output: float = 0.0) -> float:
+    """Output tokens/s if serving were bound only by its matmuls' multiply-adds at `macs_per_s`, at
+    any concurrency: an output token costs matmul_params(cfg), and `prompt_per_output` prompt tokens
+    computed for each output token (a request's prompt over its output) cost the same less the head,
+    which a prompt computes at its last position only (attention's multiply-adds, under 1% of these
+    at short contexts, are left out)."""
+    head = cfg.vocab_size * cfg.embed_dim
+    return macs_per_s / (matmul_params(cfg) + prompt_per_output * (matmul_params(cfg) - head))
 
 
 def add_roofline(
-    report_cells: Sequence[dict], cfg, bandwidth: float, contexts: dict[str, int], int8_rate: float | None = None
+    report_cells: Sequence[dict],
+    cfg,
+    bandwidth: float,
+    contexts: dict[str, int],
+    rates: dict[str, float | None] | None = None,
+    prompt_per_output: dict[str, float] | None = None,
 ) -> None:
     """Each cell's memory-bandwidth bound per peer and the fraction of it the peer reached
     (`roofline`: {peer: {bound_tokens_per_s, fraction}}); `contexts`: each set's median prompt
-    tokens plus half the output, the cache a step reads on average. With `int8_rate` (multiply-adds
-    a second of pathserve's int8w matmul, measure_int8_rate), pathserve's compute bound too
-    (`compute_bound_tokens_per_s`, `compute_fraction`) and which of the two applies (`applies`:
-    the lower, memory or compute): one request is bound by reading the weights, 32 by multiplying."""
+    tokens plus half the output, the cache a step reads on average. With a peer's multiply-add rate
+    in `rates` (pathserve's int8w matmul, measure_int8_rate; vLLM's bfloat16 one on its cores,
+    vllm_peer.measure_bf16_rate), that peer's compute bound too (`compute_bound_tokens_per_s`,
+    `compute_fraction`), counting each set's prompt tokens computed per output token
+    (`prompt_per_output`, default none), and which of the two applies (`applies`: the lower, memory
+    or compute): one request is bound by reading the weights, 32 by multiplying."""
     for c in report_cells:
         c["roofline"] = {}
         for peer in PEERS:
@@ -116,8 +126,8 @@ def add_roofline(
                 rate = c[peer]["output_tokens_per_s"]
                 bound = bandwidth_bound(cfg, peer, c["concurrency"], contexts[c["set"]], bandwidth)
                 roof = c["roofline"][peer] = {"bound_tokens_per_s": bound, "fraction": rate / bound, "applies": "memory"}
-                if peer == "pathserve" and int8_rate:
-                    compute = compute_bound(cfg, int8_rate)
+                if (rates or {}).get(peer):
+                    compute = compute_bound(cfg, rates[peer], (prompt_per_output or {}).get(c["set"], 0.0))
                     roof.update(compute_bound_tokens_per_s=compute, compute_fraction=rate / compute)
                     roof["applies"] = "compute" if compute < bound else "memory"
 

@@ -13,10 +13,12 @@ directory and the Hugging Face hub is switched off in the server's environment.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -206,3 +208,88 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# vLLM's matmul for a dense bfloat16 layer on this CPU, timed in its own process: the oneDNN
+# handler vLLM 0.32 builds for such a weight (dispatch_cpu_unquantized_gemm), or torch's linear
+# where it falls back to that (no oneDNN in its library, or none for bfloat16 here, as on AVX2);
+# x [rows, size] @ w [size, size], the weight in cache, on the CPUs given and as many threads.
+# Prints the multiply-adds a second (best of 5 runs of `calls` calls) and which matmul ran.
+BF16_PROBE = """
+import os, sys, time
+import torch
+rows, size, calls = map(int, sys.argv[1:4])
+cpus = [int(c) for c in sys.argv[4].split(",")]
+os.sched_setaffinity(0, cpus)
+torch.set_num_threads(len(cpus))
+g = torch.Generator().manual_seed(0)
+w = torch.randn(size, size, generator=g).to(torch.bfloat16)
+x = torch.randn(rows, size, generator=g).to(torch.bfloat16)
+try:
+    from vllm import _custom_ops as ops
+    handler = ops.create_onednn_mm(w.t(), 32) if ops._supports_onednn else None
+except (ImportError, RuntimeError):  # no vLLM, or oneDNN builds no bfloat16 matmul here
+    handler = None
+run = (lambda: ops.onednn_mm(handler, x, None)) if handler is not None else (lambda: torch.nn.functional.linear(x, w))
+with torch.inference_mode():
+    for _ in range(3):
+        run()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, time.perf_counter() - start)
+print(calls * rows * size * size / best, "onednn_mm" if handler is not None else "torch.nn.functional.linear")
+"""
+
+
+# `--isa avx2`: each server's environment that holds it to AVX2 on a CPU with AVX-512 or AMX.
+AVX2_ONLY = Path(__file__).parent / "avx2_only"
+
+
+def isa_env(isa: str, environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(pathserve's, vLLM's) environment settings for instruction set `isa` (`native`: none; `avx2`:
+    pathserve's kernels on AVX2 and XLA's generated code too, vLLM's own kernels through
+    avx2_only/sitecustomize.py, oneDNN's and ATen's capped); `environ`: the settings already there,
+    whose XLA_FLAGS and PYTHONPATH are kept."""
+    if isa == "native":
+        return {}, {}
+    if isa != "avx2":
+        raise ValueError(f"unknown instruction set {isa!r}: native or avx2")
+    xla = " ".join(f for f in (environ.get("XLA_FLAGS", ""), "--xla_cpu_max_isa=AVX2") if f)
+    path = os.pathsep.join(p for p in (str(AVX2_ONLY), environ.get("PYTHONPATH", "")) if p)
+    ours = {"PATHSERVE_CPU_ISA": "avx2", "XLA_FLAGS": xla}
+    return ours, {"PYTHONPATH": path, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def compute_cpus(log_text: str) -> list[int] | None:
+    """The CPUs vLLM's CPU worker runs its matmuls on, from the thread binding its log reports
+    ("local_rank=0, core ids=[1]": unset, vLLM 0.32 keeps one of 2 cores for its frontend);
+    None where the log names none (VLLM_CPU_OMP_THREADS_BIND=nobind, a server started elsewhere)."""
+    found = re.search(r"local_rank=0, core ids=\[([0-9, ]+)\]", log_text)
+    return [int(c) for c in found.group(1).split(",")] if found else None
+
+
+def measure_bf16_rate(
+    python: Path,
+    cpus: Sequence[int],
+    env: dict[str, str] | None = None,
+    rows: int = 64,
+    size: int = 1024,
+    calls: int = 16,
+) -> tuple[float, str]:
+    """Multiply-adds a second of vLLM's bfloat16 matmul (BF16_PROBE) on `cpus` with `python` (the
+    peer's venv) in its server's environment (`env`: server_env's `extra`), and the matmul that
+    ran: the compute bound of the peer's decode step, as loadtest.peers.measure_int8_rate is
+    pathserve's. Raises PeerError when the probe fails."""
+    done = subprocess.run(
+        [str(python), "-c", BF16_PROBE, str(rows), str(size), str(calls), ",".join(map(str, cpus))],
+        capture_output=True,
+        text=True,
+        env=server_env(1, env),
+    )
+    if done.returncode != 0:
+        raise PeerError(f"the bfloat16 matmul probe failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    rate, how = done.stdout.split()[-2:]
+    return float(rate), how

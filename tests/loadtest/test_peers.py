@@ -243,14 +243,29 @@ def test_a_shapes_targets_are_its_own_and_read_the_roofline():
         {"pathserve": [(results(1, 0.05, 0.1), 2.0)], "vllm": [(results(1, 0.1, 0.2), 5.0)]},
         64,
     )
-    add_roofline([short32, one], cfg, 23e9, {"short": 100}, int8_rate=150e9)
+    add_roofline([short32, one], cfg, 23e9, {"short": 100}, {"pathserve": 150e9, "vllm": None})
     compute = 150e9 / matmul_params(cfg)  # ~121 tok/s: 1.24 G multiply-adds a token
     for cell, applies in ((short32, "compute"), (one, "memory")):
         roof = cell["roofline"]["pathserve"]
         assert roof["compute_bound_tokens_per_s"] == pytest.approx(compute, rel=1e-3) and roof["applies"] == applies
         assert roof["compute_fraction"] == pytest.approx(cell["pathserve"]["output_tokens_per_s"] / roof["compute_bound_tokens_per_s"])
-        assert "applies" in cell["roofline"]["vllm"] and "compute_fraction" not in cell["roofline"]["vllm"]
+        assert cell["roofline"]["vllm"]["applies"] == "memory" and "compute_fraction" not in cell["roofline"]["vllm"]
     assert f"{short32['roofline']['pathserve']['compute_fraction']:.0%}c/" in peers.table([short32]).splitlines()[1]
+    # with vLLM's bfloat16 rate too: its 32 are bound by multiplying, its one request by reading
+    add_roofline([short32, one], cfg, 23e9, {"short": 100}, {"pathserve": 150e9, "vllm": 110e9})
+    theirs = 110e9 / matmul_params(cfg)  # ~89 tok/s
+    for cell, applies in ((short32, "compute"), (one, "memory")):
+        roof = cell["roofline"]["vllm"]
+        assert roof["compute_bound_tokens_per_s"] == pytest.approx(theirs, rel=1e-3) and roof["applies"] == applies
+        assert roof["compute_fraction"] == pytest.approx(cell["vllm"]["output_tokens_per_s"] / theirs, rel=1e-3)
+    assert peers.table([short32]).splitlines()[1].endswith(f"c/{short32['roofline']['vllm']['compute_fraction']:.0%}c")
+    # a prompt token costs the matmuls too, less the head (computed at a prompt's last position only):
+    # 70-token prompts for 64 output tokens leave ~0.5x the output tokens/s of decoding alone
+    add_roofline([short32], cfg, 23e9, {"short": 100}, {"pathserve": 150e9}, {"short": 70 / 64})
+    per_prompt_token = matmul_params(cfg) - cfg.vocab_size * cfg.embed_dim  # 0.97 of the 1.24 G
+    with_prompts = 150e9 / (matmul_params(cfg) + 70 / 64 * per_prompt_token)
+    assert short32["roofline"]["pathserve"]["compute_bound_tokens_per_s"] == pytest.approx(with_prompts)
+    assert 0.5 < with_prompts / compute < 0.55
 
 
 def test_the_int8_rate_probe_measures_the_kernels_int8w_matmul():
@@ -261,6 +276,52 @@ def test_the_int8_rate_probe_measures_the_kernels_int8w_matmul():
         assert rate is not None and 1e8 < rate < 1e14  # multiply-adds a second, of some CPU
     else:
         assert rate is None  # no compute bound where pathserve serves on XLA's ops
+
+
+def test_the_peers_matmul_probe_runs_on_the_cpus_its_log_names():
+    import os
+    import sys
+
+    from loadtest.vllm_peer import PeerError, compute_cpus, measure_bf16_rate
+
+    # vLLM 0.32's thread-binding report, as its CPU worker logs it (utils/ompmultiprocessing.py)
+    log = (
+        "INFO 12-06 03:20:01 [ompmultiprocessing.py:186] OpenMP thread binding info: \n"
+        "\tVLLM_CPU_OMP_THREADS_BIND='auto', auto_setup=True, skip_setup=False\n"
+        "\tlocal_world_size=1, reserve_cpu_num=1\n\tlocal_rank=0, core ids=[1, 3]\n\treserved_cpus=[0]"
+    )
+    assert compute_cpus(log) == [1, 3]
+    assert compute_cpus("VLLM_CPU_OMP_THREADS_BIND='nobind'") is None  # then the caller takes every CPU
+    # without vLLM in the interpreter the probe times torch's bfloat16 linear (this venv has torch)
+    cpu = sorted(os.sched_getaffinity(0))[:1]
+    rate, kernel = measure_bf16_rate(Path(sys.executable), cpu, rows=8, size=128, calls=2)
+    assert kernel == "torch.nn.functional.linear" and 1e7 < rate < 1e14
+    with pytest.raises(PeerError, match="probe failed"):  # a CPU this process may not run on
+        measure_bf16_rate(Path(sys.executable), [4096], rows=8, size=128, calls=2)
+
+
+def test_isa_avx2_holds_both_servers_to_avx2():
+    from loadtest.vllm_peer import AVX2_ONLY, isa_env
+
+    assert isa_env("native", {"XLA_FLAGS": "--a"}) == ({}, {})
+    ours, theirs = isa_env("avx2", {"XLA_FLAGS": "--a", "PYTHONPATH": "/p"})
+    assert ours == {"PATHSERVE_CPU_ISA": "avx2", "XLA_FLAGS": "--a --xla_cpu_max_isa=AVX2"}  # flags kept
+    assert theirs == {
+        "PYTHONPATH": f"{AVX2_ONLY}{os.pathsep}/p",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    }
+    assert isa_env("avx2", {})[0]["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2"
+    with pytest.raises(ValueError, match="unknown instruction set 'sse'"):
+        isa_env("sse", {})
+    # the start-up module vLLM's processes get: torch reports no AVX-512 and no AMX, whatever the CPU
+    report = "import torch.cpu as c; print(c._is_avx512_supported(), c._is_avx512_bf16_supported(), c._is_amx_tile_supported())"
+    env = {**os.environ, "PYTHONPATH": theirs["PYTHONPATH"]}
+    done = subprocess.run([sys.executable, "-c", report], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "False", "False"], done.stderr
+    assert peers.build_parser().parse_args(["--isa", "avx2"]).isa == "avx2"
+    with pytest.raises(SystemExit):
+        peers.build_parser().parse_args(["--isa", "sse"])
 
 
 def test_an_unknown_shape_exits_2_naming_the_flag(capsys):
