@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 
 from serving.config import ServingConfig
 from serving.request import SamplingParams
 
 
-def _load(cfg: ServingConfig, source: str | None):
-    """(engine, params, tokenizer) with warmup done and its background compiles settled."""
+def _load(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
+    """(engine, params, tokenizer) with warmup done and its background compiles settled, planned
+    as `serve` plans it (`origins`: where each key came from, serving.startup.profile.Given; the
+    profile's slots are sized to the devices' memory)."""
+    import jax
+
     from serving.engine.engine import Engine
     from serving.runtime import init_runtime, make_mesh
     from serving.startup.plan import plan_launch
 
     init_runtime(cfg.devices)
-    plan = plan_launch(cfg, source)
+    plan = plan_launch(cfg, source, jax.devices(), origins)
     model = plan.load()
     engine = Engine(model, plan.engine, make_mesh(plan.config.devices))
     params = engine.load_params()
@@ -51,13 +56,15 @@ def _round(engine, params, executor, requests: list, batch: int) -> dict:
     }
 
 
-def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int) -> dict:
+def measure(
+    cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, origins: Mapping[str, str] | None = None
+) -> dict:
     """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
     compiling): the offline baseline the HTTP server is compared with."""
     from serving.orchestrator.executor import Executor
     from serving.orchestrator.offline import run_to_completion
 
-    engine, params, tokenizer = _load(cfg, source)
+    engine, params, tokenizer = _load(cfg, source, origins)
     executor = Executor(engine, params)
     requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
     # compile what warmup did not
@@ -65,7 +72,15 @@ def measure(cfg: ServingConfig, source: str | None, prompts: list[str], max_toke
     return _round(engine, params, executor, requests, engine.max_concurrent_decodes)
 
 
-def serve_rounds(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, commands, out) -> None:
+def serve_rounds(
+    cfg: ServingConfig,
+    source: str | None,
+    prompts: list[str],
+    max_tokens: int,
+    commands,
+    out,
+    origins: Mapping[str, str] | None = None,
+) -> None:
     """Load once, then for each line "BATCH COUNT" read from `commands` run the first COUNT prompts
     BATCH at a time and write one JSON line of `_round`'s figures to `out`: the offline side of
     rounds that alternate with the HTTP server's (`pathserve bench overhead`), so that the machine's
@@ -73,7 +88,7 @@ def serve_rounds(cfg: ServingConfig, source: str | None, prompts: list[str], max
     from serving.orchestrator.executor import Executor
     from serving.orchestrator.offline import run_to_completion
 
-    engine, params, tokenizer = _load(cfg, source)
+    engine, params, tokenizer = _load(cfg, source, origins)
     executor = Executor(engine, params)
     requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
     run_to_completion(engine, params, requests[: engine.max_concurrent_decodes], executor=executor)

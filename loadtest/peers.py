@@ -236,6 +236,8 @@ def _parse(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lis
         parser.error("--rounds and --requests must be >= 1, --max-tokens >= 2")
     if any("=" not in item for item in ns.vllm_env):
         parser.error(f"--vllm-env: KEY=VALUE, got {next(i for i in ns.vllm_env if '=' not in i)!r}")
+    if ns.isa != "native" and (ns.pathserve_url or ns.vllm_url):
+        parser.error(f"--isa {ns.isa}: holds the servers started here only; drop --pathserve-url / --vllm-url")
     return names(ns.sets, SETS, "--sets"), names(ns.sampling, tuple(SAMPLING), "--sampling"), levels
 
 
@@ -261,6 +263,28 @@ def default_model_dir() -> Path:
         print(f"bench-peers: exporting the default model to {target} (once)", flush=True)
         export_hf(default_model_path(), target, "bfloat16")
     return target
+
+
+def prompt_tokens_per_output(
+    prompts: dict[tuple[int, Cell], list[dataset.Prompt]], count: Counter, max_tokens: int
+) -> dict[str, float]:
+    """Per request set, the prompt tokens a request computes for each of its `max_tokens` output
+    tokens, at most: the text every prompt of a (round, cell) begins with (the system set's shared
+    prompt) counts as computed by none of them, as if a prefix cache held all of it (it holds whole
+    pages or blocks, after the first request), so a compute bound from it stays a bound."""
+    computed: dict[str, list[int]] = {}
+    for (_round, cell), cell_prompts in prompts.items():
+        texts = [p.text for p in cell_prompts]
+        shared = count(_shared_start(texts)) if len(texts) > 1 else 0
+        computed.setdefault(cell.set, []).extend(max(count(t) - shared, 0) for t in texts)
+    return {name: sum(ts) / len(ts) / max_tokens for name, ts in computed.items()}
+
+
+def _shared_start(texts: Sequence[str]) -> str:
+    """The longest text every one of `texts` begins with (character by character)."""
+    first, last = min(texts), max(texts)  # the sorted extremes differ first where any two do
+    end = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), min(len(first), len(last)))
+    return first[:end]
 
 
 def shape_model_dir(shape: str) -> Path:
@@ -357,11 +381,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     plan = schedule(cells(sets, sampling, levels), ns.rounds, system_peers=(NOCACHE,) if ns.prefix_cache_off else ())
     prompts = prompt_sets(plan, requests, count, ns.seed, ns.max_tokens)
     lengths: dict[str, list[int]] = {}
-    computed: dict[str, list[int]] = {}  # prompt tokens a request computes: a shared prefix is cached
     for (_r, cell), cell_prompts in prompts.items():
         lengths.setdefault(cell.set, []).extend(count(p.text) for p in cell_prompts)
-        shared = count(cell_prompts[0].text.split("\n\nUser:")[0]) if cell.set == "system" else 0
-        computed.setdefault(cell.set, []).extend(count(p.text) - shared for p in cell_prompts)
     lengths = {name: sorted(ls) for name, ls in lengths.items()}
     for name, ls in lengths.items():
         print(f"set {name}: {len(ls)} prompts, {ls[0]}-{ls[-1]} prompt tokens (median {ls[len(ls) // 2]})", flush=True)
@@ -371,7 +392,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
     if int8_rate:
         print(f"int8w matmul (the CPU kernels, in cache) {int8_rate / 1e9:.0f} G multiply-adds/s", flush=True)
     urls = {"pathserve": ns.pathserve_url, "vllm": ns.vllm_url}
-    vllm_env = {**isa_vllm_env, **dict(item.split("=", 1) for item in ns.vllm_env)}
+    vllm_env = dict(item.split("=", 1) for item in ns.vllm_env)
+    if "PYTHONPATH" in vllm_env and "PYTHONPATH" in isa_vllm_env:  # both: --isa's first
+        vllm_env["PYTHONPATH"] = os.pathsep.join((isa_vllm_env["PYTHONPATH"], vllm_env["PYTHONPATH"]))
+    vllm_env = {**isa_vllm_env, **vllm_env}
     with ExitStack() as stack:
         try:
             if not ns.vllm_url:
@@ -423,7 +447,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         model_config = load_model_config("smollm2-135m")  # the default model's shape
     contexts = {name: ls[len(ls) // 2] + ns.max_tokens // 2 for name, ls in lengths.items()}
     rates = {"pathserve": int8_rate, "vllm": peer_matmul and peer_matmul["macs_per_s"]}
-    prompt_per_output = {name: sum(ts) / len(ts) / ns.max_tokens for name, ts in computed.items()}
+    prompt_per_output = prompt_tokens_per_output(prompts, count, ns.max_tokens)
     add_roofline(report_cells, model_config, bandwidth, contexts, rates, prompt_per_output)
     report = {
         "ratio": "pathserve / vllm (above 1 is better for output_tokens_per_s, below 1 for latencies)",
@@ -446,8 +470,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.peers") 
         "roofline": "per cell and peer: output tok/s if a step read only its weights (pathserve int8w, vLLM bf16) "
         "and its KV cache (pathserve float32, vLLM bf16) once at the measured bandwidth, and the fraction reached; "
         "also if every token, prompt and output, cost only its matmuls' multiply-adds at the peer's measured rate "
-        "(pathserve's int8w kernel, vLLM's bfloat16 oneDNN matmul on the CPUs it binds; a prompt token without "
-        "the head, the system set's shared prefix free) (compute_bound_tokens_per_s), `applies` naming the lower bound",
+        "(pathserve's int8w kernel; vLLM's bfloat16 matmul on the CPUs it binds, `vllm_matmul` naming which; a "
+        "prompt token without the head, a prefix every prompt of a cell shares free) (compute_bound_tokens_per_s), "
+        "`applies` naming the lower bound",
         "prompt_tokens_computed_per_output_token": prompt_per_output,
         "targets": targets(report_cells, ns.shape),
     }

@@ -214,7 +214,9 @@ class VLLMServer:
 # handler vLLM 0.32 builds for such a weight (dispatch_cpu_unquantized_gemm), or torch's linear
 # where it falls back to that (no oneDNN in its library, or none for bfloat16 here, as on AVX2);
 # x [rows, size] @ w [size, size], the weight in cache, on the CPUs given and as many threads.
-# Prints the multiply-adds a second (best of 5 runs of `calls` calls) and which matmul ran.
+# Prints "RATE", the multiply-adds a second (best of 5 runs of `calls` calls) and which matmul
+# ran. On AMX CPUs vLLM sends weights of 1 MiB or less to its own sgl kernel instead
+# (check_cpu_sgl_kernel); the default 1024 x 1024 bfloat16 weight (2 MiB) times oneDNN's.
 BF16_PROBE = """
 import os, sys, time
 import torch
@@ -240,7 +242,7 @@ with torch.inference_mode():
         for _ in range(calls):
             run()
         best = min(best, time.perf_counter() - start)
-print(calls * rows * size * size / best, "onednn_mm" if handler is not None else "torch.nn.functional.linear")
+print("RATE", calls * rows * size * size / best, "onednn_mm" if handler is not None else "torch.nn.functional.linear")
 """
 
 
@@ -278,18 +280,21 @@ def measure_bf16_rate(
     rows: int = 64,
     size: int = 1024,
     calls: int = 16,
+    timeout: float = 600,
 ) -> tuple[float, str]:
     """Multiply-adds a second of vLLM's bfloat16 matmul (BF16_PROBE) on `cpus` with `python` (the
     peer's venv) in its server's environment (`env`: server_env's `extra`), and the matmul that
     ran: the compute bound of the peer's decode step, as loadtest.peers.measure_int8_rate is
     pathserve's. Raises PeerError when the probe fails."""
-    done = subprocess.run(
-        [str(python), "-c", BF16_PROBE, str(rows), str(size), str(calls), ",".join(map(str, cpus))],
-        capture_output=True,
-        text=True,
-        env=server_env(1, env),
-    )
+    command = [str(python), "-c", BF16_PROBE, str(rows), str(size), str(calls), ",".join(map(str, cpus))]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=server_env(1, env), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise PeerError(f"the bfloat16 matmul probe did not finish in {timeout:.0f} s") from None
     if done.returncode != 0:
         raise PeerError(f"the bfloat16 matmul probe failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    rate, how = done.stdout.split()[-2:]
-    return float(rate), how
+    found = re.search(r"^RATE (\S+) (\S+)$", done.stdout, re.MULTILINE)
+    try:
+        return float(found.group(1)), found.group(2)
+    except (AttributeError, ValueError):
+        raise PeerError(f"the bfloat16 matmul probe printed no rate: {done.stdout.strip()[-500:]!r}") from None

@@ -453,13 +453,6 @@ def offline_parser(prog: str = "pathserve bench offline") -> argparse.ArgumentPa
     return parser
 
 
-def offline_config(offline_ns: argparse.Namespace) -> tuple[ServingConfig, str | None]:
-    """`bench offline`'s config and SOURCE, as `serve` has them from the same arguments (the serving
-    profile under them): `bench overhead` runs both on one set of arguments and compares them."""
-    given, source = _given(offline_ns)
-    return given.config, source
-
-
 def cmd_bench(ns: argparse.Namespace) -> int:
     prog = f"pathserve bench {ns.what}"
     if ns.what == "serve":
@@ -473,15 +466,18 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     offline_ns = offline_parser(prog).parse_args(ns.rest)
     from loadtest.offline import measure, serve_rounds
 
-    cfg, source = offline_config(offline_ns)
+    # as `serve` has them (the serving profile under the arguments, where each key came from):
+    # `bench overhead` runs both on one set of arguments and compares them
+    given, source = _given(offline_ns)
+    cfg = given.config
     try:
         prompts = [item["prompt"] for item in json.loads(offline_ns.prompts.read_text())]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"--prompts {offline_ns.prompts}: {exc}") from None
     if offline_ns.rounds_from_stdin:
-        serve_rounds(cfg, source, prompts, offline_ns.max_tokens, sys.stdin, sys.stdout)
+        serve_rounds(cfg, source, prompts, offline_ns.max_tokens, sys.stdin, sys.stdout, given.origins)
         return 0
-    print(json.dumps(measure(cfg, source, prompts, offline_ns.max_tokens)))
+    print(json.dumps(measure(cfg, source, prompts, offline_ns.max_tokens, given.origins)))
     return 0
 
 

@@ -159,14 +159,27 @@ def test_an_offline_round_runs_on_the_executor_it_is_given(monkeypatch):
         assert round_["output_tokens"] == 5 * 6 and round_["requests"] == 5 and round_["batch"] == batch
 
 
-def test_the_offline_engine_takes_the_config_serve_takes(tmp_path):
+def test_the_offline_engine_takes_the_config_serve_takes(monkeypatch, tmp_path, capsys):
     """`bench overhead` runs the HTTP server and `bench offline` on the same arguments: the offline
     side read them without the serving profile (4 decode steps a call, no slot buckets, prompts
-    prefilled one at a time), so HTTP / offline compared two configs."""
-    from serving.cli.main import _given, build_parser, offline_config, offline_parser
+    prefilled one at a time), so HTTP / offline compared two configs. Through `pathserve bench
+    offline` itself, with the measurement replaced by one that records what it was given."""
+    import loadtest.offline
+    from serving.cli.main import _given, build_parser, main
 
+    given = {}
+
+    def record(cfg, source, prompts, max_tokens, origins=None):
+        given.update(cfg=cfg, source=source, origins=dict(origins or {}))
+        return {"tokens_per_s": 1.0}
+
+    monkeypatch.setattr(loadtest.offline, "measure", record)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"prompt": "Hello"}]))
     args = [str(tmp_path), "quantization=int8w", "per_device_batch_size=32"]  # SOURCE: a path that exists
-    offline_ns = offline_parser().parse_args(["--prompts", "p.json", "--max-tokens", "4", *args])
-    offline, served = offline_config(offline_ns)[0], _given(build_parser().parse_args(["serve", *args]))[0].config
-    assert offline == served
-    assert offline.per_device_batch_size == 32 and offline.decode_slot_buckets  # the arguments, the profile under them
+    assert main(["bench", "offline", "--prompts", str(prompts), "--max-tokens", "4", *args]) == 0
+    served = _given(build_parser().parse_args(["serve", *args]))[0]
+    assert given["cfg"] == served.config and given["origins"] == dict(served.origins)
+    assert given["cfg"].decode_slot_buckets and given["origins"]["decode_slot_buckets"] == "serving profile"
+    assert given["origins"]["per_device_batch_size"] == "command line"
+    assert json.loads(capsys.readouterr().out) == {"tokens_per_s": 1.0}

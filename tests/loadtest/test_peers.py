@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from loadtest import peers, vllm_peer
+from loadtest import dataset, peers, vllm_peer
 from loadtest.client import Result
 from tests.server_process import REPO
 
@@ -286,7 +286,7 @@ def test_the_peers_matmul_probe_runs_on_the_cpus_its_log_names():
 
     # vLLM 0.32's thread-binding report, as its CPU worker logs it (utils/ompmultiprocessing.py)
     log = (
-        "INFO 12-06 03:20:01 [ompmultiprocessing.py:186] OpenMP thread binding info: \n"
+        "INFO 12-06 03:20:01 [ompmultiprocessing.py:185] OpenMP thread binding info: \n"
         "\tVLLM_CPU_OMP_THREADS_BIND='auto', auto_setup=True, skip_setup=False\n"
         "\tlocal_world_size=1, reserve_cpu_num=1\n\tlocal_rank=0, core ids=[1, 3]\n\treserved_cpus=[0]"
     )
@@ -298,6 +298,23 @@ def test_the_peers_matmul_probe_runs_on_the_cpus_its_log_names():
     assert kernel == "torch.nn.functional.linear" and 1e7 < rate < 1e14
     with pytest.raises(PeerError, match="probe failed"):  # a CPU this process may not run on
         measure_bf16_rate(Path(sys.executable), [4096], rows=8, size=128, calls=2)
+    with pytest.raises(PeerError, match="did not finish in 0 s"):
+        measure_bf16_rate(Path(sys.executable), cpu, rows=8, size=128, calls=2, timeout=0.01)
+
+
+def test_the_prompt_tokens_computed_leave_a_shared_start_to_the_prefix_cache():
+    count = lambda text: len(text.split())  # noqa: E731 - a word a token
+    short, system = peers.Cell("short", "greedy", 8), peers.Cell("system", "greedy", 8)
+    prompts = {
+        (0, short): [dataset.Prompt("one two three", 4), dataset.Prompt("four five", 4)],
+        # a shared start of 4 words ("User:" included): each request computes its question only
+        (0, system): [dataset.Prompt("be brief please\n\nUser: hi there", 4), dataset.Prompt("be brief please\n\nUser: why not", 4)],
+        (1, system): [dataset.Prompt("be kind always\n\nUser: a b c d", 4), dataset.Prompt("be kind always\n\nUser: e f", 4)],
+    }
+    got = peers.prompt_tokens_per_output(prompts, count, 4)
+    assert got["short"] == pytest.approx((3 + 2) / 2 / 4)
+    assert got["system"] == pytest.approx((2 + 2 + 4 + 2) / 4 / 4)  # over 4 requests of 4 output tokens
+    assert peers._shared_start(["abc", "abd", "ab"]) == "ab" and peers._shared_start(["x", "y"]) == ""
 
 
 def test_isa_avx2_holds_both_servers_to_avx2():
@@ -322,6 +339,10 @@ def test_isa_avx2_holds_both_servers_to_avx2():
     assert peers.build_parser().parse_args(["--isa", "avx2"]).isa == "avx2"
     with pytest.raises(SystemExit):
         peers.build_parser().parse_args(["--isa", "sse"])
+    parser = peers.build_parser()
+    ns = parser.parse_args(["--isa", "avx2", "--vllm-url", "http://127.0.0.1:1"])
+    with pytest.raises(SystemExit):  # a server started elsewhere is not held to anything
+        peers._parse(ns, parser)
 
 
 def test_an_unknown_shape_exits_2_naming_the_flag(capsys):
