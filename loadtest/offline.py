@@ -12,24 +12,15 @@ from serving.request import SamplingParams
 
 
 def _load(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
-    """(engine, params, tokenizer) with warmup done and its background compiles settled, planned
-    as `serve` plans it (`origins`: where each key came from, serving.startup.profile.Given; the
-    profile's slots are sized to the devices' memory)."""
-    import jax
+    """(engine, params, tokenizer) brought up as `serve` brings them up (serving.launch.bring_up:
+    the plan with `origins`, where each key came from, the engine, its params placed and the
+    loaded copy dropped, warmup), with the background compiles settled, as the HTTP side waits
+    for its server's."""
+    from serving.launch import bring_up
 
-    from serving.engine.engine import Engine
-    from serving.runtime import init_runtime, make_mesh
-    from serving.startup.plan import plan_launch
-
-    init_runtime(cfg.devices)
-    plan = plan_launch(cfg, source, jax.devices(), origins)
-    model = plan.load()
-    engine = Engine(model, plan.engine, make_mesh(plan.config.devices))
-    params = engine.load_params()
-    if plan.config.enable_model_warmup:
-        engine.warmup(params)
-        if engine.background_warmup is not None:  # a settled engine, as the HTTP side waits for its server's
-            engine.background_warmup.wait()
+    _plan, model, engine, params, _warmup, _prefill = bring_up(cfg, source, origins)
+    if engine.background_warmup is not None:
+        engine.background_warmup.wait()
     return engine, params, model.tokenizer
 
 

@@ -86,7 +86,7 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
     On a multi-controller slice this is process 0's path: its executor broadcasts every plan to the
     followers (`follow_plans`), and the process exits non-zero if the lockstep breaks."""
     started = time.perf_counter()
-    plan, model, engine, params, warmup, prefill = _bring_up(cfg, source, origins)
+    plan, model, engine, params, warmup, prefill = bring_up(cfg, source, origins)
     cfg = plan.config
     make_executor, lockstep, groups = Executor, None, process_groups(cfg)
     if prefill is not None:
@@ -125,7 +125,7 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
     """A follower process of a multi-controller slice: the same bring-up as process 0 (every
     compiled call is collective), then execute process 0's plans until it stops; returns the
     number of plans executed. Raises when the leader is gone (a failed collective)."""
-    plan, model, engine, params, _, _ = _bring_up(cfg, source, origins)
+    plan, model, engine, params, _, _ = bring_up(cfg, source, origins)
     log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
     adapter_weights = None
     if plan.config.lora.enabled:  # each adapter load of process 0's plans, read from its path
@@ -170,8 +170,9 @@ class PrefillSide:
     params: dict
 
 
-def _bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
-    """Runtime, the one plan, placement and restore, the engine, warmup, in that order. On a
+def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
+    """Runtime, the one plan, placement and restore, the engine, warmup, in that order: the one
+    bring-up of `serve`, a follower and the offline engine `bench overhead` compares with. On a
     disaggregated server (serving.disaggregation) behind one controller the engine is the generate
     engine, on the generate devices, and a `PrefillSide` comes last (else None): the same loaded
     model placed again on the prefill devices (device to device), with the generate engine's

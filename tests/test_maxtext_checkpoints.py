@@ -372,9 +372,9 @@ def test_serving_keeps_one_copy_of_the_weights(tokenizer_file, server):
 import gc, json, sys
 import jax
 from serving.config import load_config
-from serving.launch import _bring_up
+from serving.launch import bring_up
 cfg = load_config(None, sys.argv[2:])
-_, model, engine, params, _, prefill = _bring_up(cfg, sys.argv[1])
+_, model, engine, params, _, prefill = bring_up(cfg, sys.argv[1])
 gc.collect()
 placed = sum(a.nbytes for a in jax.tree.leaves(params))
 if prefill is not None:
