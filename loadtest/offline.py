@@ -47,19 +47,25 @@ def _round(engine, params, executor, requests: list, batch: int) -> dict:
     }
 
 
-def measure(
-    cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, origins: Mapping[str, str] | None = None
-) -> dict:
-    """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
-    compiling): the offline baseline the HTTP server is compared with."""
+def _prepared(cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, origins):
+    """`_load`'s engine and params, an executor on them and `prompts` as requests (greedy, exactly
+    `max_tokens` each), after one untimed run of a slot-full of them compiled what warmup did not."""
     from serving.orchestrator.executor import Executor
     from serving.orchestrator.offline import run_to_completion
 
     engine, params, tokenizer = _load(cfg, source, origins)
     executor = Executor(engine, params)
     requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    # compile what warmup did not
     run_to_completion(engine, params, requests[: engine.max_concurrent_decodes], executor=executor)
+    return engine, params, executor, requests
+
+
+def measure(
+    cfg: ServingConfig, source: str | None, prompts: list[str], max_tokens: int, origins: Mapping[str, str] | None = None
+) -> dict:
+    """Output tokens/s of `run_to_completion` over `prompts` (greedy, exactly `max_tokens` each, after
+    compiling): the offline baseline the HTTP server is compared with."""
+    engine, params, executor, requests = _prepared(cfg, source, prompts, max_tokens, origins)
     return _round(engine, params, executor, requests, engine.max_concurrent_decodes)
 
 
@@ -76,13 +82,7 @@ def serve_rounds(
     BATCH at a time and write one JSON line of `_round`'s figures to `out`: the offline side of
     rounds that alternate with the HTTP server's (`pathserve bench overhead`), so that the machine's
     drift falls on both alike. Writes {"ready": true} once loaded."""
-    from serving.orchestrator.executor import Executor
-    from serving.orchestrator.offline import run_to_completion
-
-    engine, params, tokenizer = _load(cfg, source, origins)
-    executor = Executor(engine, params)
-    requests = [(tokenizer.encode_prompt(p), SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    run_to_completion(engine, params, requests[: engine.max_concurrent_decodes], executor=executor)
+    engine, params, executor, requests = _prepared(cfg, source, prompts, max_tokens, origins)
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in commands:
         if not line.strip():

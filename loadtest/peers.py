@@ -282,9 +282,7 @@ def prompt_tokens_per_output(
 
 def _shared_start(texts: Sequence[str]) -> str:
     """The longest text every one of `texts` begins with (character by character)."""
-    first, last = min(texts), max(texts)  # the sorted extremes differ first where any two do
-    end = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), min(len(first), len(last)))
-    return first[:end]
+    return os.path.commonprefix(list(texts))  # noqa: RUF071 - characters, not path components
 
 
 def shape_model_dir(shape: str) -> Path:
