@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
 from serving.engine.engine import Engine, engine_limits
-from serving.engine.memory import check_devices
+from serving.engine.memory import MemoryUse, check_compiled, check_devices, device_limit
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
@@ -216,10 +216,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     if groups is not None and groups.on_prefill:  # the generate engine's limits: it lives in other processes
         mirror = engine_limits(loaded, plan.engine, generate_mesh)
     engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify, mirror=mirror)
-    check_devices(
-        plan.model, engine.placement, cfg.dtype, engine.limits.prefill_batch_tokens,
-        engine.max_concurrent_decodes, list(mesh.devices.flat),
-    )
+    check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat))
     params = engine.load_params()
     prefill = None
     if prefill_devices is not None and groups is None:
@@ -242,6 +239,31 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     if groups is not None:
         meet_after_warmup(groups, engine.limits, timeout_s=_LINK_TIMEOUT_S)
     return plan, model, engine, params, warmup, prefill
+
+
+def check_memory(engine: Engine, model, dtype: str, devices: list) -> None:
+    """Before the weights are placed: the params, the KV cache and the largest compiled programs'
+    temporaries (serving.engine.compiled_memory) against the devices' bytes_limit, refused with
+    the figures; where the devices report none (CPUs) or the params cannot be abstract, the
+    placement's estimate (serving.engine.memory.check_devices)."""
+    limit = device_limit(devices)
+    programs = None
+    if limit is not None:
+        from serving.engine.compiled_memory import program_temporaries
+
+        programs = program_temporaries(engine)
+    if not programs:
+        check_devices(
+            model, engine.placement, dtype, engine.limits.prefill_batch_tokens, engine.max_concurrent_decodes, devices
+        )
+        return
+    where = engine.placement
+    use = MemoryUse(where.params_bytes_per_chip(), where.cache_bytes_per_chip(), max(programs.values()))
+    log.info(
+        "memory plan per chip: params %.2f GB, KV cache %.2f GB, temporaries %s; bytes_limit %.2f GB",
+        use.params / 1e9, use.kv_cache / 1e9, ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in programs.items()), limit / 1e9,
+    )
+    check_compiled(use, limit, f"{devices[0]}", programs)
 
 
 def restore_shardings(plan: LaunchPlan, mesh) -> dict | None:

@@ -81,23 +81,38 @@ log = logging.getLogger(__name__)
 MIN_WINDOW = 128
 
 
-def attention_windows(max_target_length: int) -> list[int]:
-    """Cache lengths a generate call may attend over: powers of two from MIN_WINDOW up to the limit.
+def attention_windows(max_target_length: int, min_window: int = MIN_WINDOW, growth: int = 2) -> list[int]:
+    """Cache lengths a generate call may attend over: min_window x growth^i up to the limit (the
+    backend's ladder: serving.models.ops.XlaOps).
 
     Each is compiled once; a call uses the smallest that holds its longest live sequence, so short
     requests do not pay for reading a cache sized for the longest one.
     """
-    windows, n = [], MIN_WINDOW
+    windows, n = [], min_window
     while n < max_target_length:
         windows.append(n)
-        n *= 2
+        n *= growth
     return [*windows, max_target_length]
 
 
-def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh) -> Limits:
+def select_ops(config: EngineConfig, mesh: Mesh):
+    """The compute backend for `config` on `mesh`'s devices (serving.kernels.backend.select)."""
+    return backend.select(
+        config.cpu_kernels,
+        config.quantization,
+        config.weight_dtype,
+        list(mesh.devices.flat),
+        pages_per_compute_block=config.pagedattn_pages_per_compute_block,
+        attention=config.attention,
+    )
+
+
+def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None) -> Limits:
     """The limits an engine of `model` on `mesh` runs with: slots from per_device_batch_size, the
-    page pool from the KV cache's memory. A function of its own so that a multi-controller prefill
-    group can mirror a generate engine that lives only in the other processes."""
+    page pool from the KV cache's memory, the prefill ladder from the backend `ops` (default: the
+    one `mesh` selects). A function of its own so that a multi-controller prefill group can mirror
+    a generate engine that lives only in the other processes."""
+    ops = ops or select_ops(config, mesh)
     slots = max(1, int(config.per_device_batch_size * mesh.size))
     numerics = Numerics.of(config, int8=int8_names(model.params))
     return Limits(
@@ -110,6 +125,8 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh) -> Limit
         prefix_block=config.prefix_block_size,
         decode_buckets=config.decode_slot_buckets,
         num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(mesh), slots),
+        min_bucket=ops.min_prefill_bucket,
+        bucket_growth=ops.shape_growth,
     )
 
 
@@ -140,15 +157,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         self.config = config
         self.draft = draft
         self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig(), jax.devices()[:1])
-        self.ops = backend.select(
-            config.cpu_kernels,
-            config.quantization,
-            config.weight_dtype,
-            list(self.mesh.devices.flat),
-            pages_per_compute_block=config.pagedattn_pages_per_compute_block,
-        )
-        numerics = Numerics.of(config, int8=int8_names(model.params))
-        self.limits = mirror or engine_limits(model, config, self.mesh)
+        self.ops = select_ops(config, self.mesh)
+        numerics = Numerics.of(config, int8=int8_names(model.params), pool_layout=self.ops.pool_layout)
+        self.limits = mirror or engine_limits(model, config, self.mesh, self.ops)
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes
         # Where every params and cache leaf lives: the same placement `pathserve deploy plan` reads.
         self.placement = engine_placement(
@@ -172,7 +183,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         if self.cache_in_place:
             self.windows = [config.max_target_length]  # attention reads only each row's positions
         else:
-            self.windows = attention_windows(config.max_target_length)
+            self.windows = attention_windows(config.max_target_length, self.ops.min_window, self.ops.shape_growth)
         self._generate_fn = jax.jit(
             partial(self._generate_impl, static=static),
             donate_argnums=(1,),
@@ -181,7 +192,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             static_argnames=("window", "steps"),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
-        self.history_windows = attention_windows(config.max_target_length)  # what a chunk may read
+        self.history_windows = attention_windows(  # what a chunk may read
+            config.max_target_length, self.ops.min_window, self.ops.shape_growth
+        )
         self._init_chunked(static)
         self._init_speculative(static, verify_warmup)
         self._init_handoffs()
@@ -225,7 +238,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         slots, limits = self.max_concurrent_decodes, self.limits
         cache = init_pool(
             self.model.config, limits.num_pages, limits.page_size, self._dtype, quantized=self.config.quantize_kvcache,
-            scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
+            scale_per_head=self.config.kv_quant_axis != "heads_and_dkv", layout=self.ops.pool_layout,
         )
 
         def zeros():  # a buffer of its own for each field: they are donated one by one

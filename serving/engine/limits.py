@@ -29,13 +29,16 @@ MAX_STOP_IDS = 16  # end-of-sequence ids and a request's stop_token_ids
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code
 
 
-def prefill_buckets(max_prefill_length: int, extra: tuple[int, ...] = ()) -> list[int]:
-    """Power-of-two prompt lengths from MIN_BUCKET up to (and including) the limit, and `extra`
-    lengths (a chunk size that is not a power of two) below it."""
-    buckets, n = set(), MIN_BUCKET
+def prefill_buckets(
+    max_prefill_length: int, extra: tuple[int, ...] = (), min_bucket: int = MIN_BUCKET, growth: int = 2
+) -> list[int]:
+    """Prompt lengths min_bucket x growth^i up to (and including) the limit, and `extra` lengths (a
+    chunk size not on that ladder) below it. A backend that pays little for padding and much per
+    compiled program (a TPU) takes a coarser ladder (serving.models.ops.XlaOps.shape_growth)."""
+    buckets, n = set(), min_bucket
     while n < max_prefill_length:
         buckets.add(n)
-        n *= 2
+        n *= growth
     return sorted({*buckets, max_prefill_length, *(e for e in extra if 0 < e < max_prefill_length)})
 
 
@@ -85,6 +88,9 @@ class Limits:
     # Pages in the KV cache's pool, the scratch page 0 included (0: enough for every slot to hold
     # max_target_length positions at once, as a cache of one row per slot would).
     num_pages: int = 0
+    # the prefill length ladder (`prefill_buckets`): the backend's (serving.models.ops.XlaOps)
+    min_bucket: int = MIN_BUCKET
+    bucket_growth: int = 2
     buckets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +99,8 @@ class Limits:
             raise ValueError(f"prefill_chunk_size={chunk} must be in 1..max_prefill_predict_length")
         object.__setattr__(self, "prefill_chunk_size", chunk)
         object.__setattr__(self, "prefill_batch_tokens", max(self.prefill_batch_tokens or self.max_prefill_length, 1))
-        object.__setattr__(self, "buckets", tuple(prefill_buckets(self.max_prefill_length, (chunk,))))
+        ladder = prefill_buckets(self.max_prefill_length, (chunk,), self.min_bucket, self.bucket_growth)
+        object.__setattr__(self, "buckets", tuple(ladder))
         object.__setattr__(self, "decode_buckets", slot_buckets(self.max_concurrent_decodes, self.decode_buckets))
         if self.num_pages == 0:
             object.__setattr__(self, "num_pages", self.max_concurrent_decodes * self.max_pages + 1)

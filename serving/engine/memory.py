@@ -123,6 +123,44 @@ def shortfall(use: MemoryUse, bytes_limit: int, where: str) -> str | None:
     )
 
 
+def device_limit(devices) -> int | None:
+    """The smallest `memory_stats()["bytes_limit"]` the devices report (None: none reports one, as
+    CPUs)."""
+    limits = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # backends without memory stats raise or return None
+            stats = None
+        if (stats or {}).get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+COMPILED_FLAGS_TO_CHANGE = (
+    "a smaller per_device_batch_size, max_target_length, prefill_chunk_size, prefill_batch_tokens or "
+    "max_prefill_predict_length, quantize_kvcache=true, quantization=int8w"
+)
+
+
+def check_compiled(use: MemoryUse, bytes_limit: int, where: str, programs: Mapping[str, int]) -> None:
+    """`use` with the compiled programs' temporaries (`programs`: name -> temp bytes, the largest
+    counted) against `bytes_limit`: ConfigError naming each figure and what to lower, before any
+    weight is loaded."""
+    from serving.config import ConfigError
+
+    if use.total <= bytes_limit:
+        return
+    gb = 1e9
+    largest = max(programs, key=programs.get)
+    raise ConfigError(
+        f"{where} does not fit: params {use.params / gb:.2f} GB + KV cache {use.kv_cache / gb:.2f} GB + the compiled "
+        f"programs' temporaries {use.temporaries / gb:.2f} GB (the largest: {largest}) = {use.total / gb:.2f} GB per chip "
+        f"exceed its bytes_limit of {bytes_limit / gb:.2f} GB by {(use.total - bytes_limit) / gb:.2f} GB; "
+        f"try {COMPILED_FLAGS_TO_CHANGE}"
+    )
+
+
 def check_devices(cfg: ModelConfig, where: Placement, dtype: str, prefill_tokens: int, slots: int, devices) -> None:
     """Before anything is allocated: the same sum as `deploy plan` against each live device's
     `memory_stats()["bytes_limit"]` (devices that report none, as CPUs, are not checked); a

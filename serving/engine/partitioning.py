@@ -69,7 +69,7 @@ NORM: Logical = ("norm",)
 LAYERS: Logical = ("layers",)
 CACHE_NAMES: tuple[Logical, ...] = (LAYERS, ("cache_batch",), ("cache_sequence",), ("cache_heads",), ("cache_kv",))
 
-DTYPE_BYTES = {"int8": 1, "bfloat16": 2, "float32": 4}
+DTYPE_BYTES = {"int8": 1, "bfloat16": 2, "float32": 4, "int32": 4}
 SCALE_DTYPE = "float32"  # int8 weights' and int8 KV's scales
 
 Path = tuple[str, ...]
@@ -92,10 +92,12 @@ class Numerics:
     # checkpoint stored in int8 says its own (a MaxText int8 checkpoint: the layers' matmuls only).
     int8: tuple[str, ...] | None = None
     kv_quant_axis: str = "dkv"  # an int8 cache's scales per token and head (dkv) or per token
+    pool_layout: str = "tokens"  # how the KV pool is stored (serving.models.cache): the backend's choice
 
     @classmethod
-    def of(cls, config: object, int8: tuple[str, ...] | None = None) -> Numerics:
-        """From a ServingConfig or an EngineConfig (both have these keys)."""
+    def of(cls, config: object, int8: tuple[str, ...] | None = None, pool_layout: str = "tokens") -> Numerics:
+        """From a ServingConfig or an EngineConfig (both have these keys); `pool_layout`: the
+        compute backend's (serving.models.ops.XlaOps.pool_layout)."""
         return cls(
             config.weight_dtype,
             config.dtype,
@@ -105,6 +107,7 @@ class Numerics:
             bool(getattr(config, "replicate_quant_scale", False)),
             int8,
             config.kv_quant_axis,
+            pool_layout,
         )
 
     @property
@@ -290,6 +293,8 @@ def _cache_leaves(
     """[layers, num_pages, page_size, kv_heads, head_dim] keys and values (int8 ones with [..., 1] scales)."""
     spec = splitter.spec(CACHE_NAMES)
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    if numerics.pool_layout == "lanes":
+        return _lanes_leaves(numerics, spec, shape)
     if not numerics.quantize_kvcache:
         return {(n,): Leaf(shape, numerics.dtype, spec, CACHE_NAMES) for n in ("k", "v")}
     out = {(n,): Leaf(shape, "int8", spec, CACHE_NAMES) for n in ("k", "v")}
@@ -298,6 +303,22 @@ def _cache_leaves(
     else:  # one per token and kv head, split as the heads are
         scale_shape, scale_spec = (*shape[:-1], 1), (*spec[:-1], ())
     out.update({(n,): Leaf(scale_shape, SCALE_DTYPE, scale_spec, CACHE_NAMES) for n in ("k_scale", "v_scale")})
+    return out
+
+
+def _lanes_leaves(numerics: Numerics, spec: Spec, shape: tuple[int, ...]) -> dict[Path, Leaf]:
+    """The lanes layout's leaves (serving.models.cache): k, v [layers, pages, page_size,
+    kv_heads * head_dim] split as the heads are (a contiguous piece of the merged axis is whole
+    heads when the heads divide), int8 values four to an int32 lane, scales [layers, pages,
+    page_size * kv_heads (or 1)] split as the positions are, over every head."""
+    width = shape[3] * shape[4]
+    values_spec, names = (*spec[:3], spec[3] + spec[4]), (*CACHE_NAMES[:3], CACHE_NAMES[3] + CACHE_NAMES[4])
+    if not numerics.quantize_kvcache:
+        return {(n,): Leaf((*shape[:3], width), numerics.dtype, values_spec, names) for n in ("k", "v")}
+    out = {(n,): Leaf((*shape[:3], width // 4), "int32", values_spec, names) for n in ("k", "v")}
+    heads = 1 if numerics.kv_quant_axis == "heads_and_dkv" else shape[3]
+    scale = Leaf((*shape[:2], shape[2] * heads), SCALE_DTYPE, (*spec[:2], spec[2]), CACHE_NAMES[:3])
+    out.update({(n,): scale for n in ("k_scale", "v_scale")})
     return out
 
 

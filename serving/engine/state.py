@@ -101,8 +101,10 @@ def slot_sampling(sampling: SamplingParams) -> SlotSampling:
     words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, np.int32)
     for i, word in enumerate(sampling.bad_words):
         words[i, MAX_BAD_WORD_TOKENS - len(word) :] = word
+    with jax.ensure_compile_time_eval():  # host values also while a caller traces (jax.eval_shape)
+        key = np.asarray(jax.random.PRNGKey(sampling.seed))
     return SlotSampling(
-        key=np.asarray(jax.random.PRNGKey(sampling.seed)),
+        key=key,
         temperature=np.float32(sampling.temperature),
         top_k=np.int32(sampling.top_k),
         top_p=np.float32(sampling.top_p),

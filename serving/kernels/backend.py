@@ -18,7 +18,7 @@ from serving.kernels import cpu_attention, cpu_matmul, library, packing
 from serving.kernels.support import weights_unsupported
 from serving.models.cache import KVCache
 from serving.models.config import ModelConfig
-from serving.models.ops import XLA, XlaOps
+from serving.models.ops import TPU_XLA, XLA, XlaOps
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,27 @@ def _running_sums(sizes: list[int]) -> list[int]:
 
 
 def select(
-    cpu_kernels: str, quantization: str, weight_dtype: str, devices: list, pages_per_compute_block: int = 4
+    cpu_kernels: str,
+    quantization: str,
+    weight_dtype: str,
+    devices: list,
+    pages_per_compute_block: int = 4,
+    attention: str = "autoselected",
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
     On TPUs (every device a TPU) decode attention runs JAX's Pallas paged-attention kernel
-    (serving.kernels.tpu_paged), or XLA's where that does not import; `cpu_kernels` names the CPU
-    kernels, so only `on` changes that (it raises there, as on any device but one CPU).
+    (serving.kernels.tpu_paged) with MaxText's `attention=paged` (or XLA's where that does not
+    import), else XLA's, which gathers only the pages of each call's attention window: the kernel
+    copies the layer's whole pool into its layout in every layer of every step, so with a pool
+    sized for every slot's max_target_length it read ~22 ms a token of the 1B shape at batch 1
+    on a v5e (loadtest.tpu_probe), where the gather reads what the live rows hold. `cpu_kernels`
+    names the CPU kernels, so only `on` changes that (it raises there, as on any device but one CPU).
     `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops."""
     if cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices):
+        if attention != "paged":
+            log.info("decode attention gathers each call's window of pages with XLA on %d TPUs", len(devices))
+            return TPU_XLA
         try:
             from serving.kernels.tpu_paged import PallasPagedOps
         except ImportError as error:

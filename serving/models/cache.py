@@ -8,11 +8,26 @@ scratch: no sequence keeps anything in it, unused table entries and rows that mu
 
 Reads gather whole pages ([rows, pages read, page_size, ...] and reshaped to positions), so
 attention code sees a row's positions in order, as a contiguous cache would give them.
+
+Two stored layouts of the same values, chosen by the backend (`init_pool(layout=...)`; every
+function here tells them apart by the arrays' rank):
+- "tokens": k, v [layers, num_pages, page_size, kv_heads, head_dim], scales [..., kv_heads or 1, 1]
+  (what the CPU kernels and JAX's Pallas paged-attention wrapper read).
+- "lanes" (TPU): k, v [layers, num_pages, page_size, kv_heads * head_dim], an int8 cache's values
+  packed four to an int32 lane ([..., kv_heads * head_dim // 4]), scales [layers, num_pages,
+  page_size * kv_heads] (per token: [layers, num_pages, page_size]). A TPU tiles an array's two
+  minor dimensions by (8, 128) (int8: (32, 128)): kv_heads x head_dim = 8 x 64 of the tokens
+  layout padded 2-8x, and XLA relaid the whole pool out (copies of it in and out of every
+  generate call: 4 copies and 2x the pool in temporaries, measured on the 1B shape for a v5e,
+  loadtest.tpu_probe); an int8 pool stored as int8 was copied between (8, 128) and (32, 128)
+  tiles. In this layout, written by one scatter at explicit (layer, page, offset) indices, the
+  generate program has no copy of the pool (tests/test_tpu.py reads its compiled HLO).
+The bytes are the same in both (row-major): only the arrays' shapes and dtype differ.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +36,9 @@ from serving.models.config import ModelConfig
 from serving.models.paging import SCRATCH_PAGE, dedicated_pages, pages_for
 
 __all__ = ["SCRATCH_PAGE", "KVCache", "dedicated_pages", "init_pool", "pages_for"]
+
+Layout = Literal["tokens", "lanes"]
+PACK = 4  # int8 values per int32 lane of the lanes layout
 
 
 class KVCache(NamedTuple):
@@ -42,9 +60,18 @@ class KVCache(NamedTuple):
         return self.k_scale is not None
 
     @property
+    def lanes(self) -> bool:
+        """The pool is stored in the lanes layout (see the module docstring)."""
+        return self.k.ndim == 4
+
+    @property
     def scale_per_head(self) -> bool:
         """An int8 cache's scales are per token and head (dkv), not per token (heads_and_dkv)."""
-        return self.k_scale is not None and (self.k_scale.shape[-2] > 1 or self.k.shape[-2] == 1)
+        if self.k_scale is None:
+            return False
+        if self.lanes:  # [layers, pages, page_size * heads]: per head when heads > 1
+            return self.k_scale.shape[-1] > self.k.shape[2]
+        return self.k_scale.shape[-2] > 1 or self.k.shape[-2] == 1
 
 
 def init_pool(
@@ -54,10 +81,14 @@ def init_pool(
     dtype: jnp.dtype = jnp.float32,
     quantized: bool = False,
     scale_per_head: bool = True,
+    layout: Layout = "tokens",
 ) -> KVCache:
     """A zeroed pool of `num_pages` pages (page 0, scratch, included) of `page_size` positions;
-    int8 with scales per token and head (`scale_per_head`, kv_quant_axis=dkv) or per token."""
+    int8 with scales per token and head (`scale_per_head`, kv_quant_axis=dkv) or per token,
+    stored in `layout` (see the module docstring)."""
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    if layout == "lanes":
+        return _init_lanes(cfg, shape, dtype, quantized, scale_per_head)
     if not quantized:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     scale_shape = (*shape[:-2], cfg.num_kv_heads if scale_per_head else 1, 1)
@@ -67,6 +98,38 @@ def init_pool(
         jnp.zeros(scale_shape, jnp.float32),
         jnp.zeros(scale_shape, jnp.float32),
     )
+
+
+def _init_lanes(cfg: ModelConfig, shape: tuple, dtype, quantized: bool, scale_per_head: bool) -> KVCache:
+    width = cfg.num_kv_heads * cfg.head_dim
+    if not quantized:
+        return KVCache(jnp.zeros((*shape[:3], width), dtype), jnp.zeros((*shape[:3], width), dtype))
+    if width % PACK:
+        raise ValueError(f"an int8 lanes pool packs {PACK} values a lane: kv_heads x head_dim = {width}")
+    values = (*shape[:3], width // PACK)
+    scales = (*shape[:2], shape[2] * (cfg.num_kv_heads if scale_per_head else 1))
+    return KVCache(
+        jnp.zeros(values, jnp.int32),
+        jnp.zeros(values, jnp.int32),
+        jnp.zeros(scales, jnp.float32),
+        jnp.zeros(scales, jnp.float32),
+    )
+
+
+def to_lanes(x: jax.Array, stored: jax.Array) -> jax.Array:
+    """Values x [..., kv_heads, head_dim] as the lanes array `stored` holds them:
+    [..., kv_heads * head_dim], int8 packed PACK to an int32 lane where `stored` is int32."""
+    if stored.dtype == jnp.int32:
+        flat = x.astype(jnp.int8).reshape(*x.shape[:-2], -1, PACK)
+        return jax.lax.bitcast_convert_type(flat, jnp.int32)
+    return x.reshape(*x.shape[:-2], -1).astype(stored.dtype)
+
+
+def from_lanes(x: jax.Array, kv_heads: int) -> jax.Array:
+    """Gathered lanes values [..., width] (int32 lanes of int8, or floats) as [..., kv_heads, head_dim]."""
+    if x.dtype == jnp.int32:
+        x = jax.lax.bitcast_convert_type(x, jnp.int8).reshape(*x.shape[:-1], -1)
+    return x.reshape(*x.shape[:-1], kv_heads, -1)
 
 
 def quantize_kv(x: jax.Array, per_head: bool = True) -> tuple[jax.Array, jax.Array]:
@@ -98,6 +161,36 @@ def _flat(c: jax.Array) -> jax.Array:
     return c.reshape(c.shape[0], c.shape[1] * c.shape[2], *c.shape[3:])
 
 
+def _write(cache: KVCache, pages: jax.Array, positions: jax.Array, values: tuple) -> KVCache:
+    """Write values [layers, batch, n, ...] (as `_stored` gives them) at positions [batch, n] of
+    the rows whose tables are `pages` [batch, max_pages], in every layer."""
+    if cache.lanes:
+        return _write_lanes(cache, pages, positions, values)
+    return _scatter(cache, token_index(pages, positions, cache.k.shape[2]), values)
+
+
+def _write_lanes(cache: KVCache, pages: jax.Array, positions: jax.Array, values: tuple) -> KVCache:
+    """`_write` into a lanes pool: one scatter per array at explicit (layer, page, offset) indices
+    (through a flat [layers, pages * page_size] view XLA relays the pool out on a TPU)."""
+    page_size, max_pages = cache.k.shape[2], pages.shape[1]
+    column = positions // page_size
+    page = jnp.take_along_axis(pages, jnp.clip(column, 0, max_pages - 1), axis=1)
+    page = jnp.where((column >= 0) & (column < max_pages), page, SCRATCH_PAGE)[None]  # [1, batch, n]
+    offset = (positions % page_size)[None]
+    layer = jnp.arange(cache.k.shape[0])[:, None, None]  # [layers, 1, 1]
+    out = []
+    for c, x in zip(cache, values, strict=True):
+        if c is None:
+            out.append(None)
+        elif c.ndim == 4:  # values
+            out.append(c.at[layer, page, offset].set(to_lanes(x, c)))
+        else:  # scales [layers, pages, page_size * heads] of x [..., heads, 1] (heads 1: per token)
+            heads = c.shape[-1] // page_size
+            at = offset[..., None] * heads + jnp.arange(heads)  # [1, batch, n, heads]
+            out.append(c.at[layer[..., None], page[..., None], at].set(x[..., 0].astype(c.dtype)))
+    return KVCache(*out)
+
+
 def _scatter(cache: KVCache, index: jax.Array, values: tuple) -> KVCache:
     """Write values [layers, *index.shape, ...] at flat positions `index` of every layer."""
     out = []
@@ -123,8 +216,7 @@ def store_chunks(cache: KVCache, chunk: KVCache, pages: jax.Array, starts: jax.A
     starts[b] + 0..seq-1 of the rows whose tables are `pages` [batch, max_pages] (a padding row's
     table is all scratch)."""
     seq = chunk.k.shape[2]
-    index = token_index(pages, starts[:, None] + jnp.arange(seq)[None, :], cache.k.shape[2])  # [batch, seq]
-    return _scatter(cache, index, _stored(chunk, cache))
+    return _write(cache, pages, starts[:, None] + jnp.arange(seq)[None, :], _stored(chunk, cache))
 
 
 def store_prefix(cache: KVCache, prefix: KVCache, pages: jax.Array) -> KVCache:
@@ -136,16 +228,17 @@ def store_prefix(cache: KVCache, prefix: KVCache, pages: jax.Array) -> KVCache:
 def write_new_tokens(cache: KVCache, positions: jax.Array, new: KVCache, pages: jax.Array) -> KVCache:
     """Store every layer's new token, new.k/v [layers, batch, kv_heads, head_dim] (as the cache
     holds them), at each row's position through its table `pages` [batch, max_pages]."""
-    index = token_index(pages, positions[:, None], cache.k.shape[2])[:, 0]  # [batch]
-    return _scatter(cache, index, tuple(new))
+    return _write(cache, pages, positions[:, None], tuple(None if x is None else x[:, :, None] for x in new))
 
 
 def read_layer(
-    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, pages: jax.Array
+    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, pages: jax.Array, kv_heads: int
 ) -> tuple[jax.Array, jax.Array]:
     """Layer `index` keys and values [rows, window, kv_heads, head_dim] in the compute dtype, of
     the rows whose tables are `pages` [rows, max_pages]: one gather of whole pages."""
     n = pages_for(window, cache.k.shape[2])
+    if cache.lanes:
+        return _read_lanes(cache, index, dtype, window, pages[:, :n], kv_heads)
 
     def layer(x: jax.Array) -> jax.Array:
         got = x[index, pages[:, :n]]  # [rows, n, page_size, ...]
@@ -154,3 +247,28 @@ def read_layer(
     if not cache.quantized:
         return layer(cache.k), layer(cache.v)
     return layer(cache.k) * layer(cache.k_scale), layer(cache.v) * layer(cache.v_scale)
+
+
+def _read_lanes(
+    cache: KVCache, index, dtype: jnp.dtype, window: int, pages: jax.Array, kv_heads: int
+) -> tuple[jax.Array, jax.Array]:
+    """`read_layer` of a lanes pool: the gathered pages unpacked to [rows, window, kv_heads, head_dim]."""
+    rows = pages.shape[0]
+
+    def positions(x: jax.Array) -> jax.Array:  # [rows, n, page_size, ...] -> [rows, window, ...]
+        got = x[index, pages]
+        return got.reshape(rows, -1, *got.shape[3:])[:, :window]
+
+    def values(x: jax.Array) -> jax.Array:
+        return from_lanes(positions(x), kv_heads).astype(dtype)
+
+    if not cache.quantized:
+        return values(cache.k), values(cache.v)
+
+    def scales(x: jax.Array) -> jax.Array:
+        got = x[index, pages]  # [rows, n, page_size * kv_heads] or [rows, n, page_size]
+        heads = got.shape[-1] // cache.k.shape[2]
+        return got.reshape(rows, -1, heads, 1)[:, :window].astype(dtype)
+
+    return values(cache.k) * scales(cache.k_scale), values(cache.v) * scales(cache.v_scale)
+

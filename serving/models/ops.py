@@ -21,6 +21,15 @@ class XlaOps:
     """Plain JAX: XLA's dots and attention. Stateless; one instance serves every model."""
 
     name = "xla"
+    # How the KV pool is stored (serving.models.cache): "tokens", or "lanes" where the TPU's tiling
+    # of an array's two minor dimensions wants kv_heads x head_dim merged (`TpuXlaOps`).
+    pool_layout = "tokens"
+    # The compiled shapes' ladders: prefill lengths from `min_prefill_bucket`, attention windows
+    # from `min_window`, each the last times `shape_growth` (serving.engine.limits). A CPU pays for
+    # every padded row and little per program; a TPU the other way round (TpuXlaOps).
+    min_prefill_bucket = 16
+    min_window = 128
+    shape_growth = 2
 
     def matmul(self, x: jax.Array, w) -> jax.Array:
         """x [..., in] @ w [in, out], in x's dtype (w float or a QuantizedWeight)."""
@@ -45,7 +54,7 @@ class XlaOps:
         of the page pool (serving.models.cache), row b at its positions [0, positions[b]) (all below
         `window`) through its block table pages[b] ([batch, max_pages]), then the token's own
         k_new, v_new [batch, kv_heads, head_dim]. Returns [batch, 1, kv_heads, groups, head_dim]."""
-        keys, values = read_layer(cache, layer, q.dtype, window, pages)
+        keys, values = read_layer(cache, layer, q.dtype, window, pages, q.shape[2])
         earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
         return attention_with_new_token(q, keys, values, earlier, k_new, v_new)
 
@@ -72,7 +81,7 @@ class XlaOps:
         its row's true length, lengths[b] [batch], and may skip the rest (a chunk's padding),
         returning zeros there instead of this method's values: callers read only the positions
         below each row's length. Returns [batch, seq, kv_heads, groups, head_dim]."""
-        old_k, old_v = read_layer(cache, layer, q.dtype, window, pages)
+        old_k, old_v = read_layer(cache, layer, q.dtype, window, pages, q.shape[2])
         keys = jnp.concatenate([old_k, k_new.astype(q.dtype)], axis=1)
         values = jnp.concatenate([old_v, v_new.astype(q.dtype)], axis=1)
         return attention(q, keys, values, mask)
@@ -110,4 +119,21 @@ class XlaOps:
         return "XLA's dots and attention"
 
 
+class TpuXlaOps(XlaOps):
+    """XLA's ops on TPUs, over a KV pool in the lanes layout (serving.models.cache): its decode
+    attention gathers each call's window of pages, and no program relays the pool out."""
+
+    name = "xla-tpu"
+    pool_layout = "lanes"
+    # Few programs, each compiled for a v5e in 3-7 s (one per shape, before ready), at shapes the
+    # MXU takes whole (128 rows); padding a prompt to 4x costs far less than a program.
+    min_prefill_bucket = 128
+    min_window = 512
+    shape_growth = 4
+
+    def describe(self) -> str:
+        return "XLA's dots and attention over a lanes-layout page pool (TPU)"
+
+
 XLA = XlaOps()
+TPU_XLA = TpuXlaOps()

@@ -18,9 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serving.config import ServingConfig, config_dir, is_maxtext_file, load_config, parse_overrides, read_yaml
+from serving.config import (
+    ConfigError,
+    ServingConfig,
+    config_dir,
+    is_maxtext_file,
+    load_config,
+    parse_overrides,
+    read_yaml,
+)
+from serving.startup.platform import detect_platform
 
 PROFILE = Path("serving") / "default.yml"  # under config_dir()
+# Each platform's keys over PROFILE's (serving.startup.platform): measured where they apply.
+PLATFORM_PROFILES = {"tpu": Path("serving") / "tpu.yml"}
 DEFAULT_MODEL_ONLY = ("quantization",)  # keys of the profile that only the default model takes
 
 # Where a key's value came from, as the ready line says it.
@@ -43,9 +54,13 @@ class Given:
         return self.origins.get(key, FROM_DEFAULT)
 
 
-def serving_profile(default_model: bool) -> dict[str, Any]:
-    """The profile's keys for the default model, or for any other model (without DEFAULT_MODEL_ONLY)."""
+def serving_profile(default_model: bool, platform: str | None = None) -> dict[str, Any]:
+    """The profile's keys for the default model, or for any other model (without DEFAULT_MODEL_ONLY),
+    on `platform` (default: the one detected): PROFILE's, with the platform's file over them."""
     profile = dict(read_yaml(config_dir() / PROFILE))
+    platform = platform or detect_platform()
+    if platform in PLATFORM_PROFILES:
+        profile.update(read_yaml(config_dir() / PLATFORM_PROFILES[platform]))
     return profile if default_model else {k: v for k, v in profile.items() if k not in DEFAULT_MODEL_ONLY}
 
 
@@ -65,7 +80,11 @@ def given_config(
     layers: list[tuple[str, Mapping[str, Any]]] = []
     if not maxtext:
         default_model = not (source or given.get("load_parameters_path"))
-        layers.append((FROM_PROFILE, serving_profile(default_model)))
+        try:
+            platform = detect_platform()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        layers.append((FROM_PROFILE, serving_profile(default_model, platform)))
     layers += [(FROM_COMMAND, command_defaults or {}), (FROM_ENV, env_defaults or {})]
     origins = {key: origin for origin, values in layers for key in values}
     origins.update(dict.fromkeys(file_keys, str(config_file)))

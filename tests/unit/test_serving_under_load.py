@@ -5,7 +5,6 @@ the mock's hand-computable ones whatever the plans."""
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 import pytest
@@ -66,31 +65,45 @@ def test_sixteen_mixed_requests_together_get_the_same_tokens_whatever_the_prefil
     assert (orch.metrics.prefix_cache_hits > 0) == (cache == "on")
 
 
+def _generate_slots(engine: MockEngine) -> list[int]:
+    return [call[2] for call in engine.calls if call[0] == "generate"]
+
+
+def _await_generate(engine: MockEngine, num_slots: int, timeout: float = 20.0) -> None:
+    """Until the engine has run a generate call of `num_slots` rows (the device loop's progress,
+    not the clock, decides when the test goes on)."""
+    deadline = time.monotonic() + timeout
+    while num_slots not in _generate_slots(engine):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no generate call of {num_slots} rows: {_generate_slots(engine)}")
+        time.sleep(0.002)
+
+
 def test_decode_buckets_switch_as_requests_come_and_go_without_losing_or_reordering_a_token():
-    orch = _orchestrator("off", slots=8, step_seconds=0.004, prefill_chunk_size=16).start()
-    prompts = [[(5 * i + j) % 95 for j in range(1 + 9 * i)] for i in range(12)]
-    samplings = [SamplingParams(max_tokens=4 + (7 * i) % 23) for i in range(12)]
-    streamed: list = [None] * 12
-
-    def client(i: int) -> None:
-        time.sleep(0.015 * i)  # arrivals spread over the others' decoding
-        handle = orch.submit(prompts[i], samplings[i])
-        streamed[i] = [t for delta in handle.stream() for t in delta.token_ids]
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    """Arrivals in three waves, each sent once the device loop decodes the one before (1 slot, then
+    3 in the bucket of 4, then 7 in the bucket of 8), the last wave short: the buckets grow 1, 4, 8
+    and shrink again as requests finish. Each wave waits on the engine's calls, never on a clock
+    (the clock's version saw buckets {1, 2} once on a loaded 2-core machine)."""
+    orch = _orchestrator("off", slots=8, step_seconds=0.002, prefill_chunk_size=16).start()
+    engine = orch.engine
+    assert engine.limits.decode_slots(3) == 4 and engine.limits.decode_slots(7) == 8
+    prompts = [[(5 * i + j) % 95 for j in range(1 + 9 * i)] for i in range(7)]
+    samplings = [SamplingParams(max_tokens=n) for n in (200, 120, 120, 6, 9, 12, 15)]
+    waves = [((0,), 1), ((1, 2), 4), ((3, 4, 5, 6), 8)]  # (requests, the bucket their wave decodes in)
+    handles = {}
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+        for wave, bucket in waves:
+            handles.update({i: orch.submit(prompts[i], samplings[i]) for i in wave})
+            _await_generate(engine, bucket)
+        streamed = {i: h.result().token_ids for i, h in handles.items()}
     finally:
         orch.stop(timeout=10)
-    engine = orch.engine
-    for prompt, sampling, tokens in zip(prompts, samplings, streamed, strict=True):
-        assert tokens == engine.expected(prompt, sampling)
-    num_slots = [call[2] for call in engine.calls if call[0] == "generate"]
-    assert len(set(num_slots)) >= 3 and set(num_slots) <= set(engine.limits.decode_buckets)
-    assert any(a > b for a, b in itertools.pairwise(num_slots))  # it shrank again too
+    for i, tokens in streamed.items():
+        assert tokens == engine.expected(prompts[i], samplings[i])
+    num_slots = _generate_slots(engine)
+    assert {1, 4, 8} <= set(num_slots) <= set(engine.limits.decode_buckets)
+    after = num_slots[num_slots.index(8) :]
+    assert any(a > b for a, b in itertools.pairwise(after))  # it shrank again once the short ones ended
 
 
 def test_a_shared_prefix_is_loaded_from_the_cache_and_counted_in_metrics():

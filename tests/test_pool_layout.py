@@ -1,0 +1,75 @@
+"""The KV pool's two stored layouts (serving.models.cache): "tokens" (the CPU kernels' and the Pallas
+wrapper's) and "lanes" (TPU: kv_heads x head_dim merged, int8 packed four to an int32 lane). The
+same requests give the same greedy and seeded tokens on either, through chunked prefill, the prefix
+cache, decode and an int8 cache with either scale layout; lanes round-trips its values."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.checkpoints.model_source import load_model
+from serving.config import ServingConfig
+from serving.engine import engine as engine_module
+from serving.engine.engine import Engine
+from serving.models.cache import from_lanes, init_pool, quantize_kv, read_layer, store_chunks, to_lanes
+from serving.models.ops import TPU_XLA, XLA
+from serving.orchestrator.offline import run_to_completion
+from serving.request import SamplingParams
+
+
+def _tokens(model, cfg: ServingConfig, ops, monkeypatch) -> list[list[int]]:
+    monkeypatch.setattr(engine_module.backend, "select", lambda *args, **kwargs: ops)
+    engine = Engine(model, cfg.engine)
+    assert engine.ops is ops and engine.init_decode_state().cache.lanes == (ops is TPU_XLA)
+    params = engine.load_params()
+    lengths = [3, 40, 100, 7, 70, 100]  # chunks of 32, prompts sharing their first pages
+    requests = [
+        (list(range(5, 5 + n)), SamplingParams(max_tokens=12, seed=i, temperature=0.0 if i % 2 else 1.0))
+        for i, n in enumerate(lengths)
+    ]
+    return [r.token_ids for r in run_to_completion(engine, params, requests, prefix_caching=True)]
+
+
+@pytest.mark.parametrize("kv", ["float", "dkv", "heads_and_dkv"])
+def test_lanes_pool_serves_the_tokens_of_the_tokens_pool(tiny_model_dir, kv, monkeypatch):
+    cfg = ServingConfig(
+        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
+        prefix_block_size=16, cpu_kernels="off", quantize_kvcache=kv != "float",
+        kv_quant_axis="heads_and_dkv" if kv == "heads_and_dkv" else "dkv",
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    tokens = _tokens(model, cfg, XLA, monkeypatch)
+    assert _tokens(model, cfg, TPU_XLA, monkeypatch) == tokens
+    assert all(len(t) == 12 for t in tokens)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lanes_pool_reads_what_was_written(tiny_cfg, quantized):
+    """Chunks written at shuffled pages read back as the tokens layout holds them."""
+    rng = np.random.default_rng(0)
+    kv_heads, head_dim, page_size = tiny_cfg.num_kv_heads, tiny_cfg.head_dim, 8
+    chunk = rng.standard_normal((tiny_cfg.num_layers, 2, 16, kv_heads, head_dim)).astype(np.float32)
+    pages = jnp.asarray([[3, 1, 0, 0], [2, 4, 0, 0]], jnp.int32)
+    starts = jnp.asarray([0, 0], jnp.int32)
+    from serving.models.cache import KVCache
+
+    kv = KVCache(jnp.asarray(chunk), jnp.asarray(-chunk))
+    read = {}
+    for layout in ("tokens", "lanes"):
+        pool = init_pool(tiny_cfg, 5, page_size, jnp.float32, quantized=quantized, layout=layout)
+        pool = store_chunks(pool, kv, pages, starts)
+        assert pool.lanes == (layout == "lanes")
+        read[layout] = [np.asarray(x) for x in read_layer(pool, 1, jnp.float32, 16, pages, kv_heads)]
+    for tokens, lanes in zip(read["tokens"], read["lanes"], strict=True):
+        np.testing.assert_array_equal(tokens, lanes)
+    if not quantized:
+        np.testing.assert_array_equal(read["lanes"][0], chunk[1])
+
+
+def test_int8_lanes_pack_four_values_a_lane():
+    values, _ = quantize_kv(jnp.asarray(np.random.default_rng(1).standard_normal((3, 2, 8)), jnp.float32))
+    packed = to_lanes(values, jnp.zeros((1,), jnp.int32))
+    assert packed.shape == (3, 4) and packed.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(from_lanes(packed, 2)), np.asarray(values))
