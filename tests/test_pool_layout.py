@@ -73,3 +73,31 @@ def test_int8_lanes_pack_four_values_a_lane():
     packed = to_lanes(values, jnp.zeros((1,), jnp.int32))
     assert packed.shape == (3, 4) and packed.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(from_lanes(packed, 2)), np.asarray(values))
+
+
+def test_warmup_compiles_in_parallel_and_runs_what_it_compiled(tiny_model_dir, monkeypatch):
+    """On a lanes pool (TPU), warmup first compiles every chunk and generate shape on threads; the
+    generate calls then run those executables, with the tokens of a warmup without them."""
+    from serving.engine import warmup
+
+    cfg = ServingConfig(
+        per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
+        cpu_kernels="off", enable_background_warmup=False,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    monkeypatch.setattr(engine_module.backend, "select", lambda *args, **kwargs: TPU_XLA)
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
+    engine = Engine(model, cfg.engine)
+    params = engine.load_params()
+    assert warmup.parallel_workers(engine) == 2
+    engine.warmup(params)
+    generate = {(rows, window) for rows in engine.limits.decode_buckets for window in engine.windows}
+    assert {(rows, window) for rows, window, _steps in engine._generate_compiled} == generate
+    assert len(engine._precompiled) == len(warmup.chunk_shapes(engine))
+    requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=8)) for n in (3, 50)]
+    warmed = [r.token_ids for r in run_to_completion(engine, params, requests)]
+    monkeypatch.setattr(warmup, "parallel_workers", lambda engine: 0)
+    cold = Engine(model, cfg.engine)
+    cold_params = cold.load_params()
+    assert not cold._generate_compiled
+    assert [r.token_ids for r in run_to_completion(cold, cold_params, requests)] == warmed

@@ -72,16 +72,28 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def grpc_socket(uds: str) -> str:
+    """The gRPC address beside an HTTP unix socket `uds`: `unix:` + uds + ".grpc"."""
+    return f"unix:{uds}.grpc"
+
+
 def serve(
-    cfg: ServingConfig, source: str | None, host: str, port: int, origins: Mapping[str, str] | None = None
+    cfg: ServingConfig,
+    source: str | None,
+    host: str,
+    port: int,
+    origins: Mapping[str, str] | None = None,
+    uds: str | None = None,
 ) -> int:
     """Serve until SIGTERM; returns the process exit status (2 when the model cannot be loaded).
-    `origins`: where each key of `cfg` came from (serving.launch.launch)."""
+    `origins`: where each key of `cfg` came from (serving.launch.launch). `uds`: listen on this
+    unix socket instead of host:port (a sidecar's or a gateway's; a TPU VM without TCP), gRPC on
+    `grpc_socket(uds)` unless grpc_port=0."""
     state = ServerState(config=cfg.server, api_key=cfg.api_key or os.environ.get(API_KEY_ENV, ""))
+    where = dict(uds=uds) if uds else dict(host=host, port=port)
     config = uvicorn.Config(
         create_app(state),
-        host=host,
-        port=port,
+        **where,
         log_level="warning",
         timeout_graceful_shutdown=5,
         # The API answers 429 from its own queue; keep uvicorn from refusing connections first.
@@ -89,12 +101,13 @@ def serve(
     )
     server = _Server(config, state)
     try:
-        grpc_server = _start_grpc(state, host, port)
+        grpc_server = _start_grpc(state, host, port, grpc_socket(uds) if uds else None)
     except UserError as exc:
         print(f"pathserve serve: error: {exc}", file=sys.stderr)
         return 2
     loader = threading.Thread(target=_load, args=(cfg, state, server, source, origins), name="loader", daemon=True)
-    _say(f"listening on http://{host}:{port} (loading the model; /readyz says when to send requests)")
+    url = f"http+unix://{uds}" if uds else f"http://{host}:{port}"
+    _say(f"listening on {url} (loading the model; /readyz says when to send requests)")
     loader.start()
     server.run()
     if grpc_server is not None:
@@ -109,16 +122,17 @@ def serve(
     return 0
 
 
-def _start_grpc(state: ServerState, host: str, http_port: int):
-    """JetStream's gRPC API on grpc_port (None when grpc_port=0); raises UserError if it cannot bind."""
+def _start_grpc(state: ServerState, host: str, http_port: int, address: str | None = None):
+    """JetStream's gRPC API on grpc_port, or on `address` (a `unix:` one beside --uds); None when
+    grpc_port=0; raises UserError if it cannot bind."""
     port = state.config.grpc_port
     if port == 0:
         return None
-    if port == http_port:
+    if port == http_port and address is None:
         raise ConfigError(f"grpc_port={port} is also the HTTP --port; give them different ports")
     from serving.grpc.server import GrpcServer
 
-    grpc_server = GrpcServer(state, host, port).start()
+    grpc_server = GrpcServer(state, host, port, address).start()
     _say(f"gRPC (jetstream_proto.Orchestrator) on {grpc_server.address}")
     return grpc_server
 

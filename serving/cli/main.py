@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument(
+        "--uds",
+        metavar="PATH",
+        help="listen on this unix socket instead of --host/--port (gRPC on PATH.grpc unless grpc_port=0), "
+        "as sidecars and gateways connect, and on a TPU VM without TCP",
+    )
     serve.set_defaults(handler=cmd_serve)
 
     batch = commands.add_parser(
@@ -373,7 +379,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     given, source = _given(ns)
     if not _is_leader(given.config):
         return _follow(ns.command, given, source)
-    return serve(given.config, source, ns.host, ns.port, given.origins)
+    return serve(given.config, source, ns.host, ns.port, given.origins, uds=ns.uds)
 
 
 def cmd_batch(ns: argparse.Namespace) -> int:

@@ -192,6 +192,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             static_argnames=("window", "steps"),
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
+        self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
         self.history_windows = attention_windows(  # what a chunk may read
             config.max_target_length, self.ops.min_window, self.ops.shape_growth
         )
@@ -330,7 +331,19 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             masks, steps = jnp.asarray(masks, jnp.int32), 1
         rows = self.call_rows(num_slots, slots)
         window = self.window_for(max_position, steps)
+        compiled = self._generate_compiled.get((rows.shape[0], window, steps)) if masks is None else None
+        if compiled is not None:
+            return compiled(params, decode_state, None, rows)
         return self._generate_fn(params, decode_state, masks, rows, window=window, steps=steps)
+
+    def precompile_generate(self, params, state_spec: DecodeState, num_slots: int, window: int) -> None:
+        """Compile, ahead of time and from any thread, generate of `num_slots` rows over `window`
+        positions (no masks; a decode state shaped and placed as `state_spec`): later calls of that
+        shape run it (serving.engine.warmup compiles them in parallel)."""
+        rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
+        steps = self.config.decode_steps_per_call
+        lowered = self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps)
+        self._generate_compiled.setdefault((num_slots, window, steps), lowered.compile())
 
     def call_rows(self, num_slots: int | None, slots: Sequence[int] | None) -> jax.Array:
         """int32 [bucket]: the slots a decode call computes: `slots` (distinct, as many as a bucket

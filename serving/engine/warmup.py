@@ -40,6 +40,7 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     limits = engine.limits
     state = engine.init_decode_state()
     probe = SamplingParams(max_tokens=1)
+    compiled = precompile_parallel(engine, params, state, generate, parallel_workers(engine))
     for bucket in limits.buckets:
         prefix, _ = engine.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
         state = engine.insert(prefix, state, 0)
@@ -79,15 +80,72 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     seconds = time.perf_counter() - start
     log.info(
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
-        "(%d slot buckets x %d windows) in %.1f s",
+        "(%d slot buckets x %d windows; %d of them compiled in parallel first) in %.1f s",
         len(limits.buckets),
         shapes,
         len(limits.decode_buckets) * len(engine.windows),
         len(limits.decode_buckets),
         len(engine.windows),
+        compiled,
         seconds,
     )
     return seconds, background
+
+
+def parallel_workers(engine: Engine) -> int:
+    """Threads that compile warmup's shapes at once: a TPU host's cores (each program compiles on
+    the host while the chip idles; a v5e host has 13), none on a CPU, whose cores run the programs."""
+    if engine.ops.pool_layout != "lanes":
+        return 0
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
+    """(rows, length, start) of every prefill_slots call warmup runs: fresh prompts of each length
+    up to a chunk, and full chunks after each history window."""
+    limits, chunk = engine.limits, engine.limits.prefill_chunk_size
+
+    def fits(rows: int, length: int) -> bool:
+        return rows == 1 or rows * length <= limits.prefill_batch_tokens
+
+    shapes = [
+        (rows, length, 0)
+        for length in limits.buckets
+        if length <= chunk
+        for rows in engine.row_buckets
+        if fits(rows, length)
+    ]
+    for window in engine.history_windows:
+        at = min(window, limits.max_target_length - chunk)
+        if at > 0 and engine.history_window(at) == window:
+            shapes += [(rows, chunk, at) for rows in engine.row_buckets if fits(rows, chunk)]
+    return shapes
+
+
+def precompile_parallel(engine: Engine, params: dict, state, generate: bool, workers: int) -> int:
+    """Compile every chunk shape and (with `generate`) every generate shape on `workers` threads
+    (lowered and compiled there; XLA compiles release the GIL), so that warmup's runs of them find
+    them compiled. Returns how many (0 with no workers)."""
+    if workers < 1:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    probe = SamplingParams(max_tokens=1)
+    jobs = [
+        (engine.precompile_prefill_slots, (params, spec, [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]))
+        for rows, length, at in chunk_shapes(engine)
+    ]
+    if generate:
+        jobs += [
+            (engine.precompile_generate, (params, spec, num_slots, window))
+            for num_slots in engine.limits.decode_buckets
+            for window in engine.windows
+        ]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmup-compile") as pool:
+        for future in [pool.submit(fn, *args) for fn, args in jobs]:
+            future.result()
+    return len(jobs)
 
 
 def _warm_generate(engine: Engine, params: dict, state):

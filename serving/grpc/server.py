@@ -30,11 +30,12 @@ OPTIONS = [
 
 
 class GrpcServer:
-    """`start()` binds `host:port` (or raises UserError) and serves until `stop()`."""
+    """`start()` binds `host:port`, or a `unix:PATH` address (or raises UserError), and serves until
+    `stop()`."""
 
-    def __init__(self, state: ServerState, host: str, port: int):
+    def __init__(self, state: ServerState, host: str, port: int, address: str | None = None):
         self.state = state
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address = address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.port = port  # the bound port once started (differs when `port` is 0)
         self._bound = threading.Event()
         self._error: str = ""

@@ -1,0 +1,175 @@
+"""Where a served token's time goes on an accelerator: the engine alone against the offline driver
+(the device loop's scheduler and executor, run synchronously) on the same engine, with the host's
+time split by function (cProfile) and the device's by op (a jax.profiler trace, perfetto JSON).
+
+    python -m loadtest.tpu_probe MODEL_DIR OUT_DIR [key=value ...]
+
+Writes OUT_DIR/probe.json (rates, per-call timings), OUT_DIR/host-profile-b{N}.txt (cProfile's
+top functions of the offline run) and OUT_DIR/trace-b{N}/ (the device trace of a few steps). Not a
+test: a diagnostic for the chip (issue 64's "where the 30 ms a token went").
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+
+def _bring_up(model: str, overrides: list[str]):
+    from serving.launch import bring_up
+    from serving.startup.profile import given_config
+
+    given = given_config(None, overrides, model)
+    _plan, loaded, engine, params, _warmup, _prefill = bring_up(given.config, model, given.origins)
+    return engine, params, loaded.tokenizer
+
+
+def engine_alone(engine, params, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
+    """Decode tokens/s with `batch` slots busy, generate called back to back (no host read but the
+    valid counts), as loadtest.engine_bench measures it."""
+    import jax
+    import numpy as np
+
+    from serving.request import SamplingParams
+
+    state = engine.init_decode_state()
+    for slot in range(batch):
+        prefix, _ = engine.prefill(
+            params, engine.limits.pad(prompt_ids), len(prompt_ids), SamplingParams(max_tokens=new_tokens + 1, seed=slot)
+        )
+        state = engine.insert(prefix, state, slot)
+    jax.block_until_ready(state)
+    rows = next(b for b in engine.limits.decode_buckets if b >= batch)
+    produced, start = 0, time.perf_counter()
+    while produced < batch * new_tokens:
+        state, result = engine.generate(
+            params, state, max_position=len(prompt_ids) + produced // batch, slots=list(range(rows))
+        )
+        produced += int(np.asarray(result.valid).sum())
+    return produced / (time.perf_counter() - start)
+
+
+def offline(engine, params, executor, prompt_ids, batch, new_tokens) -> float:
+    from serving.orchestrator.offline import run_to_completion
+    from serving.request import SamplingParams
+
+    requests = [(list(prompt_ids), SamplingParams(max_tokens=new_tokens, seed=i)) for i in range(batch)]
+    start = time.perf_counter()
+    done = run_to_completion(engine, params, requests, executor=executor)
+    return sum(len(r.token_ids) for r in done) / (time.perf_counter() - start)
+
+
+def compiled_generate(engine, params, batch: int, window: int | None = None):
+    """The generate program of `batch` rows (its bucket) at `window`, compiled: (memory analysis
+    dict, how many copies in its HLO write a buffer of the KV pool's shape)."""
+    import jax
+
+    state = engine.init_decode_state()
+    rows = engine.call_rows(next(b for b in engine.limits.decode_buckets if b >= batch), None)
+    window = window or engine.windows[-1]
+    compiled = engine._generate_fn.lower(
+        params, state, None, rows, window=window, steps=engine.decode_steps_per_call
+    ).compile()
+    pool = ",".join(str(d) for d in state.cache.k.shape)
+    text = compiled.as_text()
+    copies = sum(1 for line in text.splitlines() if " copy(" in line and f"[{pool}]" in line.split(" copy(")[0])
+    mem = compiled.memory_analysis()
+    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+    del state
+    jax.clear_caches()
+    return {f: getattr(mem, f, None) for f in fields}, copies
+
+
+def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path) -> None:
+    """Each config (key=value overrides, space-separated) on one loaded model: the engine alone at
+    each batch, its generate program's temporaries and pool-sized copies."""
+    import gc
+
+    from serving.checkpoints.model_source import load_model
+    from serving.engine.engine import Engine
+    from serving.startup.profile import given_config
+
+    base = given_config(None, configs[0].split(), model).config
+    loaded = load_model(model, base)
+    prompt_ids = loaded.tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.") * 4
+    results = []
+    for overrides in configs:
+        cfg = given_config(None, overrides.split(), model).config
+        started = time.perf_counter()
+        engine = Engine(loaded, cfg.engine)
+        params = engine.load_params()
+        row = {"overrides": overrides, "backend": engine.ops.name, "slots": engine.max_concurrent_decodes}
+        try:
+            row["memory"], row["pool_copies"] = compiled_generate(engine, params, max(batches))
+            for batch in batches:
+                engine_alone(engine, params, prompt_ids, batch, 8)  # compile
+                row[f"b{batch}_tok_s"] = engine_alone(engine, params, prompt_ids, batch, new_tokens)
+        except Exception as exc:  # one config's failure (out of memory, say) is a result too
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        row["seconds"] = time.perf_counter() - started
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        results.append(row)
+        del engine, params
+        gc.collect()
+    (out / "sweep.json").write_text(json.dumps(results, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--sweep", action="append", default=[], help="a config (overrides) to sweep")
+    parser.add_argument("overrides", nargs="*")
+    ns = parser.parse_intermixed_args(argv)
+    if ns.sweep:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        sweep(ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out)
+        return 0
+    import jax
+
+    from serving.orchestrator.executor import Executor
+
+    ns.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    engine, params, tokenizer = _bring_up(ns.model, ns.overrides)
+    report = {"bring_up_s": time.perf_counter() - started, "config": {k: str(v) for k, v in vars(engine.config).items()}, "points": []}
+    print("bring-up", report["bring_up_s"], engine.summary(), file=sys.stderr, flush=True)
+    prompt_ids = tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.") * 4
+    executor = Executor(engine, params)
+    for batch in (int(b) for b in ns.batches.split(",")):
+        point = {"batch": batch}
+        t = time.perf_counter()
+        engine_alone(engine, params, prompt_ids, batch, 16)  # compile
+        offline(engine, params, executor, prompt_ids, batch, ns.new_tokens)
+        point["compile_s"] = time.perf_counter() - t
+        point["engine_tok_s"] = engine_alone(engine, params, prompt_ids, batch, ns.new_tokens)
+        point["offline_tok_s"] = offline(engine, params, executor, prompt_ids, batch, ns.new_tokens)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        point["offline_profiled_tok_s"] = offline(engine, params, executor, prompt_ids, batch, ns.new_tokens)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        (ns.out / f"host-profile-b{batch}.txt").write_text(text.getvalue())
+        trace_dir = ns.out / f"trace-b{batch}"
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            offline(engine, params, executor, prompt_ids, batch, 16)
+        point["ratio"] = point["offline_tok_s"] / point["engine_tok_s"]
+        report["points"].append(point)
+        print(json.dumps(point), file=sys.stderr, flush=True)
+    (ns.out / "probe.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
