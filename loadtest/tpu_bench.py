@@ -2,7 +2,8 @@
 (a TPU VM has no TCP). For a model directory (random weights of a shape: loadtest.random_model):
 
 1. `pathserve serve MODEL --uds SOCK` with no other argument (the platform's serving profile):
-   seconds until /readyz says ready (a cold or warm compilation cache, as found);
+   seconds until /readyz says ready (a cold or warm compilation cache, as found), and until the
+   background warmup is done (the measurement waits for it: a request would compile a shape);
 2. HTTP over the socket: `concurrency` clients at once, each streaming-free completions of
    `max_tokens` tokens with ignore_eos, output tokens/s;
 3. the server stopped, the engine alone (generate back to back) and the offline driver (the device
@@ -42,16 +43,20 @@ def start_server(model: str, uds: str, overrides: list[str], log: Path) -> subpr
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_ready(server: subprocess.Popen, uds: str, timeout: float) -> float:
-    """Seconds from now until /readyz answers 200; RuntimeError if the server exits or times out."""
-    started = time.perf_counter()
+def wait_ready(server: subprocess.Popen, uds: str, timeout: float) -> tuple[float, float]:
+    """(seconds from now until /readyz answers 200, until the background warmup has no shape left
+    either: a request that comes before compiles its shape); RuntimeError if the server exits or
+    the time runs out."""
+    started, ready = time.perf_counter(), None
     client = httpx.Client(transport=httpx.HTTPTransport(uds=uds), base_url="http://pathserve")
     while time.perf_counter() - started < timeout:
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with {server.returncode}")
         try:
-            if client.get("/readyz", timeout=5).status_code == 200:
-                return time.perf_counter() - started
+            if ready is None and client.get("/readyz", timeout=5).status_code == 200:
+                ready = time.perf_counter() - started
+            if ready is not None and "pathserve_warmup_shapes_pending 0.0" in client.get("/metrics", timeout=5).text:
+                return ready, time.perf_counter() - started
         except httpx.TransportError:
             pass
         time.sleep(0.2)
@@ -128,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"model": ns.model, "overrides": ns.overrides, "max_tokens": ns.max_tokens, "http": {}}
     server = start_server(ns.model, uds, ns.overrides, ns.out / "serve.log")
     try:
-        report["ready_s"] = wait_ready(server, uds, ns.ready_timeout)
-        print(f"ready in {report['ready_s']:.1f} s", file=sys.stderr, flush=True)
+        report["ready_s"], report["warmed_s"] = wait_ready(server, uds, ns.ready_timeout)
+        print(f"ready in {report['ready_s']:.1f} s, warmed in {report['warmed_s']:.1f} s", file=sys.stderr, flush=True)
         _write(ns.out, report)
         for batch in batches:
             point = asyncio.run(http_rate(uds, batch, 2 * batch, ns.max_tokens))

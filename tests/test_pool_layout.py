@@ -76,13 +76,14 @@ def test_int8_lanes_pack_four_values_a_lane():
 
 
 def test_warmup_compiles_in_parallel_and_runs_what_it_compiled(tiny_model_dir, monkeypatch):
-    """On a lanes pool (TPU), warmup first compiles every chunk and generate shape on threads; the
-    generate calls then run those executables, with the tokens of a warmup without them."""
+    """On a lanes pool (TPU), warmup first compiles every chunk, prefix-hit rest and generate shape
+    on threads (nothing left for the background, so no request compiles); the generate calls then
+    run those executables, with the tokens of a warmup without them."""
     from serving.engine import warmup
 
-    cfg = ServingConfig(
-        per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
-        cpu_kernels="off", enable_background_warmup=False,
+    cfg = ServingConfig(  # the TPU ladders: prefill buckets 128 and 256, windows 512 and 1024
+        per_device_batch_size=2, max_prefill_predict_length=256, max_target_length=1024, prefill_chunk_size=256,
+        max_prefill_batch=1, cpu_kernels="off",
     )
     model = load_model(str(tiny_model_dir), cfg)
     monkeypatch.setattr(engine_module.backend, "select", lambda *args, **kwargs: TPU_XLA)
@@ -93,8 +94,10 @@ def test_warmup_compiles_in_parallel_and_runs_what_it_compiled(tiny_model_dir, m
     engine.warmup(params)
     generate = {(rows, window) for rows in engine.limits.decode_buckets for window in engine.windows}
     assert {(rows, window) for rows, window, _steps in engine._generate_compiled} == generate
-    assert len(engine._precompiled) == len(warmup.chunk_shapes(engine))
-    requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=8)) for n in (3, 50)]
+    rest = [r for r in warmup.rest_shapes(engine) if warmup.rest_start(engine, r[1], r[2]) is not None]
+    assert rest and len(engine._precompiled) == len(warmup.chunk_shapes(engine)) + len(rest)
+    assert engine.background_warmup is None or engine.background_warmup.pending == 0
+    requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=8)) for n in (3, 300)]
     warmed = [r.token_ids for r in run_to_completion(engine, params, requests)]
     monkeypatch.setattr(warmup, "parallel_workers", lambda engine: 0)
     cold = Engine(model, cfg.engine)

@@ -40,7 +40,11 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     limits = engine.limits
     state = engine.init_decode_state()
     probe = SamplingParams(max_tokens=1)
-    compiled = precompile_parallel(engine, params, state, generate, parallel_workers(engine))
+    rest = rest_shapes(engine)
+    workers = parallel_workers(engine)
+    compiled = precompile_parallel(engine, params, state, generate, workers, rest)
+    if workers:  # compiled with the rest: nothing is left for the background
+        rest = []
     for bucket in limits.buckets:
         prefix, _ = engine.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
         state = engine.insert(prefix, state, 0)
@@ -68,14 +72,6 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
         state = _warm_generate(engine, params, state)
         state = engine.warm_verify(params, state)  # speculative decoding's verify calls, when it runs
     jax.block_until_ready(state)
-    rest = [  # the shortest rests first: a prefix hit's is usually a short question
-        (rows, length, window)
-        for length in limits.buckets
-        if length < chunk
-        for window in engine.history_windows
-        for rows in engine.row_buckets
-        if fits(rows, length)
-    ]
     background = start_background(engine, params, state, rest)
     seconds = time.perf_counter() - start
     log.info(
@@ -90,6 +86,30 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
         seconds,
     )
     return seconds, background
+
+
+def rest_shapes(engine: Engine) -> list[tuple[int, int, int]]:
+    """(rows, length, history window) of the partial chunks after cached positions (a prefix hit's
+    rest, a long prompt's last chunk), the shortest first: a prefix hit's is usually a short question."""
+    limits = engine.limits
+
+    def fits(rows: int, length: int) -> bool:
+        return rows == 1 or rows * length <= limits.prefill_batch_tokens
+
+    return [
+        (rows, length, window)
+        for length in limits.buckets
+        if length < limits.prefill_chunk_size
+        for window in engine.history_windows
+        for rows in engine.row_buckets
+        if fits(rows, length)
+    ]
+
+
+def rest_start(engine: Engine, length: int, window: int) -> int | None:
+    """Where a rest of `length` tokens reading `window` cached positions starts (None: no such call)."""
+    at = min(window, engine.limits.max_target_length - length)
+    return at if at > 0 and engine.history_window(at) == window else None
 
 
 def parallel_workers(engine: Engine) -> int:
@@ -122,10 +142,13 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def precompile_parallel(engine: Engine, params: dict, state, generate: bool, workers: int) -> int:
-    """Compile every chunk shape and (with `generate`) every generate shape on `workers` threads
-    (lowered and compiled there; XLA compiles release the GIL), so that warmup's runs of them find
-    them compiled. Returns how many (0 with no workers)."""
+def precompile_parallel(
+    engine: Engine, params: dict, state, generate: bool, workers: int, rest: list[tuple[int, int, int]] = ()
+) -> int:
+    """Compile every chunk shape, the `rest` shapes (`rest_shapes`: otherwise the background
+    warmup's, compiled at first use by a request that comes first) and (with `generate`) every
+    generate shape on `workers` threads (lowered and compiled there; XLA compiles release the GIL),
+    so that warmup's runs and requests find them compiled. Returns how many (0 with no workers)."""
     if workers < 1:
         return 0
     from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +158,12 @@ def precompile_parallel(engine: Engine, params: dict, state, generate: bool, wor
     jobs = [
         (engine.precompile_prefill_slots, (params, spec, [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]))
         for rows, length, at in chunk_shapes(engine)
+    ]
+    starts = [(rows, length, rest_start(engine, length, window)) for rows, length, window in rest]
+    jobs += [
+        (engine.precompile_prefill_slots, (params, spec, [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]))
+        for rows, length, at in starts
+        if at is not None
     ]
     if generate:
         jobs += [
@@ -263,13 +292,13 @@ class BackgroundWarmup:
         try:
             if sys.platform == "linux":
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            limits, probe = engine.limits, SamplingParams(max_tokens=1)
+            probe = SamplingParams(max_tokens=1)
             for rows, length, window in self._shapes:
                 self._idle.wait()
                 if self._stop.is_set():
                     break
-                at = min(window, limits.max_target_length - length)
-                if at > 0 and engine.history_window(at) == window:
+                at = rest_start(engine, length, window)
+                if at is not None:
                     batch = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
                     compiled += engine.precompile_prefill_slots(self._params, self._spec, batch)
                 self.pending -= 1
