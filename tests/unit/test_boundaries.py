@@ -41,6 +41,7 @@ TYPE_ONLY_IMPORTS = [
     "serving.api.state -> serving.text.tokenizer",
     "serving.batch.runner -> serving.orchestrator",
     "serving.engine.chunked -> serving.engine.warmup",
+    "serving.engine.compiled_memory -> serving.engine.engine",
     "serving.engine.warmup -> serving.engine.engine",
     "serving.grpc.adapters -> serving.api.state",
     "serving.grpc.decode -> serving.text.tokenizer",
@@ -58,7 +59,8 @@ TYPE_ONLY_IMPORTS = [
     "serving.orchestrator.streams -> serving.orchestrator.orchestrator",
 ]
 CYCLES_WITH_TYPE_ONLY_IMPORTS = [
-    ["serving.engine.engine", "serving.engine.chunked", "serving.engine.warmup", "serving.engine.engine"],
+    ["serving.engine.chunked", "serving.engine.warmup", "serving.engine.engine", "serving.engine.chunked"],
+    ["serving.engine.warmup", "serving.engine.engine", "serving.engine.warmup"],
     ["serving.orchestrator.orchestrator", "serving.orchestrator.streams", "serving.orchestrator.orchestrator"],
 ]
 PACKAGE_CYCLES_WITH_TYPE_ONLY_IMPORTS = [["serving.api", "serving.grpc", "serving.api"]]
