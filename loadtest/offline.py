@@ -18,10 +18,10 @@ def _load(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | N
     for its server's."""
     from serving.launch import bring_up
 
-    _plan, model, engine, params, _warmup, _prefill = bring_up(cfg, source, origins)
-    if engine.background_warmup is not None:
-        engine.background_warmup.wait()
-    return engine, params, model.tokenizer
+    up = bring_up(cfg, source, origins)
+    if up.engine.background_warmup is not None:
+        up.engine.background_warmup.wait()
+    return up.engine, up.params, up.model.tokenizer
 
 
 def _round(engine, params, executor, requests: list, batch: int) -> dict:

@@ -26,8 +26,8 @@ def _bring_up(model: str, overrides: list[str]):
     from serving.startup.profile import given_config
 
     given = given_config(None, overrides, model)
-    _plan, loaded, engine, params, _warmup, _prefill = bring_up(given.config, model, given.origins)
-    return engine, params, loaded.tokenizer
+    up = bring_up(given.config, model, given.origins)
+    return up.engine, up.params, up.model.tokenizer
 
 
 def engine_alone(engine, params, prompt_ids: list[int], batch: int, new_tokens: int) -> float:

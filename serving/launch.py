@@ -86,7 +86,8 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
     On a multi-controller slice this is process 0's path: its executor broadcasts every plan to the
     followers (`follow_plans`), and the process exits non-zero if the lockstep breaks."""
     started = time.perf_counter()
-    plan, model, engine, params, warmup, prefill = bring_up(cfg, source, origins)
+    up = bring_up(cfg, source, origins)
+    plan, model, engine, params, warmup, prefill = up.plan, up.model, up.engine, up.params, up.warmup_s, up.prefill
     cfg = plan.config
     make_executor, lockstep, groups = Executor, None, process_groups(cfg)
     if prefill is not None:
@@ -125,7 +126,8 @@ def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, s
     """A follower process of a multi-controller slice: the same bring-up as process 0 (every
     compiled call is collective), then execute process 0's plans until it stops; returns the
     number of plans executed. Raises when the leader is gone (a failed collective)."""
-    plan, model, engine, params, _, _ = bring_up(cfg, source, origins)
+    up = bring_up(cfg, source, origins)
+    plan, model, engine, params = up.plan, up.model, up.engine, up.params
     log.info("process %d: %s ready; following process 0", _process_index(), model.config.name)
     adapter_weights = None
     if plan.config.lora.enabled:  # each adapter load of process 0's plans, read from its path
@@ -170,7 +172,21 @@ class PrefillSide:
     params: dict
 
 
-def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None):
+@dataclass
+class BroughtUp:
+    """What `bring_up` made: the plan it ran, the model without its loaded params (config and
+    tokenizer: the placed params are the only copy), the engine and its params on the mesh, the
+    seconds of warmup in the foreground, and a disaggregated server's prefill side (else None)."""
+
+    plan: LaunchPlan
+    model: LoadedModel
+    engine: Engine
+    params: dict
+    warmup_s: float
+    prefill: PrefillSide | None = None
+
+
+def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> BroughtUp:
     """Runtime, the one plan, placement and restore, the engine, warmup, in that order: the one
     bring-up of `serve`, a follower and the offline engine `bench overhead` compares with. On a
     disaggregated server (serving.disaggregation) behind one controller the engine is the generate
@@ -238,7 +254,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
         warmup += warm_generate_side(engine, params, prefill.engine, prefill.params)
     if groups is not None:
         meet_after_warmup(groups, engine.limits, timeout_s=_LINK_TIMEOUT_S)
-    return plan, model, engine, params, warmup, prefill
+    return BroughtUp(plan, model, engine, params, warmup, prefill)
 
 
 def check_memory(engine: Engine, model, dtype: str, devices: list) -> None:

@@ -374,7 +374,8 @@ import jax
 from serving.config import load_config
 from serving.launch import bring_up
 cfg = load_config(None, sys.argv[2:])
-_, model, engine, params, _, prefill = bring_up(cfg, sys.argv[1])
+up = bring_up(cfg, sys.argv[1])
+model, engine, params, prefill = up.model, up.engine, up.params, up.prefill
 gc.collect()
 placed = sum(a.nbytes for a in jax.tree.leaves(params))
 if prefill is not None:

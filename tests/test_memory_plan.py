@@ -58,5 +58,6 @@ def test_serve_refuses_a_plan_whose_temporaries_do_not_fit_before_loading(tiny_m
 
 def test_serve_starts_when_the_plan_fits(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(launch, "device_limit", lambda devices: 1 << 40)
-    _plan, _model, engine, params, _warmup, _prefill = launch.bring_up(_config(), str(tiny_model_dir))
-    assert engine.max_concurrent_decodes == 4 and params
+    up = launch.bring_up(_config(), str(tiny_model_dir))
+    assert isinstance(up, launch.BroughtUp) and up.engine.max_concurrent_decodes == 4 and up.params
+    assert up.model.params == {} and up.prefill is None  # the placed params are the only copy

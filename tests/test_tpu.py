@@ -74,6 +74,7 @@ def test_the_serving_profiles_plan_fits_with_its_compiled_temporaries(tiny_model
 
     monkeypatch.setenv("PATHSERVE_PLATFORM", "tpu")
     given = given_config(None, ["enable_model_warmup=false"], str(tiny_model_dir))
-    _plan, _model, engine, params, _warmup, _prefill = bring_up(given.config, str(tiny_model_dir), given.origins)
+    up = bring_up(given.config, str(tiny_model_dir), given.origins)
+    engine, params = up.engine, up.params
     assert engine.max_concurrent_decodes == 128 and engine.config.max_target_length == 2048
     assert _tokens(engine, params)

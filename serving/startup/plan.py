@@ -32,7 +32,7 @@ from serving.engine.partitioning import Numerics
 from serving.models.config import ModelConfig
 from serving.quantization_mode import Quantization
 from serving.startup.profile import FROM_DEFAULT, FROM_PROFILE
-from serving.startup.slots import memory_per_chip, size_slots
+from serving.startup.slots import kv_share, memory_per_chip, size_slots
 
 FROM_CHECKPOINT = "the checkpoint"
 # The figures the ready line says the origin of: (label, ServingConfig key).
@@ -113,5 +113,7 @@ def _sized(cfg: ServingConfig, model: ModelConfig, quantization: Quantization, d
         return None
     asked = max(1, int(cfg.per_device_batch_size))
     numerics = Numerics.of(cfg, int8=quantization.int8)
-    sized = size_slots(model, numerics, cfg.parallelism(len(devices)), asked, cfg.max_target_length, memory)
+    sized = size_slots(
+        model, numerics, cfg.parallelism(len(devices)), asked, cfg.max_target_length, memory, kv_share(devices)
+    )
     return sized.per_device, sized.describe(asked * len(devices))

@@ -22,6 +22,13 @@ from serving.engine.partitioning import MESH_AXES, Numerics, placement
 from serving.models.config import ModelConfig
 
 KV_SHARE = 0.5  # of a chip's memory left after the weights, what the KV cache may take
+# On an accelerator (its memory the runtime's bytes_limit, for this process alone) the rest is the
+# compiled programs' temporaries, which serve's memory plan checks before loading
+# (serving.engine.compiled_memory). Llama 3.1 8B's shape, int8w, on a v5e, compiled for the chip on a
+# CPU host (python -m loadtest.tpu_plan): at 0.75, 48 slots of 2,048 and 16.72 GB of its 16.91 (the
+# largest temporaries: a prefill of 4 chunks, 2.04 GB); at 0.7, 44 slots with ~0.7 GB to spare; at
+# KV_SHARE's half, 32.
+ACCELERATOR_KV_SHARE = 0.7
 
 
 @dataclass(frozen=True)
@@ -32,12 +39,13 @@ class SizedSlots:
     fit: int  # slots (in all) the memory holds
     memory_per_chip: int  # bytes
     kv_per_slot_per_chip: int  # bytes
+    share: float = KV_SHARE  # of the memory after the weights, what the KV cache may take
 
     def describe(self, asked: int) -> str:
         gib = 1 << 30
         return (
             f"memory allows {self.fit} of {asked}: {self.kv_per_slot_per_chip / (1 << 20):.0f} MiB of KV cache "
-            f"per slot, {KV_SHARE:.0%} of {self.memory_per_chip / gib:.1f} GiB per chip after the weights"
+            f"per slot, {self.share:.0%} of {self.memory_per_chip / gib:.1f} GiB per chip after the weights"
         )
 
 
@@ -48,17 +56,19 @@ def size_slots(
     per_device: int,
     length: int,
     memory_per_chip: int,
+    share: float = KV_SHARE,
 ) -> SizedSlots:
-    """At most `per_device` slots per device, as many as `memory_per_chip` holds (at least one)."""
+    """At most `per_device` slots per device, as many as `share` of `memory_per_chip` after the
+    weights holds (at least one)."""
     axes = dict(zip(MESH_AXES, parallelism, strict=True))
     devices = parallelism[0] * parallelism[1] * parallelism[2]
     one = placement(model, numerics, axes, devices, length)  # one slot per device
     params = one.params_bytes_per_chip()
     kv_per_slot = max(1, one.cache_bytes_per_chip() // devices)
-    room = max(0, int(KV_SHARE * (memory_per_chip - params)))
+    room = max(0, int(share * (memory_per_chip - params)))
     fit = max(1, room // kv_per_slot)
     chosen = max(1, min(per_device, fit // devices))
-    return SizedSlots(chosen, fit, memory_per_chip, kv_per_slot)
+    return SizedSlots(chosen, fit, memory_per_chip, kv_per_slot, share)
 
 
 def memory_per_chip(devices: Sequence) -> int | None:
@@ -76,6 +86,13 @@ def memory_per_chip(devices: Sequence) -> int | None:
         return min(limits)
     host = host_memory()
     return host // max(1, len(devices)) if host else None
+
+
+def kv_share(devices: Sequence) -> float:
+    """ACCELERATOR_KV_SHARE where every device is an accelerator, else KV_SHARE (CPUs share the
+    host's memory with everything else on it)."""
+    on_accelerators = devices and all(getattr(d, "platform", "cpu") != "cpu" for d in devices)
+    return ACCELERATOR_KV_SHARE if on_accelerators else KV_SHARE
 
 
 def host_memory() -> int | None:
