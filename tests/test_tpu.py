@@ -78,3 +78,22 @@ def test_the_serving_profiles_plan_fits_with_its_compiled_temporaries(tiny_model
     engine, params = up.engine, up.params
     assert engine.max_concurrent_decodes == 128 and engine.config.max_target_length == 2048
     assert _tokens(engine, params)
+
+
+@requires_tpu
+def test_every_slot_filled_to_its_maximum_length_fits(tiny_model_dir, monkeypatch):
+    """The TPU profile's 128 slots each to max_target_length at once: the pool, the programs'
+    temporaries and the windows at their widest, without RESOURCE_EXHAUSTED."""
+    from serving.launch import bring_up
+    from serving.orchestrator.offline import run_to_completion
+    from serving.request import SamplingParams
+    from serving.startup.profile import given_config
+
+    monkeypatch.setenv("PATHSERVE_PLATFORM", "tpu")
+    given = given_config(None, ["enable_model_warmup=false"], str(tiny_model_dir))
+    up = bring_up(given.config, str(tiny_model_dir), given.origins)
+    engine, length = up.engine, up.engine.config.max_target_length
+    prompt = 1000
+    requests = [([3 + (i + j) % 250 for j in range(prompt)], SamplingParams(max_tokens=length - prompt)) for i in range(128)]
+    done = run_to_completion(engine, up.params, requests)
+    assert [len(r.token_ids) for r in done] == [length - prompt] * 128

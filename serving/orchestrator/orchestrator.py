@@ -278,8 +278,8 @@ class Orchestrator:
             self._stopping.set()
             for request in running.values():
                 self._finish(request, "error")
-            groups, _ = self._take(self._queue.qsize() + 1 + self.engine.limits.max_concurrent_decodes)
-            for group in groups:
+            groups = self._take(self._queue.qsize() + 1 + self.engine.limits.max_concurrent_decodes)
+            for group, _load in groups:
                 for request in group:
                     self._finish(request, "error")
 
@@ -295,12 +295,10 @@ class Orchestrator:
             masks = {
                 rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
             }
-            groups, loads = self._take(scheduler.room(cancelled))
-            for group in groups:
+            groups = self._take(scheduler.room(cancelled))
+            for group, _load in groups:
                 running.update((r.request_id, r) for r in group)
-            plan = scheduler.schedule([_waiting(group) for group in groups], cancelled, masks)
-            if loads:  # the adapters this turn's requests run with, written before they prefill
-                plan = dataclasses.replace(plan, adapter_loads=loads)
+            plan = scheduler.schedule([_waiting(group, load) for group, load in groups], cancelled, masks)
             for rid in cancelled:
                 self._finish(running.pop(rid), "cancelled")
             self._left_slots(len(cancelled))
@@ -367,14 +365,13 @@ class Orchestrator:
                 metrics.spec_proposed, metrics.spec_accepted = stats.proposed, stats.accepted
                 metrics.spec_rounds = stats.rounds
 
-    def _take(self, room: int) -> tuple[list[list[Request]], tuple[AdapterLoad, ...]]:
+    def _take(self, room: int) -> list[tuple[list[Request], AdapterLoad | None]]:
         """Whole requests (each the list of its choices) from the queue, oldest first, while their
         choices fit in `room` slots; a head that does not fit waits (held) for the next turn.
         Cancelled ones end here. Under the submitters' lock: a request's choices are all there, and
-        a submitter never sees a head that is neither queued nor held. With them, the adapter
-        loads their LoRA slots need (for the plan: nothing is read or written here)."""
-        taken: list[list[Request]] = []
-        loads: list[AdapterLoad] = []
+        a submitter never sees a head that is neither queued nor held. Each with the adapter load
+        its LoRA slot needs, or None (for the plan: nothing is read or written here)."""
+        taken: list[tuple[list[Request], AdapterLoad | None]] = []
         cancelled: list[Request] = []
         unknown: list[Request] = []  # their adapter was unloaded while they waited
         with self._submit_lock:
@@ -396,18 +393,18 @@ class Orchestrator:
                 if head.cancelled.is_set() or (lora is None and head.sampling.adapter is not None):
                     (cancelled if head.cancelled.is_set() else unknown).extend(group)
                     continue
+                load = None
                 if lora:
                     self._hold_adapter(group, lora.slot, lora.version)
-                    if lora.load is not None:
-                        loads.append(lora.load)
-                taken.append(group)
+                    load = lora.load
+                taken.append((group, load))
                 room -= len(group)
                 self._num_in_slots += len(group)
         for request in cancelled:
             self._finish(request, "cancelled")
         for request in unknown:
             self._finish(request, "error")
-        return taken, tuple(loads)
+        return taken
 
     def _acquire_adapter(self, head: Request) -> Acquired | tuple[()] | bool | None:
         """The head's adapter's device slot (serving.lora.registry.acquire); () without one; False
@@ -493,9 +490,10 @@ class Orchestrator:
         request.tokens.put((END, reason))
 
 
-def _waiting(group: list[Request]) -> Waiting:
-    """The scheduler's view of a request and its choices (all in the same grammar state)."""
+def _waiting(group: list[Request], load: AdapterLoad | None = None) -> Waiting:
+    """The scheduler's view of a request and its choices (all in the same grammar state), with its
+    adapter's load (None: no adapter, or it is resident)."""
     head = group[0]
     mask = head.grammar.mask() if head.grammar is not None else None
     ids = tuple(r.request_id for r in group[1:])
-    return Waiting(head.request_id, tuple(head.prompt_ids), head.sampling, ids, mask)
+    return Waiting(head.request_id, tuple(head.prompt_ids), head.sampling, ids, mask, load)

@@ -30,6 +30,9 @@ class Waiting:
     sampling: SamplingParams
     choice_ids: tuple[int, ...] = ()  # request ids of choices 1..n-1 (sampling.n > 1)
     mask: np.ndarray | None = None  # int32 [words]: a grammar's mask for the first token
+    # its LoRA adapter's write into its device slot, when the adapter is not resident: in the plan
+    # of the turn it is scheduled, before any request prefills (serving.lora.registry)
+    adapter_load: AdapterLoad | None = None
 
     @property
     def num_slots(self) -> int:

@@ -181,7 +181,8 @@ class Scheduler:
         (at most `room(cancelled)` slots in all) into the lowest free slots in order, grow the
         running sequences' pages (preempting the newest when none are free), prefill the next
         chunks, then decode if anything runs. `masks`: request id -> int32 [words], the next-token
-        mask of every running request under a grammar."""
+        mask of every running request under a grammar. The waiting requests' adapter loads go into
+        the plan (written before anything prefills)."""
         needed = sum(w.num_slots for w in waiting)
         if needed > self.room(cancelled):
             raise ValueError(f"{needed} slots asked for, {self.room(cancelled)} free")
@@ -230,6 +231,7 @@ class Scheduler:
         return StepPlan(
             frees=frees,
             preempted=tuple(preempted),
+            adapter_loads=tuple(w.adapter_load for w in waiting if w.adapter_load is not None),
             page_tables=tables,
             admissions=tuple(admissions),
             rows=tuple(rows),

@@ -132,10 +132,10 @@ def test_n_above_the_queue_bound_but_within_the_slots_is_admitted_at_an_idle_ser
 def test_a_head_held_back_for_want_of_slots_still_counts_against_the_bound():
     idle = _orchestrator(slots=1, queue=2)  # not started: the test plays the device loop's turns
     idle.submit([1], SamplingParams(max_tokens=2))
-    assert len(idle._take(room=1)[0]) == 1  # into the one slot
+    assert len(idle._take(room=1)) == 1  # into the one slot
     idle.submit([2], SamplingParams(max_tokens=2))
     idle.submit([3], SamplingParams(max_tokens=2))
-    assert idle._take(room=0) == ([], ())  # no free slot: the head leaves the queue, held for the next turn
+    assert idle._take(room=0) == []  # no free slot: the head leaves the queue, held for the next turn
     with pytest.raises(QueueFullError):
         idle.submit([4], SamplingParams(max_tokens=2))
     assert idle._waiting() == 2 and idle.full()
@@ -158,7 +158,7 @@ def test_the_device_loop_waits_for_a_request_s_last_choice_being_put():
         assert taker.is_alive()  # waiting for the submitter, not raising queue.Empty
         orchestrator._queue.put_nowait(second)
     taker.join(5)
-    assert taken == [([[first, second]], ())]  # (its groups, no adapter loads)
+    assert taken == [[([first, second], None)]]  # its group, with no adapter load
 
 
 def test_a_request_that_does_not_fit_waits_without_being_passed():
