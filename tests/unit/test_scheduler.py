@@ -83,3 +83,14 @@ def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
     plan = scheduler.schedule([Waiting(3, (4,), SamplingParams(max_tokens=1, logprobs=0))])  # the whole path
     assert executor.run(plan).first_tokens == (5,)
     assert [c[0] for c in engine.calls[-2:]] == ["prefill", "insert"]
+
+
+def test_a_waiting_requests_adapter_load_goes_into_its_turns_plan():
+    from serving.lora.registry import AdapterLoad
+
+    scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
+    load = AdapterLoad(1, "sql", 3, "/adapters/sql")
+    loading = Waiting(1, (1, 2, 3), SamplingParams(max_tokens=4), adapter_load=load)
+    plan = scheduler.schedule([_waiting(0), loading])
+    assert plan.adapter_loads == (load,) and {row.slot for row in plan.rows} == {0, 1}
+    assert scheduler.schedule([]).adapter_loads == ()  # written once, in the turn it was scheduled
