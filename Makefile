@@ -56,8 +56,10 @@ test-fast: install
 test-tpu:
 	$(PYTHON) -m pytest -q -p no:xdist -p no:cacheprovider -m tpu tests/test_tpu.py
 
-# Every wheel serving needs, for Python 3.11 on x86-64 Linux, into wheelhouse/: an air-gapped TPU VM
-# installs them with tools/tpu/setup.sh (pip --no-index --find-links wheelhouse).
+# Every wheel serving needs, for Python 3.11 on x86-64 Linux, into wheelhouse/ (~200 MB: JAX's own
+# wheels come along as orbax's needs; tools/tpu/setup.sh drops them again so that the VM's JAX and
+# libtpu stay the ones used): an air-gapped TPU VM installs them with tools/tpu/setup.sh
+# (pip --no-index --find-links wheelhouse).
 WHEELHOUSE_PYTHON ?= 3.11
 wheelhouse: install
 	$(BIN)/python -m pip download --quiet --dest wheelhouse --only-binary=:all: \
