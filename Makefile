@@ -54,7 +54,7 @@ test-fast: install
 # elsewhere its tests skip saying why. On a TPU VM without internet: `make wheelhouse` on a machine
 # with it, copy wheelhouse/ over, then `source tools/tpu/setup.sh` there (no venv: the VM's JAX).
 test-tpu:
-	$(PYTHON) -m pytest -q -p no:xdist -p no:cacheprovider -m tpu tests/test_tpu.py
+	JAX_PLATFORMS=tpu,cpu PATHSERVE_REQUIRE_TPU=1 $(PYTHON) -m pytest -q -p no:xdist -p no:cacheprovider -m tpu tests/test_tpu.py
 
 # Every wheel serving needs, for Python 3.11 on x86-64 Linux, into wheelhouse/ (~200 MB: JAX's own
 # wheels come along as orbax's needs; tools/tpu/setup.sh drops them again so that the VM's JAX and

@@ -98,6 +98,11 @@ def test_warmup_compiles_in_parallel_and_runs_what_it_compiled(tiny_model_dir, m
     assert rest and len(engine._precompiled) == len(warmup.chunk_shapes(engine)) + len(rest)
     assert engine.background_warmup is None or engine.background_warmup.pending == 0
     requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=8)) for n in (3, 300)]
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("a generate shape compiled after warmup")
+
+    monkeypatch.setattr(engine, "_generate_fn", compiles)  # every call runs a precompiled executable
     warmed = [r.token_ids for r in run_to_completion(engine, params, requests)]
     monkeypatch.setattr(warmup, "parallel_workers", lambda engine: 0)
     cold = Engine(model, cfg.engine)

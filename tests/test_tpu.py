@@ -2,12 +2,15 @@
 
 - the tiny model's greedy tokens on the chip (the TPU backend: XLA's ops over a lanes pool, float32
   at jax.default_matmul_precision('highest')) equal to the CPU engine's on the same weights;
-- the generate and chunked-prefill programs compiled for the chip hold no copy of the KV pool
-  (the pool stays in its lanes layout: serving.models.cache);
+- the generate and chunked-prefill programs compiled for the chip hold no copy, copy-start or
+  transpose of a KV pool array (values or scales: the pool stays in its lanes layout,
+  serving.models.cache);
 - the memory plan of the serving profile counts the compiled programs' temporaries and fits.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import pytest
@@ -17,7 +20,12 @@ from serving.runtime import make_mesh
 
 pytestmark = pytest.mark.tpu
 
+# tests/conftest.py sets JAX_PLATFORMS=cpu unless it is set: `make test-tpu` sets tpu,cpu (the chip,
+# and the CPU the tokens are compared with) and PATHSERVE_REQUIRE_TPU=1, so that a run meant for the
+# chip fails where it finds none instead of skipping every test
 ON_TPU = any(d.platform == "tpu" for d in jax.devices())
+if os.environ.get("PATHSERVE_REQUIRE_TPU") == "1" and not ON_TPU:
+    raise RuntimeError(f"PATHSERVE_REQUIRE_TPU=1 but JAX sees no TPU: {jax.devices()}")
 requires_tpu = pytest.mark.skipif(not ON_TPU, reason="no TPU here (jax.devices() has none): the tpu tier runs on a TPU host")
 
 
@@ -57,14 +65,28 @@ def test_no_program_copies_the_kv_pool(tiny_model_dir):
 
     cfg = _config(dtype="bfloat16", quantize_kvcache=True)
     engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    from serving.engine.api import PrefillRow
+    from serving.engine.chunked import _model_inputs
+    from serving.request import SamplingParams
+
     params, state = abstract_params(engine), abstract_state(engine)
     rows = jax.ShapeDtypeStruct((4,), "int32")
-    text = engine._generate_fn.lower(
+    generate = engine._generate_fn.lower(
         params, state, None, rows, window=engine.windows[-1], steps=engine.decode_steps_per_call
     ).compile().as_text()
-    pool = ",".join(str(d) for d in state.cache.k.shape)
-    copies = [line for line in text.splitlines() if " copy(" in line and f"[{pool}]" in line.split(" copy(")[0]]
-    assert copies == []
+    chunk = [PrefillRow(i, (1,) * 64, 128, True, SamplingParams(max_tokens=1)) for i in range(2)]
+    inputs, shape = engine._slot_inputs(chunk)
+    prefill = engine._prefill_slots_fn.lower(
+        params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]
+    ).compile().as_text()
+    pools = {",".join(str(d) for d in leaf.shape) for leaf in state.cache if leaf is not None}
+    for text in (generate, prefill):
+        copies = [
+            line for line in text.splitlines()
+            if (" copy(" in line or " copy-start(" in line or " transpose(" in line)
+            and any(f"[{pool}]" in line.split("(")[0] for pool in pools)
+        ]
+        assert copies == []
 
 
 @requires_tpu

@@ -183,7 +183,13 @@ def _warm_generate(engine: Engine, params: dict, state):
     for num_slots in engine.limits.decode_buckets:
         for window in engine.windows:
             rows = engine.call_rows(num_slots, None)
-            state, _ = engine._generate_fn(params, state, None, rows, window=window, steps=steps)
+            # the executable precompile_parallel made, where it made one: the jit's own call is
+            # keyed by its inputs' shardings too, and would compile the shape again
+            compiled = engine._generate_compiled.get((num_slots, window, steps))
+            if compiled is not None:
+                state, _ = compiled(params, state, None, rows)
+            else:
+                state, _ = engine._generate_fn(params, state, None, rows, window=window, steps=steps)
     return state
 
 

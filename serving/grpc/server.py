@@ -72,9 +72,9 @@ class GrpcServer:
         try:
             self.port = server.add_insecure_port(self.address)
         except RuntimeError as exc:
+            where = "another socket path (--uds)" if self.address.startswith("unix:") else "another port"
             self._error = (
-                f"grpc_port: cannot listen on {self.address} ({exc}); "
-                "choose another port, or grpc_port=0 to serve HTTP only"
+                f"grpc_port: cannot listen on {self.address} ({exc}); choose {where}, or grpc_port=0 to serve HTTP only"
             )
             self._bound.set()
             return

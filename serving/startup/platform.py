@@ -2,8 +2,8 @@
 profile is chosen with the config, before any work starts).
 
 `PATHSERVE_PLATFORM` (tpu, cpu, gpu) wins; then JAX_PLATFORMS' first entry (`proxy`, Pathways'
-IFRT proxy, is a TPU slice); then a TPU host's own marks: its accelerator device files, or the TPU_*
-variables a TPU VM sets beside an installed libtpu. Anything else is a CPU.
+IFRT proxy, is a TPU slice); then a TPU host's own marks: its accelerator device files (/dev/accel*),
+or VFIO devices or the TPU_* variables a TPU VM sets, beside an installed libtpu. Anything else is a CPU.
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ def detect_platform() -> str:
     first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
     if first in _JAX_NAMES:
         return _JAX_NAMES[first]
-    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+    if glob.glob("/dev/accel[0-9]*"):
         return "tpu"
-    if any(name.startswith("TPU_") for name in os.environ) and importlib.util.find_spec("libtpu") is not None:
-        return "tpu"
-    return "cpu"
+    # VFIO binds GPUs passed through and DPDK NICs too: a TPU only beside an installed libtpu
+    marks = glob.glob("/dev/vfio/[0-9]*") or any(name.startswith("TPU_") for name in os.environ)
+    return "tpu" if marks and _has_libtpu() else "cpu"
+
+
+def _has_libtpu() -> bool:
+    return importlib.util.find_spec("libtpu") is not None

@@ -12,9 +12,12 @@ from serving.startup.profile import FROM_OVERRIDE, FROM_PROFILE, given_config, s
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("PATHSERVE_PLATFORM", "JAX_PLATFORMS"):
+    import os
+
+    for name in ("PATHSERVE_PLATFORM", "JAX_PLATFORMS", *(n for n in os.environ if n.startswith("TPU_"))):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(platform.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(platform, "_has_libtpu", lambda: False)
     return monkeypatch
 
 
@@ -32,6 +35,15 @@ def test_platform_from_the_environment(clean_env, env, expected):
 
 def test_a_tpu_hosts_device_files_make_it_a_tpu(clean_env):
     clean_env.setattr(platform.glob, "glob", lambda pattern: ["/dev/accel0"] if "accel" in pattern else [])
+    assert platform.detect_platform() == "tpu"
+
+
+def test_vfio_devices_or_tpu_variables_count_only_beside_libtpu(clean_env):
+    """VFIO also binds GPUs passed through and DPDK NICs: a TPU only where libtpu is installed."""
+    clean_env.setattr(platform.glob, "glob", lambda pattern: ["/dev/vfio/0"] if "vfio" in pattern else [])
+    clean_env.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    assert platform.detect_platform() == "cpu"
+    clean_env.setattr(platform, "_has_libtpu", lambda: True)
     assert platform.detect_platform() == "tpu"
 
 
