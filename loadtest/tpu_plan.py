@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PATHSERVE_PLATFORM", "tpu")
     from jax.experimental import topologies
 
-    from serving.engine.compiled_memory import program_temporaries
+    from serving.engine.compiled_memory import compiled_plan
     from serving.engine.engine import Engine
     from serving.engine.partitioning import Numerics
     from serving.runtime import make_mesh
@@ -87,15 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfg.model_copy(update={"per_device_batch_size": float(sized.per_device)})
     engine = Engine(model, cfg.engine, make_mesh(cfg.devices, devices))
     started = time.perf_counter()
-    programs = program_temporaries(engine)
+    plan = compiled_plan(engine)
     where = engine.placement
-    params, cache, temps = where.params_bytes_per_chip(), where.cache_bytes_per_chip(), max(programs.values())
+    params, cache = where.params_bytes_per_chip(), where.cache_bytes_per_chip()
     print(json.dumps({
         "shape": ns.shape, "slots": engine.max_concurrent_decodes, "max_target_length": cfg.max_target_length,
         "sized": sized.describe(int(given_config(None, ns.overrides, ns.shape).config.per_device_batch_size)),
-        "params_gb": params / 1e9, "kv_cache_gb": cache / 1e9, "temporaries_gb": {k: v / 1e9 for k, v in programs.items()},
-        "total_gb": (params + cache + temps) / 1e9, "bytes_limit_gb": ns.bytes_limit / 1e9,
-        "fits": params + cache + temps <= ns.bytes_limit, "compile_s": time.perf_counter() - started,
+        "params_gb": params / 1e9, "kv_cache_gb": cache / 1e9, "resident_as_laid_out_gb": plan.resident / 1e9,
+        "programs_gb": {k: v / 1e9 for k, v in plan.programs.items()},
+        "total_gb": plan.total / 1e9, "bytes_limit_gb": ns.bytes_limit / 1e9,
+        "fits": plan.total <= ns.bytes_limit, "compile_s": time.perf_counter() - started,
     }, indent=2))
     return 0
 

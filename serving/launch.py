@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
 from serving.engine.engine import Engine, engine_limits
-from serving.engine.memory import MemoryUse, check_compiled, check_devices, device_limit
+from serving.engine.memory import check_compiled, check_devices, device_limit
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
@@ -232,11 +232,16 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     if groups is not None and groups.on_prefill:  # the generate engine's limits: it lives in other processes
         mirror = engine_limits(loaded, plan.engine, generate_mesh)
     engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify, mirror=mirror)
-    check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat))
+    # each engine is charged for what it runs: a disaggregated generate engine no prefill, a
+    # multi-controller prefill group no generate
+    generates = groups is None or not groups.on_prefill
+    prefills = prefill_devices is None or (groups is not None and groups.on_prefill)
+    check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat), generates, prefills)
     params = engine.load_params()
     prefill = None
     if prefill_devices is not None and groups is None:
         prefill_engine = Engine(loaded, plan.engine, make_mesh(cfg.devices, prefill_devices), mirror=engine.limits)
+        check_memory(prefill_engine, plan.model, cfg.dtype, list(prefill_engine.mesh.devices.flat), False, True)
         prefill = PrefillSide(prefill_engine, prefill_engine.load_params())
         prefill_engine.release_loaded_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
@@ -257,29 +262,33 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     return BroughtUp(plan, model, engine, params, warmup, prefill)
 
 
-def check_memory(engine: Engine, model, dtype: str, devices: list) -> None:
-    """Before the weights are placed: the params, the KV cache and the largest compiled programs'
-    temporaries (serving.engine.compiled_memory) against the devices' bytes_limit, refused with
-    the figures; where the devices report none (CPUs) or the params cannot be abstract, the
-    placement's estimate (serving.engine.memory.check_devices)."""
+def check_memory(
+    engine: Engine, model, dtype: str, devices: list, generate: bool = True, prefill: bool = True
+) -> None:
+    """Before the weights are placed: the params, the KV cache and the largest programs the engine
+    runs (`generate`, `prefill`: its roles), compiled for its devices (serving.engine.compiled_memory),
+    against the devices' bytes_limit, refused with the figures; where the devices report none
+    (CPUs), the params cannot be abstract or the compile fails (logged), the placement's estimate
+    (serving.engine.memory.check_devices)."""
     limit = device_limit(devices)
-    programs = None
+    plan = None
     if limit is not None:
-        from serving.engine.compiled_memory import program_temporaries
+        from serving.engine.compiled_memory import compiled_plan
 
-        programs = program_temporaries(engine)
-    if not programs:
+        try:
+            plan = compiled_plan(engine, generate, prefill)
+        except Exception as exc:  # a runtime whose compiles report no memory analysis, say
+            log.warning("memory plan: the programs could not be compiled ahead (%s); checking the estimate", exc)
+    if plan is None:
         check_devices(
             model, engine.placement, dtype, engine.limits.prefill_batch_tokens, engine.max_concurrent_decodes, devices
         )
         return
-    where = engine.placement
-    use = MemoryUse(where.params_bytes_per_chip(), where.cache_bytes_per_chip(), max(programs.values()))
     log.info(
-        "memory plan per chip: params %.2f GB, KV cache %.2f GB, temporaries %s; bytes_limit %.2f GB",
-        use.params / 1e9, use.kv_cache / 1e9, ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in programs.items()), limit / 1e9,
+        "memory plan per chip: params and KV cache %.2f GB, %s; bytes_limit %.2f GB",
+        plan.resident / 1e9, ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in plan.programs.items()), limit / 1e9,
     )
-    check_compiled(use, limit, f"{devices[0]}", programs)
+    check_compiled(plan, limit, f"{devices[0]}")
 
 
 def restore_shardings(plan: LaunchPlan, mesh) -> dict | None:

@@ -1,6 +1,7 @@
-"""serve's memory plan counts the compiled programs' temporaries (serving.engine.compiled_memory),
-read from XLA before any weight is placed: a plan whose params, KV cache and temporaries exceed the
-devices' bytes_limit is refused naming the figures and what to lower, with nothing loaded."""
+"""serve's memory plan counts the compiled programs' footprints (serving.engine.compiled_memory),
+read from XLA before any weight is placed: a plan whose params, KV cache (as the chip lays them out)
+and temporaries exceed the devices' bytes_limit is refused naming the figures and what to lower,
+with nothing loaded; each engine is charged for the programs it runs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import pytest
 
 from serving import launch
 from serving.config import ConfigError, ServingConfig
-from serving.engine.compiled_memory import program_temporaries
+from serving.engine.compiled_memory import compiled_plan
 from serving.engine.engine import Engine
-from serving.engine.memory import memory_use
 
 
 def _config(**keys) -> ServingConfig:
@@ -19,30 +19,34 @@ def _config(**keys) -> ServingConfig:
     )
 
 
-def test_the_largest_programs_temporaries_come_from_the_compiler(tiny_model_dir):
+def test_the_largest_programs_come_from_the_compiler(tiny_model_dir):
     from serving.checkpoints.model_source import load_model
 
     cfg = _config()
     engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
-    programs = program_temporaries(engine)
-    assert set(programs) == {
-        "generate of 4 slots over 128 positions", "prefill of 1 chunks of 64 after 64 positions", "whole prefill of 64 tokens",
+    plan = compiled_plan(engine)
+    assert set(plan.programs) == {
+        "generate of 4 slots over 128 positions", "prefill of 1 x 64 tokens after 64 positions",
+        "prefill of 4 x 16 tokens after 112 positions", "whole prefill of 64 tokens",
+        "whole prefill of 64 tokens with the prompt's logprobs",
     }
-    assert all(v > 0 for v in programs.values())
+    assert all(v > 0 for v in plan.programs.values())
+    where = engine.placement  # the arguments: the params and the whole decode state at least
+    assert plan.resident >= where.params_bytes_per_chip() + where.cache_bytes_per_chip()
+    assert plan.total == plan.resident + max(plan.programs.values())
+    generate_only = compiled_plan(engine, prefill=False)  # a disaggregated generate engine's
+    assert list(generate_only.programs) == ["generate of 4 slots over 128 positions"]
+    assert not any("generate" in name for name in compiled_plan(engine, generate=False).programs)
 
 
-def test_serve_refuses_a_plan_whose_temporaries_do_not_fit_before_loading(tiny_model_dir, monkeypatch):
-    """A bytes_limit that holds the params, the cache and the estimate but not the compiled
-    temporaries: refused naming them, and load_params never runs."""
+def test_serve_refuses_a_plan_that_does_not_fit_before_loading(tiny_model_dir, monkeypatch):
+    """A bytes_limit a byte short of the compiled plan: refused naming its figures, and load_params
+    never runs."""
     from serving.checkpoints.model_source import load_model
 
     cfg = _config()
     engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
-    where = engine.placement
-    compiled = max(program_temporaries(engine).values())
-    estimate = memory_use(engine.model.config, where, cfg.dtype, engine.limits.prefill_batch_tokens, 4)
-    limit = where.params_bytes_per_chip() + where.cache_bytes_per_chip() + compiled - 1
-    assert estimate.total <= limit or estimate.temporaries < compiled  # the estimate alone would pass or undercount
+    limit = compiled_plan(engine).total - 1
     monkeypatch.setattr(launch, "device_limit", lambda devices: limit)
 
     def never(self):
@@ -52,8 +56,21 @@ def test_serve_refuses_a_plan_whose_temporaries_do_not_fit_before_loading(tiny_m
     with pytest.raises(ConfigError) as refused:
         launch.bring_up(cfg, str(tiny_model_dir))
     message = str(refused.value)
-    assert "compiled programs' temporaries" in message and "the largest: " in message
+    assert "compiled programs' temporaries" in message and "the largest: " in message and "by 0.00 GB" in message
     assert "per_device_batch_size" in message and "prefill_chunk_size" in message
+
+
+def test_a_plan_that_cannot_be_compiled_ahead_falls_back_to_the_estimate(tiny_model_dir, monkeypatch, caplog):
+    from serving.engine import compiled_memory
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no memory analysis here")
+
+    monkeypatch.setattr(compiled_memory, "compiled_plan", fails)
+    monkeypatch.setattr(launch, "device_limit", lambda devices: 1 << 40)
+    up = launch.bring_up(_config(), str(tiny_model_dir))
+    assert up.engine.max_concurrent_decodes == 4
+    assert "could not be compiled ahead" in caplog.text
 
 
 def test_serve_starts_when_the_plan_fits(tiny_model_dir, monkeypatch):

@@ -177,6 +177,18 @@ def test_select_takes_xla_over_a_lanes_pool_on_tpus_otherwise(attention, caplog)
     assert "gathers each call's window" in caplog.text
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+@pytest.mark.parametrize("attention", ["autoselected", "paged"])
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_slot_sizing_knows_the_pool_layout_select_chooses(platform, attention, cpu_kernels):
+    """serving.startup sizes slots before JAX has chosen a backend: the same layout, so the same bytes."""
+    from serving.startup.slots import pool_layout_on
+
+    devices = _devices(platform, 1)
+    ops = select(cpu_kernels, "int8w", "bfloat16", devices, attention=attention)
+    assert pool_layout_on(devices, cpu_kernels, attention) == ops.pool_layout
+
+
 def test_select_takes_xla_elsewhere_and_where_the_kernel_does_not_import(monkeypatch, caplog):
     assert type(select("auto", "int8w", "bfloat16", _devices("gpu"))) is XlaOps
     assert type(select("auto", "int8w", "bfloat16", _devices("tpu")[:1] + _devices("cpu", 1))) is XlaOps

@@ -1,13 +1,15 @@
-"""The compiled programs' temporaries, read from XLA before any weight is loaded: the largest
-generate, chunked prefill and whole prefill an engine runs, lowered against abstract params and
-decode state (shapes, dtypes and shardings only) and compiled, each `memory_analysis()`'s
-temp_size_in_bytes. What serve's memory plan adds to the params and the KV cache
-(serving.engine.memory.check_compiled): an estimate missed XLA's own copies (the 1B shape's
+"""An engine's device memory as XLA lays it out, read before any weight is loaded: the largest
+generate, chunked prefill and whole prefill it runs, lowered against abstract params and decode
+state (shapes, dtypes and shardings only) and compiled; from each `memory_analysis()`, the
+arguments (params and state, padded as the chip tiles them: a TPU pads a narrow minor axis to 128
+lanes) and the temporaries plus the outputs not written in place. serve's memory plan
+(serving.launch.check_memory) checks the sum: an estimate missed XLA's own copies (the 1B shape's
 generate held 2.8 GB of temporaries on a v5e, ten times the estimate, before the lanes pool).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jax
@@ -41,39 +43,87 @@ def abstract_state(engine: Engine):
     )
 
 
-def _temp(lowered) -> int:
-    return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+@dataclass(frozen=True)
+class CompiledPlan:
+    """An engine's device bytes per chip as XLA lays them out (TPU tiles pad narrow axes)."""
+
+    resident: int  # params and decode state: the largest program's arguments
+    programs: dict[str, int]  # name -> its temporaries and the outputs it does not write in place
+
+    @property
+    def largest(self) -> str:
+        return max(self.programs, key=self.programs.get)
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.programs[self.largest]
 
 
-def program_temporaries(engine: Engine) -> dict[str, int] | None:
-    """Temp bytes of each of the largest programs, by name; None where params cannot be abstract."""
+def _footprint(lowered) -> tuple[int, int]:
+    """(argument bytes, temporaries + outputs not aliased to an argument) of a compiled program."""
+    m = lowered.compile().memory_analysis()
+    extra = m.temp_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+    return int(m.argument_size_in_bytes), int(extra)
+
+
+def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True) -> CompiledPlan | None:
+    """The largest programs an engine runs, compiled against abstract params and state: generate of
+    every slot over the widest window (with `generate`), and (with `prefill`) the most full chunks a
+    call takes after the longest history, the most short rests (a prefix hit's) over the widest
+    window, and the longest whole prefill with and without the prompt's logprobs. None where the
+    params cannot be abstract."""
     from serving.engine.chunked import _model_inputs
+    from serving.engine.state import slot_sampling
+    from serving.engine.warmup import rest_shapes, rest_start
 
     params = abstract_params(engine)
     if params is None:
         return None
     state, limits = abstract_state(engine), engine.limits
-    out = {}
-    bucket, window = limits.decode_buckets[-1], engine.windows[-1]
-    rows = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated(engine.mesh))
-    steps = engine.decode_steps_per_call
-    out[f"generate of {bucket} slots over {window} positions"] = _temp(
-        engine._generate_fn.lower(params, state, None, rows, window=window, steps=steps)
-    )
-    chunk, probe = limits.prefill_chunk_size, SamplingParams(max_tokens=1)
-    count = max(r for r in engine.row_buckets if r == 1 or r * chunk <= limits.prefill_batch_tokens)
-    at = max(0, limits.max_target_length - chunk)
-    inputs, shape = engine._slot_inputs([PrefillRow(i, (1,) * chunk, at, True, probe) for i in range(count)])
-    out[f"prefill of {count} chunks of {chunk} after {at} positions"] = _temp(
-        engine._prefill_slots_fn.lower(params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2])
-    )
-    longest = limits.buckets[-1]
-    from serving.engine.state import slot_sampling
+    resident, programs = 0, {}
 
-    out[f"whole prefill of {longest} tokens"] = _temp(
-        engine._prefill_fn.lower(
-            params, np.zeros((1, longest), np.int32), np.int32(1), jax.tree.map(np.asarray, slot_sampling(probe)),
-            np.zeros((1, 2), np.uint32), None, choices=1, logprobs=False, prompt_logprobs=False,
+    def add(name: str, lowered, holds_state: bool) -> None:
+        nonlocal resident
+        arguments, extra = _footprint(lowered)
+        if holds_state:
+            resident = max(resident, arguments)
+        programs[name] = extra
+
+    if generate:
+        bucket, window = limits.decode_buckets[-1], engine.windows[-1]
+        rows = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated(engine.mesh))
+        steps = engine.decode_steps_per_call
+        add(
+            f"generate of {bucket} slots over {window} positions",
+            engine._generate_fn.lower(params, state, None, rows, window=window, steps=steps), True,
         )
-    )
-    return out
+    if prefill:
+        probe = SamplingParams(max_tokens=1)
+        chunk = limits.prefill_chunk_size
+        count = max(r for r in engine.row_buckets if r == 1 or r * chunk <= limits.prefill_batch_tokens)
+        calls = [(count, chunk, max(0, limits.max_target_length - chunk))]
+        rests = [(r, n, rest_start(engine, n, w)) for r, n, w in rest_shapes(engine)]
+        rests = [shape for shape in rests if shape[2] is not None]
+        if rests:  # the most rows over the widest history
+            calls.append(max(rests, key=lambda shape: (engine.history_window(shape[2]), shape[0] * shape[1])))
+        for count, length, at in calls:
+            inputs, shape = engine._slot_inputs([PrefillRow(i, (1,) * length, at, True, probe) for i in range(count)])
+            add(
+                f"prefill of {count} x {length} tokens after {at} positions",
+                engine._prefill_slots_fn.lower(params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]),
+                True,
+            )
+        longest = limits.buckets[-1]
+        sampling = jax.tree.map(np.asarray, slot_sampling(probe))
+        for scored in (False, True):
+            add(
+                f"whole prefill of {longest} tokens" + (" with the prompt's logprobs" if scored else ""),
+                engine._prefill_fn.lower(
+                    params, np.zeros((1, longest), np.int32), np.int32(1), sampling, np.zeros((1, 2), np.uint32),
+                    None, choices=1, logprobs=False, prompt_logprobs=scored,
+                ),
+                False,
+            )
+    if not resident:  # neither program holds the state: the placement's own bytes
+        resident = engine.placement.params_bytes_per_chip() + engine.placement.cache_bytes_per_chip()
+    return CompiledPlan(resident, programs)

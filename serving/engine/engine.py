@@ -114,7 +114,7 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None
     a generate engine that lives only in the other processes."""
     ops = ops or select_ops(config, mesh)
     slots = max(1, int(config.per_device_batch_size * mesh.size))
-    numerics = Numerics.of(config, int8=int8_names(model.params))
+    numerics = Numerics.of(config, int8=int8_names(model.params), pool_layout=ops.pool_layout)
     return Limits(
         max_concurrent_decodes=slots,
         max_prefill_length=config.max_prefill_predict_length,

@@ -143,21 +143,19 @@ COMPILED_FLAGS_TO_CHANGE = (
 )
 
 
-def check_compiled(use: MemoryUse, bytes_limit: int, where: str, programs: Mapping[str, int]) -> None:
-    """`use` with the compiled programs' temporaries (`programs`: name -> temp bytes, the largest
-    counted) against `bytes_limit`: ConfigError naming each figure and what to lower, before any
-    weight is loaded."""
+def check_compiled(plan, bytes_limit: int, where: str) -> None:
+    """A CompiledPlan (serving.engine.compiled_memory) against `bytes_limit`: ConfigError naming
+    each figure and what to lower, before any weight is loaded."""
     from serving.config import ConfigError
 
-    if use.total <= bytes_limit:
+    if plan.total <= bytes_limit:
         return
     gb = 1e9
-    largest = max(programs, key=programs.get)
     raise ConfigError(
-        f"{where} does not fit: params {use.params / gb:.2f} GB + KV cache {use.kv_cache / gb:.2f} GB + the compiled "
-        f"programs' temporaries {use.temporaries / gb:.2f} GB (the largest: {largest}) = {use.total / gb:.2f} GB per chip "
-        f"exceed its bytes_limit of {bytes_limit / gb:.2f} GB by {(use.total - bytes_limit) / gb:.2f} GB; "
-        f"try {COMPILED_FLAGS_TO_CHANGE}"
+        f"{where} does not fit: params and KV cache {plan.resident / gb:.2f} GB as the chip lays them out + the "
+        f"compiled programs' temporaries {plan.programs[plan.largest] / gb:.2f} GB (the largest: {plan.largest}) = "
+        f"{plan.total / gb:.2f} GB per chip exceed its bytes_limit of {bytes_limit / gb:.2f} GB by "
+        f"{(plan.total - bytes_limit) / gb:.2f} GB; try {COMPILED_FLAGS_TO_CHANGE}"
     )
 
 

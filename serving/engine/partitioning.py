@@ -310,14 +310,17 @@ def _lanes_leaves(numerics: Numerics, spec: Spec, shape: tuple[int, ...]) -> dic
     """The lanes layout's leaves (serving.models.cache): k, v [layers, pages, page_size,
     kv_heads * head_dim] split as the heads are (a contiguous piece of the merged axis is whole
     heads when the heads divide), int8 values four to an int32 lane, scales [layers, pages,
-    page_size * kv_heads (or 1)] split as the positions are, over every head."""
+    kv_heads * page_size] split as the heads are (one per token: [layers, pages, page_size])."""
     width = shape[3] * shape[4]
     values_spec, names = (*spec[:3], spec[3] + spec[4]), (*CACHE_NAMES[:3], CACHE_NAMES[3] + CACHE_NAMES[4])
     if not numerics.quantize_kvcache:
         return {(n,): Leaf((*shape[:3], width), numerics.dtype, values_spec, names) for n in ("k", "v")}
     out = {(n,): Leaf((*shape[:3], width // 4), "int32", values_spec, names) for n in ("k", "v")}
-    heads = 1 if numerics.kv_quant_axis == "heads_and_dkv" else shape[3]
-    scale = Leaf((*shape[:2], shape[2] * heads), SCALE_DTYPE, (*spec[:2], spec[2]), CACHE_NAMES[:3])
+    if numerics.kv_quant_axis == "heads_and_dkv":  # one scale per token, on every chip of its pages
+        scale = Leaf((*shape[:2], shape[2]), SCALE_DTYPE, (*spec[:2], spec[2]), CACHE_NAMES[:3])
+    else:  # head-major: split as the heads are
+        names_ = (*CACHE_NAMES[:2], CACHE_NAMES[3] + CACHE_NAMES[2])
+        scale = Leaf((*shape[:2], shape[3] * shape[2]), SCALE_DTYPE, (*spec[:2], spec[3] + spec[2]), names_)
     out.update({(n,): scale for n in ("k_scale", "v_scale")})
     return out
 

@@ -15,7 +15,8 @@ function here tells them apart by the arrays' rank):
   (what the CPU kernels and JAX's Pallas paged-attention wrapper read).
 - "lanes" (TPU): k, v [layers, num_pages, page_size, kv_heads * head_dim], an int8 cache's values
   packed four to an int32 lane ([..., kv_heads * head_dim // 4]), scales [layers, num_pages,
-  page_size * kv_heads] (per token: [layers, num_pages, page_size]). A TPU tiles an array's two
+  kv_heads * page_size] (head-major, so that a split of the heads over chips splits them too; per
+  token: [layers, num_pages, page_size]). A TPU tiles an array's two
   minor dimensions by (8, 128) (int8: (32, 128)): kv_heads x head_dim = 8 x 64 of the tokens
   layout padded 2-8x, and XLA relaid the whole pool out (copies of it in and out of every
   generate call: 4 copies and 2x the pool in temporaries, measured on the 1B shape for a v5e,
@@ -69,7 +70,7 @@ class KVCache(NamedTuple):
         """An int8 cache's scales are per token and head (dkv), not per token (heads_and_dkv)."""
         if self.k_scale is None:
             return False
-        if self.lanes:  # [layers, pages, page_size * heads]: per head when heads > 1
+        if self.lanes:  # [layers, pages, heads * page_size]: per head when heads > 1
             return self.k_scale.shape[-1] > self.k.shape[2]
         return self.k_scale.shape[-2] > 1 or self.k.shape[-2] == 1
 
@@ -107,7 +108,7 @@ def _init_lanes(cfg: ModelConfig, shape: tuple, dtype, quantized: bool, scale_pe
     if width % PACK:
         raise ValueError(f"an int8 lanes pool packs {PACK} values a lane: kv_heads x head_dim = {width}")
     values = (*shape[:3], width // PACK)
-    scales = (*shape[:2], shape[2] * (cfg.num_kv_heads if scale_per_head else 1))
+    scales = (*shape[:2], (cfg.num_kv_heads if scale_per_head else 1) * shape[2])
     return KVCache(
         jnp.zeros(values, jnp.int32),
         jnp.zeros(values, jnp.int32),
@@ -184,9 +185,9 @@ def _write_lanes(cache: KVCache, pages: jax.Array, positions: jax.Array, values:
             out.append(None)
         elif c.ndim == 4:  # values
             out.append(c.at[layer, page, offset].set(to_lanes(x, c)))
-        else:  # scales [layers, pages, page_size * heads] of x [..., heads, 1] (heads 1: per token)
+        else:  # scales [layers, pages, heads * page_size] of x [..., heads, 1] (heads 1: per token)
             heads = c.shape[-1] // page_size
-            at = offset[..., None] * heads + jnp.arange(heads)  # [1, batch, n, heads]
+            at = jnp.arange(heads) * page_size + offset[..., None]  # [1, batch, n, heads]
             out.append(c.at[layer[..., None], page[..., None], at].set(x[..., 0].astype(c.dtype)))
     return KVCache(*out)
 
@@ -266,8 +267,10 @@ def _read_lanes(
         return values(cache.k), values(cache.v)
 
     def scales(x: jax.Array) -> jax.Array:
-        got = x[index, pages]  # [rows, n, page_size * kv_heads] or [rows, n, page_size]
-        heads = got.shape[-1] // cache.k.shape[2]
+        got = x[index, pages]  # [rows, n, heads * page_size] (heads: kv_heads, or 1 per token)
+        page_size = cache.k.shape[2]
+        heads = got.shape[-1] // page_size
+        got = jnp.swapaxes(got.reshape(rows, -1, heads, page_size), -1, -2)  # [rows, n, page_size, heads]
         return got.reshape(rows, -1, heads, 1)[:, :window].astype(dtype)
 
     return values(cache.k) * scales(cache.k_scale), values(cache.v) * scales(cache.v_scale)

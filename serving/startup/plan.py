@@ -32,7 +32,7 @@ from serving.engine.partitioning import Numerics
 from serving.models.config import ModelConfig
 from serving.quantization_mode import Quantization
 from serving.startup.profile import FROM_DEFAULT, FROM_PROFILE
-from serving.startup.slots import kv_share, memory_per_chip, size_slots
+from serving.startup.slots import kv_share, memory_per_chip, pool_layout_on, size_slots
 
 FROM_CHECKPOINT = "the checkpoint"
 # The figures the ready line says the origin of: (label, ServingConfig key).
@@ -112,7 +112,8 @@ def _sized(cfg: ServingConfig, model: ModelConfig, quantization: Quantization, d
     if memory is None:
         return None
     asked = max(1, int(cfg.per_device_batch_size))
-    numerics = Numerics.of(cfg, int8=quantization.int8)
+    layout = pool_layout_on(devices, cfg.cpu_kernels, cfg.attention)
+    numerics = Numerics.of(cfg, int8=quantization.int8, pool_layout=layout)
     sized = size_slots(
         model, numerics, cfg.parallelism(len(devices)), asked, cfg.max_target_length, memory, kv_share(devices)
     )

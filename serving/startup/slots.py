@@ -88,6 +88,14 @@ def memory_per_chip(devices: Sequence) -> int | None:
     return host // max(1, len(devices)) if host else None
 
 
+def pool_layout_on(devices: Sequence, cpu_kernels: str, attention: str) -> str:
+    """The KV pool's layout the engine will store on `devices` (serving.kernels.backend.select's
+    choice, made here without JAX: "lanes" for XLA's ops on TPUs, else "tokens"), so that slots are
+    sized from the bytes the engine will allocate."""
+    on_tpus = bool(devices) and all(getattr(d, "platform", "") == "tpu" for d in devices)
+    return "lanes" if on_tpus and cpu_kernels != "on" and attention != "paged" else "tokens"
+
+
 def kv_share(devices: Sequence) -> float:
     """ACCELERATOR_KV_SHARE where every device is an accelerator, else KV_SHARE (CPUs share the
     host's memory with everything else on it)."""
