@@ -6,9 +6,11 @@
    background warmup is done (the measurement waits for it: a request would compile a shape);
 2. HTTP over the socket: `concurrency` clients at once, each streaming-free completions of
    `max_tokens` tokens with ignore_eos, output tokens/s;
-3. the server stopped, the engine alone (generate back to back) and the offline driver (the device
-   loop's scheduler and executor, synchronously) on the same config, loadtest.tpu_probe's way;
-each rate with its ratio to the engine alone at the same batch. JSON to OUT/tpu-bench.json as
+3. the server stopped, the chip's measured limits (read bandwidth, bfloat16 and int8 matmul
+   rates), then the engine alone (generate back to back) and the offline driver (the device loop's
+   scheduler and executor, synchronously) on the same config, loadtest.tpu_probe's way;
+each rate with its ratio to the engine alone at the same batch, the engine's with its fraction of
+the roofline those limits allow. JSON to OUT/tpu-bench.json as
 each part finishes (a run cut short keeps what it measured).
 
     python -m loadtest.tpu_bench MODEL_DIR OUT_DIR [--batches 1,16,64] [--max-tokens 128] [key=value ...]
@@ -97,14 +99,66 @@ def stop_server(server: subprocess.Popen) -> None:
             server.wait()
 
 
-def engine_rates(model: str, overrides: list[str], batches: list[int], max_tokens: int) -> dict:
-    """The engine alone and the offline driver at each batch, brought up as serve brings it up."""
+def chip_rates(size: int) -> dict:
+    """The device's measured limits, best of 5 each: read bandwidth (a sum over 1 GiB of bfloat16),
+    bfloat16 and int8 matmul rates (size^3: 8192 on a TPU, where the MXU runs near its peak)."""
+    import jax
+    import jax.numpy as jnp
+
+    def best(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    x = jnp.ones((1 << 29,), jnp.bfloat16)
+    bandwidth = x.nbytes / best(jax.jit(jnp.sum), x)
+    del x
+    a = jnp.ones((size, size), jnp.bfloat16)
+    bf16 = 2 * size**3 / best(jax.jit(jnp.matmul), a, a)
+    q = jnp.ones((size, size), jnp.int8)
+    dot = jax.jit(lambda u, v: jax.lax.dot(u, v, preferred_element_type=jnp.int32))
+    int8 = 2 * size**3 / best(dot, q, q)
+    return {"hbm_bytes_per_s": bandwidth, "bf16_flop_per_s": bf16, "int8_op_per_s": int8, "matmul_size": size}
+
+
+def roofline(engine, params, chip: dict, batch: int, context: int) -> float:
+    """Decode tok/s the chip's measured limits allow at `batch` sequences of `context` positions:
+    every weight and each sequence's KV read once a step, 2 multiply-adds a weight a token, on the
+    MXU's int8 rate under W8A8 (quantization=int8), else its bfloat16 one."""
+    import jax
+
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    where, limits = engine.placement, engine.limits
+    kv_per_position = where.cache_bytes_per_chip() / (limits.num_pages * limits.page_size)
+    cfg = engine.model.config
+    matmul_params = cfg.num_layers * (
+        cfg.embed_dim * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.embed_dim
+        + 3 * cfg.embed_dim * cfg.mlp_dim
+    ) + cfg.embed_dim * cfg.vocab_size
+    rate = chip["int8_op_per_s"] if engine.config.quantization == "int8" else chip["bf16_flop_per_s"]
+    step = max((weights + batch * context * kv_per_position) / chip["hbm_bytes_per_s"], 2 * matmul_params * batch / rate)
+    return batch / step
+
+
+def engine_rates(model: str, overrides: list[str], batches: list[int], max_tokens: int, rate_size: int) -> dict:
+    """The chip's limits, then the engine alone and the offline driver at each batch (brought up as
+    serve brings it up), each with its fraction of the roofline."""
     from loadtest.tpu_probe import _bring_up, engine_alone, offline
     from serving.orchestrator.executor import Executor
 
+    chip = chip_rates(rate_size)
+    print(json.dumps(chip), file=sys.stderr, flush=True)
     started = time.perf_counter()
     engine, params, tokenizer = _bring_up(model, overrides)
-    out = {"bring_up_s": time.perf_counter() - started, "summary": engine.summary(), "slots": engine.max_concurrent_decodes}
+    out = {
+        "chip": chip, "bring_up_s": time.perf_counter() - started, "summary": engine.summary(),
+        "slots": engine.max_concurrent_decodes,
+    }
     prompt_ids = tokenizer.encode(PROMPT)
     executor = Executor(engine, params)
     for batch in batches:
@@ -112,7 +166,11 @@ def engine_rates(model: str, overrides: list[str], batches: list[int], max_token
         offline(engine, params, executor, prompt_ids, batch, 16)
         alone = engine_alone(engine, params, prompt_ids, batch, max_tokens)
         driven = offline(engine, params, executor, prompt_ids, batch, max_tokens)
-        out[f"b{batch}"] = {"engine_tok_s": alone, "offline_tok_s": driven, "offline_over_engine": driven / alone}
+        bound = roofline(engine, params, chip, batch, len(prompt_ids) + max_tokens // 2)
+        out[f"b{batch}"] = {
+            "engine_tok_s": alone, "offline_tok_s": driven, "offline_over_engine": driven / alone,
+            "roofline_tok_s": bound, "engine_of_roofline": alone / bound,
+        }
         print(json.dumps({batch: out[f"b{batch}"]}), file=sys.stderr, flush=True)
     return out
 
@@ -125,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--skip-engine", action="store_true", help="the served path only")
+    parser.add_argument("--rate-size", type=int, default=8192, help="the matmul's side for the MXU rates")
     parser.add_argument("overrides", nargs="*", help="key=value for both the server and the engine parts")
     ns = parser.parse_intermixed_args(argv)
     ns.out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_server(server)
     if not ns.skip_engine:
-        report["engine"] = engine_rates(ns.model, ns.overrides, batches, ns.max_tokens)
+        report["engine"] = engine_rates(ns.model, ns.overrides, batches, ns.max_tokens, ns.rate_size)
         for batch in batches:
             http, alone = report["http"].get(f"b{batch}"), report["engine"].get(f"b{batch}")
             if http and alone:
