@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -397,3 +398,7 @@ def _grpc_runner(
         return run_grpc_level(address, prompts, prompt_ids, concurrency, requests, ns.duration, metadata)
 
     return run, f"grpc://{address}", model
+
+
+if __name__ == "__main__":  # `pathserve bench serve` runs this, naming itself in PATHSERVE_BENCH_PROG
+    raise SystemExit(main(sys.argv[1:], prog=os.environ.get("PATHSERVE_BENCH_PROG", "pathserve bench serve")))

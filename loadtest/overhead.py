@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -113,3 +114,7 @@ def _expect(process: subprocess.Popen, key: str) -> dict:
     if key not in reply:
         raise SystemExit(f"the offline engine answered {line!r}")
     return reply
+
+
+if __name__ == "__main__":  # `pathserve bench overhead` runs this, naming itself in PATHSERVE_BENCH_PROG
+    raise SystemExit(main(sys.argv[1:], prog=os.environ.get("PATHSERVE_BENCH_PROG", "pathserve bench overhead")))

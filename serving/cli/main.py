@@ -459,18 +459,21 @@ def offline_parser(prog: str = "pathserve bench offline") -> argparse.ArgumentPa
     return parser
 
 
+# `pathserve bench serve` and `bench overhead` are loadtest's HTTP benchmarks: programs of their
+# own (the product imports nothing of loadtest), told the name they run under.
+BENCH_PROG_ENV = "PATHSERVE_BENCH_PROG"
+BENCH_PROGRAMS = {"serve": "loadtest.bench", "overhead": "loadtest.overhead"}
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
     prog = f"pathserve bench {ns.what}"
-    if ns.what == "serve":
-        from loadtest.bench import main as bench_serve
+    if ns.what in BENCH_PROGRAMS:
+        import subprocess
 
-        return bench_serve(ns.rest, prog=prog)
-    if ns.what == "overhead":
-        from loadtest.overhead import main as overhead
-
-        return overhead(ns.rest, prog=prog)
+        command = [sys.executable, "-m", BENCH_PROGRAMS[ns.what], *ns.rest]
+        return subprocess.run(command, env={**os.environ, BENCH_PROG_ENV: prog}).returncode
     offline_ns = offline_parser(prog).parse_args(ns.rest)
-    from loadtest.offline import measure, serve_rounds
+    from serving.offline_bench import measure, serve_rounds
 
     # as `serve` has them (the serving profile under the arguments, where each key came from):
     # `bench overhead` runs both on one set of arguments and compares them

@@ -140,7 +140,7 @@ def test_an_offline_round_runs_on_the_executor_it_is_given(monkeypatch):
     """The offline side's rounds time requests only: a new executor per run allocated the KV pool
     inside the timing (the default model at batch 1 read 59-103 tok/s offline against 150-158 over
     HTTP). On the mock engine, whose tokens are known."""
-    from loadtest import offline
+    from serving import offline_bench as offline
     from serving.engine.mock import MockEngine
     from serving.orchestrator import offline as driver
     from serving.orchestrator.executor import Executor
@@ -164,7 +164,7 @@ def test_the_offline_engine_takes_the_config_serve_takes(monkeypatch, tmp_path, 
     side read them without the serving profile (4 decode steps a call, no slot buckets, prompts
     prefilled one at a time), so HTTP / offline compared two configs. Through `pathserve bench
     offline` itself, with the measurement replaced by one that records what it was given."""
-    import loadtest.offline
+    import serving.offline_bench
     from serving.cli.main import _given, build_parser, main
 
     given = {}
@@ -173,7 +173,7 @@ def test_the_offline_engine_takes_the_config_serve_takes(monkeypatch, tmp_path, 
         given.update(cfg=cfg, source=source, origins=dict(origins or {}))
         return {"tokens_per_s": 1.0}
 
-    monkeypatch.setattr(loadtest.offline, "measure", record)
+    monkeypatch.setattr(serving.offline_bench, "measure", record)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([{"prompt": "Hello"}]))
     args = [str(tmp_path), "quantization=int8w", "per_device_batch_size=32"]  # SOURCE: a path that exists

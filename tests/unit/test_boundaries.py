@@ -127,3 +127,18 @@ def test_front_ends_deploy_and_the_cli_import_no_jax():
 
 def test_the_jax_check_sees_jax():
     assert "jax" in _jax_modules_after_importing(("serving.models.llama",))
+
+
+def test_the_product_imports_nothing_of_loadtest():
+    """loadtest speaks HTTP to a server (or is run as a program); `serving`, its CLI included,
+    never imports it: `pathserve bench serve / overhead` run loadtest's programs as processes."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "serving").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.relative_to(REPO)}: {n}" for n in names if n == "loadtest" or n.startswith("loadtest.")]
+    assert found == []

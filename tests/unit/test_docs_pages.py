@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from itertools import takewhile
 
 import pytest
@@ -29,12 +31,18 @@ def synopses() -> list[tuple[str, int, str]]:
 
 
 def _help_of(words: list[str]) -> str:
-    """`pathserve WORDS --help` as printed (the bench commands hand --help to their own parsers)."""
+    """`pathserve WORDS --help` as printed (the bench commands hand --help to their own parsers;
+    `bench serve` and `bench overhead` to loadtest's programs, run as processes)."""
     from contextlib import redirect_stdout
     from io import StringIO
 
-    from serving.cli.main import main
+    from serving.cli.main import BENCH_PROGRAMS, main
 
+    if len(words) == 2 and words[0] == "bench" and words[1] in BENCH_PROGRAMS:
+        run = subprocess.run(
+            [sys.executable, "-m", BENCH_PROGRAMS[words[1]], "--help"], capture_output=True, text=True, cwd=REPO
+        )
+        return run.stdout
     out = StringIO()
     with redirect_stdout(out), pytest.raises(SystemExit):
         main([*words, "--help"])

@@ -1,5 +1,6 @@
 """Offline engine throughput: the baseline the HTTP server's overhead is measured against
-(`pathserve bench offline`, run by `pathserve bench overhead`)."""
+(`pathserve bench offline`, run by `pathserve bench overhead`). Part of the product (it brings the
+engine up as serve does); the HTTP benchmarks are loadtest's, run by the CLI as programs of their own."""
 
 from __future__ import annotations
 
