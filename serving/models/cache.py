@@ -23,7 +23,9 @@ function here tells them apart by the arrays' rank):
   loadtest.tpu_probe); an int8 pool stored as int8 was copied between (8, 128) and (32, 128)
   tiles. In this layout, written by one scatter at explicit (layer, page, offset) indices, the
   generate program has no copy of the pool (tests/test_tpu.py reads its compiled HLO).
-The bytes are the same in both (row-major): only the arrays' shapes and dtype differ.
+The same values in both (the lanes scales head-major); a TPU pads a lanes minor axis that is not a
+multiple of 128 lanes (kv_heads x head_dim below 512 in int8), which the memory plan counts
+(serving.engine.compiled_memory).
 """
 
 from __future__ import annotations
