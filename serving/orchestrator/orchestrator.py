@@ -5,7 +5,8 @@
    `max_queued_requests` requests, counting those in slots and those queued alike (a free slot is
    room, even before the device loop has taken anyone into it); beyond that `submit` fails at once
    with `QueueFullError`, so callers can answer "busy" instead of waiting.
-2. The device thread loops, each turn deciding, then executing:
+2. The device thread loops; each turn is one `_step` (schedule, execute, update), an empty plan an
+   idle wait for the next submit:
    a. decide (serving.orchestrator.scheduler, plain Python): the slots of cancelled requests are
       freed (decoding or still prefilling), queued requests take the lowest free slots, the next
       prompt chunks are picked for one batched prefill (prefix-cache blocks reused and kept), a
@@ -56,7 +57,7 @@ from serving.lora.errors import UnknownAdapterError
 from serving.orchestrator.executor import AdapterWeights, Executor
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.proposers import Speculator
-from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
+from serving.orchestrator.scheduler import Scheduler, StepOutcome, StepPlan, Waiting
 from serving.orchestrator.streams import (
     END,
     Completion,
@@ -291,49 +292,76 @@ class Orchestrator:
             handoffs=self.config.disaggregated,
         )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
-            cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
-            masks = {
-                rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
-            }
-            groups = self._take(scheduler.room(cancelled))
-            for group, _load in groups:
-                running.update((r.request_id, r) for r in group)
-            plan = scheduler.schedule([_waiting(group, load) for group, load in groups], cancelled, masks)
-            for rid in cancelled:
-                self._finish(running.pop(rid), "cancelled")
-            self._left_slots(len(cancelled))
-            self.metrics.queued = self._waiting()
-            self.metrics.active_slots = scheduler.num_used
-            if self.adapters is not None:
-                self._record_waiting_adapters()
-            warmup = executor.background_warmup
-            self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
-            if plan.empty:
+            if not self._step(scheduler, executor, running):
                 executor.idle()
                 self.last_progress = time.monotonic()
                 self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
-                continue
-            slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
-            if plan.decode_steps:
-                self._maybe_start_trace()
-            outcome = executor.run(
-                plan, on_first_token=lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)
-            )
-            for seconds in executor.timings.prefills:
-                self.metrics.observe("prefill_step", seconds)
-            if executor.timings.generate is not None:
-                self.metrics.observe("generate_step", executor.timings.generate)
-                self._maybe_stop_trace()
-            self.last_progress = time.monotonic()
-            self._deliver(outcome, slots)
-            finished = scheduler.update(plan, outcome)
-            for rid, _slot in finished:
-                request = running.pop(rid)
-                self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
-            self._left_slots(len(finished))
-            self._record(scheduler)
         executor.close()
+
+    def _step(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> bool:
+        """One turn of the device loop: schedule (the queue's heads and the cancellations into a
+        plan), execute (the plan on the engine, first tokens streamed as they come), update (the
+        tokens onto their streams, the scheduler's records, the finished requests ended). False
+        when the plan was empty (nothing ran)."""
+        plan = self._schedule(scheduler, executor, running)
+        if plan.empty:
+            return False
+        slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
+        outcome = self._execute(executor, plan, slots)
+        self._update(scheduler, plan, outcome, slots, running)
+        return True
+
+    def _schedule(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> StepPlan:
+        """The turn's plan: cancelled requests end, queued ones (with their adapters' loads) and the
+        running ones' grammar masks go to the scheduler; the metrics of the queue and the slots."""
+        cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
+        masks = {
+            rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
+        }
+        groups = self._take(scheduler.room(cancelled))
+        for group, _load in groups:
+            running.update((r.request_id, r) for r in group)
+        plan = scheduler.schedule([_waiting(group, load) for group, load in groups], cancelled, masks)
+        for rid in cancelled:
+            self._finish(running.pop(rid), "cancelled")
+        self._left_slots(len(cancelled))
+        self.metrics.queued = self._waiting()
+        self.metrics.active_slots = scheduler.num_used
+        if self.adapters is not None:
+            self._record_waiting_adapters()
+        warmup = executor.background_warmup
+        self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
+        return plan
+
+    def _execute(self, executor: Executor, plan: StepPlan, slots: dict[int, Request]) -> StepOutcome:
+        """The plan on the engine (traced when a profile was asked for), its calls' times observed."""
+        if plan.decode_steps:
+            self._maybe_start_trace()
+        outcome = executor.run(
+            plan, on_first_token=lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)
+        )
+        for seconds in executor.timings.prefills:
+            self.metrics.observe("prefill_step", seconds)
+        if executor.timings.generate is not None:
+            self.metrics.observe("generate_step", executor.timings.generate)
+            self._maybe_stop_trace()
+        self.last_progress = time.monotonic()
+        return outcome
+
+    def _update(
+        self, scheduler: Scheduler, plan: StepPlan, outcome: StepOutcome, slots: dict[int, Request],
+        running: dict[int, Request],
+    ) -> None:
+        """The generate call's tokens onto their streams, the scheduler's records updated, and the
+        requests that finished ended (stop or length)."""
+        self._deliver(outcome, slots)
+        finished = scheduler.update(plan, outcome)
+        for rid, _slot in finished:
+            request = running.pop(rid)
+            self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
+        self._left_slots(len(finished))
+        self._record(scheduler)
 
     def _speculator(self) -> Speculator | None:
         """Speculative decoding's proposer and policy (None with speculative_method=none)."""
