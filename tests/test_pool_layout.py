@@ -109,3 +109,24 @@ def test_warmup_compiles_in_parallel_and_runs_what_it_compiled(tiny_model_dir, m
     cold_params = cold.load_params()
     assert not cold._generate_compiled
     assert [r.token_ids for r in run_to_completion(cold, cold_params, requests)] == warmed
+
+
+def test_a_lanes_pools_bytes_count_the_tpus_padding_of_a_narrow_minor_axis():
+    """Slots are sized from these bytes: a lanes pool pads its minor axis to 128 lanes on a TPU, so
+    SmolLM2's int8 3 x 64 (48 int32 lanes, scales 3 x 32) takes 128 of each; Llama 3.2 1B's 8 x 64
+    (128 lanes, scales 8 x 32) nothing more."""
+    from serving.config import load_model_config
+    from serving.engine.partitioning import Numerics, placement
+
+    cfg = ServingConfig(quantize_kvcache=True)
+    axes = {"fsdp": 1, "autoregressive": 1, "tensor": 1}
+
+    def kv_bytes(shape: str, layout: str) -> int:
+        where = placement(load_model_config(shape), Numerics.of(cfg, pool_layout=layout), axes, 1, 32)
+        return where.cache_bytes_per_chip()
+
+    model = load_model_config("smollm2-135m")
+    # one page of k and v: 32 positions x 128 int32 lanes of values, one row of 128 float32 scales
+    padded = 2 * model.num_layers * (32 * 128 * 4 + 128 * 4)
+    assert kv_bytes("smollm2-135m", "lanes") == padded > kv_bytes("smollm2-135m", "tokens")
+    assert kv_bytes("llama3.2-1b", "lanes") == kv_bytes("llama3.2-1b", "tokens")

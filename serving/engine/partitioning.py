@@ -123,10 +123,14 @@ class Leaf:
     dtype: str
     spec: Spec
     logical: tuple[Logical, ...] = ()
+    # the minor axis as the device lays it out, rounded up to a multiple of this (a TPU's 128
+    # lanes for the lanes pool: serving.models.cache); 1: as the shape says
+    lanes: int = 1
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        *major, minor = self.shape or (1,)
+        return math.prod(major) * -(-minor // self.lanes) * self.lanes * DTYPE_BYTES[self.dtype]
 
     def ways(self, axes: Mapping[str, int]) -> int:
         """Into how many pieces the spec cuts the leaf (the mesh size over this is its copies)."""
@@ -306,21 +310,26 @@ def _cache_leaves(
     return out
 
 
+TPU_LANES = 128  # a TPU tile's minor axis: a lanes pool's minor axis is padded to a multiple of it
+
+
 def _lanes_leaves(numerics: Numerics, spec: Spec, shape: tuple[int, ...]) -> dict[Path, Leaf]:
     """The lanes layout's leaves (serving.models.cache): k, v [layers, pages, page_size,
     kv_heads * head_dim] split as the heads are (a contiguous piece of the merged axis is whole
     heads when the heads divide), int8 values four to an int32 lane, scales [layers, pages,
-    kv_heads * page_size] split as the heads are (one per token: [layers, pages, page_size])."""
+    kv_heads * page_size] split as the heads are (one per token: [layers, pages, page_size]); their
+    bytes as a TPU lays them out (the minor axis padded to 128 lanes: SmolLM2's 3 x 64 int8 takes
+    2.67x its values' bytes)."""
     width = shape[3] * shape[4]
     values_spec, names = (*spec[:3], spec[3] + spec[4]), (*CACHE_NAMES[:3], CACHE_NAMES[3] + CACHE_NAMES[4])
     if not numerics.quantize_kvcache:
-        return {(n,): Leaf((*shape[:3], width), numerics.dtype, values_spec, names) for n in ("k", "v")}
-    out = {(n,): Leaf((*shape[:3], width // 4), "int32", values_spec, names) for n in ("k", "v")}
+        return {(n,): Leaf((*shape[:3], width), numerics.dtype, values_spec, names, TPU_LANES) for n in ("k", "v")}
+    out = {(n,): Leaf((*shape[:3], width // 4), "int32", values_spec, names, TPU_LANES) for n in ("k", "v")}
     if numerics.kv_quant_axis == "heads_and_dkv":  # one scale per token, on every chip of its pages
-        scale = Leaf((*shape[:2], shape[2]), SCALE_DTYPE, (*spec[:2], spec[2]), CACHE_NAMES[:3])
+        scale = Leaf((*shape[:2], shape[2]), SCALE_DTYPE, (*spec[:2], spec[2]), CACHE_NAMES[:3], TPU_LANES)
     else:  # head-major: split as the heads are
         names_ = (*CACHE_NAMES[:2], CACHE_NAMES[3] + CACHE_NAMES[2])
-        scale = Leaf((*shape[:2], shape[3] * shape[2]), SCALE_DTYPE, (*spec[:2], spec[3] + spec[2]), names_)
+        scale = Leaf((*shape[:2], shape[3] * shape[2]), SCALE_DTYPE, (*spec[:2], spec[3] + spec[2]), names_, TPU_LANES)
     out.update({(n,): scale for n in ("k_scale", "v_scale")})
     return out
 
