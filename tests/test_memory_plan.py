@@ -78,3 +78,14 @@ def test_serve_starts_when_the_plan_fits(tiny_model_dir, monkeypatch):
     up = launch.bring_up(_config(), str(tiny_model_dir))
     assert isinstance(up, launch.BroughtUp) and up.engine.max_concurrent_decodes == 4 and up.params
     assert up.model.params == {} and up.prefill is None  # the placed params are the only copy
+
+
+def test_the_slots_a_decode_call_computes_are_uploaded_once(tiny_model_dir):
+    """Nothing that did not change is uploaded per call: the same slots give the same device array."""
+    from serving.checkpoints.model_source import load_model
+
+    cfg = _config()
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    first = engine.call_rows(None, [0, 2])
+    assert engine.call_rows(None, [0, 2]) is first and engine.call_rows(None, [0, 1]) is not first
+    assert first.tolist() == [0, 2]

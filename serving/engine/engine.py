@@ -79,6 +79,7 @@ from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
 log = logging.getLogger(__name__)
 
 MIN_WINDOW = 128
+ROWS_KEPT = 256  # call_rows' device arrays kept (the slot sets decoding lately)
 
 
 def attention_windows(max_target_length: int, min_window: int = MIN_WINDOW, growth: int = 2) -> list[int]:
@@ -193,6 +194,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
+        self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
         self.history_windows = attention_windows(  # what a chunk may read
             config.max_target_length, self.ops.min_window, self.ops.shape_growth
         )
@@ -359,7 +361,13 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
                 raise ValueError(f"slots must be distinct slots of 0..{total - 1}, got {rows.tolist()}")
         if len(rows) not in self.limits.decode_buckets:
             raise ValueError(f"{len(rows)} slots is not one of the decode buckets {self.limits.decode_buckets}")
-        return jnp.asarray(rows)
+        key = tuple(rows.tolist())
+        placed = self._rows_on_device.get(key)
+        if placed is None:  # uploaded once while the same slots decode call after call
+            if len(self._rows_on_device) >= ROWS_KEPT:
+                self._rows_on_device.clear()
+            placed = self._rows_on_device[key] = jnp.asarray(rows)
+        return placed
 
     def window_for(self, max_position: int | None, steps: int | None = None) -> int:
         """The smallest attention window holding every active slot through one generate call of
