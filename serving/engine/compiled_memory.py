@@ -9,6 +9,8 @@ generate held 2.8 GB of temporaries on a v5e, ten times the estimate, before the
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,14 +82,10 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True) -
     if params is None:
         return None
     state, limits = abstract_state(engine), engine.limits
-    resident, programs = 0, {}
+    lowered_programs: list[tuple[str, object, bool]] = []
 
     def add(name: str, lowered, holds_state: bool) -> None:
-        nonlocal resident
-        arguments, extra = _footprint(lowered)
-        if holds_state:
-            resident = max(resident, arguments)
-        programs[name] = extra
+        lowered_programs.append((name, lowered, holds_state))
 
     if generate:
         bucket, window = limits.decode_buckets[-1], engine.windows[-1]
@@ -124,6 +122,14 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True) -
                 ),
                 False,
             )
+    # lowered here, compiled at once on the host's cores (XLA's compiles release the GIL)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(lowered_programs), os.cpu_count() or 1))) as pool:
+        footprints = list(pool.map(_footprint, [lowered for _, lowered, _ in lowered_programs]))
+    resident, programs = 0, {}
+    for (name, _, holds_state), (arguments, extra) in zip(lowered_programs, footprints, strict=True):
+        if holds_state:
+            resident = max(resident, arguments)
+        programs[name] = extra
     if not resident:  # neither program holds the state: the placement's own bytes
         resident = engine.placement.params_bytes_per_chip() + engine.placement.cache_bytes_per_chip()
     return CompiledPlan(resident, programs)
