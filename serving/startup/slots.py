@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.engine.memory import device_limit
 from serving.engine.partitioning import MESH_AXES, Numerics, placement
 from serving.models.config import ModelConfig
 
@@ -74,16 +75,9 @@ def size_slots(
 def memory_per_chip(devices: Sequence) -> int | None:
     """The smallest `bytes_limit` the devices report, or for CPU devices (which report none) the
     host's memory shared among them; None when neither is known."""
-    limits = []
-    for device in devices:
-        try:
-            stats = device.memory_stats()
-        except Exception:  # backends without memory stats raise or return None
-            stats = None
-        if (stats or {}).get("bytes_limit"):
-            limits.append(int(stats["bytes_limit"]))
-    if limits:
-        return min(limits)
+    limit = device_limit(devices)
+    if limit is not None:
+        return limit
     host = host_memory()
     return host // max(1, len(devices)) if host else None
 
