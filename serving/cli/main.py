@@ -21,7 +21,7 @@ from serving.config import ConfigError, ServingConfig
 from serving.deploy import cli as deploy_cli
 from serving.errors import GenerationError, UserError
 from serving.maxtext_config import is_config_file
-from serving.startup.profile import Given, given_config
+from serving.startup.profile import FROM_DEFAULT, Given, given_config
 
 if TYPE_CHECKING:  # the model commands import JAX when they run, not when the CLI starts
     from serving.launch import Launched
@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "configs/serving/default.yml apply under the key=value overrides.",
     )
     _add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 in a container)")
+    serve.add_argument("--port", type=_port, help="default 8000")
     serve.add_argument(
         "--uds",
         metavar="PATH",
@@ -377,9 +377,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from serving.api.server import serve
 
     given, source = _given(ns)
+    if ns.uds:  # nothing given is left unheard: TCP's flags and a gRPC port have no place on a socket
+        if ns.host is not None or ns.port is not None:
+            raise ConfigError("--uds listens on a unix socket: give it, or --host/--port, not both")
+        if given.origin("grpc_port") != FROM_DEFAULT and given.config.grpc_port != 0:
+            raise ConfigError(
+                f"grpc_port={given.config.grpc_port} with --uds: gRPC listens on {ns.uds}.grpc there "
+                "(grpc_port=0 turns it off)"
+            )
     if not _is_leader(given.config):
         return _follow(ns.command, given, source)
-    return serve(given.config, source, ns.host, ns.port, given.origins, uds=ns.uds)
+    host = "127.0.0.1" if ns.host is None else ns.host
+    port = 8000 if ns.port is None else ns.port
+    return serve(given.config, source, host, port, given.origins, uds=ns.uds)
 
 
 def cmd_batch(ns: argparse.Namespace) -> int:

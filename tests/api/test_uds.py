@@ -36,3 +36,17 @@ def test_serve_on_a_unix_socket_with_the_openai_client(tiny_model_dir):
             assert "listening on http+unix://" in server.output()
         finally:
             assert server.stop() == 0
+
+
+def test_flags_a_unix_socket_cannot_honour_are_refused(tmp_path, capsys):
+    """--host/--port or a gRPC port beside --uds would be silently ignored: refused, naming them."""
+    from serving.cli.main import EXIT_USAGE, main
+
+    uds = str(tmp_path / "s.sock")
+    for args, named in (
+        (["--uds", uds, "--port", "8001"], "--host/--port"),
+        (["--uds", uds, "--host", "0.0.0.0"], "--host/--port"),
+        (["--uds", uds, "grpc_port=9001"], "grpc_port=9001 with --uds"),
+    ):
+        assert main(["serve", str(tmp_path), *args]) == EXIT_USAGE
+        assert named in capsys.readouterr().err
