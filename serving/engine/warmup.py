@@ -49,23 +49,9 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
         prefix, _ = engine.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
         state = engine.insert(prefix, state, 0)
     state = engine.free_resource(state, 0)
-    shapes, chunk = 0, limits.prefill_chunk_size
-
-    def fits(rows: int, length: int) -> bool:  # one row always goes; several within the budget
-        return rows == 1 or rows * length <= limits.prefill_batch_tokens
-
-    for length in (b for b in limits.buckets if b <= chunk):
-        for rows in (r for r in engine.row_buckets if fits(r, length)):
-            batch = [PrefillRow(i, (1,) * length, 0, True, probe) for i in range(rows)]
-            state, _ = engine.prefill_slots(params, state, batch)
-            shapes += 1
-    for window in engine.history_windows:
-        at = min(window, limits.max_target_length - chunk)
-        if at > 0 and engine.history_window(at) == window:
-            for rows in (r for r in engine.row_buckets if fits(r, chunk)):  # long prompts' middle chunks
-                batch = [PrefillRow(i, (1,) * chunk, at, True, probe) for i in range(rows)]
-                state, _ = engine.prefill_slots(params, state, batch)
-                shapes += 1
+    shapes = chunk_shapes(engine)  # fresh prompts, then long prompts' middle chunks
+    for rows, length, at in shapes:
+        state, _ = engine.prefill_slots(params, state, _rows(rows, length, at, probe))
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
     if generate:
@@ -78,7 +64,7 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
         "(%d slot buckets x %d windows; %d of them compiled in parallel first) in %.1f s",
         len(limits.buckets),
-        shapes,
+        len(shapes),
         len(limits.decode_buckets) * len(engine.windows),
         len(limits.decode_buckets),
         len(engine.windows),
@@ -88,21 +74,27 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     return seconds, background
 
 
+def _fits(engine: Engine, rows: int, length: int) -> bool:
+    """One row always goes in a prefill_slots call; several within its token budget."""
+    return rows == 1 or rows * length <= engine.limits.prefill_batch_tokens
+
+
+def _rows(rows: int, length: int, at: int, probe: SamplingParams) -> list[PrefillRow]:
+    """A prefill_slots call's rows of `length` tokens starting at `at`, in slots 0..rows-1."""
+    return [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
+
+
 def rest_shapes(engine: Engine) -> list[tuple[int, int, int]]:
     """(rows, length, history window) of the partial chunks after cached positions (a prefix hit's
     rest, a long prompt's last chunk), the shortest first: a prefix hit's is usually a short question."""
     limits = engine.limits
-
-    def fits(rows: int, length: int) -> bool:
-        return rows == 1 or rows * length <= limits.prefill_batch_tokens
-
     return [
         (rows, length, window)
         for length in limits.buckets
         if length < limits.prefill_chunk_size
         for window in engine.history_windows
         for rows in engine.row_buckets
-        if fits(rows, length)
+        if _fits(engine, rows, length)
     ]
 
 
@@ -124,21 +116,17 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
     """(rows, length, start) of every prefill_slots call warmup runs: fresh prompts of each length
     up to a chunk, and full chunks after each history window."""
     limits, chunk = engine.limits, engine.limits.prefill_chunk_size
-
-    def fits(rows: int, length: int) -> bool:
-        return rows == 1 or rows * length <= limits.prefill_batch_tokens
-
     shapes = [
         (rows, length, 0)
         for length in limits.buckets
         if length <= chunk
         for rows in engine.row_buckets
-        if fits(rows, length)
+        if _fits(engine, rows, length)
     ]
     for window in engine.history_windows:
         at = min(window, limits.max_target_length - chunk)
         if at > 0 and engine.history_window(at) == window:
-            shapes += [(rows, chunk, at) for rows in engine.row_buckets if fits(rows, chunk)]
+            shapes += [(rows, chunk, at) for rows in engine.row_buckets if _fits(engine, rows, chunk)]
     return shapes
 
 
@@ -155,14 +143,10 @@ def precompile_parallel(
 
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     probe = SamplingParams(max_tokens=1)
-    jobs = [
-        (engine.precompile_prefill_slots, (params, spec, [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]))
-        for rows, length, at in chunk_shapes(engine)
-    ]
     starts = [(rows, length, rest_start(engine, length, window)) for rows, length, window in rest]
-    jobs += [
-        (engine.precompile_prefill_slots, (params, spec, [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]))
-        for rows, length, at in starts
+    jobs = [
+        (engine.precompile_prefill_slots, (params, spec, _rows(rows, length, at, probe)))
+        for rows, length, at in [*chunk_shapes(engine), *starts]
         if at is not None
     ]
     if generate:
@@ -181,15 +165,8 @@ def _warm_generate(engine: Engine, params: dict, state):
     """generate for every slot bucket and attention window (every slot free)."""
     steps = engine.config.decode_steps_per_call
     for num_slots in engine.limits.decode_buckets:
-        for window in engine.windows:
-            rows = engine.call_rows(num_slots, None)
-            # the executable precompile_parallel made, where it made one: the jit's own call is
-            # keyed by its inputs' shardings too, and would compile the shape again
-            compiled = engine._generate_compiled.get((num_slots, window, steps))
-            if compiled is not None:
-                state, _ = compiled(params, state, None, rows)
-            else:
-                state, _ = engine._generate_fn(params, state, None, rows, window=window, steps=steps)
+        for window in engine.windows:  # the position that makes generate choose this window
+            state, _ = engine.generate(params, state, max_position=window - steps, num_slots=num_slots)
     return state
 
 
@@ -305,8 +282,7 @@ class BackgroundWarmup:
                     break
                 at = rest_start(engine, length, window)
                 if at is not None:
-                    batch = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
-                    compiled += engine.precompile_prefill_slots(self._params, self._spec, batch)
+                    compiled += engine.precompile_prefill_slots(self._params, self._spec, _rows(rows, length, at, probe))
                 self.pending -= 1
         except Exception:  # never the device loop's problem: what is left compiles at first use
             log.exception("background warmup failed; the shapes left compile at first use")
