@@ -48,9 +48,12 @@ def hf_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (cfg.vocab_size, dim)
 
 
-def write_random_model(out: Path, shape: str, tokenizer_dir: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """Write the directory `out` (config.json, model.safetensors, the tokenizer's files); returns it."""
-    cfg = load_model_config(shape)
+def write_random_model(
+    out: Path, shape: str | ModelConfig, tokenizer_dir: Path, dtype: str = "bfloat16", seed: int = 0
+) -> Path:
+    """Write the directory `out` (config.json, model.safetensors, the tokenizer's files) of `shape`
+    (a preset's name, or a ModelConfig); returns it. Needs numpy alone (no torch: a TPU VM has none)."""
+    cfg = load_model_config(shape) if isinstance(shape, str) else shape
     numpy_dtype, code = DTYPES[dtype]
     out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:  # tokenizer.json at least

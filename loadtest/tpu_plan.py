@@ -20,8 +20,9 @@ from pathlib import Path
 V5E_BYTES_LIMIT = 16_909_336_576  # 15.75 GiB: a v5e's bytes_limit as JAX 0.10.2 reports it
 
 
-def abstract_model(shape: str, tokenizer_dir: Path, quantization: str, weight_dtype: str):
-    """A LoadedModel of `shape` whose params are ShapeDtypeStructs (quantized as `quantization` says)."""
+def abstract_model(shape, tokenizer_dir: Path, quantization: str, weight_dtype: str):
+    """A LoadedModel of `shape` (a preset's name or a ModelConfig) whose params are
+    ShapeDtypeStructs (quantized as `quantization` says)."""
     import jax
     import jax.numpy as jnp
 
@@ -31,7 +32,7 @@ def abstract_model(shape: str, tokenizer_dir: Path, quantization: str, weight_dt
     from serving.models.quantization import QuantizedWeight, scale_axis
     from serving.text.tokenizer import load_tokenizer
 
-    cfg = load_model_config(shape)
+    cfg = load_model_config(shape) if isinstance(shape, str) else shape
     dtype = jnp.dtype(weight_dtype)
     params: dict = {"layers": {}}
     for name, dims in param_shapes(cfg).items():
@@ -51,7 +52,7 @@ def abstract_model(shape: str, tokenizer_dir: Path, quantization: str, weight_dt
     params = {k: quantized(k, v) for k, v in params.items() if k != "layers"} | {
         "layers": {k: quantized(k, v) for k, v in params["layers"].items()}
     }
-    return LoadedModel(cfg, params, load_tokenizer(tokenizer_dir), f"random {shape}")
+    return LoadedModel(cfg, params, load_tokenizer(tokenizer_dir), f"random {cfg.name}")
 
 
 def main(argv: list[str] | None = None) -> int:

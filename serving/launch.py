@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ServingConfig
@@ -40,6 +40,7 @@ class Launched:
     # a disaggregated server over multi-controller process groups: `engine` is this process's
     # (process 0's: the prefill engine, mirroring the generate engine's limits)
     groups: ProcessGroups | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # bring_up's, in order (BroughtUp.phases)
 
     @property
     def model_name(self) -> str:
@@ -60,8 +61,14 @@ class Launched:
             f"{per_chip * limits.page_size} tokens per chip), "
             f"quantization={what['quantization']}, kv cache {what['kv_cache']} placed {cache} over "
             f"{self.engine.placement.axes}, {what['backend']} backend; {self._sides()}"
-            f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s; from: {self.plan.origins_line()}"
+            f"warmup {self.warmup_s:.1f} s, start-up {self.startup_s:.1f} s{self._phases()}; "
+            f"from: {self.plan.origins_line()}"
         )
+
+    def _phases(self) -> str:
+        if not self.phases:
+            return ""
+        return " (" + ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases.items()) + ")"
 
     def _sides(self) -> str:
         if (groups := self.groups) is not None:
@@ -119,7 +126,8 @@ def launch(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | 
             lambda: time.monotonic() - orchestrator.last_progress if orchestrator.has_work else 0.0,
             max_stall_s=cfg.liveness_timeout_s + cfg.distributed_timeout_s,
         )
-    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started, prefill, groups)
+    phases = {**up.phases, "device loop": time.perf_counter() - started - sum(up.phases.values())}
+    return Launched(plan, model, engine, orchestrator, warmup, time.perf_counter() - started, prefill, groups, phases)
 
 
 def follow_plans(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> int:
@@ -176,7 +184,9 @@ class PrefillSide:
 class BroughtUp:
     """What `bring_up` made: the plan it ran, the model without its loaded params (config and
     tokenizer: the placed params are the only copy), the engine and its params on the mesh, the
-    seconds of warmup in the foreground, and a disaggregated server's prefill side (else None)."""
+    seconds of warmup in the foreground, a disaggregated server's prefill side (else None), and
+    the seconds of each phase in order (runtime, plan, load, memory plan, placement, warmup: what
+    the ready line breaks start-up into, so that a slow start names its phase)."""
 
     plan: LaunchPlan
     model: LoadedModel
@@ -184,6 +194,7 @@ class BroughtUp:
     params: dict
     warmup_s: float
     prefill: PrefillSide | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] | None = None) -> BroughtUp:
@@ -196,6 +207,13 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     multi-controller process groups (`process_groups`) the engine is this process's side's alone
     (a prefill process's mirrors the limits of the generate engine the other processes hold) and
     there is no `PrefillSide`."""
+    phases, last = {}, time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        phases[name], last = phases.get(name, 0.0) + now - last, now
+
     init_runtime(cfg.devices)  # first: on Pathways it must precede every other JAX call
     import jax
 
@@ -203,8 +221,10 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     if (split := cfg.devices.disaggregation) is not None:
         prefill_devices, devices = split.split(devices)
     groups = process_groups(cfg)  # multi-controller: this process drives its own side's engine only
+    phase("runtime")
     plan = plan_launch(cfg, source, devices, origins)
     cfg = plan.config
+    phase("plan")
     generate_mesh = make_mesh(cfg.devices, devices)
     mesh = generate_mesh
     if groups is not None and groups.on_prefill:
@@ -232,11 +252,13 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     if groups is not None and groups.on_prefill:  # the generate engine's limits: it lives in other processes
         mirror = engine_limits(loaded, plan.engine, generate_mesh)
     engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify, mirror=mirror)
+    phase("load")
     # each engine is charged for what it runs: a disaggregated generate engine no prefill, a
     # multi-controller prefill group no generate
     generates = groups is None or not groups.on_prefill
     prefills = prefill_devices is None or (groups is not None and groups.on_prefill)
     check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat), generates, prefills)
+    phase("memory plan")
     params = engine.load_params()
     prefill = None
     if prefill_devices is not None and groups is None:
@@ -245,6 +267,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
         prefill = PrefillSide(prefill_engine, prefill_engine.load_params())
         prefill_engine.release_loaded_params()
     model = engine.release_loaded_params()  # the placed params are the only copy from here on
+    phase("placement")
     warmup = 0.0
     if cfg.enable_model_warmup and groups is not None:  # each group its own side's calls
         from serving.engine.warmup import warm_generate_alone
@@ -259,7 +282,8 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
         warmup += warm_generate_side(engine, params, prefill.engine, prefill.params)
     if groups is not None:
         meet_after_warmup(groups, engine.limits, timeout_s=_LINK_TIMEOUT_S)
-    return BroughtUp(plan, model, engine, params, warmup, prefill)
+    phase("warmup")
+    return BroughtUp(plan, model, engine, params, warmup, prefill, phases)
 
 
 def check_memory(

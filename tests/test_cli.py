@@ -143,6 +143,17 @@ def test_bad_max_tokens(value):
     assert_usage_error(call_cli("generate", "--prompt", "hi", "--max-tokens", value), "--max-tokens")
 
 
+def test_log_level_from_the_environment(tiny_model_dir):
+    """PATHSERVE_LOG_LEVEL=INFO shows start-up's lines (the runtime, the memory plan, warmup); a level that is
+    not one is refused naming the variable."""
+    assert_usage_error(call_cli("generate", "--prompt", "hi", env={"PATHSERVE_LOG_LEVEL": "LOUD"}), "PATHSERVE_LOG_LEVEL")
+    result = run_cli(
+        "generate", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "2", env={"PATHSERVE_LOG_LEVEL": "info"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "serving.runtime INFO: runtime local: process 0 of 1" in result.stderr
+
+
 def test_missing_source_file(tmp_path):
     missing = tmp_path / "nothing-here.gguf"
     assert_usage_error(call_cli("generate", str(missing), "--prompt", "hi"), str(missing))

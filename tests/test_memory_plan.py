@@ -78,6 +78,9 @@ def test_serve_starts_when_the_plan_fits(tiny_model_dir, monkeypatch):
     up = launch.bring_up(_config(), str(tiny_model_dir))
     assert isinstance(up, launch.BroughtUp) and up.engine.max_concurrent_decodes == 4 and up.params
     assert up.model.params == {} and up.prefill is None  # the placed params are the only copy
+    # each phase timed, in order, so that a slow start names its phase in the ready line
+    assert list(up.phases) == ["runtime", "plan", "load", "memory plan", "placement", "warmup"]
+    assert all(seconds >= 0 for seconds in up.phases.values())
 
 
 def test_the_slots_a_decode_call_computes_are_uploaded_once(tiny_model_dir):

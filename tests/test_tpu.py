@@ -5,7 +5,12 @@
 - the generate and chunked-prefill programs compiled for the chip hold no copy, copy-start or
   transpose of a KV pool array (values or scales: the pool stays in its lanes layout,
   serving.models.cache);
-- the memory plan of the serving profile counts the compiled programs' temporaries and fits.
+- the memory plan of the serving profile counts the compiled programs' temporaries and fits, and
+  every slot filled to its maximum length runs;
+- JAX's Pallas paged-attention kernel compiled for the chip (not interpret mode) against XLA's
+  attention and float64 numpy over shuffled page tables, float and int8 pages;
+- Llama 3.2 1B's shape: the chip's bfloat16 logits within bfloat16's reach of the CPU's float32;
+- the served loop (the orchestrator's device loop) gives the engine's own tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from serving.config import DevicesConfig, ServingConfig
@@ -27,6 +34,19 @@ ON_TPU = any(d.platform == "tpu" for d in jax.devices())
 if os.environ.get("PATHSERVE_REQUIRE_TPU") == "1" and not ON_TPU:
     raise RuntimeError(f"PATHSERVE_REQUIRE_TPU=1 but JAX sees no TPU: {jax.devices()}")
 requires_tpu = pytest.mark.skipif(not ON_TPU, reason="no TPU here (jax.devices() has none): the tpu tier runs on a TPU host")
+
+
+@pytest.fixture(scope="module")
+def chip_model_dir(tmp_path_factory):
+    """The tiny random Llama (tiny-random's shape, tests/conftest's vocabulary) written with numpy
+    alone: a TPU VM has no torch for conftest's transformers-made one."""
+    from loadtest.random_model import write_random_model
+    from serving.config import load_model_config
+    from tests.conftest import make_hf_tokenizer
+
+    tokenizer = make_hf_tokenizer(tmp_path_factory.mktemp("chip-tokenizer"), vocab=300)
+    shape = load_model_config("tiny-random").model_copy(update={"vocab_size": 320})
+    return write_random_model(tmp_path_factory.mktemp("chip-model"), shape, tokenizer, dtype="float32")
 
 
 def _config(**keys) -> ServingConfig:
@@ -44,12 +64,12 @@ def _tokens(engine, params) -> list[list[int]]:
 
 
 @requires_tpu
-def test_tiny_models_greedy_tokens_on_the_chip_equal_the_cpu_engines(tiny_model_dir):
+def test_tiny_models_greedy_tokens_on_the_chip_equal_the_cpu_engines(chip_model_dir):
     from serving.checkpoints.model_source import load_model
     from serving.engine.engine import Engine
 
     cfg = _config(cpu_kernels="off")
-    model = load_model(str(tiny_model_dir), cfg)
+    model = load_model(str(chip_model_dir), cfg)
     with jax.default_matmul_precision("highest"):
         cpu = Engine(model, cfg.engine, make_mesh(DevicesConfig(), jax.devices("cpu")[:1]))
         tpu = Engine(model, cfg.engine, make_mesh(DevicesConfig(), jax.devices("tpu")[:1]))
@@ -58,13 +78,23 @@ def test_tiny_models_greedy_tokens_on_the_chip_equal_the_cpu_engines(tiny_model_
 
 
 @requires_tpu
-def test_no_program_copies_the_kv_pool(tiny_model_dir):
-    from serving.checkpoints.model_source import load_model
+@pytest.mark.parametrize("kv", ["int8", "bfloat16"])
+def test_no_program_copies_the_kv_pool(chip_model_dir, kv):
+    """Llama 3.2 1B's attention widths (8 KV heads of 64: a lanes pool 128 int32 or 512 bfloat16
+    wide) over two layers, with abstract weights, and a pool of the profile's size (a tiny pool, or
+    a minor axis narrower than the TPU's 128 lanes, is relaid out or staged in VMEM by XLA, which
+    says nothing of serving's)."""
+    from loadtest.tpu_plan import abstract_model
+    from serving.config import load_model_config
     from serving.engine.compiled_memory import abstract_params, abstract_state
     from serving.engine.engine import Engine
 
-    cfg = _config(dtype="bfloat16", quantize_kvcache=True)
-    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    shape = load_model_config("llama3.2-1b").model_copy(update={"num_layers": 2, "vocab_size": 320})
+    cfg = ServingConfig(
+        per_device_batch_size=32, max_prefill_predict_length=512, max_target_length=2048, prefill_chunk_size=512,
+        dtype="bfloat16", quantize_kvcache=kv == "int8",
+    )
+    engine = Engine(abstract_model(shape, chip_model_dir, cfg.quantization, "bfloat16"), cfg.engine)
     from serving.engine.api import PrefillRow
     from serving.engine.chunked import _model_inputs
     from serving.request import SamplingParams
@@ -74,7 +104,7 @@ def test_no_program_copies_the_kv_pool(tiny_model_dir):
     generate = engine._generate_fn.lower(
         params, state, None, rows, window=engine.windows[-1], steps=engine.decode_steps_per_call
     ).compile().as_text()
-    chunk = [PrefillRow(i, (1,) * 64, 128, True, SamplingParams(max_tokens=1)) for i in range(2)]
+    chunk = [PrefillRow(i, (1,) * 512, 512, True, SamplingParams(max_tokens=1)) for i in range(2)]
     inputs, shape = engine._slot_inputs(chunk)
     prefill = engine._prefill_slots_fn.lower(
         params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]
@@ -90,20 +120,20 @@ def test_no_program_copies_the_kv_pool(tiny_model_dir):
 
 
 @requires_tpu
-def test_the_serving_profiles_plan_fits_with_its_compiled_temporaries(tiny_model_dir, monkeypatch):
+def test_the_serving_profiles_plan_fits_with_its_compiled_temporaries(chip_model_dir, monkeypatch):
     from serving.launch import bring_up
     from serving.startup.profile import given_config
 
     monkeypatch.setenv("PATHSERVE_PLATFORM", "tpu")
-    given = given_config(None, ["enable_model_warmup=false"], str(tiny_model_dir))
-    up = bring_up(given.config, str(tiny_model_dir), given.origins)
+    given = given_config(None, ["enable_model_warmup=false"], str(chip_model_dir))
+    up = bring_up(given.config, str(chip_model_dir), given.origins)
     engine, params = up.engine, up.params
     assert engine.max_concurrent_decodes == 128 and engine.config.max_target_length == 2048
     assert _tokens(engine, params)
 
 
 @requires_tpu
-def test_every_slot_filled_to_its_maximum_length_fits(tiny_model_dir, monkeypatch):
+def test_every_slot_filled_to_its_maximum_length_fits(chip_model_dir, monkeypatch):
     """The TPU profile's 128 slots each to max_target_length at once: the pool, the programs'
     temporaries and the windows at their widest, without RESOURCE_EXHAUSTED."""
     from serving.launch import bring_up
@@ -112,10 +142,91 @@ def test_every_slot_filled_to_its_maximum_length_fits(tiny_model_dir, monkeypatc
     from serving.startup.profile import given_config
 
     monkeypatch.setenv("PATHSERVE_PLATFORM", "tpu")
-    given = given_config(None, ["enable_model_warmup=false"], str(tiny_model_dir))
-    up = bring_up(given.config, str(tiny_model_dir), given.origins)
+    given = given_config(None, ["enable_model_warmup=false"], str(chip_model_dir))
+    up = bring_up(given.config, str(chip_model_dir), given.origins)
     engine, length = up.engine, up.engine.config.max_target_length
     prompt = 1000
     requests = [([3 + (i + j) % 250 for j in range(prompt)], SamplingParams(max_tokens=length - prompt)) for i in range(128)]
     done = run_to_completion(engine, up.params, requests)
     assert [len(r.token_ids) for r in done] == [length - prompt] * 128
+
+
+@requires_tpu
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_pallas_kernel_on_the_chip_matches_xlas_attention(int8, groups):
+    """The kernel as the chip runs it (no interpret mode) over shuffled page tables, rows at the
+    pages' edges and a parked row, against XLA's attention on the same pool (float32 at 'highest')
+    and float64 numpy; the kernel loads float pages as bfloat16, hence the tolerance."""
+    from serving.kernels.tpu_paged import PallasPagedOps
+    from serving.models.ops import XlaOps
+    from tests.test_tpu_paged import MAX_PAGES, _case, _reference
+
+    page_size, head_dim = 16, 128
+    rng = np.random.default_rng(groups * 10 + int8)
+    q, cache, tables, positions, k_new, v_new = _case(rng, 2, page_size, groups, head_dim, int8)
+    window = MAX_PAGES[page_size] * page_size
+    for layer in range(2):
+        args = (q[layer], cache, positions, k_new[layer], v_new[layer])
+        # the kernel as serving runs it: under 'highest' Mosaic is asked for float32 dots of the
+        # bfloat16 pages it loads, which it refuses
+        kernel = jax.jit(lambda q, c, p, k, v, layer=layer: PallasPagedOps().decode_attention(q, c, layer, p, k, v, 0, tables))
+        got = np.asarray(kernel(*args))
+        assert jax.devices()[0].platform == "tpu"
+        with jax.default_matmul_precision("highest"):
+            xla = jax.jit(lambda q, c, p, k, v, layer=layer: XlaOps().decode_attention(q, c, layer, p, k, v, window, tables))
+            want = np.asarray(xla(*args))
+        assert not got[-1].any()  # the parked row: no pages, zeros
+        np.testing.assert_allclose(got[:-1], want[:-1], atol=2e-2)
+        exact = _reference(q[layer], cache, layer, tables, positions, k_new[layer], v_new[layer], round_kv=not int8)
+        np.testing.assert_allclose(got, exact, atol=2e-3 if not int8 else 1e-3)
+
+
+@requires_tpu
+def test_the_1b_shapes_logits_on_the_chip_within_bfloat16_of_the_cpus():
+    """Llama 3.2 1B's shape, random weights: the whole-prompt forward in bfloat16 (weights and
+    activations) on the chip against float32 at 'highest' on the CPU, 64 tokens."""
+    from serving.config import load_model_config
+    from serving.models.llama import init_params, prefill
+
+    cfg = load_model_config("llama3.2-1b")
+    cpu, tpu = jax.devices("cpu")[0], jax.devices("tpu")[0]
+    with jax.default_device(cpu):
+        params = init_params(cfg, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 64)).astype(np.int32)
+    lengths = np.array([64], np.int32)
+    with jax.default_matmul_precision("highest"):
+        run = jax.jit(lambda p, t, n: prefill(p, t, n, cfg)[0])
+        want = np.asarray(run(params, tokens, lengths), np.float64)[0]
+    on_chip = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), tpu)
+    del params
+    run = jax.jit(lambda p, t, n: prefill(p, t, n, cfg, dtype=jnp.bfloat16)[0])
+    got = np.asarray(run(on_chip, jax.device_put(tokens, tpu), jax.device_put(lengths, tpu)).astype(jnp.float32), np.float64)[0]
+    # bfloat16 keeps 8 bits: each of 16 layers' sums rounds at ~2^-9 relative
+    relative = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert relative.max() < 0.05, relative.max()
+    top = np.argsort(want, axis=-1)[:, -1]
+    assert (got[np.arange(64), top] >= np.sort(got, axis=-1)[:, -5]).mean() >= 0.95  # the CPU's top 1 in the chip's top 5
+
+
+@requires_tpu
+def test_the_served_loops_tokens_equal_the_engines(chip_model_dir):
+    """The orchestrator's device loop (what `serve` runs) on the chip gives the tokens the engine
+    gives driven directly (the offline driver), for prompts arriving together."""
+    from serving.checkpoints.model_source import load_model
+    from serving.engine.engine import Engine
+    from serving.orchestrator.orchestrator import Orchestrator
+    from serving.request import SamplingParams
+
+    cfg = _config(dtype="bfloat16", quantize_kvcache=True)
+    model = load_model(str(chip_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    params = engine.load_params()
+    want = _tokens(engine, params)
+    orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()
+    try:
+        handles = [orchestrator.submit(list(range(3, 3 + n)), SamplingParams(max_tokens=16)) for n in (5, 60, 130, 9)]
+        got = [h.result().token_ids for h in handles]
+    finally:
+        orchestrator.stop(timeout=60)
+    assert got == want

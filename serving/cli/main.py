@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import os
 import sys
@@ -500,6 +501,22 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _log_level(level: str) -> None:
+    """PATHSERVE_LOG_LEVEL (DEBUG, INFO, WARNING, ...): pathserve's own log lines at that level and
+    above to stderr (start-up's phases, warmup's compiles, the memory plan); unset, warnings only."""
+    if not level:
+        return
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ConfigError(f"PATHSERVE_LOG_LEVEL: {level!r} is not a log level (DEBUG, INFO, WARNING, ERROR)")
+    logger = logging.getLogger("serving")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "pathserve", False) for h in logger.handlers):  # once per process
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        handler.pathserve = True
+        logger.addHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
@@ -509,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         ns.args = [*ns.args, *extra]
     try:
+        _log_level(os.environ.get("PATHSERVE_LOG_LEVEL", ""))
         return ns.handler(ns)
     except UserError as exc:
         print(f"pathserve {ns.command}: error: {exc}", file=sys.stderr)

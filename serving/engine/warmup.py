@@ -45,21 +45,30 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     compiled = precompile_parallel(engine, params, state, generate, workers, rest)
     if workers:  # compiled with the rest: nothing is left for the background
         rest = []
+    marks = [("parallel compiles", time.perf_counter())]
     for bucket in limits.buckets:
         prefix, _ = engine.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
         state = engine.insert(prefix, state, 0)
     state = engine.free_resource(state, 0)
+    marks.append(("whole prefills and inserts", time.perf_counter()))
     shapes = chunk_shapes(engine)  # fresh prompts, then long prompts' middle chunks
     for rows, length, at in shapes:
         state, _ = engine.prefill_slots(params, state, _rows(rows, length, at, probe))
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
+    jax.block_until_ready(state)
+    marks.append(("chunk runs", time.perf_counter()))
     if generate:
         state = _warm_generate(engine, params, state)
         state = engine.warm_verify(params, state)  # speculative decoding's verify calls, when it runs
     jax.block_until_ready(state)
+    marks.append(("generate runs", time.perf_counter()))
     background = start_background(engine, params, state, rest)
     seconds = time.perf_counter() - start
+    at = start
+    for name, when in marks:
+        log.info("warmup: %s %.1f s", name, when - at)
+        at = when
     log.info(
         "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
         "(%d slot buckets x %d windows; %d of them compiled in parallel first) in %.1f s",
@@ -155,9 +164,18 @@ def precompile_parallel(
             for num_slots in engine.limits.decode_buckets
             for window in engine.windows
         ]
+    def timed(fn, *args) -> float:
+        started = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - started
+
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmup-compile") as pool:
-        for future in [pool.submit(fn, *args) for fn, args in jobs]:
-            future.result()
+        seconds = [future.result() for future in [pool.submit(timed, fn, *args) for fn, args in jobs]]
+    if seconds:
+        log.info(
+            "warmup: %d programs compiled on %d threads, %.1f s of compiling in all, the longest %.1f s",
+            len(jobs), workers, sum(seconds), max(seconds),
+        )
     return len(jobs)
 
 
