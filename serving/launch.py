@@ -257,7 +257,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     # multi-controller prefill group no generate
     generates = groups is None or not groups.on_prefill
     prefills = prefill_devices is None or (groups is not None and groups.on_prefill)
-    check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat), generates, prefills)
+    check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat), generates, prefills, _warms_ahead(cfg, engine))
     phase("memory plan")
     params = engine.load_params()
     prefill = None
@@ -286,21 +286,29 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     return BroughtUp(plan, model, engine, params, warmup, prefill, phases)
 
 
+def _warms_ahead(cfg: ServingConfig, engine: Engine) -> bool:
+    """Whether the memory plan compiles warmup's programs with its own (where warmup compiles on
+    the host's cores: serving.engine.warmup.parallel_workers), while no weight is placed yet."""
+    from serving.engine.warmup import parallel_workers
+
+    return cfg.enable_model_warmup and parallel_workers(engine) > 0
+
+
 def check_memory(
-    engine: Engine, model, dtype: str, devices: list, generate: bool = True, prefill: bool = True
+    engine: Engine, model, dtype: str, devices: list, generate: bool = True, prefill: bool = True, warm: bool = False
 ) -> None:
     """Before the weights are placed: the params, the KV cache and the largest programs the engine
-    runs (`generate`, `prefill`: its roles), compiled for its devices (serving.engine.compiled_memory),
-    against the devices' bytes_limit, refused with the figures; where the devices report none
-    (CPUs), the params cannot be abstract or the compile fails (logged), the placement's estimate
-    (serving.engine.memory.check_devices)."""
+    runs (`generate`, `prefill`: its roles), compiled for its devices (serving.engine.compiled_memory;
+    with `warm`, warmup's other programs in the same batch), against the devices' bytes_limit,
+    refused with the figures; where the devices report none (CPUs), the params cannot be abstract
+    or the compile fails (logged), the placement's estimate (serving.engine.memory.check_devices)."""
     limit = device_limit(devices)
     plan = None
     if limit is not None:
         from serving.engine.compiled_memory import compiled_plan
 
         try:
-            plan = compiled_plan(engine, generate, prefill)
+            plan = compiled_plan(engine, generate, prefill, warm)
         except Exception as exc:  # a runtime whose compiles report no memory analysis, say
             log.warning("memory plan: the programs could not be compiled ahead (%s); checking the estimate", exc)
     if plan is None:

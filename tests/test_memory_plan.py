@@ -11,6 +11,7 @@ from serving import launch
 from serving.config import ConfigError, ServingConfig
 from serving.engine.compiled_memory import compiled_plan
 from serving.engine.engine import Engine
+from serving.request import SamplingParams
 
 
 def _config(**keys) -> ServingConfig:
@@ -92,3 +93,26 @@ def test_the_slots_a_decode_call_computes_are_uploaded_once(tiny_model_dir):
     first = engine.call_rows(None, [0, 2])
     assert engine.call_rows(None, [0, 2]) is first and engine.call_rows(None, [0, 1]) is not first
     assert first.tolist() == [0, 2]
+
+
+def test_the_plan_compiles_warmups_programs_once_for_warmup_to_run(tiny_model_dir):
+    """With `warm` (a TPU's serve: warmup compiles on the host's cores), the memory plan compiles
+    every program warmup runs in its one batch, before any weight is placed, and the engine keeps
+    them: warmup and the requests after it compile nothing of their own."""
+    from serving.checkpoints.model_source import load_model
+    from serving.engine import warmup
+
+    cfg = _config()
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    plan = compiled_plan(engine, warm=True)
+    assert "generate of 4 slots over 128 positions" in plan.programs
+    probe = SamplingParams(max_tokens=1)
+    chunks = {engine._slot_inputs(warmup._rows(r, n, at, probe))[1] for r, n, at in warmup.chunk_shapes(engine)}
+    assert chunks <= set(engine._precompiled)
+    generates = {(b, w, engine.decode_steps_per_call) for b in engine.limits.decode_buckets for w in engine.windows}
+    assert generates == set(engine._generate_compiled)
+    kept = dict(engine._generate_compiled)
+    params = engine.load_params()
+    engine.warmup(params)
+    assert engine._jit_shapes == set() and engine._generate_fn._cache_size() == 0
+    assert all(engine._generate_compiled[k] is v for k, v in kept.items())  # not compiled twice

@@ -43,12 +43,13 @@ if TYPE_CHECKING:
     from serving.engine.warmup import BackgroundWarmup
 
 
-def row_buckets(max_rows: int) -> tuple[int, ...]:
-    """Row counts a prefill_slots call is compiled for: powers of two below `max_rows`, and it."""
+def row_buckets(max_rows: int, growth: int = 2) -> tuple[int, ...]:
+    """Row counts a prefill_slots call is compiled for: powers of `growth` below `max_rows`, and it
+    (a TPU's backend grows its shape ladders by 4: fewer programs, each padded more)."""
     rows, n = {max_rows}, 1
     while n < max_rows:
         rows.add(n)
-        n *= 2
+        n *= growth
     return tuple(sorted(rows))
 
 
@@ -64,7 +65,7 @@ class ChunkedPrefill:
 
     def _init_chunked(self, static: dict) -> None:
         state_shardings = self._state_shardings()
-        self.row_buckets = row_buckets(self.limits.max_prefill_batch)
+        self.row_buckets = row_buckets(self.limits.max_prefill_batch, self.ops.shape_growth)
         self._prefill_slots_fn = jax.jit(
             partial(self._prefill_chunks_impl, static=static),
             donate_argnums=(1,),
@@ -140,17 +141,25 @@ class ChunkedPrefill:
         """Compile, ahead of time and from any thread, the prefill_slots call `rows` make (a decode
         state shaped and placed as `state_spec`, e.g. `jax.ShapeDtypeStruct`s): later calls of that
         shape run it instead of compiling. False when that shape was compiled already."""
+        return self.compile_prefill_slots(params, state_spec, rows)[1]
+
+    def compile_prefill_slots(
+        self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]
+    ) -> tuple[Any, bool]:
+        """`precompile_prefill_slots`, returning (the executable later calls of that shape run, or
+        None where the jit compiled that shape itself; whether this call compiled it): the memory
+        plan reads its memory_analysis and keeps it for warmup and requests."""
         inputs, shape = self._slot_inputs(rows)
         with self._shapes_lock:
             if shape in self._precompiled or shape in self._jit_shapes:
-                return False
+                return self._precompiled.get(shape), False
         chunks = _model_inputs(inputs)
         compiled = self._prefill_slots_fn.lower(params, state_spec.cache, state_spec.pages, *chunks, window=shape[2]).compile()
         with self._shapes_lock:
             if shape in self._jit_shapes:  # the jit compiled it meanwhile: keep one executable per shape
-                return False
-            self._precompiled.setdefault(shape, compiled)
-        return True
+                return compiled, False
+            kept = self._precompiled.setdefault(shape, compiled)
+        return kept, kept is compiled
 
     def history_window(self, start: int) -> int:
         """Cached positions a chunk starting at `start` reads: 0 (none) or the smallest attention

@@ -9,21 +9,22 @@ generate held 2.8 GB of temporaries on a v5e, ten times the estimate, before the
 
 from __future__ import annotations
 
+import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from serving.engine.api import PrefillRow
-from serving.engine.sharding import param_shardings, replicated
+from serving.engine.sharding import param_shardings
 from serving.request import SamplingParams
 
 if TYPE_CHECKING:
     from serving.engine.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 def abstract_params(engine: Engine) -> dict | None:
@@ -61,40 +62,38 @@ class CompiledPlan:
         return self.resident + self.programs[self.largest]
 
 
-def _footprint(lowered) -> tuple[int, int]:
+def _footprint(compiled) -> tuple[int, int]:
     """(argument bytes, temporaries + outputs not aliased to an argument) of a compiled program."""
-    m = lowered.compile().memory_analysis()
+    m = compiled.memory_analysis()
     extra = m.temp_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
     return int(m.argument_size_in_bytes), int(extra)
 
 
-def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True) -> CompiledPlan | None:
+def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, warm: bool = False) -> CompiledPlan | None:
     """The largest programs an engine runs, compiled against abstract params and state: generate of
     every slot over the widest window (with `generate`), and (with `prefill`) the most full chunks a
     call takes after the longest history, the most short rests (a prefix hit's) over the widest
-    window, and the longest whole prefill with and without the prompt's logprobs. None where the
-    params cannot be abstract."""
-    from serving.engine.chunked import _model_inputs
-    from serving.engine.state import slot_sampling
-    from serving.engine.warmup import rest_shapes, rest_start
+    window, and the longest whole prefill with and without the prompt's logprobs. The generate and
+    chunk executables are the engine's from here on (serving.engine.warmup finds them compiled).
+    With `warm`, every other program warmup compiles (serving.engine.warmup.compile_jobs) compiles
+    in the same pool, before the weights are placed: one batch of compiles on the host's cores
+    instead of two in turn. None where the params cannot be abstract."""
+    from serving.engine.warmup import compile_jobs, rest_shapes, rest_start, run_jobs
 
     params = abstract_params(engine)
     if params is None:
         return None
     state, limits = abstract_state(engine), engine.limits
-    lowered_programs: list[tuple[str, object, bool]] = []
+    planned: list[tuple[str, bool]] = []  # (name, holds the decode state), in the order of `jobs`
+    jobs: list = []
 
-    def add(name: str, lowered, holds_state: bool) -> None:
-        lowered_programs.append((name, lowered, holds_state))
+    def add(name: str, holds_state: bool, fn, *args) -> None:
+        planned.append((name, holds_state))
+        jobs.append((fn, args))
 
     if generate:
         bucket, window = limits.decode_buckets[-1], engine.windows[-1]
-        rows = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=replicated(engine.mesh))
-        steps = engine.decode_steps_per_call
-        add(
-            f"generate of {bucket} slots over {window} positions",
-            engine._generate_fn.lower(params, state, None, rows, window=window, steps=steps), True,
-        )
+        add(f"generate of {bucket} slots over {window} positions", True, engine.precompile_generate, params, state, bucket, window)
     if prefill:
         probe = SamplingParams(max_tokens=1)
         chunk = limits.prefill_chunk_size
@@ -105,31 +104,42 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True) -
         if rests:  # the most rows over the widest history
             calls.append(max(rests, key=lambda shape: (engine.history_window(shape[2]), shape[0] * shape[1])))
         for count, length, at in calls:
-            inputs, shape = engine._slot_inputs([PrefillRow(i, (1,) * length, at, True, probe) for i in range(count)])
-            add(
-                f"prefill of {count} x {length} tokens after {at} positions",
-                engine._prefill_slots_fn.lower(params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]),
-                True,
-            )
+            rows = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(count)]
+            add(f"prefill of {count} x {length} tokens after {at} positions", True, _slots_executable, engine, params, state, rows)
         longest = limits.buckets[-1]
-        sampling = jax.tree.map(np.asarray, slot_sampling(probe))
         for scored in (False, True):
-            add(
-                f"whole prefill of {longest} tokens" + (" with the prompt's logprobs" if scored else ""),
-                engine._prefill_fn.lower(
-                    params, np.zeros((1, longest), np.int32), np.int32(1), sampling, np.zeros((1, 2), np.uint32),
-                    None, choices=1, logprobs=False, prompt_logprobs=scored,
-                ),
-                False,
-            )
-    # lowered here, compiled at once on the host's cores (XLA's compiles release the GIL)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(lowered_programs), os.cpu_count() or 1))) as pool:
-        footprints = list(pool.map(_footprint, [lowered for _, lowered, _ in lowered_programs]))
+            name = f"whole prefill of {longest} tokens" + (" with the prompt's logprobs" if scored else "")
+            add(name, False, _whole_executable, engine, params, longest, scored)
+    extra = compile_jobs(engine, params, state, generate, prefill) if warm else []
+    done = run_jobs([*jobs, *extra], os.cpu_count() or 1)
+    if extra:
+        log.info(
+            "memory plan: %d programs and %d of warmup's compiled (or found compiled), %.1f s of compiling, the longest %.1f s",
+            len(jobs), len(extra), sum(t for t, _ in done), max(t for t, _ in done),
+        )
     resident, programs = 0, {}
-    for (name, _, holds_state), (arguments, extra) in zip(lowered_programs, footprints, strict=True):
+    for (name, holds_state), (_, compiled) in zip(planned, done[: len(jobs)], strict=True):
+        arguments, extra_bytes = _footprint(compiled)
         if holds_state:
             resident = max(resident, arguments)
-        programs[name] = extra
+        programs[name] = extra_bytes
     if not resident:  # neither program holds the state: the placement's own bytes
         resident = engine.placement.params_bytes_per_chip() + engine.placement.cache_bytes_per_chip()
     return CompiledPlan(resident, programs)
+
+
+def _slots_executable(engine: Engine, params, state, rows):
+    """The prefill_slots executable `rows` run (compiled once, kept by the engine)."""
+    compiled, _ = engine.compile_prefill_slots(params, state, rows)
+    if compiled is None:  # the jit compiled that shape itself: compile one to read (not kept)
+        from serving.engine.chunked import _model_inputs
+
+        inputs, shape = engine._slot_inputs(rows)
+        compiled = engine._prefill_slots_fn.lower(params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]).compile()
+    return compiled
+
+
+def _whole_executable(engine: Engine, params, bucket: int, scored: bool):
+    """The whole-prefill executable of `bucket` tokens, with the prompt's logprobs or not (the
+    engine's own call finds it in the persistent compilation cache, where that is on)."""
+    return engine.lower_prefill(params, bucket, prompt_logprobs=scored).compile()

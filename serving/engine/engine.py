@@ -194,6 +194,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
+        self._prefill_precompiled: set[int] = set()  # buckets whose prefill is in the persistent cache
         self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
         self.history_windows = attention_windows(  # what a chunk may read
             config.max_target_length, self.ops.min_window, self.ops.shape_growth
@@ -338,14 +339,41 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             return compiled(params, decode_state, None, rows)
         return self._generate_fn(params, decode_state, masks, rows, window=window, steps=steps)
 
-    def precompile_generate(self, params, state_spec: DecodeState, num_slots: int, window: int) -> None:
+    def precompile_generate(self, params, state_spec: DecodeState, num_slots: int, window: int):
         """Compile, ahead of time and from any thread, generate of `num_slots` rows over `window`
         positions (no masks; a decode state shaped and placed as `state_spec`): later calls of that
-        shape run it (serving.engine.warmup compiles them in parallel)."""
-        rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
+        shape run it (serving.engine.warmup compiles them in parallel). Returns the executable
+        (the memory plan reads its memory_analysis); a shape compiled already is not compiled again."""
         steps = self.config.decode_steps_per_call
+        key = (num_slots, window, steps)
+        if (compiled := self._generate_compiled.get(key)) is not None:
+            return compiled
+        rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
         lowered = self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps)
-        self._generate_compiled.setdefault((num_slots, window, steps), lowered.compile())
+        return self._generate_compiled.setdefault(key, lowered.compile())
+
+    def precompile_prefill(self, params, bucket: int):
+        """Compile `prefill`'s program of `bucket` tokens (one choice) ahead of time, from any
+        thread, into the persistent compilation cache, where `prefill`'s own call finds it (a jit
+        call cannot take an executable compiled ahead); nothing where that cache is off or this
+        bucket was compiled here already. Returns the executable, or None."""
+        if not jax.config.jax_compilation_cache_dir or bucket in self._prefill_precompiled:
+            return None
+        self._prefill_precompiled.add(bucket)
+        return self.lower_prefill(params, bucket).compile()
+
+    def lower_prefill(self, params, bucket: int, prompt_logprobs: bool = False):
+        """`prefill`'s program for a prompt of `bucket` padded tokens, one choice, no mask or
+        sampled logprobs, lowered with the arguments `prefill` passes (so that its compile is the
+        one the persistent compilation cache hands `prefill`'s own call)."""
+        from serving.request import SamplingParams
+
+        probe = SamplingParams(max_tokens=1)
+        return self._prefill_fn.lower(
+            params, jax.ShapeDtypeStruct((1, bucket), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.tree.map(jnp.asarray, slot_sampling(probe)), jax.ShapeDtypeStruct((1, 2), jnp.uint32), None,
+            choices=1, logprobs=False, prompt_logprobs=prompt_logprobs,
+        )
 
     def call_rows(self, num_slots: int | None, slots: Sequence[int] | None) -> jax.Array:
         """int32 [bucket]: the slots a decode call computes: `slots` (distinct, as many as a bucket

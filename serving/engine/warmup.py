@@ -42,7 +42,7 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     probe = SamplingParams(max_tokens=1)
     rest = rest_shapes(engine)
     workers = parallel_workers(engine)
-    compiled = precompile_parallel(engine, params, state, generate, workers, rest)
+    compiled = precompile_parallel(engine, params, state, generate, workers)
     if workers:  # compiled with the rest: nothing is left for the background
         rest = []
     marks = [("parallel compiles", time.perf_counter())]
@@ -139,41 +139,58 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def precompile_parallel(
-    engine: Engine, params: dict, state, generate: bool, workers: int, rest: list[tuple[int, int, int]] = ()
-) -> int:
-    """Compile every chunk shape, the `rest` shapes (`rest_shapes`: otherwise the background
-    warmup's, compiled at first use by a request that comes first) and (with `generate`) every
-    generate shape on `workers` threads (lowered and compiled there; XLA compiles release the GIL),
-    so that warmup's runs and requests find them compiled. Returns how many (0 with no workers)."""
-    if workers < 1:
-        return 0
-    from concurrent.futures import ThreadPoolExecutor
-
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, prefill: bool = True) -> list:
+    """Warmup's compiles as (function, arguments), each callable from any thread: every chunk shape
+    and prefix-hit rest (with `prefill`), each whole-prefill bucket into the persistent cache
+    (`Engine.precompile_prefill`), and (with `generate`) every generate shape; params and decode
+    state abstract or real (shapes and placements are what count). The memory plan runs them in
+    its own pool (serving.engine.compiled_memory), so that warmup finds them compiled."""
     probe = SamplingParams(max_tokens=1)
-    starts = [(rows, length, rest_start(engine, length, window)) for rows, length, window in rest]
-    jobs = [
-        (engine.precompile_prefill_slots, (params, spec, _rows(rows, length, at, probe)))
-        for rows, length, at in [*chunk_shapes(engine), *starts]
-        if at is not None
-    ]
+    jobs: list = []
+    if prefill:
+        starts = [(rows, length, rest_start(engine, length, window)) for rows, length, window in rest_shapes(engine)]
+        jobs += [
+            (engine.precompile_prefill_slots, (params, state_spec, _rows(rows, length, at, probe)))
+            for rows, length, at in [*chunk_shapes(engine), *starts]
+            if at is not None
+        ]
+        jobs += [(engine.precompile_prefill, (params, bucket)) for bucket in engine.limits.buckets]
     if generate:
         jobs += [
-            (engine.precompile_generate, (params, spec, num_slots, window))
+            (engine.precompile_generate, (params, state_spec, num_slots, window))
             for num_slots in engine.limits.decode_buckets
             for window in engine.windows
         ]
-    def timed(fn, *args) -> float:
-        started = time.perf_counter()
-        fn(*args)
-        return time.perf_counter() - started
+    return jobs
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmup-compile") as pool:
-        seconds = [future.result() for future in [pool.submit(timed, fn, *args) for fn, args in jobs]]
+
+def run_jobs(jobs: list, workers: int) -> list[tuple[float, object]]:
+    """Run `jobs` ((function, arguments)) on `workers` threads (XLA's compiles release the GIL);
+    returns each one's (seconds, result), in order; the first error raises."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def timed(fn, *args) -> tuple[float, object]:
+        started = time.perf_counter()
+        result = fn(*args)
+        return time.perf_counter() - started, result
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmup-compile") as pool:
+        return [future.result() for future in [pool.submit(timed, fn, *args) for fn, args in jobs]]
+
+
+def precompile_parallel(engine: Engine, params: dict, state, generate: bool, workers: int) -> int:
+    """Compile every chunk shape, prefix-hit rest, whole-prefill bucket and (with `generate`)
+    generate shape (`compile_jobs`) on `workers` threads, so that warmup's runs and requests find
+    them compiled (those the memory plan compiled are not compiled again). Returns how many jobs
+    ran (0 with no workers)."""
+    if workers < 1:
+        return 0
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    jobs = compile_jobs(engine, params, spec, generate)
+    seconds = [t for t, _ in run_jobs(jobs, workers)]
     if seconds:
         log.info(
-            "warmup: %d programs compiled on %d threads, %.1f s of compiling in all, the longest %.1f s",
+            "warmup: %d programs compiled on %d threads (or found compiled), %.1f s in all, the longest %.1f s",
             len(jobs), workers, sum(seconds), max(seconds),
         )
     return len(jobs)

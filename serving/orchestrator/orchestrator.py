@@ -478,12 +478,23 @@ class Orchestrator:
             self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
 
     def _deliver(self, outcome: StepOutcome, slots: dict[int, Request]) -> None:
-        """Each step's tokens of the generate call onto their requests' streams."""
-        for step, (step_tokens, step_valid) in enumerate(zip(outcome.tokens, outcome.valid, strict=True)):
-            for slot, request in slots.items():
-                if step_valid[slot]:
-                    wanted = request.sampling.wants_logprobs and outcome.logprobs is not None
-                    self._put(request, step_tokens[slot], outcome.token_logprob(step, slot) if wanted else None)
+        """Each step's tokens of the generate call onto their requests' streams: a request's tokens
+        of the call handed over at once, in order (one wake-up of its reader per call)."""
+        if not outcome.tokens:
+            return
+        for slot, request in slots.items():
+            wanted = request.sampling.wants_logprobs and outcome.logprobs is not None
+            items = [
+                outcome.token_logprob(step, slot) if wanted else step_tokens[slot]
+                for step, (step_tokens, step_valid) in enumerate(zip(outcome.tokens, outcome.valid, strict=True))
+                if step_valid[slot]
+            ]
+            request.put_many(items)
+            if request.grammar is not None:
+                for item in items:
+                    token = item if isinstance(item, int) else item.token
+                    if not request.grammar.advance(token):
+                        log.warning("request %d: its grammar refused token %d", request.request_id, token)
 
     def _put(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         request.put(token, logprob)

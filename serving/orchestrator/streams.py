@@ -73,6 +73,16 @@ class LoopQueue:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading any more
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
+    def put_many(self, items: list) -> None:
+        """`put` of each item, in order, in one hand-over to the loop (one wake-up of its thread,
+        not one per token of a generate call)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._put_all, items)
+
+    def _put_all(self, items: list) -> None:
+        for item in items:
+            self._queue.put_nowait(item)
+
     async def get_ready(self) -> list:
         """The next item and every other one already there (a generate call's tokens arrive
         together: one delta, one wake-up of the reader, for all of them)."""
@@ -102,6 +112,19 @@ class Request:
         """Hand a token (with its logprobs, if asked) to the reader (device loop only)."""
         self.last_token = token
         self.tokens.put(token if logprob is None else logprob)
+
+    def put_many(self, items: list) -> None:
+        """Hand a generate call's tokens (ints, or TokenLogprobs where logprobs were asked) to the
+        reader at once (device loop only)."""
+        if not items:
+            return
+        last = items[-1]
+        self.last_token = last if isinstance(last, int) else last.token
+        if isinstance(self.tokens, LoopQueue):
+            self.tokens.put_many(items)
+        else:
+            for item in items:
+                self.tokens.put(item)
 
 
 class _Assembler:

@@ -1,0 +1,40 @@
+"""serving.checkpoints.layout.ParamsBuilder: a checkpoint's [out, in] weights, handed over as
+transposed views, are stacked as stored and transposed by XLA at the end; the params equal those
+built from contiguous copies, whatever mix of views and copies a key's layers come in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.checkpoints.layout import ParamKey, ParamsBuilder
+from serving.config import load_model_config
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transposed_views_build_the_same_params_as_copies(dtype):
+    cfg = load_model_config("tiny-random")
+    rng = np.random.default_rng(0)
+    from serving.models.params import LAYER_KEYS, param_shapes
+
+    shapes = param_shapes(cfg)
+    tensors = []  # (key, [in, out] contiguous, its [out, in] storage)
+    for name, shape in shapes.items():
+        layers = range(cfg.num_layers) if name in LAYER_KEYS else [None]
+        for layer in layers:
+            value = rng.standard_normal(shape).astype(np.float32)
+            tensors.append((ParamKey(name, layer), value, np.ascontiguousarray(value.T)))
+    plain, viewed, mixed = ParamsBuilder(cfg, dtype), ParamsBuilder(cfg, dtype), ParamsBuilder(cfg, dtype)
+    for i, (key, value, stored) in enumerate(tensors):
+        plain.add(key, value, key.name)
+        view = stored.T if value.ndim == 2 else value
+        viewed.add(key, view, key.name)
+        mixed.add(key, view if i % 2 else np.ascontiguousarray(view), key.name)  # layers alternate
+    want, got, got_mixed = plain.build(), viewed.build(), mixed.build()
+    assert viewed._stored_transposed and not plain._stored_transposed
+    for name in want["layers"]:
+        assert got["layers"][name].shape == want["layers"][name].shape
+        np.testing.assert_array_equal(np.asarray(got["layers"][name]), np.asarray(want["layers"][name]))
+        np.testing.assert_array_equal(np.asarray(got_mixed["layers"][name]), np.asarray(want["layers"][name]))
+    for name in (k for k in want if k != "layers"):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
