@@ -165,6 +165,10 @@ class ServingConfig(BaseModel):
     # A process missing its heartbeats this long fails the group (and a dead peer's collective fails
     # at once): process 0's device loop stops, /livez fails and every process exits non-zero.
     distributed_timeout_s: int = Field(default=60, ge=1)
+    # The device loop makes and starts the next plan while a generate call is still on the device
+    # (its tokens read after), where no decision needs those tokens (serving.orchestrator.scheduler.
+    # runs_ahead): vLLM's async scheduling. false: each plan waits for the last one's tokens.
+    async_scheduling: bool = True
     profiler_steps: int = Field(default=0, ge=0)  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = ""  # local path or gs://
     profiler_port: int = Field(default=0, ge=0, le=65535)  # jax.profiler.start_server when set
@@ -457,6 +461,7 @@ class OrchestratorConfig:
     prefix_cache: str = _default("prefix_cache")
     profiler_steps: int = _default("profiler_steps")  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = _default("profile_dir")
+    async_scheduling: bool = _default("async_scheduling")  # the next plan started before the last one's tokens are read
     profiler_port: int = _default("profiler_port")  # jax.profiler.start_server when set
     speculative: SpeculativeConfig = SpeculativeConfig()
     # inference_server is disaggregated (serving.disaggregation): each prompt the prefill engine

@@ -44,6 +44,8 @@ def check_plan(plan: StepPlan) -> None:
 
 
 class DisaggregatedExecutor(Executor):
+    pipelines = False  # its `run` is its own: no start / finish split
+
     def __init__(
         self,
         prefill_engine: EngineAPI,
@@ -92,7 +94,7 @@ class DisaggregatedExecutor(Executor):
                 self.prefill_state = prefiller.free_resource(self.prefill_state, slot)  # it decodes there
                 self.handed_off += 1
         outcome = firsts.outcome()
-        return outcome if result is None else self._read(result, outcome, started)
+        return outcome if result is None else self._read(result, outcome, started, self.timings)
 
     def _prepare(self, plan: StepPlan) -> None:
         prefiller = self.prefill_engine

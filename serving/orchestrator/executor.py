@@ -57,6 +57,18 @@ FirstTokenHook = Callable[[int, int, TokenLogprob | None, tuple[TokenLogprob | N
 
 
 @dataclass
+class Started:
+    """A plan `Executor.start`ed: its outcome before the generate call (first tokens), the call's
+    results still on the device (None: no generate call), when it was dispatched, its timings."""
+
+    plan: StepPlan
+    outcome: StepOutcome
+    result: ResultTokens | None
+    dispatched: float
+    timings: Timings
+
+
+@dataclass
 class _Firsts:
     """The plan's first tokens as they come, in `first_token_slots` order."""
 
@@ -82,25 +94,39 @@ class Executor:
         self.pages: np.ndarray | None = None  # the block tables, from the first plan that sets one
         self.timings = Timings()
 
+    # `start` and `finish` split `run` at the generate call (the device loop may make and start
+    # the next plan before reading this one's tokens: serving.orchestrator.scheduler.runs_ahead)
+    pipelines = True
+
     def run(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> StepOutcome:
         """Execute `plan`; `on_first_token` is called for each slot that samples its first token
         as soon as its prefill has (before the generate call), so a stream need not wait for it.
         The engine's background warmup starts no shape from here until the next `idle()`."""
+        return self.finish(self.start(plan, on_first_token))
+
+    def start(self, plan: StepPlan, on_first_token: FirstTokenHook | None = None) -> Started:
+        """`run` up to its generate call, dispatched and not read: the device computes it while the
+        host goes on (`finish` reads it). Calls on the device run in the order they are started."""
         self._prepare(plan)
         firsts = _Firsts()
         for admission in plan.admissions:
             self._admit(admission, firsts, on_first_token)
         if plan.rows:
             self.state = self._prefill_rows(self.engine, self.params, self.state, plan, firsts, on_first_token)
-        outcome = firsts.outcome()
         samplings = plan.first_token_samplings
         active = plan.running > 0 or any(
             not finishes_at_first_token(t, s) for t, s in zip(firsts.tokens, samplings, strict=True)
         )
+        result, dispatched = None, time.perf_counter()
         if plan.decode_steps and active:
-            started = time.perf_counter()
-            outcome = self._read(self._dispatch(plan), outcome, started)
-        return outcome
+            result = self._dispatch(plan)
+        return Started(plan, firsts.outcome(), result, dispatched, self.timings)
+
+    def finish(self, started: Started) -> StepOutcome:
+        """A started plan's outcome: its generate call's tokens read back (a wait for the device)."""
+        if started.result is None:
+            return started.outcome
+        return self._read(started.result, started.outcome, started.dispatched, started.timings)
 
     def _prefill_rows(
         self, engine: EngineAPI, params, state, plan: StepPlan, firsts: _Firsts, on_first_token: FirstTokenHook | None
@@ -205,9 +231,9 @@ class Executor:
             )
         return result
 
-    def _read(self, result: ResultTokens, outcome: StepOutcome, started: float) -> StepOutcome:
+    def _read(self, result: ResultTokens, outcome: StepOutcome, started: float, timings: Timings) -> StepOutcome:
         """A generate call's tokens (and logprobs) read back into the outcome; `started`: when it
-        was dispatched (the timings' generate seconds)."""
+        was dispatched (`timings`' generate seconds: its plan's)."""
         tokens, valid, done = (np.asarray(x) for x in result[:3])
         extra = {}
         if result.logprobs is not None:
@@ -216,7 +242,7 @@ class Executor:
                 top_ids=np.asarray(result.top_ids),
                 top_logprobs=np.asarray(result.top_logprobs),
             )
-        self.timings.generate = time.perf_counter() - started
+        timings.generate = time.perf_counter() - started
         return StepOutcome(
             outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist(),
             outcome.first_logprobs, outcome.prompt_logprobs, **extra,

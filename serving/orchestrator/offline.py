@@ -60,18 +60,59 @@ def run_to_completion(
 
 
 def _drive(results: list[OfflineResult], waiting: deque, scheduler: Scheduler, executor: Executor) -> None:
-    """Admit, schedule, execute and record until every request of `results` has finished."""
+    """Admit, schedule, execute and record until every request of `results` has finished; the next
+    plan made and started before the last one's tokens are read where the scheduler `runs_ahead`
+    of it (as the orchestrator's device loop does with async scheduling)."""
+    pipelines = getattr(executor, "pipelines", False)
+    in_flight = None  # (plan, started, slots, projected): a generate call whose tokens are not read
+
+    def land() -> None:
+        nonlocal in_flight
+        (plan, started, slots, projected), in_flight = in_flight, None
+        _record(plan, executor.finish(started), slots, scheduler, results, projected)
+
     while waiting or scheduler.num_used:
+        if in_flight is not None and not scheduler.runs_ahead():
+            land()
         admit = [waiting.popleft() for _ in range(min(scheduler.room(), len(waiting)))]
-        plan = scheduler.schedule([Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit])
+        batch = [Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit]
+        if in_flight is not None and not scheduler.runs_ahead(batch):
+            land()
+        plan = scheduler.schedule(batch)
+        if plan.empty:
+            if in_flight is not None:
+                land()
+            continue
         slots = {slot: results[r.request_id] for slot, r in scheduler.running.items()}
-        outcome = executor.run(plan)
-        for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
+        if not pipelines:  # an executor that runs a plan whole
+            _record(plan, executor.run(plan), slots, scheduler, results)
+            continue
+        started = executor.start(plan)
+        previous = in_flight
+        in_flight = None if started.result is None else (plan, started, slots, scheduler.project(plan))
+        if previous is not None:
+            in_flight, flight = previous, in_flight
+            land()
+            in_flight = flight
+        if in_flight is None:
+            _record(plan, executor.finish(started), slots, scheduler, results)
+    if in_flight is not None:
+        land()
+
+
+def _record(
+    plan, outcome, slots: dict[int, OfflineResult], scheduler: Scheduler, results: list[OfflineResult],
+    projected: dict[int, int] | None = None,
+) -> None:
+    """A plan's tokens onto its requests (not onto one that finished since it ran ahead), then
+    the scheduler's records, the finished requests' reasons."""
+    for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
+        if not slots[slot].finish_reason:
             slots[slot].token_ids.append(first)
-        for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
-            for slot, result in slots.items():
-                if step_valid[slot]:
-                    result.token_ids.append(step_tokens[slot])
-        for request_id, _slot in scheduler.update(plan, outcome):
-            r = results[request_id]
-            r.finish_reason = "stop" if r.token_ids[-1] in r.sampling.stop_ids else "length"
+    for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
+        for slot, result in slots.items():
+            if step_valid[slot] and not result.finish_reason:
+                result.token_ids.append(step_tokens[slot])
+    for request_id, _slot in scheduler.update(plan, outcome, projected):
+        r = results[request_id]
+        r.finish_reason = "stop" if r.token_ids[-1] in r.sampling.stop_ids else "length"

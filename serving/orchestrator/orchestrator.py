@@ -54,7 +54,7 @@ from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
 from serving.errors import QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
-from serving.orchestrator.executor import AdapterWeights, Executor
+from serving.orchestrator.executor import AdapterWeights, Executor, Started
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, StepPlan, Waiting
@@ -128,6 +128,7 @@ class Orchestrator:
         self._profile_lock = threading.Lock()
         self._profile: tuple[int, str] | None = None  # (generate calls to trace, directory)
         self._profiling_left = 0
+        self._in_flight: _InFlight | None = None  # the device thread's plan whose tokens are not read yet
 
     def start(self) -> Orchestrator:
         config = self.config
@@ -297,24 +298,47 @@ class Orchestrator:
                 self.last_progress = time.monotonic()
                 self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
+        self._land(scheduler, executor, running)
         executor.close()
 
     def _step(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> bool:
         """One turn of the device loop: schedule (the queue's heads and the cancellations into a
         plan), execute (the plan on the engine, first tokens streamed as they come), update (the
-        tokens onto their streams, the scheduler's records, the finished requests ended). False
-        when the plan was empty (nothing ran)."""
+        tokens onto their streams, the scheduler's records, the finished requests ended). With
+        async scheduling, where the scheduler `runs_ahead`, the plan's generate call stays in
+        flight: the next turn makes and starts its plan first, then reads this one's tokens
+        (`_land`), so that the device is not idle while the host streams tokens and schedules.
+        False when the plan was empty and nothing was in flight (nothing ran)."""
         plan = self._schedule(scheduler, executor, running)
         if plan.empty:
-            return False
+            return self._land(scheduler, executor, running)
         slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
-        outcome = self._execute(executor, plan, slots)
-        self._update(scheduler, plan, outcome, slots, running)
+        started = self._start(executor, plan, slots)
+        previous, self._in_flight = self._in_flight, None
+        if self.config.async_scheduling and getattr(executor, "pipelines", False) and started.result is not None:
+            self._in_flight = _InFlight(plan, started, slots, scheduler.project(plan))
+        if previous is not None:
+            self._update(scheduler, previous.plan, self._finish_started(executor, previous.started),
+                         previous.slots, running, previous.projected)
+        if self._in_flight is None:
+            self._update(scheduler, plan, self._finish_started(executor, started), slots, running)
+        return True
+
+    def _land(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> bool:
+        """The plan in flight (if any): its tokens read, streamed and recorded. Whether there was one."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return False
+        outcome = self._finish_started(executor, in_flight.started)
+        self._update(scheduler, in_flight.plan, outcome, in_flight.slots, running, in_flight.projected)
         return True
 
     def _schedule(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> StepPlan:
         """The turn's plan: cancelled requests end, queued ones (with their adapters' loads) and the
-        running ones' grammar masks go to the scheduler; the metrics of the queue and the slots."""
+        running ones' grammar masks go to the scheduler; the metrics of the queue and the slots. A
+        plan in flight lands first where the scheduler cannot run ahead of it."""
+        if self._in_flight is not None and not scheduler.runs_ahead():
+            self._land(scheduler, executor, running)
         cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
         masks = {
             rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
@@ -322,7 +346,10 @@ class Orchestrator:
         groups = self._take(scheduler.room(cancelled))
         for group, _load in groups:
             running.update((r.request_id, r) for r in group)
-        plan = scheduler.schedule([_waiting(group, load) for group, load in groups], cancelled, masks)
+        waiting = [_waiting(group, load) for group, load in groups]
+        if self._in_flight is not None and not scheduler.runs_ahead(waiting):
+            self._land(scheduler, executor, running)
+        plan = scheduler.schedule(waiting, cancelled, masks)
         for rid in cancelled:
             self._finish(running.pop(rid), "cancelled")
         self._left_slots(len(cancelled))
@@ -334,29 +361,39 @@ class Orchestrator:
         self.metrics.warmup_shapes_pending = warmup.pending if warmup is not None else 0
         return plan
 
-    def _execute(self, executor: Executor, plan: StepPlan, slots: dict[int, Request]) -> StepOutcome:
-        """The plan on the engine (traced when a profile was asked for), its calls' times observed."""
+    def _start(self, executor: Executor, plan: StepPlan, slots: dict[int, Request]) -> Started:
+        """The plan started on the engine (traced when a profile was asked for): first tokens
+        streamed, the prefill calls' times observed, its generate call in flight."""
         if plan.decode_steps:
             self._maybe_start_trace()
-        outcome = executor.run(
-            plan, on_first_token=lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)
-        )
-        for seconds in executor.timings.prefills:
+        on_first_token = lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)  # noqa: E731
+        if getattr(executor, "pipelines", False):
+            started = executor.start(plan, on_first_token=on_first_token)
+        else:  # an executor that runs a plan whole (lockstep, disaggregated): run, nothing in flight
+            started = Started(plan, executor.run(plan, on_first_token=on_first_token), None, 0.0, executor.timings)
+        for seconds in started.timings.prefills:
             self.metrics.observe("prefill_step", seconds)
-        if executor.timings.generate is not None:
-            self.metrics.observe("generate_step", executor.timings.generate)
+        self.last_progress = time.monotonic()
+        return started
+
+    def _finish_started(self, executor: Executor, started: Started) -> StepOutcome:
+        """A started plan's outcome (its generate call's tokens read), the call's time observed."""
+        outcome = started.outcome if started.result is None else executor.finish(started)
+        if started.timings.generate is not None:
+            self.metrics.observe("generate_step", started.timings.generate)
             self._maybe_stop_trace()
         self.last_progress = time.monotonic()
         return outcome
 
     def _update(
         self, scheduler: Scheduler, plan: StepPlan, outcome: StepOutcome, slots: dict[int, Request],
-        running: dict[int, Request],
+        running: dict[int, Request], projected: dict[int, int] | None = None,
     ) -> None:
         """The generate call's tokens onto their streams, the scheduler's records updated, and the
-        requests that finished ended (stop or length)."""
+        requests that finished ended (stop or length). `projected`: the plan ran ahead
+        (Scheduler.project); a request that ended since gets none of its tokens."""
         self._deliver(outcome, slots)
-        finished = scheduler.update(plan, outcome)
+        finished = scheduler.update(plan, outcome, projected)
         for rid, _slot in finished:
             request = running.pop(rid)
             self._finish(request, "stop" if request.last_token in request.sampling.stop_ids else "length")
@@ -483,6 +520,8 @@ class Orchestrator:
         if not outcome.tokens:
             return
         for slot, request in slots.items():
+            if request.ended:  # cancelled (or finished) since its plan ran ahead: nothing more
+                continue
             wanted = request.sampling.wants_logprobs and outcome.logprobs is not None
             items = [
                 outcome.token_logprob(step, slot) if wanted else step_tokens[slot]
@@ -523,10 +562,22 @@ class Orchestrator:
                 log.info("profile written")
 
     def _finish(self, request: Request, reason: str) -> None:
+        request.ended = True
         held = self._adapter_of.pop(request.request_id, None)
         if held is not None:
             self.adapters.release(*held)
         request.tokens.put((END, reason))
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A started plan whose generate call's tokens are not read yet (async scheduling): the slots'
+    requests when it was made, and what Scheduler.project moved."""
+
+    plan: StepPlan
+    started: Started
+    slots: dict[int, Request]
+    projected: dict[int, int]
 
 
 def _waiting(group: list[Request], load: AdapterLoad | None = None) -> Waiting:

@@ -506,27 +506,81 @@ class Scheduler:
                 out[slot] = masks.get(r.request_id, -1)
         return out
 
+    # -- running one call ahead ------------------------------------------------------------------
+
+    def runs_ahead(self, waiting: Sequence[Waiting] = ()) -> bool:
+        """Whether the next plan may be made while this one's generate call is still on the device
+        (`project`ed, its tokens not read): no decision of the next turn may need those tokens. So
+        no speculator (proposals), no running slot under a grammar (its mask), no whole admission
+        held or among `waiting` (it may preempt), and a free page for every page the running
+        sequences take for their next call (no preemption: a preempted sequence's new prompt is its
+        tokens so far). The device runs the calls in order, so a slot that finished in the call in
+        flight only decodes nothing in the next (its rows invalid, dropped by `update`)."""
+        if self.speculator is not None or self._pending or any(prefills_whole(w.sampling) for w in waiting):
+            return False
+        if any(r.constrained for r in self.running.values()):
+            return False
+        need = sum(
+            max(0, self._pages_for(r.position + self._ahead) - len(self.tables.get(slot, ())))
+            for slot, r in self.running.items()
+        )
+        return need <= self.pool.num_free
+
+    def project(self, plan: StepPlan) -> dict[int, int]:
+        """The plan's generate call is in flight: every running slot's position moves past its
+        decode steps as if each step were valid, so that the next plan (its pages, its window) can
+        be made before the tokens are read; `update` with the returned slot -> request id puts back
+        what a slot did not decode."""
+        for entry in self.running.values():
+            entry.position += plan.decode_steps
+        return {slot: entry.request_id for slot, entry in self.running.items()}
+
     # -- results -----------------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, outcome: StepOutcome) -> list[tuple[int, int]]:
-        """Record what the plan did; returns (request_id, slot) of every slot that finished."""
+    def update(
+        self, plan: StepPlan, outcome: StepOutcome, projected: Mapping[int, int] | None = None
+    ) -> list[tuple[int, int]]:
+        """Record what the plan did; returns (request_id, slot) of every slot that finished.
+        `projected`: what `project` returned for this plan (its positions moved already; the plans
+        made since may have freed a slot of it, even given it to another request: such a slot's
+        tokens are not its request's any more and are dropped)."""
         finished = []
         if self.speculator is not None:
             self._record_tokens(plan, outcome)
+
+        def mine(slot: int) -> _Running | None:
+            entry = self.running.get(slot)
+            if projected is not None and (entry is None or projected.get(slot) != entry.request_id):
+                return None
+            return entry
+
         for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
-            running = self.running[slot]
+            running = mine(slot) if projected is not None else self.running[slot]
+            if running is None:
+                continue
             running.tokens.append(first)
             if first in running.sampling.stop_ids or len(running.tokens) >= running.sampling.max_tokens:
                 finished.append((running.request_id, slot))
                 self._release(slot)
+        decoded: dict[int, int] = {}
         for step_tokens, step_valid, step_done in zip(outcome.tokens, outcome.valid, outcome.done, strict=True):
-            for slot, running in list(self.running.items()):
+            for slot in list(self.running):
+                running = mine(slot)
+                if running is None:
+                    continue
                 if step_valid[slot]:
-                    running.position += 1
+                    decoded[slot] = decoded.get(slot, 0) + 1
                     running.tokens.append(step_tokens[slot])
                 if step_done[slot]:
                     finished.append((running.request_id, slot))
                     self._release(slot)
+        for slot, count in decoded.items():
+            if projected is None and slot in self.running:
+                self.running[slot].position += count
+        if projected is not None:  # the steps a slot did not decode (it is still running: none did)
+            for slot in projected:
+                if (running := mine(slot)) is not None:
+                    running.position -= plan.decode_steps - decoded.get(slot, 0)
         return finished
 
     def _record_tokens(self, plan: StepPlan, outcome: StepOutcome) -> None:

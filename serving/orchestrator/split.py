@@ -37,6 +37,8 @@ from serving.orchestrator.transfer import Link
 
 
 class SplitExecutor(Executor):
+    pipelines = False  # its `run` is its own: no start / finish split
+
     def __init__(self, engine: EngineAPI, params, link: Link, adapter_weights: AdapterWeights | None = None):
         """`engine` and `params`: this process's side's (the prefill engine, mirroring the
         generate engine's limits, on a prefill process; the generate engine on a generate one)."""
@@ -77,7 +79,7 @@ class SplitExecutor(Executor):
         outcome = firsts.outcome()
         if decodes:
             lead = self.groups.generate_lead
-            read = self._read(result, outcome, started) if self.groups.me == lead else None
+            read = self._read(result, outcome, started, self.timings) if self.groups.me == lead else None
             told = link.tell(None if read is None else _generated(read, self.timings.generate), lead, 0)
             if told is not None:
                 generated, self.timings.generate = told

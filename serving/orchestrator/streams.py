@@ -107,6 +107,7 @@ class Request:
     last_token: int | None = None  # the newest token put on the stream (the device loop's)
     choice: int = 0  # of sampling.n; the choices of one request are queued one after another
     grammar: Any = None  # a serving.structured matcher, advanced by the device loop
+    ended: bool = False  # its end is on the stream (the device loop's): no token may follow
 
     def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a token (with its logprobs, if asked) to the reader (device loop only)."""
