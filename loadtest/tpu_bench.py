@@ -14,7 +14,10 @@ each rate with its ratio to the engine alone at the same batch, the engine's wit
 the roofline those limits allow. JSON to OUT/tpu-bench.json as
 each part finishes (a run cut short keeps what it measured).
 
-    python -m loadtest.tpu_bench MODEL_DIR OUT_DIR [--batches 1,16,64] [--max-tokens 128] [key=value ...]
+    python -m loadtest.tpu_bench MODEL_DIR OUT_DIR [--batches 1,16,64,256] [--max-tokens 128] [key=value ...]
+
+A batch above the slots (256 on the TPU profile's 128) queues the rest, over HTTP and in the
+offline driver; the engine alone then decodes every slot.
 
 Not a test: figures of the chip it runs on. Speaks HTTP to the server (no engine import) until the
 server has stopped; the engine parts follow in this process.
@@ -164,14 +167,17 @@ def engine_rates(model: str, overrides: list[str], batches: list[int], max_token
     prompt_ids = tokenizer.encode(PROMPT)
     executor = Executor(engine, params)
     for batch in batches:
-        engine_alone(engine, params, prompt_ids, batch, 16)  # compiles, if warmup did not
+        # more requests than slots (256 on the profile's 128): the engine alone decodes every slot,
+        # the offline driver queues the rest, as a server would
+        decoding = min(batch, engine.max_concurrent_decodes)
+        engine_alone(engine, params, prompt_ids, decoding, 16)  # compiles, if warmup did not
         offline(engine, params, executor, prompt_ids, batch, 16)
-        alone = engine_alone(engine, params, prompt_ids, batch, max_tokens)
+        alone = engine_alone(engine, params, prompt_ids, decoding, max_tokens)
         driven = offline(engine, params, executor, prompt_ids, batch, max_tokens)
-        bound = roofline(engine, params, chip, batch, len(prompt_ids) + max_tokens // 2)
+        bound = roofline(engine, params, chip, decoding, len(prompt_ids) + max_tokens // 2)
         out[f"b{batch}"] = {
-            "engine_tok_s": alone, "offline_tok_s": driven, "offline_over_engine": driven / alone,
-            "roofline_tok_s": bound, "engine_of_roofline": alone / bound,
+            "engine_batch": decoding, "engine_tok_s": alone, "offline_tok_s": driven,
+            "offline_over_engine": driven / alone, "roofline_tok_s": bound, "engine_of_roofline": alone / bound,
         }
         print(json.dumps({batch: out[f"b{batch}"]}), file=sys.stderr, flush=True)
     return out
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("out", type=Path)
-    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--skip-engine", action="store_true", help="the served path only")

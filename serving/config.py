@@ -113,6 +113,10 @@ class ServingConfig(BaseModel):
     # length bucket, at most prefill_batch_tokens padded tokens in all (0: max_prefill_predict_length).
     max_prefill_batch: int = Field(default=8, ge=1)
     prefill_batch_tokens: int = Field(default=0, ge=0)
+    # A call whose rows start after cached positions (a long prompt's later chunks, a prefix hit's
+    # rest) attends to their window too: its attention's temporaries grow with rows x window, so it
+    # takes at most this many padded tokens (0: prefill_batch_tokens).
+    history_batch_tokens: int = Field(default=0, ge=0)
     # Prefix cache: the KV cache's full pages of prompt (prefix_block_size tokens each) are keyed by
     # their token ids and shared by later prompts that begin with them; freed ones stay until the
     # pool needs them (least recently used first). The pool is the cache: no budget of its own.
@@ -387,6 +391,7 @@ class EngineConfig:
     prefill_chunk_size: int = _default("prefill_chunk_size")
     max_prefill_batch: int = _default("max_prefill_batch")
     prefill_batch_tokens: int = _default("prefill_batch_tokens")
+    history_batch_tokens: int = _default("history_batch_tokens")
     prefix_block_size: int = _default("prefix_block_size")
     kv_cache_bytes_per_chip: int = _default("kv_cache_bytes_per_chip")
     attention: str = _default("attention")

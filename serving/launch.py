@@ -12,11 +12,18 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from serving.checkpoints.model_source import LoadedModel
-from serving.config import ServingConfig
+from serving.config import ConfigError, ServingConfig
 from serving.engine.engine import Engine, engine_limits
-from serving.engine.memory import check_compiled, check_devices, device_limit
+from serving.engine.memory import (
+    COMPILED_FLAGS_TO_CHANGE,
+    PlanTooLarge,
+    check_compiled,
+    check_devices,
+    device_limit,
+)
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
@@ -257,7 +264,17 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     # multi-controller prefill group no generate
     generates = groups is None or not groups.on_prefill
     prefills = prefill_devices is None or (groups is not None and groups.on_prefill)
-    check_memory(engine, plan.model, cfg.dtype, list(mesh.devices.flat), generates, prefills, _warms_ahead(cfg, engine))
+    chips = list(mesh.devices.flat)
+    try:
+        check_memory(engine, plan.model, cfg.dtype, chips, generates, prefills, _warms_ahead(cfg, engine))
+    except PlanTooLarge as exc:  # the profile's slots, sized before the programs' temporaries were known
+        refit = slots_that_fit(plan, engine, exc.plan, exc.limit)
+        if refit is None or mirror is not None:
+            raise
+        log.warning("memory plan: %s", refit.origins["per_device_batch_size"])
+        plan, cfg = refit, refit.config
+        engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify)
+        check_memory(engine, plan.model, cfg.dtype, chips, generates, prefills, _warms_ahead(cfg, engine))
     phase("memory plan")
     params = engine.load_params()
     prefill = None
@@ -286,6 +303,40 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     return BroughtUp(plan, model, engine, params, warmup, prefill, phases)
 
 
+# Of the devices' bytes_limit, what a plan sized from its compiled footprint leaves free (XLA's own
+# allocations, fragmentation).
+REFIT_MARGIN = 0.02
+
+
+def slots_that_fit(plan: LaunchPlan, engine: Engine, compiled, limit: int) -> LaunchPlan | None:
+    """The launch plan with the serving profile's slots sized down to what `limit` holds beside
+    the params and the compiled programs' largest temporaries (`compiled`, a CompiledPlan of
+    `engine` that did not fit), or None where the slots were given (never changed: refused) or
+    not even one fits. The profile sized them from a share of the memory before any program was
+    compiled (serving.startup.slots); this sizes them from what XLA said."""
+    from dataclasses import replace
+
+    from serving.startup.profile import FROM_PROFILE
+
+    given = plan.origins.get("per_device_batch_size", "")
+    if not given.startswith(FROM_PROFILE) or plan.config.runtime == "multicontroller":
+        return None
+    where, slots = engine.placement, engine.max_concurrent_decodes
+    devices = engine.mesh.size
+    kv = where.cache_bytes_per_chip()
+    room = int(limit * (1 - REFIT_MARGIN)) - (compiled.resident - kv) - compiled.programs[compiled.largest]
+    per_device = room * slots // max(1, kv) // devices
+    if per_device < 1 or per_device * devices >= slots:
+        return None
+    why = (
+        f"{FROM_PROFILE} (sized to the compiled programs: {slots} slots needed {compiled.total / 1e9:.2f} GB of "
+        f"{limit / 1e9:.2f}, their largest temporaries {compiled.programs[compiled.largest] / 1e9:.2f} GB "
+        f"({compiled.largest}); {per_device * devices} fit)"
+    )
+    config = plan.config.model_copy(update={"per_device_batch_size": float(per_device)})
+    return replace(plan, config=config, origins=MappingProxyType({**plan.origins, "per_device_batch_size": why}))
+
+
 def _warms_ahead(cfg: ServingConfig, engine: Engine) -> bool:
     """Whether the memory plan compiles warmup's programs with its own (where warmup compiles on
     the host's cores: serving.engine.warmup.parallel_workers), while no weight is placed yet."""
@@ -310,6 +361,11 @@ def check_memory(
         try:
             plan = compiled_plan(engine, generate, prefill, warm)
         except Exception as exc:  # a runtime whose compiles report no memory analysis, say
+            if "RESOURCE_EXHAUSTED" in str(exc):  # XLA refused a program the chip cannot hold
+                raise ConfigError(
+                    f"{devices[0]} does not fit a program this config runs: {str(exc).splitlines()[0]}; "
+                    f"try {COMPILED_FLAGS_TO_CHANGE}"
+                ) from exc
             log.warning("memory plan: the programs could not be compiled ahead (%s); checking the estimate", exc)
     if plan is None:
         check_devices(

@@ -16,7 +16,7 @@ from serving.request import SamplingParams
 
 def _config(**keys) -> ServingConfig:
     return ServingConfig(
-        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, cpu_kernels="off", **keys
+        **{"per_device_batch_size": 4, "max_prefill_predict_length": 64, "max_target_length": 128, "cpu_kernels": "off", **keys}
     )
 
 
@@ -116,3 +116,39 @@ def test_the_plan_compiles_warmups_programs_once_for_warmup_to_run(tiny_model_di
     engine.warmup(params)
     assert engine._jit_shapes == set() and engine._generate_fn._cache_size() == 0
     assert all(engine._generate_compiled[k] is v for k, v in kept.items())  # not compiled twice
+
+
+def test_the_profiles_slots_are_sized_down_to_what_the_compiled_plan_fits(tiny_model_dir, monkeypatch):
+    """Slots the serving profile proposed (sized from a share of the memory before any program was
+    compiled) that do not fit beside the programs' temporaries: start-up sizes them down from the
+    compiled footprint and serves; the ready line says why. Slots the user gave are refused (above)."""
+    from serving.checkpoints.model_source import load_model
+    from serving.startup.profile import FROM_PROFILE
+
+    cfg = _config(per_device_batch_size=16)
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    plan = compiled_plan(engine)
+    kv = engine.placement.cache_bytes_per_chip()
+    # room for about 8 of the 16 slots' KV cache beside the params and the largest temporaries
+    limit = int((plan.total - kv // 2) / (1 - launch.REFIT_MARGIN))
+    monkeypatch.setattr(launch, "device_limit", lambda devices: limit)
+    up = launch.bring_up(cfg, str(tiny_model_dir), {"per_device_batch_size": FROM_PROFILE})
+    assert 4 <= up.engine.max_concurrent_decodes < 16
+    why = up.plan.origins["per_device_batch_size"]
+    assert why.startswith(FROM_PROFILE) and "sized to the compiled programs: 16 slots needed" in why
+    assert up.params  # the second plan, of fewer slots, was checked and fit before the weights were placed
+
+
+def test_a_program_the_chip_cannot_hold_is_refused_naming_what_to_lower(tiny_model_dir, monkeypatch):
+    """XLA refusing to compile a program for the chip (RESOURCE_EXHAUSTED: its temporaries alone
+    exceed the memory) is a config error naming it, not a fall back to the estimate."""
+    from serving.engine import compiled_memory
+
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (19.43G) exceeds available HBM (15.75G).")
+
+    monkeypatch.setattr(compiled_memory, "compiled_plan", exhausted)
+    monkeypatch.setattr(launch, "device_limit", lambda devices: 1 << 40)
+    with pytest.raises(ConfigError) as refused:
+        launch.bring_up(_config(), str(tiny_model_dir))
+    assert "HLO temporaries (19.43G)" in str(refused.value) and "history_batch_tokens" in str(refused.value)

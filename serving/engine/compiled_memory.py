@@ -72,7 +72,8 @@ def _footprint(compiled) -> tuple[int, int]:
 def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, warm: bool = False) -> CompiledPlan | None:
     """The largest programs an engine runs, compiled against abstract params and state: generate of
     every slot over the widest window (with `generate`), and (with `prefill`) the most full chunks a
-    call takes after the longest history, the most short rests (a prefix hit's) over the widest
+    call takes after the longest history (and from position 0, where that budget is larger), the
+    most short rests (a prefix hit's) over the widest
     window, and the longest whole prefill with and without the prompt's logprobs. The generate and
     chunk executables are the engine's from here on (serving.engine.warmup finds them compiled).
     With `warm`, every other program warmup compiles (serving.engine.warmup.compile_jobs) compiles
@@ -97,8 +98,14 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
     if prefill:
         probe = SamplingParams(max_tokens=1)
         chunk = limits.prefill_chunk_size
-        count = max(r for r in engine.row_buckets if r == 1 or r * chunk <= limits.prefill_batch_tokens)
-        calls = [(count, chunk, max(0, limits.max_target_length - chunk))]
+        after = max(0, limits.max_target_length - chunk)
+
+        def most(start: int) -> int:  # the most rows of full chunks a call starting there takes
+            return max(r for r in engine.row_buckets if r == 1 or r * chunk <= limits.batch_tokens(start))
+
+        calls = [(most(after), chunk, after)]
+        if after and most(0) > most(after):  # fresh prompts may take a larger budget
+            calls.append((most(0), chunk, 0))
         rests = [(r, n, rest_start(engine, n, w)) for r, n, w in rest_shapes(engine)]
         rests = [shape for shape in rests if shape[2] is not None]
         if rests:  # the most rows over the widest history

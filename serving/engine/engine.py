@@ -123,6 +123,7 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None
         prefill_chunk_size=config.prefill_chunk_size,
         max_prefill_batch=config.max_prefill_batch,
         prefill_batch_tokens=config.prefill_batch_tokens,
+        history_batch_tokens=config.history_batch_tokens,
         prefix_block=config.prefix_block_size,
         decode_buckets=config.decode_slot_buckets,
         num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(mesh), slots),

@@ -83,6 +83,8 @@ class Limits:
     prefill_chunk_size: int = 0  # the longest chunk of a chunked prefill (0: max_prefill_length)
     max_prefill_batch: int = 8  # prompts (rows) in one prefill_slots call
     prefill_batch_tokens: int = 0  # padded tokens (rows x bucket) of one call (0: max_prefill_length)
+    # ... of a call whose rows start after cached positions (0: prefill_batch_tokens)
+    history_batch_tokens: int = 0
     prefix_block: int = 64  # the KV cache's page: this many positions (and the prefix cache's unit)
     decode_buckets: tuple[int, ...] = ()  # slot counts generate is compiled for (empty: powers of two)
     # Pages in the KV cache's pool, the scratch page 0 included (0: enough for every slot to hold
@@ -99,6 +101,7 @@ class Limits:
             raise ValueError(f"prefill_chunk_size={chunk} must be in 1..max_prefill_predict_length")
         object.__setattr__(self, "prefill_chunk_size", chunk)
         object.__setattr__(self, "prefill_batch_tokens", max(self.prefill_batch_tokens or self.max_prefill_length, 1))
+        object.__setattr__(self, "history_batch_tokens", self.history_batch_tokens or self.prefill_batch_tokens)
         ladder = prefill_buckets(self.max_prefill_length, (chunk,), self.min_bucket, self.bucket_growth)
         object.__setattr__(self, "buckets", tuple(ladder))
         object.__setattr__(self, "decode_buckets", slot_buckets(self.max_concurrent_decodes, self.decode_buckets))
@@ -109,6 +112,11 @@ class Limits:
                 f"a KV cache of {self.num_pages} pages (page 0 is scratch) cannot hold one sequence of "
                 f"max_target_length={self.max_target_length} positions: {self.max_pages + 1} pages at least"
             )
+
+    def batch_tokens(self, start: int) -> int:
+        """The padded tokens (rows x bucket) a prefill_slots call may take whose rows start at
+        `start` (all at 0, or all after cached positions: `history_batch_tokens`)."""
+        return self.prefill_batch_tokens if start == 0 else self.history_batch_tokens
 
     @property
     def page_size(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from serving.engine.partitioning import DTYPE_BYTES, Numerics, Placement, placement
+from serving.errors import ConfigError
 from serving.models.config import ModelConfig
 
 ACTIVATION_DTYPE_BYTES = DTYPE_BYTES
@@ -138,24 +139,32 @@ def device_limit(devices) -> int | None:
 
 
 COMPILED_FLAGS_TO_CHANGE = (
-    "a smaller per_device_batch_size, max_target_length, prefill_chunk_size, prefill_batch_tokens or "
-    "max_prefill_predict_length, quantize_kvcache=true, quantization=int8w"
+    "a smaller per_device_batch_size, max_target_length, prefill_chunk_size, prefill_batch_tokens, "
+    "history_batch_tokens or max_prefill_predict_length, quantize_kvcache=true, quantization=int8w"
 )
+
+
+class PlanTooLarge(ConfigError):
+    """A compiled memory plan over the devices' bytes_limit (the plan and the limit kept: start-up
+    may size the serving profile's slots down to what fits, serving.launch)."""
+
+    def __init__(self, message: str, plan, limit: int):
+        super().__init__(message)
+        self.plan, self.limit = plan, limit
 
 
 def check_compiled(plan, bytes_limit: int, where: str) -> None:
     """A CompiledPlan (serving.engine.compiled_memory) against `bytes_limit`: ConfigError naming
     each figure and what to lower, before any weight is loaded."""
-    from serving.config import ConfigError
-
     if plan.total <= bytes_limit:
         return
     gb = 1e9
-    raise ConfigError(
+    raise PlanTooLarge(
         f"{where} does not fit: params and KV cache {plan.resident / gb:.2f} GB as the chip lays them out + the "
         f"compiled programs' temporaries {plan.programs[plan.largest] / gb:.2f} GB (the largest: {plan.largest}) = "
         f"{plan.total / gb:.2f} GB per chip exceed its bytes_limit of {bytes_limit / gb:.2f} GB by "
-        f"{(plan.total - bytes_limit) / gb:.2f} GB; try {COMPILED_FLAGS_TO_CHANGE}"
+        f"{(plan.total - bytes_limit) / gb:.2f} GB; try {COMPILED_FLAGS_TO_CHANGE}",
+        plan, bytes_limit,
     )
 
 

@@ -138,6 +138,7 @@ class MockEngine:
         prefill_chunk_size: int = 0,
         max_prefill_batch: int = 8,
         prefill_batch_tokens: int = 0,
+        history_batch_tokens: int = 0,
         prefix_block: int = 64,
         decode_buckets: tuple[int, ...] = (),
         block_bytes: int = 1000,
@@ -152,6 +153,7 @@ class MockEngine:
             prefill_chunk_size=prefill_chunk_size,
             max_prefill_batch=max_prefill_batch,
             prefill_batch_tokens=prefill_batch_tokens,
+            history_batch_tokens=history_batch_tokens,
             prefix_block=prefix_block,
             decode_buckets=decode_buckets,
             num_pages=num_pages,
@@ -352,8 +354,9 @@ class MockEngine:
             if not 0 < len(row.tokens) <= limits.prefill_chunk_size:
                 raise AssertionError(f"a chunk of {len(row.tokens)} tokens (1..{limits.prefill_chunk_size})")
         padded = len(rows) * limits.bucket_for(max(len(r.tokens) for r in rows))
-        if len(rows) > 1 and padded > limits.prefill_batch_tokens:
-            raise AssertionError(f"{padded} padded tokens in a prefill_slots call ({limits.prefill_batch_tokens})")
+        budget = limits.batch_tokens(rows[0].start)
+        if len(rows) > 1 and padded > budget:
+            raise AssertionError(f"{padded} padded tokens in a prefill_slots call ({budget})")
 
     @property
     def page_bytes(self) -> int:

@@ -83,9 +83,10 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     return seconds, background
 
 
-def _fits(engine: Engine, rows: int, length: int) -> bool:
-    """One row always goes in a prefill_slots call; several within its token budget."""
-    return rows == 1 or rows * length <= engine.limits.prefill_batch_tokens
+def _fits(engine: Engine, rows: int, length: int, start: int = 0) -> bool:
+    """One row always goes in a prefill_slots call; several within its token budget (a call after
+    cached positions: its own, `Limits.batch_tokens`)."""
+    return rows == 1 or rows * length <= engine.limits.batch_tokens(start)
 
 
 def _rows(rows: int, length: int, at: int, probe: SamplingParams) -> list[PrefillRow]:
@@ -103,7 +104,7 @@ def rest_shapes(engine: Engine) -> list[tuple[int, int, int]]:
         if length < limits.prefill_chunk_size
         for window in engine.history_windows
         for rows in engine.row_buckets
-        if _fits(engine, rows, length)
+        if _fits(engine, rows, length, window)
     ]
 
 
@@ -135,7 +136,7 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
     for window in engine.history_windows:
         at = min(window, limits.max_target_length - chunk)
         if at > 0 and engine.history_window(at) == window:
-            shapes += [(rows, chunk, at) for rows in engine.row_buckets if _fits(engine, rows, chunk)]
+            shapes += [(rows, chunk, at) for rows in engine.row_buckets if _fits(engine, rows, chunk, at)]
     return shapes
 
 

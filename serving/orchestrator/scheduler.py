@@ -414,8 +414,9 @@ class Scheduler:
 
     def _rows(self) -> list[PrefillRow]:
         """This turn's `prefill_slots` rows: the oldest prefilling slot's next chunk, then the next
-        chunks of others (oldest first) within the call's row and padded-token budgets, all
-        starting at 0 or all after it, each holding its whole prompt's pages. Chunks that fit the
+        chunks of others (oldest first) within the call's row and padded-token budgets (a call
+        after cached positions: `history_batch_tokens`), all starting at 0 or all after it, each
+        holding its whole prompt's pages. Chunks that fit the
         length bucket of those already chosen go first, then the ones that would widen it: one
         longer chunk does not cut a call of short ones (a shared system prompt's questions) to
         fewer rows at the same padded cost."""
@@ -454,7 +455,7 @@ class Scheduler:
                 need = limits.bucket_for(len(chunk))
                 if i in chosen or (need > bucket and not widening):
                     continue
-                if (len(chosen) + 1) * max(bucket, need) <= limits.prefill_batch_tokens:
+                if (len(chosen) + 1) * max(bucket, need) <= limits.batch_tokens(0 if fresh else 1):
                     chosen.append(i)
                     bucket = max(bucket, need)
         return [

@@ -25,11 +25,13 @@ from serving.models.config import ModelConfig
 KV_SHARE = 0.5  # of a chip's memory left after the weights, what the KV cache may take
 # On an accelerator (its memory the runtime's bytes_limit, for this process alone) the rest is the
 # compiled programs' temporaries, which serve's memory plan checks before loading
-# (serving.engine.compiled_memory). Llama 3.1 8B's shape, int8w, on a v5e, compiled for the chip on a
-# CPU host (python -m loadtest.tpu_plan): at 0.75, 48 slots of 2,048 and 16.72 GB of its 16.91 (the
-# largest temporaries: a prefill of 4 chunks, 2.04 GB); at 0.7, 44 slots with ~0.7 GB to spare; at
-# KV_SHARE's half, 32.
-ACCELERATOR_KV_SHARE = 0.7
+# (serving.engine.compiled_memory; where the profile's slots do not fit beside them, serve sizes
+# them down from the compiled footprint: serving.launch.slots_that_fit, a second compile). Llama
+# 3.1 8B's shape, int8w, on a v5e, compiled for the chip on a CPU host (python -m
+# loadtest.tpu_plan), with the TPU profile's prefill of up to 16 fresh chunks of 512 a call (2.97
+# GB of temporaries, its largest): at 0.7, 44 slots of 2,048 and 17.11 GB of its 16.91; at 0.65,
+# 41 slots and 16.7 GB. (With 4 chunks a call, 2.04 GB: 0.75 held 48 slots.)
+ACCELERATOR_KV_SHARE = 0.65
 
 
 @dataclass(frozen=True)

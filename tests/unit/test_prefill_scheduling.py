@@ -139,3 +139,27 @@ def test_block_keys_chain_the_whole_prefix_and_are_the_same_in_every_process():
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert run.stdout.strip() == keys[1].hex()
+
+
+def test_a_call_after_cached_positions_takes_the_history_budget():
+    """Fresh prompts' first chunks share a call of up to prefill_batch_tokens padded tokens; later
+    chunks (rows after cached positions, whose attention reads a window of history too) take at
+    most history_batch_tokens. The mock checks each call's padded tokens against its own budget."""
+    limits = Limits(8, 64, 256, prefill_chunk_size=16, max_prefill_batch=8, prefill_batch_tokens=128,
+                    history_batch_tokens=32)
+    assert (limits.batch_tokens(0), limits.batch_tokens(16)) == (128, 32)
+    scheduler = Scheduler(limits, decode_steps_per_call=2)
+    plan = scheduler.schedule([_waiting(i, range(1, 41)) for i in range(6)])  # 40 tokens: 3 chunks each
+    assert _rows(plan) == [(i, 0, 16, False) for i in range(6)]  # 6 x 16 = 96 padded tokens, <= 128
+    plan = scheduler.schedule([])
+    assert _rows(plan) == [(0, 16, 16, False), (1, 16, 16, False)]  # 2 x 16 = 32: the history budget
+    assert Limits(8, 64, 256, prefill_batch_tokens=128).history_batch_tokens == 128  # 0: the same budget
+    from serving.orchestrator.offline import run_to_completion
+
+    engine = MockEngine(slots=8, max_prefill_length=64, max_target_length=256, prefill_chunk_size=16,
+                        max_prefill_batch=8, prefill_batch_tokens=128, history_batch_tokens=32)
+    requests = [(list(range(1, 41)), SamplingParams(max_tokens=3)) for _ in range(6)]
+    done = run_to_completion(engine, None, requests)
+    assert all(len(r.token_ids) == 3 for r in done)
+    later = [call for call in engine.calls if call[0] == "prefill_slots" and call[1][0][1] > 0]
+    assert later and all(len(call[1]) * 16 <= 32 for call in later)
