@@ -179,7 +179,9 @@ def test_pallas_kernel_on_the_chip_matches_xlas_attention(int8, groups):
         assert not got[-1].any()  # the parked row: no pages, zeros
         np.testing.assert_allclose(got[:-1], want[:-1], atol=2e-2)
         exact = _reference(q[layer], cache, layer, tables, positions, k_new[layer], v_new[layer], round_kv=not int8)
-        np.testing.assert_allclose(got, exact, atol=2e-3 if not int8 else 1e-3)
+        # the chip's dots run at the default precision (bfloat16 passes): up to 4.4e-3 (float) and
+        # 6.9e-3 (int8) from float64 measured on a v5e; interpret mode on a CPU is within 1e-5
+        np.testing.assert_allclose(got, exact, atol=1e-2)
 
 
 @requires_tpu

@@ -91,6 +91,13 @@ class _Running:
     constrained: bool = False  # under a grammar: generate calls take masks
     whole: bool = False  # admitted whole: its pages were taken at admission, it is never preempted
     tokens: list[int] = field(default_factory=list)  # generated so far (kept for a preemption)
+    unread: int = 0  # tokens of a call in flight (async scheduling: `project`), not in `tokens` yet
+
+    @property
+    def finishing(self) -> bool:
+        """Its call in flight reaches max_tokens: it ends there whatever the tokens are, so the
+        next plan does not decode it (the device has stopped it)."""
+        return self.unread > 0 and len(self.tokens) + self.unread >= self.sampling.max_tokens
 
 
 @dataclass
@@ -139,6 +146,7 @@ class Scheduler:
     _order: dict[int, int] = field(default_factory=dict)  # slot -> when its sequence took pages (newest last)
     _pending: list[_Pending] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
+    _decoding: tuple[int, ...] = ()  # the slots the last plan decodes
 
     def __post_init__(self) -> None:
         self._free = list(range(self.limits.max_concurrent_decodes))
@@ -209,11 +217,15 @@ class Scheduler:
         rows = self._rows()
         self._advance(rows)
         running_before -= sum(1 for slot in preempted if slot not in self.running)
-        steps, plan_masks = self.decode_steps_per_call if self.running else 0, None
+        # a sequence its call in flight ends (max_tokens) decodes no more: with every other one
+        # ending too, no generate call at all (async scheduling would run one for nothing)
+        decoding = {slot: r for slot, r in self.running.items() if not r.finishing}
+        self._decoding = tuple(decoding)
+        steps, plan_masks = self.decode_steps_per_call if decoding else 0, None
         if any(r.constrained for r in self.running.values()):
             steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
             plan_masks = self._masks(masks or {}) if steps else None
-        decode_rows = self.limits.decode_rows(self.running) if steps else None
+        decode_rows = self.limits.decode_rows(decoding) if steps else None
         proposals = None
         if steps and plan_masks is None and self.speculator is not None:
             slots = {slot: r.request_id for slot, r in self.running.items()}
@@ -237,7 +249,7 @@ class Scheduler:
             rows=tuple(rows),
             decode_steps=steps,
             running=max(running_before, 0),
-            max_position=max((r.position for r in self.running.values()), default=0),
+            max_position=max((r.position for r in decoding.values()), default=0),
             slots=decode_rows,
             masks=plan_masks,
             proposals=None if proposals is None else proposals.tokens,
@@ -528,13 +540,19 @@ class Scheduler:
         return need <= self.pool.num_free
 
     def project(self, plan: StepPlan) -> dict[int, int]:
-        """The plan's generate call is in flight: every running slot's position moves past its
-        decode steps as if each step were valid, so that the next plan (its pages, its window) can
-        be made before the tokens are read; `update` with the returned slot -> request id puts back
-        what a slot did not decode."""
-        for entry in self.running.values():
+        """The plan (the last one scheduled) has its generate call in flight: each slot it decodes
+        moves past its decode steps as if each step were valid, and counts them (and a first token
+        its plan sampled) as unread, so that the next plan (its pages, its window, who still
+        decodes) can be made before the tokens are read; `update` with the returned slot -> request
+        id puts back what a slot did not decode."""
+        firsts = set(plan.first_token_slots)
+        projected = {}
+        for slot in self._decoding:
+            entry = self.running[slot]
             entry.position += plan.decode_steps
-        return {slot: entry.request_id for slot, entry in self.running.items()}
+            entry.unread += plan.decode_steps + (slot in firsts)
+            projected[slot] = entry.request_id
+        return projected
 
     # -- results -----------------------------------------------------------------------------------
 
@@ -579,9 +597,11 @@ class Scheduler:
             if projected is None and slot in self.running:
                 self.running[slot].position += count
         if projected is not None:  # the steps a slot did not decode (it is still running: none did)
+            firsts = set(plan.first_token_slots)
             for slot in projected:
                 if (running := mine(slot)) is not None:
                     running.position -= plan.decode_steps - decoded.get(slot, 0)
+                    running.unread -= plan.decode_steps + (slot in firsts)
         return finished
 
     def _record_tokens(self, plan: StepPlan, outcome: StepOutcome) -> None:

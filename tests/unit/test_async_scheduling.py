@@ -117,3 +117,21 @@ def test_a_request_cancelled_while_its_call_is_in_flight_gets_nothing_after_its_
     assert cancelled.token_ids == engine.expected(*long)[: len(cancelled.token_ids)]
     for (prompt, sampling), completion in zip(requests[1:], done[1:], strict=True):
         assert completion.token_ids == engine.expected(prompt, sampling)
+
+
+def test_no_generate_call_runs_for_sequences_the_call_in_flight_ends(projections):
+    """Running ahead, the next plan is made before the tokens are read; sequences whose call in
+    flight reaches their max_tokens are not decoded again (the device stopped them), so a batch
+    that ends together takes no extra generate call: as many as plans run whole."""
+
+    def generates(executor_class) -> tuple[int, list]:
+        engine = _engine()
+        requests = [(TOKENIZER.encode("ab" * (i + 1)), SamplingParams(max_tokens=10)) for i in range(8)]
+        executor = executor_class(engine, None)
+        done = run_to_completion(engine, None, requests, executor=executor)
+        return sum(1 for call in engine.calls if call[0] == "generate"), [r.token_ids for r in done]
+
+    whole, want = generates(_Whole)
+    ahead, got = generates(Executor)
+    assert got == want and ahead == whole == 4  # 1 + 9 tokens: 3 calls of 4 steps; the second 4 prompts a call later
+    assert projections
