@@ -7,7 +7,10 @@ preallocated stacked buffer and, at the end, checks that nothing is missing.
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -18,8 +21,10 @@ import numpy as np
 from serving.checkpoints.errors import CheckpointError
 from serving.models.config import ModelConfig
 from serving.models.params import LAYER_KEYS, param_shapes
+from serving.models.quantization import QuantizedWeight, quantize_int8_numpy, scale_axis
 
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+QUANTIZE_WORKERS = max(1, min(8, os.cpu_count() or 1))  # threads quantizing tensors as they are read
 
 
 class ParamKey(NamedTuple):
@@ -82,18 +87,31 @@ class ParamsBuilder:
     A tensor that comes as a transposed view of contiguous memory (a checkpoint's [out, in] weight
     read as [in, out]: Hugging Face's and Meta's linear layers) is stacked as stored, a plain copy,
     and transposed by XLA in `build` (on the device the arrays land on): numpy's strided copy of
-    the view took ~6 of the ~8 s that Llama 3.2 1B's 2.5 GB of bfloat16 took to load."""
+    the view took ~6 of the ~8 s that Llama 3.2 1B's 2.5 GB of bfloat16 took to load.
 
-    def __init__(self, cfg: ModelConfig, dtype: str = "float32"):
+    Entries named in `int8` are quantized as they come, one tensor (one layer's) at a time on
+    the host's cores (serving.models.quantization.quantize_int8_numpy, per output channel: the
+    same numbers as quantizing the stacked tensor), and only their int8 values and scales are
+    kept and placed: a model whose float weights exceed the device (Llama 3.1 8B's 16 GB of
+    bfloat16 on a 15.75 GiB v5e) loads in int8w without its float copy ever on the device."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str = "float32", int8: Iterable[str] = ()):
         self.cfg = cfg
         self.dtype = NUMPY_DTYPES[dtype]
         self.tracker = ParamTracker(cfg)
         self._buffers: dict[str, np.ndarray] = {}
         self._stored_transposed: set[str] = set()  # buffers holding [..., out, in]: transposed in build
+        self._int8 = frozenset(int8)
+        self._scales: dict[str, np.ndarray] = {}  # int8 entries' scales, beside their values in _buffers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: deque[Future] = deque()
 
     def add(self, key: ParamKey, tensor: np.ndarray, source_name: str) -> None:
         """Place one tensor; `source_name` is the checkpoint's own name, used in errors."""
         self.tracker.check(key, tensor, source_name)
+        if key.name in self._int8:
+            self._add_int8(key, tensor)
+            return
         if key.layer is None:
             self._buffers[key.name] = np.asarray(tensor, dtype=self.dtype)
             return
@@ -106,15 +124,45 @@ class ParamsBuilder:
             buf = self._buffers[key.name] = np.empty(shape, self.dtype)
         buf[key.layer] = tensor.T if key.name in self._stored_transposed else tensor
 
+    def _add_int8(self, key: ParamKey, tensor: np.ndarray) -> None:
+        """Quantize `tensor` into its entry's int8 buffers on a worker thread (numpy's ufuncs release
+        the GIL); at most a few tensors wait, so that host memory holds the int8 model and those."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=QUANTIZE_WORKERS, thread_name_prefix="quantize")
+        if key.name not in self._buffers:
+            shape = self.tracker.shapes[key.name]
+            stacked = () if key.layer is None else (self.cfg.num_layers,)
+            scales = list(shape)
+            scales[scale_axis(key.name)] = 1
+            self._buffers[key.name] = np.empty((*stacked, *shape), np.int8)
+            self._scales[key.name] = np.empty((*stacked, *scales), np.float32)
+        while len(self._pending) >= 2 * QUANTIZE_WORKERS:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._quantize_into, key, tensor))
+
+    def _quantize_into(self, key: ParamKey, tensor: np.ndarray) -> None:
+        values, scales = quantize_int8_numpy(tensor, scale_axis(key.name))
+        at = () if key.layer is None else (key.layer,)
+        self._buffers[key.name][at] = values
+        self._scales[key.name][at] = scales
+
     def build(self) -> dict:
         """The params pytree; fails naming what is missing."""
         self.tracker.check_complete()
+        while self._pending:
+            self._pending.popleft().result()
+        if self._pool is not None:
+            self._pool.shutdown()
         params: dict = {"layers": {}}
         for name, buf in self._buffers.items():
             target = params["layers"] if name in LAYER_KEYS else params
             array = jnp.asarray(buf)
-            target[name] = _swap_last_two(array) if name in self._stored_transposed else array
+            if name in self._int8:
+                target[name] = QuantizedWeight(values=array, scales=jnp.asarray(self._scales[name]))
+            else:
+                target[name] = _swap_last_two(array) if name in self._stored_transposed else array
         self._buffers.clear()
+        self._scales.clear()
         return params
 
 
@@ -128,9 +176,12 @@ def _swap_last_two(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, -1, -2)
 
 
-def build_params(cfg: ModelConfig, tensors: Iterable[tuple[ParamKey, np.ndarray, str]], dtype: str) -> dict:
-    """The params pytree from a stream of (place, [in, out] tensor, source name)."""
-    builder = ParamsBuilder(cfg, dtype)
+def build_params(
+    cfg: ModelConfig, tensors: Iterable[tuple[ParamKey, np.ndarray, str]], dtype: str, int8: Iterable[str] = ()
+) -> dict:
+    """The params pytree from a stream of (place, [in, out] tensor, source name); the entries named
+    in `int8` quantized as they come (ParamsBuilder)."""
+    builder = ParamsBuilder(cfg, dtype, int8)
     for key, tensor, name in tensors:
         builder.add(key, tensor, name)
     return builder.build()

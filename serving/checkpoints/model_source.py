@@ -228,7 +228,8 @@ def load_resolved(
     if is_maxtext_checkpoint(source):
         return load_maxtext(source, cfg, quantization, model, shardings)
     opened = _open(Path(source), model)
-    params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype)
+    # int8 entries quantized as the tensors come: the float model is never whole on the device
+    params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype, quantization.quantized_on_load)
     if not opened.tokenizer_files:
         raise CheckpointError(f"{source}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
     tokenizer = tokenizer_from_files(opened.tokenizer_files)

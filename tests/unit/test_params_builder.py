@@ -38,3 +38,34 @@ def test_transposed_views_build_the_same_params_as_copies(dtype):
         np.testing.assert_array_equal(np.asarray(got_mixed["layers"][name]), np.asarray(want["layers"][name]))
     for name in (k for k in want if k != "layers"):
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+
+
+def test_int8_entries_quantized_as_they_come_equal_quantizing_the_built_params():
+    """int8 entries quantized tensor by tensor on the host while loading (the float model never
+    whole on the device) hold the same values and scales as quantizing the whole float params."""
+    from serving.models.quantization import QUANTIZED, QuantizedWeight, quantize_params
+    from serving.models.params import LAYER_KEYS, param_shapes
+
+    cfg = load_model_config("tiny-random")
+    rng = np.random.default_rng(1)
+    tensors = []
+    for name, shape in param_shapes(cfg).items():
+        for layer in (range(cfg.num_layers) if name in LAYER_KEYS else [None]):
+            stored = np.ascontiguousarray(rng.standard_normal(shape).astype(np.float32).T)
+            tensors.append((ParamKey(name, layer), stored.T))  # a [out, in] checkpoint read as [in, out]
+    plain, streamed = ParamsBuilder(cfg, "float32"), ParamsBuilder(cfg, "float32", int8=QUANTIZED)
+    for key, view in tensors:
+        plain.add(key, view, key.name)
+        streamed.add(key, view, key.name)
+    want, got = quantize_params(plain.build(), QUANTIZED), streamed.build()
+    layers = [(want["layers"][n], got["layers"][n]) for n in want["layers"]]
+    quantized = 0
+    for w, g in [*layers, *((want[n], got[n]) for n in want if n != "layers")]:
+        assert type(w) is type(g)
+        if isinstance(w, QuantizedWeight):
+            quantized += 1
+            np.testing.assert_array_equal(np.asarray(g.values), np.asarray(w.values))
+            np.testing.assert_array_equal(np.asarray(g.scales), np.asarray(w.scales))
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert quantized == len([n for n in QUANTIZED if n in param_shapes(cfg)])
