@@ -43,8 +43,8 @@ def test_transposed_views_build_the_same_params_as_copies(dtype):
 def test_int8_entries_quantized_as_they_come_equal_quantizing_the_built_params():
     """int8 entries quantized tensor by tensor on the host while loading (the float model never
     whole on the device) hold the same values and scales as quantizing the whole float params."""
-    from serving.models.quantization import QUANTIZED, QuantizedWeight, quantize_params
     from serving.models.params import LAYER_KEYS, param_shapes
+    from serving.models.quantization import QUANTIZED, QuantizedWeight, quantize_params
 
     cfg = load_model_config("tiny-random")
     rng = np.random.default_rng(1)
