@@ -24,8 +24,8 @@
    thread. A stop string ends the request (the slot is freed like a cancellation).
 4. A request with n > 1 choices is queued as n requests back to back (it counts as n against the
    bound) and admitted whole: one prefill into n slots. A request under a grammar has one
-   matcher per choice (serving.structured), advanced here with each token; their next-token masks
-   go into the plan.
+   matcher per choice (serving.structured), made here and handed to the scheduler, whose records
+   hold them: it advances each with its tokens and puts their next-token masks into the plan.
 5. The engine's background warmup (serving.engine.warmup) starts a shape only after an idle turn
    and none after a busy one, so its compiles keep out of the way of requests (the executor tells
    it: serving.orchestrator.executor.Executor.idle / run / close).
@@ -334,22 +334,19 @@ class Orchestrator:
         return True
 
     def _schedule(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> StepPlan:
-        """The turn's plan: cancelled requests end, queued ones (with their adapters' loads) and the
-        running ones' grammar masks go to the scheduler; the metrics of the queue and the slots. A
+        """The turn's plan: cancelled requests end, queued ones (with their adapters' loads and their
+        grammars' matchers) go to the scheduler; the metrics of the queue and the slots. A
         plan in flight lands first where the scheduler cannot run ahead of it."""
         if self._in_flight is not None and not scheduler.runs_ahead():
             self._land(scheduler, executor, running)
         cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
-        masks = {
-            rid: r.grammar.mask() for rid, r in running.items() if r.grammar is not None and rid not in cancelled
-        }
         groups = self._take(scheduler.room(cancelled))
         for group, _load in groups:
             running.update((r.request_id, r) for r in group)
         waiting = [_waiting(group, load) for group, load in groups]
         if self._in_flight is not None and not scheduler.runs_ahead(waiting):
             self._land(scheduler, executor, running)
-        plan = scheduler.schedule(waiting, cancelled, masks)
+        plan = scheduler.schedule(waiting, cancelled)
         for rid in cancelled:
             self._finish(running.pop(rid), "cancelled")
         self._left_slots(len(cancelled))
@@ -510,7 +507,7 @@ class Orchestrator:
         if prompt_logprobs is not None:
             request.tokens.put(PromptLogprobs(prompt_logprobs))
         if request.sampling.max_tokens > 0:
-            self._put(request, token, logprob)
+            request.put(token, logprob)
         if first:
             self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
 
@@ -529,16 +526,6 @@ class Orchestrator:
                 if step_valid[slot]
             ]
             request.put_many(items)
-            if request.grammar is not None:
-                for item in items:
-                    token = item if isinstance(item, int) else item.token
-                    if not request.grammar.advance(token):
-                        log.warning("request %d: its grammar refused token %d", request.request_id, token)
-
-    def _put(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
-        request.put(token, logprob)
-        if request.grammar is not None and not request.grammar.advance(token):
-            log.warning("request %d: its grammar refused token %d", request.request_id, token)
 
     def _maybe_start_trace(self) -> None:
         with self._profile_lock:
@@ -584,6 +571,6 @@ def _waiting(group: list[Request], load: AdapterLoad | None = None) -> Waiting:
     """The scheduler's view of a request and its choices (all in the same grammar state), with its
     adapter's load (None: no adapter, or it is resident)."""
     head = group[0]
-    mask = head.grammar.mask() if head.grammar is not None else None
+    grammars = tuple(r.grammar for r in group) if head.grammar is not None else ()
     ids = tuple(r.request_id for r in group[1:])
-    return Waiting(head.request_id, tuple(head.prompt_ids), head.sampling, ids, mask, load)
+    return Waiting(head.request_id, tuple(head.prompt_ids), head.sampling, ids, grammars, load)

@@ -29,7 +29,9 @@ class Waiting:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     choice_ids: tuple[int, ...] = ()  # request ids of choices 1..n-1 (sampling.n > 1)
-    mask: np.ndarray | None = None  # int32 [words]: a grammar's mask for the first token
+    # under a grammar: one matcher per choice (serving.structured, all in the start state; each
+    # `mask()` int32 [words] the next token's, `advance(token)`), held and advanced by the scheduler
+    grammars: tuple = ()
     # its LoRA adapter's write into its device slot, when the adapter is not resident: in the plan
     # of the turn it is scheduled, before any request prefills (serving.lora.registry)
     adapter_load: AdapterLoad | None = None
@@ -37,6 +39,11 @@ class Waiting:
     @property
     def num_slots(self) -> int:
         return 1 + len(self.choice_ids)
+
+    @property
+    def mask(self) -> np.ndarray | None:
+        """The grammar's mask for the first token (None without a grammar)."""
+        return self.grammars[0].mask() if self.grammars else None
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,21 @@ e. one generate call over the decoding slots, padded to the smallest slot bucket
 The scheduler keeps the host mirror of every slot's position, so that no decision (nor the
 attention window the engine reads) needs a value read back from the device.
 
-A request under a grammar brings its first token's mask; while any running slot has one, each
-generate call is one step with every slot's mask in the plan (plain numpy, computed by the device
-loop from the grammars' states), and a turn that admits such a request runs no generate call (its
-next mask depends on the first token).
+A request under a grammar brings one matcher per choice (serving.structured), which its records
+hold: its admission carries the first token's mask; while any running slot has one, each generate
+call is one step with every slot's mask in the plan (plain numpy, from the matchers, which `update`
+advances with each token), and a turn that admits such a request runs no generate call (its next
+mask depends on the first token).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +66,8 @@ from serving.orchestrator.proposers import Speculator
 from serving.request import SamplingParams
 
 __all__ = ["Admission", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
+
+log = logging.getLogger(__name__)
 
 # Positions of growth past the next decode call that the running sequences' pages are kept free
 # for: prompts (and new requests) take only the rest. One page per running sequence (what it was)
@@ -88,10 +93,15 @@ class _Running:
     position: int  # where the slot's next fed token is written: prompt + tokens generated - 1
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
-    constrained: bool = False  # under a grammar: generate calls take masks
+    grammar: Any = None  # under a grammar: its matcher (serving.structured), advanced by `update`
     whole: bool = False  # admitted whole: its pages were taken at admission, it is never preempted
     tokens: list[int] = field(default_factory=list)  # generated so far (kept for a preemption)
     unread: int = 0  # tokens of a call in flight (async scheduling: `project`), not in `tokens` yet
+
+    @property
+    def constrained(self) -> bool:
+        """Under a grammar: its generate calls take masks, one step each."""
+        return self.grammar is not None
 
     @property
     def finishing(self) -> bool:
@@ -179,17 +189,12 @@ class Scheduler:
             return 0
         return len(self._free) + len(cancelled_slots)
 
-    def schedule(
-        self,
-        waiting: Sequence[Waiting],
-        cancelled: Collection[int] = (),
-        masks: Mapping[int, np.ndarray] | None = None,
-    ) -> StepPlan:
+    def schedule(self, waiting: Sequence[Waiting], cancelled: Collection[int] = ()) -> StepPlan:
         """The next turn: free the slots of `cancelled` request ids, admit every `waiting` request
         (at most `room(cancelled)` slots in all) into the lowest free slots in order, grow the
         running sequences' pages (preempting the newest when none are free), prefill the next
-        chunks, then decode if anything runs. `masks`: request id -> int32 [words], the next-token
-        mask of every running request under a grammar. The waiting requests' adapter loads go into
+        chunks, then decode if anything runs (a running request under a grammar: one step, with
+        every slot's next-token mask from its matcher). The waiting requests' adapter loads go into
         the plan (written before anything prefills)."""
         needed = sum(w.num_slots for w in waiting)
         if needed > self.room(cancelled):
@@ -224,7 +229,7 @@ class Scheduler:
         steps, plan_masks = self.decode_steps_per_call if decoding else 0, None
         if any(r.constrained for r in self.running.values()):
             steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
-            plan_masks = self._masks(masks or {}) if steps else None
+            plan_masks = self._masks() if steps else None
         decode_rows = self.limits.decode_rows(decoding) if steps else None
         proposals = None
         if steps and plan_masks is None and self.speculator is not None:
@@ -363,10 +368,11 @@ class Scheduler:
                     return admissions
                 self._preempt(victim, preempted)
             self._pending.pop(0)
-            constrained = request.sampling.grammar is not None
-            for slot, rid in zip(pending.slots, (request.request_id, *request.choice_ids), strict=True):
+            mask = request.mask  # the first token's, before any choice advances
+            grammars = request.grammars or (None,) * request.num_slots
+            for slot, rid, grammar in zip(pending.slots, (request.request_id, *request.choice_ids), grammars, strict=True):
                 self.running[slot] = _Running(
-                    rid, len(request.prompt_ids), request.prompt_ids, request.sampling, constrained, whole=True
+                    rid, len(request.prompt_ids), request.prompt_ids, request.sampling, grammar, whole=True
                 )
                 self._grow(slot, len(request.prompt_ids) + request.sampling.max_tokens)
             admissions.append(
@@ -377,7 +383,7 @@ class Scheduler:
                     len(request.prompt_ids),
                     request.sampling,
                     tuple(pending.slots[1:]),
-                    request.mask,
+                    mask,
                 )
             )
         return admissions
@@ -386,7 +392,7 @@ class Scheduler:
 
     def _admit_chunked(self, request: Waiting) -> None:
         """A prefilling slot, with its prompt's cached pages, if any are."""
-        if request.choice_ids or request.mask is not None:
+        if request.choice_ids or request.grammars:
             raise ValueError("a request with choices or a grammar takes the whole prefill")
         slot = heapq.heappop(self._free)
         entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling, original=len(request.prompt_ids))
@@ -508,15 +514,14 @@ class Scheduler:
                     tokens=list(entry.generated),
                 )
 
-    def _masks(self, masks: Mapping[int, np.ndarray]) -> np.ndarray:
-        """[slots, words]: each constrained slot's mask, every token allowed elsewhere."""
-        if not masks:
-            raise ValueError("slots under a grammar are running, but no masks were given")
+    def _masks(self) -> np.ndarray:
+        """[slots, words]: each constrained slot's next-token mask from its matcher, every token
+        allowed elsewhere."""
+        masks = {slot: r.grammar.mask() for slot, r in self.running.items() if r.constrained}
         words = len(next(iter(masks.values())))
         out = np.full((self.limits.max_concurrent_decodes, words), -1, np.int32)
-        for slot, r in self.running.items():
-            if r.constrained:
-                out[slot] = masks.get(r.request_id, -1)
+        for slot, mask in masks.items():
+            out[slot] = mask
         return out
 
     # -- running one call ahead ------------------------------------------------------------------
@@ -578,6 +583,7 @@ class Scheduler:
             if running is None:
                 continue
             running.tokens.append(first)
+            _advance_grammar(running, first)
             if first in running.sampling.stop_ids or len(running.tokens) >= running.sampling.max_tokens:
                 finished.append((running.request_id, slot))
                 self._release(slot)
@@ -590,6 +596,7 @@ class Scheduler:
                 if step_valid[slot]:
                     decoded[slot] = decoded.get(slot, 0) + 1
                     running.tokens.append(step_tokens[slot])
+                    _advance_grammar(running, step_tokens[slot])
                 if step_done[slot]:
                     finished.append((running.request_id, slot))
                     self._release(slot)
@@ -635,3 +642,10 @@ class Scheduler:
         if entry is not None and self.speculator is not None:
             self.speculator.finish(entry.request_id)
         heapq.heappush(self._free, slot)
+
+
+def _advance_grammar(running: _Running, token: int) -> None:
+    """A constrained request's matcher past `token` (the device sampled it under the mask; a refusal
+    is logged, the stream goes on)."""
+    if running.grammar is not None and not running.grammar.advance(token):
+        log.warning("request %d: its grammar refused token %d", running.request_id, token)

@@ -17,7 +17,7 @@ from serving.engine.limits import Limits
 from serving.engine.mock import AsciiTokenizer, MockEngine, mock_logprob
 from serving.errors import GenerationError, QueueFullError
 from serving.orchestrator import Orchestrator
-from serving.orchestrator.scheduler import Scheduler, Waiting
+from serving.orchestrator.scheduler import Scheduler, StepOutcome, Waiting
 from serving.orchestrator.streams import Request
 from serving.request import Grammar, SamplingParams
 from serving.text.tools import CHATML, LLAMA3, call_schema, parse_calls, render_messages
@@ -56,22 +56,40 @@ def _lp(char: str) -> float:
 # -- the scheduler ------------------------------------------------------------------------------
 
 
+class _Matcher:
+    """A grammar matcher's contract (serving.structured): its mask is the tokens it has seen."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def mask(self) -> np.ndarray:
+        return np.full((3,), 7 + len(self.seen), np.int32)
+
+    def advance(self, token: int) -> bool:
+        self.seen.append(token)
+        return True
+
+
 def test_n_choices_take_n_slots_and_grammar_plans_carry_masks():
+    """The scheduler holds a grammar request's matcher: the first token's mask in its admission,
+    then each one-step call's mask from the matcher as the tokens advance it."""
     scheduler = Scheduler(Limits(4, 64, 256), decode_steps_per_call=2)
     grammar = SamplingParams(max_tokens=5, grammar=Grammar("json"))
-    mask = np.full((3,), 7, np.int32)
     plan = scheduler.schedule([Waiting(0, (1, 2), SamplingParams(max_tokens=5, n=3), (1, 2))])
     assert plan.admissions[0].slots == (0, 1, 2) and plan.decode_steps == 2 and plan.masks is None
     assert scheduler.room() == 1
     with pytest.raises(ValueError, match="2 slots asked for, 1 free"):
         scheduler.schedule([Waiting(3, (1,), SamplingParams(n=2), (4,))])
     # a grammar request admitted: no generate call this turn (its mask needs the first token)
-    plan = scheduler.schedule([Waiting(5, (1,), grammar, (), mask)])
-    assert plan.admissions[0].mask is mask and plan.decode_steps == 0
+    matcher = _Matcher()
+    plan = scheduler.schedule([Waiting(5, (1,), grammar, (), (matcher,))])
+    assert (plan.admissions[0].mask == 7).all() and plan.decode_steps == 0
+    scheduler.update(plan, StepOutcome(first_tokens=(11,)))
+    assert matcher.seen == [11]
     # then one-step calls with every slot's mask (all tokens allowed for the others)
-    plan = scheduler.schedule([], masks={5: mask})
+    plan = scheduler.schedule([])
     assert plan.decode_steps == 1 and plan.masks.shape == (4, 3)
-    assert (plan.masks[3] == 7).all() and (plan.masks[:3] == -1).all()
+    assert (plan.masks[3] == 8).all() and (plan.masks[:3] == -1).all()
 
 
 # -- the orchestrator ---------------------------------------------------------------------------
