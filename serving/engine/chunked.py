@@ -43,16 +43,6 @@ if TYPE_CHECKING:
     from serving.engine.warmup import BackgroundWarmup
 
 
-def row_buckets(max_rows: int, growth: int = 2) -> tuple[int, ...]:
-    """Row counts a prefill_slots call is compiled for: powers of `growth` below `max_rows`, and it
-    (a TPU's backend grows its shape ladders by 4: fewer programs, each padded more)."""
-    rows, n = {max_rows}, 1
-    while n < max_rows:
-        rows.add(n)
-        n *= growth
-    return tuple(sorted(rows))
-
-
 def _model_inputs(inputs: tuple) -> tuple:
     """The model call's share of `_slot_inputs`' inputs: tokens, slots, starts, lengths and the
     rows' LoRA slots (the rest are the first-token call's)."""
@@ -65,7 +55,7 @@ class ChunkedPrefill:
 
     def _init_chunked(self, static: dict) -> None:
         state_shardings = self._state_shardings()
-        self.row_buckets = row_buckets(self.limits.max_prefill_batch, self.ops.shape_growth)
+        self.row_buckets = self.limits.row_buckets
         self._prefill_slots_fn = jax.jit(
             partial(self._prefill_chunks_impl, static=static),
             donate_argnums=(1,),

@@ -73,6 +73,16 @@ def prefills_whole(sampling: SamplingParams) -> bool:
     )
 
 
+def row_buckets(max_rows: int, growth: int = 2) -> tuple[int, ...]:
+    """Row counts a prefill_slots call is compiled for: powers of `growth` below `max_rows`, and it
+    (a TPU's backend grows its shape ladders by 4: fewer programs, each padded more)."""
+    rows, n = {max_rows}, 1
+    while n < max_rows:
+        rows.add(n)
+        n *= growth
+    return tuple(sorted(rows))
+
+
 @dataclass(frozen=True)
 class Limits:
     """An engine's fixed shapes: decode slots, prefill buckets and chunks, the longest sequence."""
@@ -112,6 +122,16 @@ class Limits:
                 f"a KV cache of {self.num_pages} pages (page 0 is scratch) cannot hold one sequence of "
                 f"max_target_length={self.max_target_length} positions: {self.max_pages + 1} pages at least"
             )
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """The row counts a prefill_slots call is padded to (the ladder of the prefill lengths'
+        growth, up to max_prefill_batch)."""
+        return row_buckets(self.max_prefill_batch, self.bucket_growth)
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows a prefill_slots call of `rows` computes: the smallest row bucket holding them."""
+        return next(b for b in self.row_buckets if b >= rows)
 
     def batch_tokens(self, start: int) -> int:
         """The padded tokens (rows x bucket) a prefill_slots call may take whose rows start at

@@ -473,7 +473,8 @@ class Scheduler:
                 need = limits.bucket_for(len(chunk))
                 if i in chosen or (need > bucket and not widening):
                     continue
-                if (len(chosen) + 1) * max(bucket, need) <= limits.batch_tokens(0 if fresh else 1):
+                # the padded call (rows to their bucket) within the budget: the shape warmup compiled
+                if limits.padded_rows(len(chosen) + 1) * max(bucket, need) <= limits.batch_tokens(0 if fresh else 1):
                     chosen.append(i)
                     bucket = max(bucket, need)
         return [

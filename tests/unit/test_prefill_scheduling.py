@@ -163,3 +163,18 @@ def test_a_call_after_cached_positions_takes_the_history_budget():
     assert all(len(r.token_ids) == 3 for r in done)
     later = [call for call in engine.calls if call[0] == "prefill_slots" and call[1][0][1] > 0]
     assert later and all(len(call[1]) * 16 <= 32 for call in later)
+
+
+def test_a_call_padded_to_its_row_bucket_stays_within_the_budget():
+    """A call's rows are padded to the row ladder (1, 2, 4, 8 here): with 96 padded tokens a call
+    of three 32-token rows would run as four (128), a shape warmup never compiles for that budget;
+    so two go, then the rest."""
+    limits = Limits(8, 32, 256, max_prefill_batch=8, prefill_batch_tokens=96)
+    assert limits.row_buckets == (1, 2, 4, 8) and limits.padded_rows(3) == 4
+    assert Limits(64, 32, 256, max_prefill_batch=64, bucket_growth=4, min_bucket=16).row_buckets == (1, 4, 16, 64)
+    scheduler = Scheduler(limits, decode_steps_per_call=2)
+    plan = scheduler.schedule([_waiting(i, range(1, 21)) for i in range(5)])  # 20 tokens: bucket 32
+    assert [r.slot for r in plan.rows] == [0, 1]
+    for _ in range(2):
+        plan = scheduler.schedule([])
+        assert limits.padded_rows(len(plan.rows)) * 32 <= 96
