@@ -112,7 +112,9 @@ def test_disconnect_while_waiting_for_a_whole_completion_frees_the_slot(served):
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(served):
-    n, tokens = 4, 48
+    # long enough that the drain outlasts the checks below by far on any CPU: with 48 tokens a fast
+    # machine (async scheduling) finished the drain and exited before /readyz was asked
+    n, tokens = 4, 320
     results: list = [None] * n
     streaming = threading.Barrier(n + 1)
 
