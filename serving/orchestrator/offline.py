@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serving.engine.api import EngineAPI
+from serving.orchestrator.ahead import RunAhead, start
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.proposers import Speculator
@@ -63,41 +64,23 @@ def _drive(results: list[OfflineResult], waiting: deque, scheduler: Scheduler, e
     """Admit, schedule, execute and record until every request of `results` has finished; the next
     plan made and started before the last one's tokens are read where the scheduler `runs_ahead`
     of it (as the orchestrator's device loop does with async scheduling)."""
-    pipelines = getattr(executor, "pipelines", False)
-    in_flight = None  # (plan, started, slots, projected): a generate call whose tokens are not read
-
-    def land() -> None:
-        nonlocal in_flight
-        (plan, started, slots, projected), in_flight = in_flight, None
-        _record(plan, executor.finish(started), slots, scheduler, results, projected)
-
+    ahead = RunAhead(
+        scheduler, getattr(executor, "pipelines", False),
+        lambda started: started.outcome if started.result is None else executor.finish(started),
+        lambda plan, outcome, slots, projected: _record(plan, outcome, slots, scheduler, results, projected),
+    )
     while waiting or scheduler.num_used:
-        if in_flight is not None and not scheduler.runs_ahead():
-            land()
+        ahead.land_unless_ahead()
         admit = [waiting.popleft() for _ in range(min(scheduler.room(), len(waiting)))]
         batch = [Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit]
-        if in_flight is not None and not scheduler.runs_ahead(batch):
-            land()
+        ahead.land_unless_ahead(batch)
         plan = scheduler.schedule(batch)
         if plan.empty:
-            if in_flight is not None:
-                land()
+            ahead.land()
             continue
         slots = {slot: results[r.request_id] for slot, r in scheduler.running.items()}
-        if not pipelines:  # an executor that runs a plan whole
-            _record(plan, executor.run(plan), slots, scheduler, results)
-            continue
-        started = executor.start(plan)
-        previous = in_flight
-        in_flight = None if started.result is None else (plan, started, slots, scheduler.project(plan))
-        if previous is not None:
-            in_flight, flight = previous, in_flight
-            land()
-            in_flight = flight
-        if in_flight is None:
-            _record(plan, executor.finish(started), slots, scheduler, results)
-    if in_flight is not None:
-        land()
+        ahead.started(plan, start(executor, plan), slots)
+    ahead.land()
 
 
 def _record(

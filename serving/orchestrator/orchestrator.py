@@ -54,6 +54,7 @@ from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
 from serving.errors import QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
+from serving.orchestrator.ahead import RunAhead, start
 from serving.orchestrator.executor import AdapterWeights, Executor, Started
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.proposers import Speculator
@@ -128,7 +129,6 @@ class Orchestrator:
         self._profile_lock = threading.Lock()
         self._profile: tuple[int, str] | None = None  # (generate calls to trace, directory)
         self._profiling_left = 0
-        self._in_flight: _InFlight | None = None  # the device thread's plan whose tokens are not read yet
 
     def start(self) -> Orchestrator:
         config = self.config
@@ -292,60 +292,48 @@ class Orchestrator:
             engine.limits, engine.decode_steps_per_call, self.config.prefix_cache == "on", self._speculator(),
             handoffs=self.config.disaggregated,
         )
+        ahead = RunAhead(
+            scheduler, self.config.async_scheduling and getattr(executor, "pipelines", False),
+            lambda started: self._finish_started(executor, started),
+            lambda plan, outcome, slots, projected: self._update(scheduler, plan, outcome, slots, running, projected),
+        )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
-            if not self._step(scheduler, executor, running):
+            if not self._step(scheduler, executor, ahead, running):
                 executor.idle()
                 self.last_progress = time.monotonic()
                 self._wake.wait(timeout=IDLE_WAIT_S)
                 self._wake.clear()
-        self._land(scheduler, executor, running)
+        ahead.land()
         executor.close()
 
-    def _step(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> bool:
+    def _step(self, scheduler: Scheduler, executor: Executor, ahead: RunAhead, running: dict[int, Request]) -> bool:
         """One turn of the device loop: schedule (the queue's heads and the cancellations into a
         plan), execute (the plan on the engine, first tokens streamed as they come), update (the
         tokens onto their streams, the scheduler's records, the finished requests ended). With
         async scheduling, where the scheduler `runs_ahead`, the plan's generate call stays in
         flight: the next turn makes and starts its plan first, then reads this one's tokens
-        (`_land`), so that the device is not idle while the host streams tokens and schedules.
-        False when the plan was empty and nothing was in flight (nothing ran)."""
-        plan = self._schedule(scheduler, executor, running)
+        (serving.orchestrator.ahead), so that the device is not idle while the host streams tokens
+        and schedules. False when the plan was empty and nothing was in flight (nothing ran)."""
+        plan = self._schedule(scheduler, executor, ahead, running)
         if plan.empty:
-            return self._land(scheduler, executor, running)
+            return ahead.land()
         slots = {slot: running[r.request_id] for slot, r in scheduler.running.items()}
-        started = self._start(executor, plan, slots)
-        previous, self._in_flight = self._in_flight, None
-        if self.config.async_scheduling and getattr(executor, "pipelines", False) and started.result is not None:
-            self._in_flight = _InFlight(plan, started, slots, scheduler.project(plan))
-        if previous is not None:
-            self._update(scheduler, previous.plan, self._finish_started(executor, previous.started),
-                         previous.slots, running, previous.projected)
-        if self._in_flight is None:
-            self._update(scheduler, plan, self._finish_started(executor, started), slots, running)
+        ahead.started(plan, self._start(executor, plan, slots), slots)
         return True
 
-    def _land(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> bool:
-        """The plan in flight (if any): its tokens read, streamed and recorded. Whether there was one."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return False
-        outcome = self._finish_started(executor, in_flight.started)
-        self._update(scheduler, in_flight.plan, outcome, in_flight.slots, running, in_flight.projected)
-        return True
-
-    def _schedule(self, scheduler: Scheduler, executor: Executor, running: dict[int, Request]) -> StepPlan:
+    def _schedule(
+        self, scheduler: Scheduler, executor: Executor, ahead: RunAhead, running: dict[int, Request]
+    ) -> StepPlan:
         """The turn's plan: cancelled requests end, queued ones (with their adapters' loads and their
         grammars' matchers) go to the scheduler; the metrics of the queue and the slots. A
         plan in flight lands first where the scheduler cannot run ahead of it."""
-        if self._in_flight is not None and not scheduler.runs_ahead():
-            self._land(scheduler, executor, running)
+        ahead.land_unless_ahead()
         cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
         groups = self._take(scheduler.room(cancelled))
         for group, _load in groups:
             running.update((r.request_id, r) for r in group)
         waiting = [_waiting(group, load) for group, load in groups]
-        if self._in_flight is not None and not scheduler.runs_ahead(waiting):
-            self._land(scheduler, executor, running)
+        ahead.land_unless_ahead(waiting)
         plan = scheduler.schedule(waiting, cancelled)
         for rid in cancelled:
             self._finish(running.pop(rid), "cancelled")
@@ -363,11 +351,9 @@ class Orchestrator:
         streamed, the prefill calls' times observed, its generate call in flight."""
         if plan.decode_steps:
             self._maybe_start_trace()
-        on_first_token = lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)  # noqa: E731
-        if getattr(executor, "pipelines", False):
-            started = executor.start(plan, on_first_token=on_first_token)
-        else:  # an executor that runs a plan whole (lockstep, disaggregated): run, nothing in flight
-            started = Started(plan, executor.run(plan, on_first_token=on_first_token), None, 0.0, executor.timings)
+        started = start(
+            executor, plan, on_first_token=lambda slot, *first, slots=slots: self._first_token(slots[slot], *first)
+        )
         for seconds in started.timings.prefills:
             self.metrics.observe("prefill_step", seconds)
         self.last_progress = time.monotonic()
@@ -554,17 +540,6 @@ class Orchestrator:
         if held is not None:
             self.adapters.release(*held)
         request.tokens.put((END, reason))
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A started plan whose generate call's tokens are not read yet (async scheduling): the slots'
-    requests when it was made, and what Scheduler.project moved."""
-
-    plan: StepPlan
-    started: Started
-    slots: dict[int, Request]
-    projected: dict[int, int]
 
 
 def _waiting(group: list[Request], load: AdapterLoad | None = None) -> Waiting:

@@ -106,7 +106,7 @@ class Request:
     request_id: int = field(default_factory=itertools.count().__next__)
     last_token: int | None = None  # the newest token put on the stream (the device loop's)
     choice: int = 0  # of sampling.n; the choices of one request are queued one after another
-    grammar: Any = None  # a serving.structured matcher, advanced by the device loop
+    grammar: Any = None  # a serving.structured matcher (the scheduler holds and advances it)
     ended: bool = False  # its end is on the stream (the device loop's): no token may follow
 
     def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
