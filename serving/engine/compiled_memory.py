@@ -118,6 +118,8 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
             name = f"whole prefill of {longest} tokens" + (" with the prompt's logprobs" if scored else "")
             add(name, False, _whole_executable, engine, params, longest, scored)
     extra = compile_jobs(engine, params, state, generate, prefill) if warm else []
+    if prefill:  # the longest whole prefill is the plan's own job (`_whole_executable`), not twice
+        extra = [(fn, args) for fn, args in extra if not (fn == engine.precompile_prefill and args[1] == longest)]
     done = run_jobs([*jobs, *extra], os.cpu_count() or 1)
     if extra:
         log.info(
@@ -147,6 +149,9 @@ def _slots_executable(engine: Engine, params, state, rows):
 
 
 def _whole_executable(engine: Engine, params, bucket: int, scored: bool):
-    """The whole-prefill executable of `bucket` tokens, with the prompt's logprobs or not (the
-    engine's own call finds it in the persistent compilation cache, where that is on)."""
+    """The whole-prefill executable of `bucket` tokens, with the prompt's logprobs or not; without
+    them, the one warmup precompiles (`Engine.precompile_prefill`: the engine's own call finds it
+    in the persistent compilation cache, where that is on)."""
+    if not scored and (compiled := engine.precompile_prefill(params, bucket)) is not None:
+        return compiled
     return engine.lower_prefill(params, bucket, prompt_logprobs=scored).compile()

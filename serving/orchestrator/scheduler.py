@@ -466,6 +466,7 @@ class Scheduler:
             self._unstick()
             return []
         chosen, bucket = [0], limits.bucket_for(len(candidates[0][2]))  # the oldest always goes
+        budget = limits.batch_tokens(candidates[0][1].computed)  # all start at 0, or all after it
         for widening in (False, True):
             for i, (_, _, chunk) in enumerate(candidates):
                 if len(chosen) == limits.max_prefill_batch:
@@ -474,7 +475,7 @@ class Scheduler:
                 if i in chosen or (need > bucket and not widening):
                     continue
                 # the padded call (rows to their bucket) within the budget: the shape warmup compiled
-                if limits.padded_rows(len(chosen) + 1) * max(bucket, need) <= limits.batch_tokens(0 if fresh else 1):
+                if limits.padded_rows(len(chosen) + 1) * max(bucket, need) <= budget:
                     chosen.append(i)
                     bucket = max(bucket, need)
         return [
