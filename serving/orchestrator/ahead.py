@@ -28,6 +28,11 @@ def start(executor, plan: StepPlan, on_first_token: FirstTokenHook | None = None
     return Started(plan, executor.run(plan, on_first_token=on_first_token), None, 0.0, executor.timings)
 
 
+def finish(executor, started: Started) -> StepOutcome:
+    """A started plan's outcome: its generate call's tokens read, where one is in flight."""
+    return started.outcome if started.result is None else executor.finish(started)
+
+
 @dataclass
 class _InFlight:
     """A started plan whose generate call's tokens are not read yet: its slots' requests when it was

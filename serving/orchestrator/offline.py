@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serving.engine.api import EngineAPI
-from serving.orchestrator.ahead import RunAhead, start
+from serving.orchestrator.ahead import RunAhead, finish, start
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
 from serving.orchestrator.proposers import Speculator
@@ -66,7 +66,7 @@ def _drive(results: list[OfflineResult], waiting: deque, scheduler: Scheduler, e
     of it (as the orchestrator's device loop does with async scheduling)."""
     ahead = RunAhead(
         scheduler, getattr(executor, "pipelines", False),
-        lambda started: started.outcome if started.result is None else executor.finish(started),
+        lambda started: finish(executor, started),
         lambda plan, outcome, slots, projected: _record(plan, outcome, slots, scheduler, results, projected),
     )
     while waiting or scheduler.num_used:

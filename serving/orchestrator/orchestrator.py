@@ -54,7 +54,7 @@ from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
 from serving.errors import QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
-from serving.orchestrator.ahead import RunAhead, start
+from serving.orchestrator.ahead import RunAhead, finish, start
 from serving.orchestrator.executor import AdapterWeights, Executor, Started
 from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.proposers import Speculator
@@ -361,7 +361,7 @@ class Orchestrator:
 
     def _finish_started(self, executor: Executor, started: Started) -> StepOutcome:
         """A started plan's outcome (its generate call's tokens read), the call's time observed."""
-        outcome = started.outcome if started.result is None else executor.finish(started)
+        outcome = finish(executor, started)
         if started.timings.generate is not None:
             self.metrics.observe("generate_step", started.timings.generate)
             self._maybe_stop_trace()
