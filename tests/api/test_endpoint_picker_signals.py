@@ -53,15 +53,16 @@ def signals(server: ServerProcess) -> dict[str, object]:
 def _load(server: ServerProcess, count: int, stop: threading.Event) -> list[threading.Thread]:
     """`count` streamed completions of LONG tokens, each dropped (cancelled) once `stop` is set."""
 
-    def one() -> None:
+    def one() -> None:  # sent again when it ends (or is refused), so the load holds until `stop`
         body = {"prompt": "the picker", "max_tokens": LONG, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
-                for _ in response.iter_lines():
-                    if stop.is_set():
-                        return
-        except httpx.HTTPError:
-            pass
+        while not stop.is_set():
+            try:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+                    for _ in response.iter_lines():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError:
+                pass
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
     for thread in threads:
@@ -77,13 +78,17 @@ def test_the_loaded_servers_signals_make_a_picker_prefer_the_idle_one(tiny_serve
     try:
         # Every slot decoding and the rest queued: the queued ones wait for a LONG request to end.
         # (KV use is counted after each device turn: 0 until the first prefills have run.)
-        def loaded() -> bool:
-            now = signals(busy_server)
-            return now["waiting"] == TINY_QUEUE and now["kv"] > 0
+        # Two reads in a row, both under the full load (a loading request that ends between them
+        # is sent again, and the reads are taken again: on a fast machine 1,500 tokens end soon).
+        reads: list = []
 
-        assert wait_for(loaded, timeout=120), signals(busy_server)
-        first = signals(busy_server)
-        second = signals(busy_server)
+        def loaded() -> bool:
+            reads[:] = [signals(busy_server), signals(busy_server)]
+            full = all(r["waiting"] == TINY_QUEUE and r["running"] == TINY_SLOTS and r["kv"] > 0 for r in reads)
+            return full and reads[0]["kv"] <= reads[1]["kv"]  # no request ended and refilled between them
+
+        assert wait_for(loaded, timeout=120), reads
+        first, second = reads
         calm = signals(idle)
     finally:
         stop.set()
