@@ -75,6 +75,7 @@ class ChunkedPrefill:
         # the shapes the jit compiled at first use (no need to compile those again)
         self._precompiled: dict[tuple[int, int, int], Any] = {}
         self._jit_shapes: set[tuple[int, int, int]] = set()
+        self._start_compiled: dict[int, Any] = {}  # rows bucket -> `_start_rows_fn`'s executable (None: compiling)
         self._shapes_lock = threading.Lock()
         self.background_warmup: BackgroundWarmup | None = None  # started by the warmup
 
@@ -95,7 +96,8 @@ class ChunkedPrefill:
             cache, last = compiled(params, decode_state.cache, decode_state.pages, *chunks)
         else:
             cache, last = self._prefill_slots_fn(params, decode_state.cache, decode_state.pages, *chunks, window=shape[2])
-        state, first = self._start_rows_fn(decode_state._replace(cache=None), last, *inputs[1:])
+        start = self._start_compiled.get(shape[0]) or self._start_rows_fn
+        state, first = start(decode_state._replace(cache=None), last, *inputs[1:])
         state = state._replace(cache=cache)
         first = np.asarray(first)
         return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows))
@@ -143,8 +145,19 @@ class ChunkedPrefill:
         with self._shapes_lock:
             if shape in self._precompiled or shape in self._jit_shapes:
                 return self._precompiled.get(shape), False
-        chunks = _model_inputs(inputs)
-        compiled = self._prefill_slots_fn.lower(params, state_spec.cache, state_spec.pages, *chunks, window=shape[2]).compile()
+        args = (params, state_spec.cache, state_spec.pages, *_model_inputs(inputs))
+        compiled = self.compile_ahead(
+            f"prefill_slots window={shape[2]}", args, lambda: self._prefill_slots_fn.lower(*args, window=shape[2])
+        )
+        with self._shapes_lock:  # the rows' first tokens: one program per rows bucket, one thread compiles it
+            start = shape[0] not in self._start_compiled
+            if start:
+                self._start_compiled[shape[0]] = None
+        if start:
+            logits = compiled.out_info[1]
+            last = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=replicated(self.mesh))
+            rows = (state_spec._replace(cache=None), last, *inputs[1:])
+            self._start_compiled[shape[0]] = self.compile_ahead("start_rows", rows, lambda: self._start_rows_fn.lower(*rows))
         with self._shapes_lock:
             if shape in self._jit_shapes:  # the jit compiled it meanwhile: keep one executable per shape
                 return compiled, False

@@ -116,7 +116,8 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
         longest = limits.buckets[-1]
         for scored in (False, True):
             name = f"whole prefill of {longest} tokens" + (" with the prompt's logprobs" if scored else "")
-            add(name, False, _whole_executable, engine, params, longest, scored)
+            # with `warm`, the unscored one is warmup's too, its prefix's insert compiled beside it
+            add(name, False, _whole_executable, engine, params, longest, scored, state if warm else None)
     extra = compile_jobs(engine, params, state, generate, prefill) if warm else []
     if prefill:  # the longest whole prefill is the plan's own job (`_whole_executable`), not twice
         extra = [(fn, args) for fn, args in extra if not (fn == engine.precompile_prefill and args[1] == longest)]
@@ -148,10 +149,10 @@ def _slots_executable(engine: Engine, params, state, rows):
     return compiled
 
 
-def _whole_executable(engine: Engine, params, bucket: int, scored: bool):
+def _whole_executable(engine: Engine, params, bucket: int, scored: bool, state=None):
     """The whole-prefill executable of `bucket` tokens, with the prompt's logprobs or not; without
-    them, the one warmup precompiles (`Engine.precompile_prefill`: the engine's own call finds it
-    in the persistent compilation cache, where that is on)."""
-    if not scored and (compiled := engine.precompile_prefill(params, bucket)) is not None:
-        return compiled
-    return engine.lower_prefill(params, bucket, prompt_logprobs=scored).compile()
+    them, the one the engine keeps and runs (`Engine.precompile_prefill`; with `state`, the decode
+    state's spec, its prefix's insert too)."""
+    if not scored:
+        return engine.precompile_prefill(params, bucket, state)
+    return engine.compile_prefill(params, bucket, prompt_logprobs=scored)

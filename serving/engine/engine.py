@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from functools import partial
 
@@ -41,6 +42,7 @@ from serving.config import DevicesConfig, EngineConfig
 from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
+from serving.engine.executables import ExecutableStore
 from serving.engine.handoff import Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
@@ -179,7 +181,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         )
         self._logprobs_fn = jax.jit(partial(self._prompt_logprobs_impl, static=static))
         state_shardings = self._state_shardings()
-        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(5,), out_shardings=state_shardings)
+        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(6,), out_shardings=state_shardings)
         cache_dtype = jnp.int8 if config.quantize_kvcache else self._dtype
         self.cache_in_place = self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype)
         if self.cache_in_place:
@@ -195,7 +197,11 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
-        self._prefill_precompiled: set[int] = set()  # buckets whose prefill is in the persistent cache
+        # bucket -> (prefill's executable (one choice, no mask or logprobs), insert's of its prefix,
+        # that prefix's specs): compiled ahead by warmup's jobs (`precompile_prefill`), run by the
+        # calls of those shapes
+        self._prefill_compiled: dict[int, tuple[object, object | None, Prefix | None]] = {}
+        self._compile_lock = threading.Lock()
         self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
         self.history_windows = attention_windows(  # what a chunk may read
             config.max_target_length, self.ops.min_window, self.ops.shape_growth
@@ -203,6 +209,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         self._init_chunked(static)
         self._init_speculative(static, verify_warmup)
         self._init_handoffs()
+        # where compiled ahead (the memory plan's and warmup's programs), kept on disk and loaded
+        # back without tracing (None: no persistent compilation cache)
+        self.executables = ExecutableStore.for_engine(self)
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -278,9 +287,15 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         """KV for one padded prompt and the first sampled token of each choice (choice 0's returned)."""
         self.limits.check(true_length, sampling)
         keys = np.stack([np.asarray(jax.random.PRNGKey(sampling.choice_seed(i))) for i in range(sampling.n)])
+        tokens = jnp.asarray(padded_tokens, jnp.int32)[None]
+        plain = mask is None and sampling.n == 1 and not sampling.wants_logprobs and sampling.prompt_logprobs is None
+        held = self._prefill_compiled.get(tokens.shape[1]) if plain else None
+        if held is not None:
+            prefix = held[0](params, tokens, jnp.int32(true_length), slot_sampling(sampling), jnp.asarray(keys), None)
+            return prefix, int(prefix.first_tokens[0])
         prefix = self._prefill_fn(
             params,
-            jnp.asarray(padded_tokens, jnp.int32)[None],
+            tokens,
             jnp.int32(true_length),
             slot_sampling(sampling),
             jnp.asarray(keys),
@@ -311,11 +326,11 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         return np.asarray(self._logprobs_fn(params, tokens, jnp.int32(true_length)))[: true_length - 1]
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, choice: int = 0) -> DecodeState:
-        sampling = prefix.sampling._replace(key=prefix.keys[choice])
-        first = prefix.first_tokens[choice]
-        return self._insert_fn(
-            prefix.kv, prefix.length, first, sampling, prefix.prompt_seen, decode_state, jnp.int32(slot)
-        )
+        args = (prefix.kv, prefix.length, prefix.first_tokens, prefix.keys, prefix.sampling, prefix.prompt_seen)
+        _, held, spec = self._prefill_compiled.get(jax.tree.leaves(prefix.kv)[0].shape[2], (None, None, None))
+        if held is not None and _placed_as(args, (spec.kv, spec.length, spec.first_tokens, spec.keys, spec.sampling, spec.prompt_seen)):
+            return held(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
+        return self._insert_fn(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
 
     @property
     def page_bytes(self) -> int:
@@ -350,31 +365,56 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         if (compiled := self._generate_compiled.get(key)) is not None:
             return compiled
         rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
-        lowered = self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps)
-        return self._generate_compiled.setdefault(key, lowered.compile())
+        compiled = self.compile_ahead(
+            f"generate window={window} steps={steps}", (params, state_spec, rows),
+            lambda: self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps),
+        )
+        return self._generate_compiled.setdefault(key, compiled)
 
-    def precompile_prefill(self, params, bucket: int):
-        """Compile `prefill`'s program of `bucket` tokens (one choice) ahead of time, from any
-        thread, into the persistent compilation cache, where `prefill`'s own call finds it (a jit
-        call cannot take an executable compiled ahead); nothing where that cache is off or this
-        bucket was compiled here already. Returns the executable, or None."""
-        if not jax.config.jax_compilation_cache_dir or bucket in self._prefill_precompiled:
-            return None
-        self._prefill_precompiled.add(bucket)
-        return self.lower_prefill(params, bucket).compile()
+    def compile_ahead(self, name: str, args, lower):
+        """`lower()`'s program compiled, or loaded from `executables` (serving.engine.executables)
+        where it was stored under `name` (the function and its static arguments) and `args`."""
+        if self.executables is None:
+            return lower().compile()
+        return self.executables.compile(name, args, lower)
 
-    def lower_prefill(self, params, bucket: int, prompt_logprobs: bool = False):
+    def precompile_prefill(self, params, bucket: int, state_spec: DecodeState | None = None):
+        """Compile, ahead of time and from any thread, `prefill`'s program of `bucket` tokens (one
+        choice, no mask or logprobs) and, given the decode state's spec (shapes and placements),
+        `insert`'s of its prefix: later calls of those shapes run them. Returns the prefill's
+        executable (the memory plan reads its memory_analysis); compiled once per bucket."""
+        with self._compile_lock:
+            held = self._prefill_compiled.get(bucket)
+        if held is None:
+            compiled = self.compile_prefill(params, bucket)
+            insert = prefix = None
+            if state_spec is not None:  # the prefix as that executable places it
+                prefix = jax.tree.map(
+                    lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=spec.sharding), compiled.out_info
+                )
+                scalar = jax.ShapeDtypeStruct((), jnp.int32)
+                args = (
+                    prefix.kv, prefix.length, prefix.first_tokens, prefix.keys, prefix.sampling, prefix.prompt_seen,
+                    state_spec, scalar, scalar,
+                )
+                insert = self.compile_ahead("insert", args, lambda: self._insert_fn.lower(*args))
+            with self._compile_lock:
+                held = self._prefill_compiled.setdefault(bucket, (compiled, insert, prefix))
+        return held[0]
+
+    def compile_prefill(self, params, bucket: int, prompt_logprobs: bool = False):
         """`prefill`'s program for a prompt of `bucket` padded tokens, one choice, no mask or
-        sampled logprobs, lowered with the arguments `prefill` passes (so that its compile is the
-        one the persistent compilation cache hands `prefill`'s own call)."""
+        sampled logprobs, compiled (or loaded: `compile_ahead`) for the arguments `prefill` passes."""
         from serving.request import SamplingParams
 
-        probe = SamplingParams(max_tokens=1)
-        return self._prefill_fn.lower(
+        args = (
             params, jax.ShapeDtypeStruct((1, bucket), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-            jax.tree.map(jnp.asarray, slot_sampling(probe)), jax.ShapeDtypeStruct((1, 2), jnp.uint32), None,
-            choices=1, logprobs=False, prompt_logprobs=prompt_logprobs,
+            jax.tree.map(jnp.asarray, slot_sampling(SamplingParams(max_tokens=1))),
+            jax.ShapeDtypeStruct((1, 2), jnp.uint32), None,
         )
+        static = {"choices": 1, "logprobs": False, "prompt_logprobs": prompt_logprobs}
+        name = "prefill " + " ".join(f"{k}={v}" for k, v in static.items())
+        return self.compile_ahead(name, args, lambda: self._prefill_fn.lower(*args, **static))
 
     def call_rows(self, num_slots: int | None, slots: Sequence[int] | None) -> jax.Array:
         """int32 [bucket]: the slots a decode call computes: `slots` (distinct, as many as a bucket
@@ -501,7 +541,11 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]
 
-    def _insert_impl(self, kv, length, first, one: SlotSampling, seen, state: DecodeState, slot) -> DecodeState:
+    def _insert_impl(
+        self, kv, length, first_tokens, keys, one: SlotSampling, seen, state: DecodeState, slot, choice
+    ) -> DecodeState:
+        """A prefix's choice `choice` (its first token and PRNG key) into `slot`."""
+        first, one = first_tokens[choice], one._replace(key=keys[choice])
         finished = is_stop(first, one.stop_ids) | (one.max_tokens <= 1)
         sampling = jax.tree.map(lambda all_, x: all_.at[slot].set(x), state.sampling, one)
         counts, recent = penalties.started(first[None], seen.shape[0])
@@ -623,6 +667,16 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             history=state.history,
         )
         return full, ResultTokens(*(widen(x) for x in result))
+
+
+def _placed_as(arrays, specs) -> bool:
+    """Whether every array of `arrays` has its spec's shape, dtype and placement (an executable
+    compiled ahead for `specs` takes them as they are)."""
+    pairs = zip(jax.tree.leaves(arrays), jax.tree.leaves(specs), strict=False)
+    same = len(jax.tree.leaves(arrays)) == len(jax.tree.leaves(specs))
+    return same and all(
+        a.shape == s.shape and a.dtype == s.dtype and a.sharding.is_equivalent_to(s.sharding, a.ndim) for a, s in pairs
+    )
 
 
 def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:

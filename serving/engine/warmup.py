@@ -142,8 +142,9 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
 
 def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, prefill: bool = True) -> list:
     """Warmup's compiles as (function, arguments), each callable from any thread: every chunk shape
-    and prefix-hit rest (with `prefill`), each whole-prefill bucket into the persistent cache
-    (`Engine.precompile_prefill`), and (with `generate`) every generate shape; params and decode
+    and prefix-hit rest (with `prefill`; each row count's first-token program beside them), each
+    whole-prefill bucket and its prefix's insert (`Engine.precompile_prefill`), and (with
+    `generate`) every generate shape; params and decode
     state abstract or real (shapes and placements are what count). The memory plan runs them in
     its own pool (serving.engine.compiled_memory), so that warmup finds them compiled."""
     probe = SamplingParams(max_tokens=1)
@@ -155,7 +156,7 @@ def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, pref
             for rows, length, at in [*chunk_shapes(engine), *starts]
             if at is not None
         ]
-        jobs += [(engine.precompile_prefill, (params, bucket)) for bucket in engine.limits.buckets]
+        jobs += [(engine.precompile_prefill, (params, bucket, state_spec)) for bucket in engine.limits.buckets]
     if generate:
         jobs += [
             (engine.precompile_generate, (params, state_spec, num_slots, window))
