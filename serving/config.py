@@ -173,6 +173,14 @@ class ServingConfig(BaseModel):
     # (its tokens read after), where no decision needs those tokens (serving.orchestrator.scheduler.
     # runs_ahead): vLLM's async scheduling. false: each plan waits for the last one's tokens.
     async_scheduling: bool = True
+    # A burst of requests reaching an idle device loop (clients starting together, a wave of them
+    # sending their next request as the last ones end) is admitted together: with nothing running,
+    # the loop waits while requests keep arriving, each within `admission_gap_ms` of the last, for at
+    # most `admission_wait_ms` in all, so that their prompts prefill in one call and they decode in
+    # step (admitted one call apart, a burst splits into groups that end one generate call apart,
+    # each group's last call short of rows). 0: the first arrival is scheduled at once.
+    admission_wait_ms: float = Field(default=0.0, ge=0, le=1000)
+    admission_gap_ms: float = Field(default=2.0, gt=0, le=1000)
     profiler_steps: int = Field(default=0, ge=0)  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = ""  # local path or gs://
     profiler_port: int = Field(default=0, ge=0, le=65535)  # jax.profiler.start_server when set
@@ -467,6 +475,8 @@ class OrchestratorConfig:
     profiler_steps: int = _default("profiler_steps")  # trace this many generate calls at start (with profile_dir)
     profile_dir: str = _default("profile_dir")
     async_scheduling: bool = _default("async_scheduling")  # the next plan started before the last one's tokens are read
+    admission_wait_ms: float = _default("admission_wait_ms")  # an idle loop gathers a burst of arrivals this long at most
+    admission_gap_ms: float = _default("admission_gap_ms")  # ...while each comes within this of the last
     profiler_port: int = _default("profiler_port")  # jax.profiler.start_server when set
     speculative: SpeculativeConfig = SpeculativeConfig()
     # inference_server is disaggregated (serving.disaggregation): each prompt the prefill engine

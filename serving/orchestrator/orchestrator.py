@@ -298,6 +298,8 @@ class Orchestrator:
             lambda plan, outcome, slots, projected: self._update(scheduler, plan, outcome, slots, running, projected),
         )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
+            if not running:  # nothing decodes: the queue's requests may be a burst's first
+                self._gather_arrivals()
             if not self._step(scheduler, executor, ahead, running):
                 executor.idle()
                 self.last_progress = time.monotonic()
@@ -305,6 +307,17 @@ class Orchestrator:
                 self._wake.clear()
         ahead.land()
         executor.close()
+
+    def _gather_arrivals(self) -> None:
+        """With nothing running and requests queued: wait while more keep arriving (each within
+        `admission_gap_ms` of the last, `admission_wait_ms` at most in all), so that a burst is
+        scheduled as one (config.OrchestratorConfig.admission_wait_ms says why)."""
+        wait = self.config.admission_wait_ms / 1000
+        if wait <= 0 or self._queue_empty() or self._stopping.is_set():
+            return
+        deadline, gap = time.monotonic() + wait, self.config.admission_gap_ms / 1000
+        while (left := deadline - time.monotonic()) > 0 and self._wake.wait(timeout=min(gap, left)):
+            self._wake.clear()
 
     def _step(self, scheduler: Scheduler, executor: Executor, ahead: RunAhead, running: dict[int, Request]) -> bool:
         """One turn of the device loop: schedule (the queue's heads and the cancellations into a
