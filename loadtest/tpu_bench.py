@@ -6,7 +6,8 @@
    background warmup is done (the measurement waits for it: a request would compile a shape);
    after the HTTP part, the same command once more: its ready time with the cache now warm;
 2. HTTP over the socket: `concurrency` clients at once, each streaming-free completions of
-   `max_tokens` tokens with ignore_eos, output tokens/s;
+   `max_tokens` tokens with ignore_eos, output tokens/s, and the device calls the batch took (the
+   server's generate and prefill calls and their seconds, from /metrics);
 3. the server stopped, the chip's measured limits (read bandwidth, bfloat16 and int8 matmul
    rates), then the engine alone (generate back to back) and the offline driver (the device loop's
    scheduler and executor, synchronously) on the same config, loadtest.tpu_probe's way;
@@ -88,10 +89,27 @@ async def http_rate(uds: str, concurrency: int, requests: int, max_tokens: int) 
                 tokens += reply.json()["usage"]["completion_tokens"]
 
         await client.post("/v1/completions", json={**body, "max_tokens": 2})  # one request's compiles first
+        before = _calls((await client.get("/metrics")).text)
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return {"concurrency": concurrency, "requests": requests, "output_tokens": tokens, "tokens_per_s": tokens / wall}
+        after = _calls((await client.get("/metrics")).text)
+    calls = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {
+        "concurrency": concurrency, "requests": requests, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+        "wall_s": wall, "device_calls": calls,
+    }
+
+
+def _calls(metrics: str) -> dict[str, float]:
+    """The device loop's generate and prefill calls so far, and their seconds, from /metrics (how
+    many calls a batch took, and how much of its wall time they were)."""
+    out = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(("pathserve_generate_step_seconds_", "pathserve_prefill_step_seconds_")) and name.endswith(("_count", "_sum")):
+            out[name.removeprefix("pathserve_")] = float(value)
+    return out
 
 
 def stop_server(server: subprocess.Popen) -> None:
