@@ -326,7 +326,10 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         return np.asarray(self._logprobs_fn(params, tokens, jnp.int32(true_length)))[: true_length - 1]
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, choice: int = 0) -> DecodeState:
-        args = (prefix.kv, prefix.length, prefix.first_tokens, prefix.keys, prefix.sampling, prefix.prompt_seen)
+        first, keys = prefix.first_tokens, prefix.keys
+        if first.shape[0] != 1:  # one choice of several: its token and key as a single choice's (one program for any n)
+            first, keys, choice = first[choice][None], keys[choice][None], 0
+        args = (prefix.kv, prefix.length, first, keys, prefix.sampling, prefix.prompt_seen)
         _, held, spec = self._prefill_compiled.get(jax.tree.leaves(prefix.kv)[0].shape[2], (None, None, None))
         if held is not None and _placed_as(args, (spec.kv, spec.length, spec.first_tokens, spec.keys, spec.sampling, spec.prompt_seen)):
             return held(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
@@ -385,8 +388,8 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         executable (the memory plan reads its memory_analysis); compiled once per bucket."""
         with self._compile_lock:
             held = self._prefill_compiled.get(bucket)
-        if held is None:
-            compiled = self.compile_prefill(params, bucket)
+        if held is None or (held[1] is None and state_spec is not None):
+            compiled = held[0] if held is not None else self.compile_prefill(params, bucket)
             insert = prefix = None
             if state_spec is not None:  # the prefix as that executable places it
                 prefix = jax.tree.map(
@@ -399,7 +402,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
                 )
                 insert = self.compile_ahead("insert", args, lambda: self._insert_fn.lower(*args))
             with self._compile_lock:
-                held = self._prefill_compiled.setdefault(bucket, (compiled, insert, prefix))
+                if self._prefill_compiled.get(bucket, (None, None))[1] is None:
+                    self._prefill_compiled[bucket] = (compiled, insert, prefix)
+                held = self._prefill_compiled[bucket]
         return held[0]
 
     def compile_prefill(self, params, bucket: int, prompt_logprobs: bool = False):

@@ -15,9 +15,13 @@ placements. Anything a program reads that is not in it would
 load a stale executable: so the store is used only where every input is an argument or one of
 those (Engine's compile sites), and the whole code is in the key rather than a version string.
 
-A program JAX's own cache handed back is not stored: an executable loaded from there does not
-serialize whole again on every backend (on XLA:CPU its functions are missing at the first run), so
-the store fills from real compiles, a cold start's, and a later start loads what that one compiled.
+Only a program XLA compiled in this call is stored, not one JAX's own cache handed back or this
+process compiled before: an executable loaded from there does not serialize whole again on every
+backend (XLA:CPU's misses its functions at the first run, which is why the store is for
+accelerators only, `PLATFORMS`). So the store fills from real compiles, a cold start's, and a
+later start loads what that one compiled; after an upgrade, programs whose HLO did not change are
+JAX cache hits and are traced as before until JAX's cache no longer holds them.
+The directory is trusted as JAX's own cache is: loading an executable runs what it holds.
 A failure to load or save (a backend that cannot serialize, Pathways' proxy say, or a file cut
 short) is never the caller's problem: the program compiles as it would have, and saving stops
 after the first failure, said once in the log.
@@ -45,15 +49,23 @@ SUBDIR = "pathserve-executables"
 KEEP = 2  # code versions (directories) kept: this one and the one before
 CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's event for a program its cache handed back
 
-_hits = threading.local()  # this thread's count of JAX cache hits (`_count_hits`)
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # ...and for one XLA compiled
+PLATFORMS = ("tpu", "gpu")  # where the store is used (XLA:CPU's reloaded executables are not whole)
+
+_seen = threading.local()  # this thread's counts of those events
 
 
-def _count_hits(event: str, **_kwargs) -> None:
-    if event == CACHE_HIT:
-        _hits.count = getattr(_hits, "count", 0) + 1
+def _count(event: str, *_args, **_kwargs) -> None:
+    if event in (CACHE_HIT, BACKEND_COMPILE):
+        setattr(_seen, event, getattr(_seen, event, 0) + 1)
 
 
-jax.monitoring.register_event_listener(_count_hits)
+def _counts() -> tuple[int, int]:
+    return getattr(_seen, CACHE_HIT, 0), getattr(_seen, BACKEND_COMPILE, 0)
+
+
+jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(_count)
 
 
 @cache
@@ -101,18 +113,19 @@ class ExecutableStore:
         """The store of `engine`'s programs, under JAX's persistent compilation cache directory;
         None where that cache is off."""
         cache_dir = jax.config.jax_compilation_cache_dir
-        if not cache_dir:
-            return None
         devices = list(engine.mesh.devices.flat)
         client = devices[0].client
+        if not cache_dir or "://" in cache_dir or client.platform not in PLATFORMS:
+            return None
         versions = (
             code_digest(), jax.__version__, jax.lib.__version__, client.platform, client.platform_version,
-            devices[0].device_kind, str(jax.process_index()),
+            devices[0].device_kind,
         )
         context = (
+            str(jax.process_index()), repr([(d.id, getattr(d, "coords", None)) for d in devices]),
             repr(engine.mesh), repr(engine.config), repr(engine.model.config), str(engine._num_decodable),
             engine.ops.name, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-            str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
+            repr(jax._src.config.trace_context()),
         )
         fingerprint = hashlib.sha256("\n".join(versions).encode()).hexdigest()
         return cls(Path(cache_dir) / SUBDIR, fingerprint, "\n".join(context), devices)
@@ -125,9 +138,11 @@ class ExecutableStore:
         compiled = self._load(path, name)
         if compiled is not None:
             return compiled
-        hits = getattr(_hits, "count", 0)
+        hits, compiles = _counts()
         compiled = lower().compile()
-        if getattr(_hits, "count", 0) == hits:  # compiled here, not loaded from JAX's cache
+        after = _counts()
+        # stored only when XLA compiled it here: not JAX's cache's, nor one this process had already
+        if after[0] == hits and after[1] > compiles:
             self._save(path, name, compiled)
         return compiled
 
@@ -161,9 +176,12 @@ class ExecutableStore:
             partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             partial.write_bytes(blob)
             partial.replace(path)  # whole or not at all, whoever writes it at the same time
-        except Exception as exc:
+        except OSError as exc:  # the directory: nothing more will save
             self._saving = False
-            log.warning("executable store: %s could not be saved (%s: %s); saving no more", name, type(exc).__name__, exc)
+            log.warning("executable store: %s could not be saved (%s); saving no more", name, exc)
+            return
+        except Exception as exc:  # this program (one that cannot be serialized): the next may
+            log.warning("executable store: %s could not be saved (%s: %s)", name, type(exc).__name__, exc)
             return
         with self._lock:
             self.saved += 1

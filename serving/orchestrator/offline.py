@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from serving.engine.api import EngineAPI
+from serving.errors import GenerationError
 from serving.orchestrator.ahead import RunAhead, finish, start
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
@@ -47,6 +48,11 @@ def run_to_completion(
     results = [OfflineResult(list(p), s) for p, s in requests]
     for r in results:
         engine.limits.check(len(r.prompt_ids), r.sampling)
+        if r.sampling.n != 1:  # one result a request (the orchestrator streams each choice on its own)
+            raise GenerationError(
+                f"the offline driver runs one choice a request, not n={r.sampling.n}: send n requests, each with its own seed",
+                field="n",
+            )
     waiting = deque(range(len(results)))
     scheduler = Scheduler(
         engine.limits, engine.decode_steps_per_call, prefix_caching, speculator, handoffs=prefill is not None

@@ -318,6 +318,8 @@ class Orchestrator:
         deadline, gap = time.monotonic() + wait, self.config.admission_gap_ms / 1000
         while (left := deadline - time.monotonic()) > 0 and self._wake.wait(timeout=min(gap, left)):
             self._wake.clear()
+            if self._stopping.is_set():  # a stop woke it, not an arrival
+                return
 
     def _step(self, scheduler: Scheduler, executor: Executor, ahead: RunAhead, running: dict[int, Request]) -> bool:
         """One turn of the device loop: schedule (the queue's heads and the cancellations into a

@@ -135,3 +135,13 @@ def test_no_generate_call_runs_for_sequences_the_call_in_flight_ends(projections
     ahead, got = generates(Executor)
     assert got == want and ahead == whole == 4  # 1 + 9 tokens: 3 calls of 4 steps; the second 4 prompts a call later
     assert projections
+
+
+def test_the_offline_driver_refuses_a_request_of_several_choices_naming_n():
+    """One result a request: n > 1 is refused up front (it crashed in the executor, a zip of one slot
+    with two first tokens), naming the field."""
+    from serving.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="n=2") as refused:
+        run_to_completion(MockEngine(slots=4), None, [([5, 6, 7], SamplingParams(max_tokens=3, n=2, temperature=1.0))])
+    assert refused.value.field == "n"
