@@ -73,7 +73,10 @@ def wait_ready(server: subprocess.Popen, uds: str, timeout: float) -> tuple[floa
 
 async def http_rate(uds: str, concurrency: int, requests: int, max_tokens: int) -> dict:
     """Output tokens/s of `requests` completions (`concurrency` at once, ignore_eos) over the socket."""
-    transport = httpx.AsyncHTTPTransport(uds=uds)
+    # a connection per client (httpx's default pool of 100 held the bench's 256 clients to 100 in
+    # flight: 100 of the 128 slots busy, the rest of each wave queued in the client)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits)
     async with httpx.AsyncClient(transport=transport, base_url="http://pathserve", timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
