@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu bench-sim lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -81,6 +81,10 @@ bench-tpu:
 	test -d $(TPU_BENCH_MODEL) || $(PYTHON) -m loadtest.random_model $(TPU_BENCH_MODEL) --shape llama3.2-1b \
 	  $(if $(TPU_BENCH_TOKENIZER),--tokenizer $(TPU_BENCH_TOKENIZER))
 	$(PYTHON) -m loadtest.tpu_bench $(TPU_BENCH_MODEL) results/tpu grpc_port=0
+
+# The served path's scheduling at a v5e's call times, on the mock engine (no chip; loadtest/served_sim.py)
+bench-sim: $(STAMP)
+	$(BIN)/python -m loadtest.served_sim results/served-sim
 
 # Regenerate the checked-in gRPC stubs from serving/grpc/jetstream.proto (a test fails when stale).
 protos: install

@@ -1,0 +1,141 @@
+"""The served path's scheduling at a chip's call times, without the chip: `pathserve`'s HTTP server,
+orchestrator and scheduler over the mock engine, whose generate and prefill calls sleep as long
+as the chip's took (`make bench-tpu` measured them), served over a unix socket to `make
+bench-tpu`'s own HTTP client. What separates HTTP from the engine alone that is not the device's
+(how a burst is admitted, how many prefill and generate calls a batch takes, how full they are)
+shows here as it does on the chip: with a v5e's times (the defaults) it made the same 8 prefill and
+37 generate calls as the chip at batch 64, and 0.775x of the engine against the chip's 0.765x.
+
+    python -m loadtest.served_sim OUT_DIR [--batches 64,256] [--generate 16=0.06,64=0.14,128=0.32]
+        [--prefill 0.17] [--ladders tpu|cpu] [key=value ...]
+
+`--generate`: seconds of a generate call (the profile's decode steps) by its rows bucket;
+`--prefill`: seconds of a prefill call of prefill_batch_tokens padded tokens (a call takes its
+share, plus 20 ms); key=value: serving config keys (the TPU profile's by default). Writes
+OUT_DIR/served-sim.json: each batch's tokens/s, its ratio to the engine alone (a full bucket's
+tokens over its call time), its device calls, and every call (when, which, rows) in
+OUT_DIR/calls-b{N}.txt. Not a test, and no figure of a chip: a tool to try scheduling changes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TPU_PROFILE = Path(__file__).resolve().parents[1] / "configs" / "serving" / "tpu.yml"
+
+
+def _times(text: str) -> dict[int, float]:
+    return {int(rows): float(seconds) for rows, seconds in (pair.split("=") for pair in text.split(","))}
+
+
+def _config(overrides: list[str]):
+    """The TPU profile's serving config with `overrides` (key=value) over it."""
+    import yaml
+
+    from serving.config import ServingConfig
+
+    keys = yaml.safe_load(TPU_PROFILE.read_text())
+    keys.update({k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)})  # as YAML, as the CLI reads them
+    return ServingConfig(**keys)
+
+
+def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladders: str, overrides: list[str]) -> None:
+    """The server process: the mock engine with those call times, until SIGTERM."""
+    import uvicorn
+
+    from serving.api.app import create_app
+    from serving.api.state import ServerState
+    from serving.engine.mock import AsciiTokenizer, MockEngine
+    from serving.orchestrator import Orchestrator
+
+    cfg = _config(overrides)
+    slots = int(cfg.per_device_batch_size)
+    engine = MockEngine(
+        slots=slots, max_prefill_length=cfg.max_prefill_predict_length, max_target_length=cfg.max_target_length,
+        decode_steps_per_call=cfg.decode_steps_per_call, prefill_chunk_size=cfg.prefill_chunk_size,
+        max_prefill_batch=cfg.max_prefill_batch, prefill_batch_tokens=cfg.prefill_batch_tokens,
+        history_batch_tokens=cfg.history_batch_tokens, decode_buckets=tuple(cfg.decode_slot_buckets or ()),
+        prefix_block=cfg.prefix_block_size,
+    )
+    if ladders == "tpu":  # the TPU backend's ladders: lengths from 128 and rows grown by 4
+        engine.limits = dataclasses.replace(engine.limits, min_bucket=128, bucket_growth=4)
+    with open(calls, "w", buffering=1) as log:
+        started = time.perf_counter()
+        mock_generate, mock_prefill = engine.generate, engine.prefill_slots
+
+        def timed_generate(params, state, *args, **kwargs):
+            at = time.perf_counter() - started
+            rows = kwargs.get("num_slots") or len(kwargs.get("slots") or ()) or slots
+            time.sleep(generate.get(rows, max(generate.values())))
+            state, result = mock_generate(params, state, *args, **kwargs)
+            log.write(f"{at:.3f} generate rows={rows} valid={int(result.valid.sum())}\n")
+            return state, result
+
+        def timed_prefill(params, state, rows):
+            at, limits = time.perf_counter() - started, engine.limits
+            padded = limits.padded_rows(len(rows)) * limits.bucket_for(max(len(r.tokens) for r in rows))
+            time.sleep(0.02 + prefill * padded / limits.prefill_batch_tokens)
+            out = mock_prefill(params, state, rows)
+            log.write(f"{at:.3f} prefill rows={len(rows)} start={max(r.start for r in rows)} padded={padded}\n")
+            return out
+
+        engine.generate, engine.prefill_slots = timed_generate, timed_prefill
+        orchestrator = Orchestrator(engine, {}, AsciiTokenizer(), cfg.orchestrator)
+        state = ServerState(config=cfg.server)
+        state.set_ready(orchestrator.start(), "mock")
+        uvicorn.Server(uvicorn.Config(create_app(state), uds=uds, log_level="warning")).run()
+        orchestrator.stop(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--generate", default="16=0.06,64=0.14,128=0.32", help="rows=seconds of a generate call")
+    parser.add_argument("--prefill", type=float, default=0.17, help="seconds of a full prefill call")
+    parser.add_argument("--ladders", choices=("tpu", "cpu"), default="tpu")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server process's own socket
+    parser.add_argument("overrides", nargs="*", help="serving config keys, over the TPU profile's")
+    ns = parser.parse_intermixed_args(argv)
+    generate = _times(ns.generate)
+    if ns.serve:
+        serve(ns.serve, str(ns.out), generate, ns.prefill, ns.ladders, ns.overrides)
+        return 0
+    from loadtest.tpu_bench import http_rate, stop_server, wait_ready
+
+    ns.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"generate_s": generate, "prefill_s": ns.prefill, "overrides": ns.overrides, "batches": {}}
+    for batch in (int(b) for b in ns.batches.split(",")):
+        uds = f"/tmp/pathserve-sim-{os.getpid()}.sock"
+        calls = ns.out / f"calls-b{batch}.txt"
+        command = [sys.executable, "-m", "loadtest.served_sim", str(calls), "--serve", uds, "--generate", ns.generate,
+                   "--prefill", str(ns.prefill), "--ladders", ns.ladders, *ns.overrides]
+        server = subprocess.Popen(command, start_new_session=True)
+        try:
+            wait_ready(server, uds, 60)
+            point = asyncio.run(http_rate(uds, batch, 2 * batch, ns.max_tokens))
+        finally:
+            stop_server(server)
+            Path(uds).unlink(missing_ok=True)
+        cfg = _config(ns.overrides)
+        decoding = min(batch, int(cfg.per_device_batch_size))
+        bucket = min((r for r in generate if r >= decoding), default=max(generate))
+        alone = decoding * cfg.decode_steps_per_call / generate[bucket]  # the engine alone: full calls back to back
+        point["engine_alone_tok_s"], point["over_engine"] = alone, point["tokens_per_s"] / alone
+        report["batches"][f"b{batch}"] = point
+        print(json.dumps({batch: point}), file=sys.stderr, flush=True)
+    (ns.out / "served-sim.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
