@@ -290,7 +290,7 @@ class Orchestrator:
         executor = self._make_executor(engine, self.params, self.adapters.weights if self.adapters else None)
         scheduler = Scheduler(
             engine.limits, engine.decode_steps_per_call, self.config.prefix_cache == "on", self._speculator(),
-            handoffs=self.config.disaggregated,
+            handoffs=self.config.disaggregated, burst_first=self.config.admission_wait_ms > 0,
         )
         ahead = RunAhead(
             scheduler, self.config.async_scheduling and getattr(executor, "pipelines", False),
@@ -298,7 +298,7 @@ class Orchestrator:
             lambda plan, outcome, slots, projected: self._update(scheduler, plan, outcome, slots, running, projected),
         )
         while not (self._stopping.is_set() and not running and self._queue_empty()):
-            if not running:  # nothing decodes: the queue's requests may be a burst's first
+            if not running or scheduler.young:  # nothing decodes yet: the queue's requests may be a burst's
                 self._gather_arrivals()
             if not self._step(scheduler, executor, ahead, running):
                 executor.idle()

@@ -87,6 +87,8 @@ GROWTH_HORIZON = 16
 STARVED_TURNS = 64
 
 
+BURST_DEFERRALS = 4  # turns in a row a burst's prefill may hold its first sequences' decoding back
+
 @dataclass
 class _Running:
     request_id: int
@@ -146,6 +148,13 @@ class Scheduler:
     # A disaggregated server (serving.orchestrator.disaggregated): each final row's prompt pages are
     # handed from the prefill engine to the generate engine (`StepPlan.handoffs`)
     handoffs: bool = False
+    # A burst's prompts prefill before any of it decodes: while a turn prefills and more prompts wait
+    # for the next, and nothing running has decoded a token yet (all of it this burst's), the turn
+    # runs no generate call (at most BURST_DEFERRALS turns in a row). Its sequences then decode in
+    # step and end in the same call, where a burst whose rows took several prefill calls decoded
+    # in groups a call apart, each group's last calls short of rows (TPU profile: on with
+    # admission_wait_ms; the orchestrator passes it).
+    burst_first: bool = False
     running: dict[int, _Running] = field(default_factory=dict)  # slot -> its request, decoding
     prefilling: dict[int, _Prefilling] = field(default_factory=dict)  # slot -> its request, in admission order
     preemptions: int = 0  # sequences preempted so far
@@ -157,6 +166,7 @@ class Scheduler:
     _pending: list[_Pending] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
     _decoding: tuple[int, ...] = ()  # the slots the last plan decodes
+    _deferred: int = 0  # turns in a row that ran no generate call for a burst (`burst_first`)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.limits.max_concurrent_decodes))
@@ -225,6 +235,8 @@ class Scheduler:
         # a sequence its call in flight ends (max_tokens) decodes no more: with every other one
         # ending too, no generate call at all (async scheduling would run one for nothing)
         decoding = {slot: r for slot, r in self.running.items() if not r.finishing}
+        if self._defers(rows, decoding):
+            decoding = {}
         self._decoding = tuple(decoding)
         steps, plan_masks = self.decode_steps_per_call if decoding else 0, None
         if any(r.constrained for r in self.running.values()):
@@ -527,6 +539,23 @@ class Scheduler:
         return out
 
     # -- running one call ahead ------------------------------------------------------------------
+
+    @property
+    def young(self) -> bool:
+        """Every sequence held has at most its first token: a burst is still coming in."""
+        return all(len(r.tokens) + r.unread <= 1 for r in self.running.values())
+
+    def _defers(self, rows: Sequence[PrefillRow], decoding: dict[int, _Running]) -> bool:
+        """Whether this turn runs no generate call so that a burst prefills first (`burst_first`):
+        it prefills, more prompts wait for a later call, and every sequence that would decode has
+        only its first token (none under a grammar or with a speculator), BURST_DEFERRALS turns at most."""
+        young = all(len(r.tokens) + r.unread <= 1 and not r.constrained for r in decoding.values())
+        defer = (
+            self.burst_first and bool(rows) and bool(decoding) and bool(self.prefilling) and young
+            and self.speculator is None and self._deferred < BURST_DEFERRALS
+        )
+        self._deferred = self._deferred + 1 if defer else 0
+        return defer
 
     def runs_ahead(self, waiting: Sequence[Waiting] = ()) -> bool:
         """Whether the next plan may be made while this one's generate call is still on the device

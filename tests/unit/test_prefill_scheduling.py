@@ -178,3 +178,48 @@ def test_a_call_padded_to_its_row_bucket_stays_within_the_budget():
     for _ in range(2):
         plan = scheduler.schedule([])
         assert limits.padded_rows(len(plan.rows)) * 32 <= 96
+
+
+@pytest.mark.parametrize("burst_first", [False, True])
+def test_a_bursts_prompts_prefill_before_any_of_it_decodes_with_burst_first(burst_first):
+    """Eight prompts whose rows take four prefill calls (2 rows a call): with burst_first no turn
+    decodes until the last of them is prefilled (then all decode from the same call, in step);
+    without it, each turn decodes what is in, the groups a call apart. At most BURST_DEFERRALS
+    turns in a row are held back, and once a sequence has decoded nothing is."""
+    from serving.orchestrator.executor import Executor
+    from serving.orchestrator.scheduler import BURST_DEFERRALS
+
+    engine = MockEngine(slots=8, max_prefill_length=64, max_target_length=256, prefill_chunk_size=64,
+                        max_prefill_batch=8, prefill_batch_tokens=32)
+    scheduler = Scheduler(engine.limits, 2, burst_first=burst_first)
+    executor = Executor(engine, {})
+    plan = scheduler.schedule([_waiting(i, range(1, 11), max_tokens=6) for i in range(8)])  # 10 tokens: bucket 16
+    decodes = []
+    while scheduler.num_used:
+        decodes.append((len(plan.rows), plan.decode_steps))
+        scheduler.update(plan, executor.run(plan))
+        plan = scheduler.schedule([])
+    if burst_first:
+        assert decodes[:4] == [(2, 0), (2, 0), (2, 0), (2, 2)]  # the last group's call decodes all 8
+        assert all(rows == 0 for rows, _ in decodes[4:])
+        assert BURST_DEFERRALS >= 3
+    else:
+        assert decodes[:4] == [(2, 2), (2, 2), (2, 2), (2, 2)]
+
+
+def test_burst_first_holds_back_at_most_burst_deferrals_turns():
+    from serving.orchestrator.executor import Executor
+    from serving.orchestrator.scheduler import BURST_DEFERRALS
+
+    engine = MockEngine(slots=16, max_prefill_length=64, max_target_length=256, prefill_chunk_size=64,
+                        max_prefill_batch=16, prefill_batch_tokens=16)  # one row a call
+    scheduler, executor = Scheduler(engine.limits, 2, burst_first=True), Executor(engine, {})
+    plan = scheduler.schedule([_waiting(i, range(1, 11), max_tokens=6) for i in range(12)])
+    steps = []
+    for _ in range(8):
+        steps.append(plan.decode_steps)
+        scheduler.update(plan, executor.run(plan))
+        plan = scheduler.schedule([])
+    assert steps[: BURST_DEFERRALS + 1] == [0] * BURST_DEFERRALS + [2]  # then it decodes
+    assert steps[BURST_DEFERRALS + 1 :] == [2, 2, 2]  # a sequence has decoded: no more holding back
+    assert not scheduler.young
