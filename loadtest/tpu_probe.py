@@ -5,7 +5,7 @@ time split by function (cProfile) and the device's by op (a jax.profiler trace, 
     python -m loadtest.tpu_probe MODEL_DIR OUT_DIR [key=value ...]
 
 Writes OUT_DIR/probe.json (rates, per-call timings), OUT_DIR/host-profile-b{N}.txt (cProfile's
-top functions of the offline run) and OUT_DIR/trace-b{N}/ (the device trace of a few steps). Not a
+top functions of the offline run) and OUT_DIR/trace-b{N}.tar.gz (the device trace of a few steps). Not a
 test: a diagnostic for the chip (issue 64's "where the 30 ms a token went").
 """
 
@@ -16,6 +16,7 @@ import cProfile
 import io
 import json
 import pstats
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         trace_dir = ns.out / f"trace-b{batch}"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             offline(engine, params, executor, prompt_ids, batch, 16)
+        # one file: a device machine returns a few files of a shallow tree, not a profile's own
+        shutil.make_archive(str(trace_dir), "gztar", trace_dir)
+        shutil.rmtree(trace_dir)
         point["ratio"] = point["offline_tok_s"] / point["engine_tok_s"]
         report["points"].append(point)
         print(json.dumps(point), file=sys.stderr, flush=True)
