@@ -198,9 +198,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
         # bucket -> (prefill's executable (one choice, no mask or logprobs), insert's of its prefix,
-        # that prefix's specs): compiled ahead by warmup's jobs (`precompile_prefill`), run by the
-        # calls of those shapes
-        self._prefill_compiled: dict[int, tuple[object, object | None, Prefix | None]] = {}
+        # the specs of that insert's prefix arguments): compiled ahead by warmup's jobs
+        # (`precompile_prefill`), run by the calls of those shapes
+        self._prefill_compiled: dict[int, tuple[object, object | None, tuple | None]] = {}
         self._compile_lock = threading.Lock()
         self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
         self.history_windows = attention_windows(  # what a chunk may read
@@ -288,22 +288,19 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         self.limits.check(true_length, sampling)
         keys = np.stack([np.asarray(jax.random.PRNGKey(sampling.choice_seed(i))) for i in range(sampling.n)])
         tokens = jnp.asarray(padded_tokens, jnp.int32)[None]
+        args = (params, tokens, jnp.int32(true_length), slot_sampling(sampling), jnp.asarray(keys))
         plain = mask is None and sampling.n == 1 and not sampling.wants_logprobs and sampling.prompt_logprobs is None
         held = self._prefill_compiled.get(tokens.shape[1]) if plain else None
-        if held is not None:
-            prefix = held[0](params, tokens, jnp.int32(true_length), slot_sampling(sampling), jnp.asarray(keys), None)
-            return prefix, int(prefix.first_tokens[0])
-        prefix = self._prefill_fn(
-            params,
-            tokens,
-            jnp.int32(true_length),
-            slot_sampling(sampling),
-            jnp.asarray(keys),
-            None if mask is None else jnp.asarray(mask, jnp.int32)[None],
-            choices=sampling.n,
-            logprobs=sampling.wants_logprobs,
-            prompt_logprobs=sampling.prompt_logprobs is not None,
-        )
+        if held is not None:  # compiled ahead (`precompile_prefill`)
+            prefix = held[0](*args, None)
+        else:
+            prefix = self._prefill_fn(
+                *args,
+                None if mask is None else jnp.asarray(mask, jnp.int32)[None],
+                choices=sampling.n,
+                logprobs=sampling.wants_logprobs,
+                prompt_logprobs=sampling.prompt_logprobs is not None,
+            )
         return prefix, int(prefix.first_tokens[0])
 
     def prefill_outputs(self, prefix: Prefix) -> PrefillOutputs:
@@ -330,8 +327,8 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         if first.shape[0] != 1:  # one choice of several: its token and key as a single choice's (one program for any n)
             first, keys, choice = first[choice][None], keys[choice][None], 0
         args = (prefix.kv, prefix.length, first, keys, prefix.sampling, prefix.prompt_seen)
-        _, held, spec = self._prefill_compiled.get(jax.tree.leaves(prefix.kv)[0].shape[2], (None, None, None))
-        if held is not None and _placed_as(args, (spec.kv, spec.length, spec.first_tokens, spec.keys, spec.sampling, spec.prompt_seen)):
+        _, held, specs = self._prefill_compiled.get(jax.tree.leaves(prefix.kv)[0].shape[2], (None, None, None))
+        if held is not None and _placed_as(args, specs):
             return held(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
         return self._insert_fn(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
 
@@ -390,20 +387,18 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             held = self._prefill_compiled.get(bucket)
         if held is None or (held[1] is None and state_spec is not None):
             compiled = held[0] if held is not None else self.compile_prefill(params, bucket)
-            insert = prefix = None
-            if state_spec is not None:  # the prefix as that executable places it
+            insert = specs = None
+            if state_spec is not None:  # the prefix's insert arguments as that executable places them
                 prefix = jax.tree.map(
                     lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=spec.sharding), compiled.out_info
                 )
+                specs = (prefix.kv, prefix.length, prefix.first_tokens, prefix.keys, prefix.sampling, prefix.prompt_seen)
                 scalar = jax.ShapeDtypeStruct((), jnp.int32)
-                args = (
-                    prefix.kv, prefix.length, prefix.first_tokens, prefix.keys, prefix.sampling, prefix.prompt_seen,
-                    state_spec, scalar, scalar,
-                )
+                args = (*specs, state_spec, scalar, scalar)
                 insert = self.compile_ahead("insert", args, lambda: self._insert_fn.lower(*args))
             with self._compile_lock:
                 if self._prefill_compiled.get(bucket, (None, None))[1] is None:
-                    self._prefill_compiled[bucket] = (compiled, insert, prefix)
+                    self._prefill_compiled[bucket] = (compiled, insert, specs)
                 held = self._prefill_compiled[bucket]
         return held[0]
 

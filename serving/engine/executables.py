@@ -11,8 +11,7 @@ The key: the code (every source file of the `serving` package), JAX's and jaxlib
 backend's (a TPU's names libtpu's), the XLA flags of the environment, the engine's devices (their
 kind, this process's index), its config and its model's, the decodable vocabulary, the backend
 ops, the program's name and static arguments, and its arguments' tree, shapes, dtypes and
-placements. Anything a program reads that is not in it would
-load a stale executable: so the store is used only where every input is an argument or one of
+placements. Anything a program reads that is not in it would load a stale executable: so the store is used only where every input is an argument or one of
 those (Engine's compile sites), and the whole code is in the key rather than a version string.
 
 Only a program XLA compiled in this call is stored, not one JAX's own cache handed back or this
@@ -23,8 +22,8 @@ later start loads what that one compiled; after an upgrade, programs whose HLO d
 JAX cache hits and are traced as before until JAX's cache no longer holds them.
 The directory is trusted as JAX's own cache is: loading an executable runs what it holds.
 A failure to load or save (a backend that cannot serialize, Pathways' proxy say, or a file cut
-short) is never the caller's problem: the program compiles as it would have, and saving stops
-after the first failure, said once in the log.
+short) is never the caller's problem: the program compiles as it would have, each failure logged;
+a directory that cannot be written stops the saving.
 """
 
 from __future__ import annotations
