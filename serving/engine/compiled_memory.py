@@ -123,9 +123,11 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
         extra = [(fn, args) for fn, args in extra if not (fn == engine.precompile_prefill and args[1] == longest)]
     done = run_jobs([*jobs, *extra], os.cpu_count() or 1)
     if extra:
+        store = engine.executables
         log.info(
-            "memory plan: %d programs and %d of warmup's compiled (or found compiled), %.1f s of compiling, the longest %.1f s",
+            "memory plan: %d programs and %d of warmup's compiled (or found compiled), %.1f s of compiling, the longest %.1f s; %s",
             len(jobs), len(extra), sum(t for t, _ in done), max(t for t, _ in done),
+            store.summary() if store is not None else "no executable store",
         )
     resident, programs = 0, {}
     for (name, holds_state), (_, compiled) in zip(planned, done[: len(jobs)], strict=True):

@@ -86,6 +86,12 @@ def _leaf(x: Any) -> str:
     return f"{tuple(np.shape(x))}:{np.dtype(getattr(x, 'dtype', type(x)))}:{sharding!r}"
 
 
+def _stable(values: tuple) -> str:
+    """`values` as the same text in every process: an element whose repr is an object's address
+    (JAX's axis environment in its trace context) by its type's name instead."""
+    return repr(tuple(type(v).__qualname__ if " object at 0x" in repr(v) else v for v in values))
+
+
 def describe(args: Any) -> str:
     """An argument tree as the key sees it: its structure and each leaf's shape, dtype, placement."""
     leaves, tree = jax.tree.flatten(args, is_leaf=lambda x: x is None)
@@ -102,7 +108,7 @@ class ExecutableStore:
         self.directory = Path(directory) / fingerprint[:32]
         self.context = context
         self.devices = devices
-        self.loaded = self.saved = 0
+        self.loaded = self.saved = self.skipped = 0
         self._saving = True
         self._lock = threading.Lock()
         _prune(Path(directory), self.directory)
@@ -124,10 +130,14 @@ class ExecutableStore:
             str(jax.process_index()), repr([(d.id, getattr(d, "coords", None)) for d in devices]),
             repr(engine.mesh), repr(engine.config), repr(engine.model.config), str(engine._num_decodable),
             engine.ops.name, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-            repr(jax._src.config.trace_context()),
+            _stable(jax._src.config.trace_context()),
         )
         fingerprint = hashlib.sha256("\n".join(versions).encode()).hexdigest()
         return cls(Path(cache_dir) / SUBDIR, fingerprint, "\n".join(context), devices)
+
+    def summary(self) -> str:
+        """What the store did so far, for the log: programs loaded and saved, and where."""
+        return f"executable store: {self.loaded} loaded, {self.saved} saved, {self.skipped} compiled but not saved ({self.directory})"
 
     def compile(self, name: str, args: Any, lower: Callable[[], Any]):
         """The program `name` of `args` (any tree of arrays, specs and host values): loaded from the
@@ -143,6 +153,11 @@ class ExecutableStore:
         # stored only when XLA compiled it here: not JAX's cache's, nor one this process had already
         if after[0] == hits and after[1] > compiles:
             self._save(path, name, compiled)
+        else:
+            with self._lock:
+                self.skipped += 1
+            log.debug("executable store: %s not saved (%d cache hits, %d compiles in the call)", name,
+                      after[0] - hits, after[1] - compiles)
         return compiled
 
     def _load(self, path: Path, name: str):
