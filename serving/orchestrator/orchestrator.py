@@ -372,6 +372,13 @@ class Orchestrator:
         for seconds in started.timings.prefills:
             self.metrics.observe("prefill_step", seconds)
         self.last_progress = time.monotonic()
+        if log.isEnabledFor(logging.DEBUG):  # the call timeline (make bench-tpu's serve-calls log)
+            log.debug(
+                "turn: %d admitted, %d prefill rows (%d tokens) in %s s, %d decoding x %d steps, %d queued",
+                len(plan.admissions), len(plan.rows), sum(len(r.tokens) for r in plan.rows),
+                ",".join(f"{t:.3f}" for t in started.timings.prefills), plan.running if plan.decode_steps else 0,
+                plan.decode_steps, self.metrics.queued,
+            )
         return started
 
     def _finish_started(self, executor: Executor, started: Started) -> StepOutcome:

@@ -547,11 +547,17 @@ class Scheduler:
 
     def _defers(self, rows: Sequence[PrefillRow], decoding: dict[int, _Running]) -> bool:
         """Whether this turn runs no generate call so that a burst prefills first (`burst_first`):
-        it prefills, more prompts wait for a later call, and every sequence that would decode has
-        only its first token (none under a grammar or with a speculator), BURST_DEFERRALS turns at most."""
-        young = all(len(r.tokens) + r.unread <= 1 and not r.constrained for r in decoding.values())
+        it prefills, more prompts wait for a later call, and the burst (the sequences with only
+        their first token, and the prompts still to prefill) is at least as many as the sequences
+        that decoded before it, which wait one prefill call a turn for it; none under a grammar, no
+        speculator, BURST_DEFERRALS turns at most. (A wave of closed-loop clients, each sending its
+        next request as its last one ends, arrives over tens of milliseconds: its first request
+        admitted alone and decoding must not split the rest into groups a generate call apart.)"""
+        older = sum(1 for r in decoding.values() if len(r.tokens) + r.unread > 1)
+        burst = len(decoding) - older + len(self.prefilling)
         defer = (
-            self.burst_first and bool(rows) and bool(decoding) and bool(self.prefilling) and young
+            self.burst_first and bool(rows) and bool(decoding) and bool(self.prefilling) and burst >= older
+            and not any(r.constrained for r in decoding.values())
             and self.speculator is None and self._deferred < BURST_DEFERRALS
         )
         self._deferred = self._deferred + 1 if defer else 0

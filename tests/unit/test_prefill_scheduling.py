@@ -208,6 +208,9 @@ def test_a_bursts_prompts_prefill_before_any_of_it_decodes_with_burst_first(burs
 
 
 def test_burst_first_holds_back_at_most_burst_deferrals_turns():
+    """Twelve prompts, one row a prefill call: BURST_DEFERRALS turns run no generate call, then one
+    does; while the burst's rest (young sequences and prompts still to prefill) is at least as
+    many as the sequences that decoded, it is held back again, each time BURST_DEFERRALS turns at most."""
     from serving.orchestrator.executor import Executor
     from serving.orchestrator.scheduler import BURST_DEFERRALS
 
@@ -216,10 +219,35 @@ def test_burst_first_holds_back_at_most_burst_deferrals_turns():
     scheduler, executor = Scheduler(engine.limits, 2, burst_first=True), Executor(engine, {})
     plan = scheduler.schedule([_waiting(i, range(1, 11), max_tokens=6) for i in range(12)])
     steps = []
-    for _ in range(8):
+    for _ in range(12):
         steps.append(plan.decode_steps)
         scheduler.update(plan, executor.run(plan))
         plan = scheduler.schedule([])
-    assert steps[: BURST_DEFERRALS + 1] == [0] * BURST_DEFERRALS + [2]  # then it decodes
-    assert steps[BURST_DEFERRALS + 1 :] == [2, 2, 2]  # a sequence has decoded: no more holding back
+    held = [0] * BURST_DEFERRALS + [2]
+    # 5 decoded, 7 to come (2 young, 5 to prefill): held again; then 10 against 2: decoding every turn
+    assert steps == [*held, *held, 2, 2] and BURST_DEFERRALS == 4
     assert not scheduler.young
+
+
+def test_burst_first_does_not_hold_back_a_batch_for_fewer_newcomers():
+    """Eight sequences decoding when three prompts arrive (one row a prefill call): the newcomers
+    are fewer than the sequences they would hold back, so every turn decodes."""
+    from serving.orchestrator.executor import Executor
+
+    engine = MockEngine(slots=16, max_prefill_length=64, max_target_length=256, prefill_chunk_size=64,
+                        max_prefill_batch=16, prefill_batch_tokens=16)  # one row a call
+    scheduler, executor = Scheduler(engine.limits, 2), Executor(engine, {})
+    plan = scheduler.schedule([_waiting(i, range(1, 11), max_tokens=40) for i in range(8)])
+    for _ in range(9):  # all eight in and decoding
+        scheduler.update(plan, executor.run(plan))
+        plan = scheduler.schedule([])
+    assert len(scheduler.running) == 8 and not scheduler.prefilling and not scheduler.young
+    scheduler.burst_first = True
+    scheduler.update(plan, executor.run(plan))
+    plan = scheduler.schedule([_waiting(i, range(1, 11), max_tokens=40) for i in range(8, 11)])
+    steps = []
+    for _ in range(3):
+        steps.append((len(plan.rows), plan.decode_steps))
+        scheduler.update(plan, executor.run(plan))
+        plan = scheduler.schedule([])
+    assert steps == [(1, 2), (1, 2), (1, 2)]
