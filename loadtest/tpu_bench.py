@@ -72,36 +72,52 @@ def wait_ready(server: subprocess.Popen, uds: str, timeout: float) -> tuple[floa
 
 
 async def http_rate(uds: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    """Output tokens/s of `requests` completions (`concurrency` at once, ignore_eos) over the socket."""
-    # a connection per client (httpx's default pool of 100 held the bench's 256 clients to 100 in
-    # flight: 100 of the 128 slots busy, the rest of each wave queued in the client)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pathserve", timeout=600) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    """Output tokens/s of `requests` completions (`concurrency` at once, ignore_eos) over the socket:
+    `concurrency` clients, each with its own connection, as that many users would have.
+
+    One client per worker, not one shared pool: httpx's pool walks every connection (a readability
+    check each) whenever a request is queued or released, so at 256 connections the bench's own
+    process, not the server, set the pace at which a wave of requests went out; and its default of
+    100 connections held 256 workers to 100 in flight."""
+    def client() -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(uds=uds, limits=httpx.Limits(max_connections=1))
+        return httpx.AsyncClient(transport=transport, base_url="http://pathserve", timeout=600)
+
+    async with client() as control:
+        model = (await control.get("/v1/models")).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         queue = list(range(requests))
         tokens = 0
+        failed: list[str] = []  # transport failures (a dropped connection): counted, not retried
 
-        async def worker() -> None:
+        async def worker(own: httpx.AsyncClient) -> None:
             nonlocal tokens
-            while queue:
-                queue.pop()
-                reply = await client.post("/v1/completions", json=body)
-                reply.raise_for_status()
-                tokens += reply.json()["usage"]["completion_tokens"]
+            async with own:
+                while queue:
+                    queue.pop()
+                    try:
+                        reply = await own.post("/v1/completions", json=body)
+                    except httpx.TransportError as exc:
+                        failed.append(f"{time.perf_counter() - started:.2f} s: {type(exc).__name__}: {exc}")
+                        continue
+                    reply.raise_for_status()
+                    tokens += reply.json()["usage"]["completion_tokens"]
 
-        await client.post("/v1/completions", json={**body, "max_tokens": 2})  # one request's compiles first
-        before = _calls((await client.get("/metrics")).text)
+        await control.post("/v1/completions", json={**body, "max_tokens": 2})  # one request's compiles first
+        clients = [client() for _ in range(concurrency)]  # made before the clock starts (each reads the CA bundle)
+        before = _calls((await control.get("/metrics")).text)
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(own) for own in clients))
         wall = time.perf_counter() - started
-        after = _calls((await client.get("/metrics")).text)
+        after = _calls((await control.get("/metrics")).text)
     calls = {k: after[k] - before.get(k, 0.0) for k in after}
-    return {
+    point = {
         "concurrency": concurrency, "requests": requests, "output_tokens": tokens, "tokens_per_s": tokens / wall,
         "wall_s": wall, "device_calls": calls,
     }
+    if failed:  # the rate above is of the requests that completed
+        point["failed"] = {"count": len(failed), "first": failed[:3]}
+    return point
 
 
 def _calls(metrics: str) -> dict[str, float]:
