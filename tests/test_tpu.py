@@ -9,6 +9,8 @@
   every slot filled to its maximum length runs;
 - JAX's Pallas paged-attention kernel compiled for the chip (not interpret mode) against XLA's
   attention and float64 numpy over shuffled page tables, float and int8 pages;
+- pathserve's ragged paged attention kernel (decodes and chunks in one call) on the chip against
+  float64 attention over each sequence's pages;
 - Llama 3.2 1B's shape: the chip's bfloat16 logits within bfloat16's reach of the CPU's float32;
 - the served loop (the orchestrator's device loop) gives the engine's own tokens.
 """
@@ -182,6 +184,21 @@ def test_pallas_kernel_on_the_chip_matches_xlas_attention(int8, groups):
         # the chip's dots run at the default precision (bfloat16 passes): up to 4.4e-3 (float) and
         # 6.9e-3 (int8) from float64 measured on a v5e; interpret mode on a CPU is within 1e-5
         np.testing.assert_allclose(got, exact, atol=1e-2)
+
+
+@requires_tpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_ragged_paged_kernel_on_the_chip_matches_attention_over_each_rows_pages(dtype):
+    """The ragged paged attention kernel (serving.kernels.ragged_paged) compiled for the chip:
+    decodes and chunks of different lengths in one call over shuffled pages, against float64
+    attention over each sequence's pages (the chip's dots at the default precision: bfloat16
+    passes, hence the tolerance), empty blocks zeros."""
+    from tests.test_ragged_paged import ragged_case
+
+    run, check = ragged_case(dtype, seed=1)
+    out = run(interpret=False)
+    assert jax.devices()[0].platform == "tpu"
+    check(out, 2e-2)
 
 
 @requires_tpu

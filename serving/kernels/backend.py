@@ -112,6 +112,7 @@ def select(
     devices: list,
     pages_per_compute_block: int = 4,
     attention: str = "autoselected",
+    ragged_pages: int = 0,
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
@@ -122,8 +123,16 @@ def select(
     sized for every slot's max_target_length it read ~22 ms a token of the 1B shape at batch 1
     on a v5e (loadtest.tpu_probe), where the gather reads what the live rows hold. `cpu_kernels`
     names the CPU kernels, so only `on` changes that (it raises there, as on any device but one CPU).
-    `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops."""
+    `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops.
+    `ragged_pages` (MaxText's use_ragged_attention, its ragged_block_size in pages; 0: off): on
+    TPUs, attention of a float pool through pathserve's ragged paged kernel, that many pages a block
+    (serving.kernels.ragged_paged); before `attention=paged`, which is for decode alone."""
     if cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices):
+        if ragged_pages:
+            from serving.kernels.ragged_paged import RaggedPagedOps
+
+            log.info("attention reads the pages in place through the ragged paged kernel on %d TPUs", len(devices))
+            return RaggedPagedOps(pages_per_block=ragged_pages)
         if attention != "paged":
             log.info("decode attention gathers each call's window of pages with XLA on %d TPUs", len(devices))
             return TPU_XLA
@@ -134,6 +143,8 @@ def select(
             return XLA
         log.info("decode attention runs JAX's Pallas paged-attention kernel on %d TPUs", len(devices))
         return PallasPagedOps(pages_per_compute_block=pages_per_compute_block)
+    if ragged_pages:
+        log.warning("use_ragged_attention: the ragged paged kernel runs on TPUs; attention here is the backend's own")
     if cpu_kernels == "off":
         return XLA
     reason = weights_unsupported(quantization, weight_dtype)

@@ -1,0 +1,296 @@
+"""Ragged paged attention for TPU (Pallas): the queries of many sequences, each a different number
+of tokens (a decode step's 1, a prompt chunk's hundreds), in one call, reading every sequence's
+cached keys and values in place through its block table from the lanes page pool
+(serving.models.cache), with no copy of the pool.
+
+The layout of a call:
+
+- queries: the step's tokens packed sequence after sequence, each sequence's from a block
+  boundary: q [kv_heads, blocks * block_q * groups, head_dim], row (t * groups + g) of a block
+  the query head (h * groups + g) of its token t; a sequence's last block may hold fewer real
+  tokens than block_q (`block_rows`), the rest is padding whose output is anything.
+- per block (scalar-prefetched, int32 [blocks]): the table row of its sequence (`block_seq`),
+  the position of its first token (`block_start`), and its real tokens (`block_rows`, 0: an
+  empty block, skipped). Token t of block b is at position block_start[b] + t and attends to the
+  positions [0, block_start[b] + t] (causal within a chunk, the cached history before it).
+- the pool, k and v [layers, num_pages, page_size, kv_heads * head_dim] (the lanes layout,
+  float), read in place in HBM: the step's new keys and values are written into their pages
+  before the call (serving.models.cache's scatter), so the kernel reads every position it attends
+  to from pages, its own included.
+
+Per block the kernel walks the sequence's pages `pages_per_block` at a time (a kv block), copying
+each kv block's pages from HBM into VMEM while it computes the one before (two buffers, one DMA
+semaphore each), with an online softmax per kv head in float32. Only the kv blocks up to the
+block's last position are read: a decode step reads each sequence's live pages once per layer.
+
+Why not JAX's own paged_attention kernel (serving.kernels.tpu_paged): it takes one query token
+per sequence and a pool in its own layout [kv_heads, pages, page_size, head_dim], so every layer
+of every step copied the layer's whole pool into that layout, and prefill chunks went through
+XLA's attention over gathered pages.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from serving.models.cache import SCRATCH_PAGE
+from serving.models.ops import TpuXlaOps
+
+NEG_INF = -1e30  # a masked score: finite, so that a row with nothing visible yet gives no NaN
+
+
+def _kernel(
+    # scalar prefetch
+    layer_ref, tables_ref, seq_ref, start_ref, rows_ref,
+    # inputs
+    q_ref, k_hbm, v_hbm,
+    # outputs
+    o_ref, lse_ref,
+    # scratch
+    k_buf, v_buf, sems,
+    *, block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
+    max_pages: int, sm_scale: float, causal: bool,
+):
+    b = pl.program_id(0)
+    seq, start, rows = seq_ref[b], start_ref[b], rows_ref[b]
+    layer = layer_ref[0]
+    span = pages_per_block * page_size  # positions of one kv block
+    kv_len = start + rows if causal else start  # not causal: every token sees [0, start)
+    num_kv = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
+
+    def copies(kv_block, slot):
+        """The DMAs of kv block `kv_block`'s pages into buffer `slot` (k and v, a page each)."""
+        out = []
+        for p in range(pages_per_block):
+            column = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
+            page = tables_ref[seq, column]
+            out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
+        return out
+
+    @pl.when(num_kv == 0)
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+        lse_ref[...] = jnp.full_like(lse_ref, NEG_INF)
+
+    @pl.when(num_kv > 0)
+    def _():
+        for c in copies(0, 0):
+            c.start()
+        rows_q = block_q * groups
+        col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 1)
+        if causal:  # each query row's position (row t * groups + g is token t): it sees [0, that]
+            last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
+        else:  # every row sees [0, start)
+            last = jnp.full((rows_q, span), start - 1, jnp.int32)
+        queries = [q_ref[h].astype(jnp.float32) * sm_scale for h in range(kv_heads)]
+
+        def body(i, carry):
+            slot = jax.lax.rem(i, 2)
+
+            @pl.when(i + 1 < num_kv)
+            def _():
+                for c in copies(i + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(i, slot):
+                c.wait()
+            keys = k_buf[slot].reshape(span, kv_heads * head_dim)
+            values = v_buf[slot].reshape(span, kv_heads * head_dim)
+            visible = i * span + col <= last
+            out = []
+            for h in range(kv_heads):
+                m, l, acc = carry[h]
+                k_h = keys[:, h * head_dim : (h + 1) * head_dim].astype(jnp.float32)
+                v_h = values[:, h * head_dim : (h + 1) * head_dim].astype(jnp.float32)
+                s = jax.lax.dot_general(queries[h], k_h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                s = jnp.where(visible, s, NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+                p = jnp.exp(s - m_new)
+                alpha = jnp.exp(m - m_new)
+                l_new = alpha * l + p.sum(axis=1, keepdims=True)
+                acc_new = alpha * acc + jnp.dot(p, v_h, preferred_element_type=jnp.float32)
+                out.append((m_new, l_new, acc_new))
+            return tuple(out)
+
+        init = tuple(
+            (
+                jnp.full((rows_q, 1), NEG_INF, jnp.float32),
+                jnp.zeros((rows_q, 1), jnp.float32),
+                jnp.zeros((rows_q, head_dim), jnp.float32),
+            )
+            for _ in range(kv_heads)
+        )
+        final = jax.lax.fori_loop(0, num_kv, body, init)
+        for h in range(kv_heads):
+            m, l, acc = final[h]
+            o_ref[h] = (acc / l).astype(o_ref.dtype)
+            lse_ref[h] = m + jnp.log(l)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "pages_per_block", "causal", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    tables: jax.Array,
+    block_seq: jax.Array,
+    block_start: jax.Array,
+    block_rows: jax.Array,
+    *,
+    block_q: int,
+    pages_per_block: int = 8,
+    causal: bool = True,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of the packed queries q [kv_heads, blocks * block_q * groups, head_dim] (the
+    module docstring's layout) over layer `layer` of the lanes pool k_pool, v_pool [layers,
+    num_pages, page_size, kv_heads * head_dim] through tables [seqs, max_pages], block b of
+    block_q tokens being sequence block_seq[b]'s from position block_start[b], block_rows[b] of
+    them real. Token t of a block attends to [0, block_start[b] + t] (`causal`), or every token
+    to [0, block_start[b]) (not `causal`: the history before a chunk whose own tokens are attended
+    elsewhere, merged by the log-sum-exp). Returns (out, lse): the attention output in q's layout
+    and dtype, and each query row's log-sum-exp of its scores [kv_heads, rows, 1] float32 (padding
+    rows: anything; a block with nothing to attend: zeros and NEG_INF). `pages_per_block`: pages
+    a kv block copies into VMEM at once."""
+    kv_heads, total, head_dim = q.shape
+    _, _, page_size, width = k_pool.shape
+    if width != kv_heads * head_dim:
+        raise ValueError(f"the pool's rows hold {width} values, not kv_heads x head_dim = {kv_heads * head_dim}")
+    blocks = block_seq.shape[0]
+    groups, remainder = divmod(total, blocks * block_q)
+    if remainder or groups < 1:
+        raise ValueError(f"q holds {total} rows a head, not blocks x block_q x groups ({blocks} x {block_q} x groups)")
+    max_pages = tables.shape[1]
+    kernel = functools.partial(
+        _kernel, block_q=block_q, groups=groups, kv_heads=kv_heads, head_dim=head_dim,
+        pages_per_block=pages_per_block, page_size=page_size, max_pages=max_pages,
+        sm_scale=1.0 / math.sqrt(head_dim), causal=causal,
+    )
+    rows_q = block_q * groups
+    spec = pl.BlockSpec((kv_heads, rows_q, head_dim), lambda b, *_: (0, b, 0))
+    lse_spec = pl.BlockSpec((kv_heads, rows_q, 1), lambda b, *_: (0, b, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(blocks,),
+        in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[spec, lse_spec],
+        scratch_shapes=[
+            pltpu.VMEM((2, pages_per_block, page_size, width), k_pool.dtype),
+            pltpu.VMEM((2, pages_per_block, page_size, width), v_pool.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((kv_heads, total, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        tables.astype(jnp.int32),
+        block_seq.astype(jnp.int32),
+        block_start.astype(jnp.int32),
+        block_rows.astype(jnp.int32),
+        q,
+        k_pool,
+        v_pool,
+    )
+
+
+def pack_blocks(q_lens: list[int], starts: list[int], block_q: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The block metadata of sequences with q_lens[s] query tokens from position starts[s]:
+    (block_seq, block_start, block_rows, offsets), offsets[s] the first block of sequence s, each
+    sequence's tokens from a block boundary (a host-side helper: a step's plan is made on the host)."""
+    block_seq, block_start, block_rows, offsets = [], [], [], []
+    for s, (n, start) in enumerate(zip(q_lens, starts, strict=True)):
+        offsets.append(len(block_seq))
+        for first in range(0, n, block_q):
+            block_seq.append(s)
+            block_start.append(start + first)
+            block_rows.append(min(block_q, n - first))
+    return block_seq, block_start, block_rows, offsets
+
+
+def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
+    """Attention over two disjoint sets of positions as one: outputs [..., head_dim] weighted by
+    their log-sum-exps [...] (a set with nothing in it has lse NEG_INF or -inf and weight 0)."""
+    top = jnp.maximum(lse_a, lse_b)
+    wa, wb = jnp.exp(lse_a - top)[..., None], jnp.exp(lse_b - top)[..., None]
+    return (out_a.astype(jnp.float32) * wa + out_b.astype(jnp.float32) * wb) / (wa + wb)
+
+
+def _rows_block(groups: int) -> int:
+    """Tokens a query block holds: block_q x groups rows a multiple of 16 (bfloat16's sublane tile)."""
+    return 16 // math.gcd(16, groups)
+
+
+class RaggedPagedOps(TpuXlaOps):
+    """XLA's ops on TPUs over the lanes pool, except attention of a float pool: each row's cached
+    positions read in place by the ragged paged kernel (no window of pages gathered, so one
+    window is all the engine compiles), its own new tokens attended by XLA, the two merged by
+    their log-sum-exps. An int8 pool attends through XLA's gather (the kernel reads float pages).
+    MaxText's `use_ragged_attention=true` selects it on TPUs (serving.kernels.backend)."""
+
+    name = "ragged-tpu"
+
+    def __init__(self, pages_per_block: int = 8):
+        if pages_per_block < 1:
+            raise ValueError(f"pages_per_block must be at least 1, got {pages_per_block}")
+        self.pages_per_block = pages_per_block
+
+    def reads_cache_in_place(self, cfg, cache_dtype, dtype) -> bool:
+        return jnp.dtype(cache_dtype) != jnp.int8
+
+    def _history(self, q: jax.Array, cache, layer, pages: jax.Array, starts: jax.Array, lengths: jax.Array):
+        """Attention of q [batch, seq, kv_heads, groups, head_dim] over each row's positions
+        [0, starts[b]), its first lengths[b] tokens: (out [batch, seq, kv_heads, groups, head_dim]
+        float32, lse [batch, seq, kv_heads, groups])."""
+        batch, seq, kv_heads, groups, head_dim = q.shape
+        block_q = _rows_block(groups)
+        per_row = -(-seq // block_q)
+        padded = jnp.pad(q, ((0, 0), (0, per_row * block_q - seq), (0, 0), (0, 0), (0, 0)))
+        packed = padded.transpose(2, 0, 1, 3, 4).reshape(kv_heads, -1, head_dim)
+        parked = pages[:, 0] == SCRATCH_PAGE
+        rows = jnp.clip(lengths[:, None] - jnp.arange(per_row)[None, :] * block_q, 0, block_q)
+        rows = jnp.where(parked[:, None], 0, rows).reshape(-1)
+        out, lse = ragged_paged_attention(
+            packed, cache.k, cache.v, layer, pages, jnp.repeat(jnp.arange(batch), per_row),
+            jnp.repeat(starts, per_row), rows, block_q=block_q, pages_per_block=self.pages_per_block, causal=False,
+        )
+        out = out.reshape(kv_heads, batch, per_row * block_q, groups, head_dim)[:, :, :seq].transpose(1, 2, 0, 3, 4)
+        lse = lse.reshape(kv_heads, batch, per_row * block_q, groups)[:, :, :seq].transpose(1, 2, 0, 3)
+        return out, lse
+
+    def decode_attention(self, q, cache, layer, positions, k_new, v_new, window, pages):
+        if cache.quantized or not cache.lanes:
+            return super().decode_attention(q, cache, layer, positions, k_new, v_new, window, pages)
+        out, lse = self._history(q, cache, layer, pages, positions, jnp.ones_like(positions))
+        own = jnp.einsum("bhgd,bhd->bhg", q[:, 0].astype(jnp.float32), k_new.astype(jnp.float32))
+        own = own / math.sqrt(q.shape[-1])
+        values = jnp.broadcast_to(v_new[:, :, None, :], q[:, 0].shape)
+        return merge(out[:, 0], lse[:, 0], values, own)[:, None].astype(q.dtype)
+
+    def chunk_attention(self, q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths):
+        if cache.quantized or not cache.lanes:
+            return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths)
+        out, lse = self._history(q, cache, layer, pages, starts, lengths)
+        scores = jnp.einsum("bshgd,bthd->bshgt", q.astype(jnp.float32), k_new.astype(jnp.float32))
+        scores = scores / math.sqrt(q.shape[-1])
+        own_mask = mask[:, :, None, None, window:]  # [batch, seq, 1, 1, seq]: causal up to the row's length
+        scores = jnp.where(own_mask, scores, -jnp.inf)
+        own_lse = jax.nn.logsumexp(scores, axis=-1)
+        weights = jnp.exp(scores - jnp.where(jnp.isfinite(own_lse), own_lse, 0.0)[..., None])
+        own = jnp.einsum("bshgt,bthd->bshgd", weights, v_new.astype(jnp.float32))
+        return merge(out, lse, own, own_lse).astype(q.dtype)
+
+    def describe(self) -> str:
+        return "pathserve's ragged paged attention kernel over a lanes-layout page pool (TPU), XLA's dots"

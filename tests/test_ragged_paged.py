@@ -1,0 +1,198 @@
+"""The ragged paged attention kernel (serving.kernels.ragged_paged) in Pallas' TPU interpret mode,
+against attention in float64 over each sequence's positions read through its block table: decodes
+and chunks of different lengths in one call, pages shuffled, blocks partly padding, empty blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from serving.kernels.ragged_paged import pack_blocks, ragged_paged_attention  # noqa: E402
+
+KV_HEADS, GROUPS, HEAD_DIM, PAGE, MAX_PAGES, LAYERS = 2, 4, 64, 8, 8, 2
+
+
+def _reference(q_tokens, pool_k, pool_v, layer, table, start):
+    """Attention of q_tokens [n, kv_heads, groups, d] at positions start.. over the row's pages."""
+    n = q_tokens.shape[0]
+    length = start + n
+    pos = np.arange(length)
+    pages = table[pos // PAGE]
+    k = pool_k[layer, pages, pos % PAGE].reshape(length, KV_HEADS, HEAD_DIM).astype(np.float64)
+    v = pool_v[layer, pages, pos % PAGE].reshape(length, KV_HEADS, HEAD_DIM).astype(np.float64)
+    scores = np.einsum("thgd,shd->thgs", q_tokens.astype(np.float64), k) / np.sqrt(HEAD_DIM)
+    visible = pos[None, :] <= (start + np.arange(n))[:, None]  # [n, length]
+    scores = np.where(visible[:, None, None, :], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("thgs,shd->thgd", weights, v)
+
+
+def ragged_case(dtype, seed: int = 0):
+    """(run, check): `run(interpret)` calls the kernel on a ragged step (decodes at 0 and deep in,
+    a fresh chunk, chunks after history, two empty blocks at the end: a bucket's padding) over
+    shuffled pages in layer 1 of 2; `check(out, tolerance)` compares its output with float64
+    attention over each sequence's pages (the inputs rounded to `dtype` first) and the empty
+    blocks with zeros. Shared with the chip's tier (tests/test_tpu.py)."""
+    rng = np.random.default_rng(seed)
+    seqs = [(1, 20), (1, 0), (13, 0), (7, 30), (4, 3), (1, 63), (16, 40)]  # (query tokens, first position)
+    block_q, num_pages, layer = 8, 1 + len(seqs) * MAX_PAGES, 1
+    tables = np.zeros((len(seqs), MAX_PAGES), np.int32)
+    shuffled = rng.permutation(np.arange(1, num_pages))  # page 0 is scratch
+    for s in range(len(seqs)):
+        tables[s] = shuffled[s * MAX_PAGES : (s + 1) * MAX_PAGES]
+
+    def rounded(shape):
+        return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32))
+
+    pool_k, pool_v = (rounded((LAYERS, num_pages, PAGE, KV_HEADS * HEAD_DIM)) for _ in range(2))
+    block_seq, block_start, block_rows, offsets = pack_blocks([n for n, _ in seqs], [s for _, s in seqs], block_q)
+    block_seq, block_start, block_rows = [*block_seq, 0, 0], [*block_start, 0, 0], [*block_rows, 0, 0]
+    blocks = len(block_seq)
+    tokens = rounded((blocks * block_q, KV_HEADS, GROUPS, HEAD_DIM))
+    # [kv_heads, blocks * block_q * groups, head_dim]: row t * groups + g of head h
+    q = jnp.asarray(tokens.transpose(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM), dtype)
+
+    def run(interpret: bool) -> np.ndarray:
+        out, _ = ragged_paged_attention(
+            q, jnp.asarray(pool_k, dtype), jnp.asarray(pool_v, dtype), layer, jnp.asarray(tables),
+            jnp.asarray(block_seq), jnp.asarray(block_start), jnp.asarray(block_rows), block_q=block_q,
+            pages_per_block=2, interpret=interpret,
+        )
+        return np.asarray(out.astype(jnp.float32))
+
+    def check(out: np.ndarray, tolerance: float) -> None:
+        got = out.reshape(KV_HEADS, blocks * block_q, GROUPS, HEAD_DIM).transpose(1, 0, 2, 3)
+        for s, (n, start) in enumerate(seqs):
+            first = offsets[s] * block_q
+            want = _reference(tokens[first : first + n], pool_k, pool_v, layer, tables[s], start)
+            np.testing.assert_allclose(got[first : first + n], want, atol=tolerance, rtol=tolerance, err_msg=f"sequence {s}")
+        np.testing.assert_array_equal(got[(blocks - 2) * block_q :], 0.0)  # the empty blocks
+
+    return run, check
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_paged_attention_matches_attention_over_each_rows_pages(dtype):
+    run, check = ragged_case(dtype)
+    with pltpu.force_tpu_interpret_mode():
+        out = run(interpret=False)
+    check(out, 2e-5 if dtype == jnp.float32 else 3e-2)  # bfloat16: the output's rounding
+
+
+def test_pack_blocks_starts_each_sequence_at_a_block():
+    assert pack_blocks([1, 5, 4], [9, 0, 2], 4) == ([0, 1, 1, 2], [9, 0, 4, 2], [1, 4, 1, 4], [0, 1, 3])
+
+
+def _lanes_case(rng, dtype, batch: int):
+    """A float lanes pool of 2 layers with random values, each row its own shuffled pages, the
+    last row parked (all scratch)."""
+    from serving.models.cache import init_pool
+    from serving.models.config import ModelConfig
+
+    cfg = ModelConfig(
+        name="ragged", vocab_size=32, embed_dim=KV_HEADS * GROUPS * HEAD_DIM, num_layers=LAYERS,
+        num_heads=KV_HEADS * GROUPS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, mlp_dim=64, rope_theta=1e4,
+        norm_eps=1e-5, max_position=MAX_PAGES * PAGE,
+    )
+    num_pages = 1 + batch * MAX_PAGES
+    pool = init_pool(cfg, num_pages, PAGE, dtype, layout="lanes")
+    values = [jnp.asarray(rng.standard_normal(pool.k.shape), dtype) for _ in range(2)]
+    tables = rng.permutation(np.arange(1, num_pages))[: batch * MAX_PAGES].reshape(batch, MAX_PAGES).astype(np.int32)
+    tables[-1] = 0
+    return pool._replace(k=values[0], v=values[1]), jnp.asarray(tables)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype):
+    """RaggedPagedOps' decode and chunk attention (history through the kernel in interpret mode,
+    own tokens by XLA, merged) against TpuXlaOps' over the same pool: rows at position 0, deep in,
+    at a page's edge, chunks after history and fresh ones, the parked row's output not compared."""
+    from serving.kernels.ragged_paged import RaggedPagedOps
+    from serving.models.ops import TpuXlaOps
+
+    rng = np.random.default_rng(3)
+    cache, tables = _lanes_case(rng, dtype, 5)
+    window = MAX_PAGES * PAGE
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    positions = jnp.asarray([0, 17, 8, 63, 0], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((5, 1, KV_HEADS, GROUPS, HEAD_DIM)), dtype)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((5, KV_HEADS, HEAD_DIM)), dtype) for _ in range(2))
+    with pltpu.force_tpu_interpret_mode(), jax.default_matmul_precision("highest"):
+        for layer in range(LAYERS):
+            got = RaggedPagedOps(pages_per_block=2).decode_attention(q, cache, layer, positions, k_new, v_new, window, tables)
+            want = TpuXlaOps().decode_attention(q, cache, layer, positions, k_new, v_new, window, tables)
+            np.testing.assert_allclose(np.asarray(got[:-1], np.float32), np.asarray(want[:-1], np.float32),
+                                       atol=tolerance, rtol=tolerance)
+
+        seq = 12
+        starts, lengths = jnp.asarray([0, 20, 8, 40, 0], jnp.int32), jnp.asarray([12, 5, 12, 1, 3], jnp.int32)
+        q = jnp.asarray(rng.standard_normal((5, seq, KV_HEADS, GROUPS, HEAD_DIM)), dtype)
+        k_new, v_new = (jnp.asarray(rng.standard_normal((5, seq, KV_HEADS, HEAD_DIM)), dtype) for _ in range(2))
+        offsets = jnp.arange(seq)
+        own = (offsets[:, None] >= offsets[None, :])[None] & (offsets[None, None, :] < lengths[:, None, None])
+        earlier = jnp.broadcast_to(jnp.arange(window)[None, None, :] < starts[:, None, None], (5, seq, window))
+        mask = jnp.concatenate([earlier, own], axis=-1)
+        got = RaggedPagedOps(pages_per_block=2).chunk_attention(q, cache, 1, starts, k_new, v_new, mask, window, tables, lengths)
+        want = TpuXlaOps().chunk_attention(q, cache, 1, starts, k_new, v_new, mask, window, tables, lengths)
+    for b in range(4):  # each row's real tokens (the rest, and the parked row, are anything)
+        n = int(lengths[b])
+        np.testing.assert_allclose(np.asarray(got[b, :n], np.float32), np.asarray(want[b, :n], np.float32),
+                                   atol=tolerance, rtol=tolerance, err_msg=f"row {b}")
+
+
+def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model_dir, monkeypatch):
+    """The tiny model served on RaggedPagedOps (the kernel in interpret mode: decode steps, a prompt
+    in chunks, a prefix hit's rest after cached pages, one window compiled) gives the greedy tokens
+    of the same engine on TpuXlaOps (XLA's gather of each call's window), float32 on the CPU."""
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine import engine as engine_module
+    from serving.kernels.ragged_paged import RaggedPagedOps
+    from serving.models.ops import TPU_XLA
+    from serving.orchestrator.offline import run_to_completion
+    from serving.request import SamplingParams
+
+    cfg = ServingConfig(
+        per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
+        decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    prompt = list(range(5, 45))  # 40 tokens: two chunks; its first page cached for the repeat
+    requests = [(prompt, SamplingParams(max_tokens=5)), (list(range(7, 19)), SamplingParams(max_tokens=4))]
+    tokens = {}
+    for ops in (TPU_XLA, RaggedPagedOps(pages_per_block=2)):
+        monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
+        engine = engine_module.Engine(model, cfg.engine)
+        assert engine.ops is ops
+        with pltpu.force_tpu_interpret_mode():
+            params = engine.load_params()
+            first = run_to_completion(engine, params, requests)
+            again = run_to_completion(engine, params, requests[:1])  # the prompt's pages from the prefix cache
+        tokens[ops.name] = ([r.token_ids for r in first], [r.token_ids for r in again])
+    assert tokens["ragged-tpu"] == tokens["xla-tpu"]
+
+
+def test_use_ragged_attention_is_maxtexts_key_and_says_where_it_does_nothing(caplog):
+    """use_ragged_attention / ragged_block_size are MaxText's keys: honoured (not logged as without
+    effect), the block in whole pages; with an int8 cache, or off a TPU, a warning says the kernel
+    does not run there."""
+    import logging
+
+    from serving.config import DevicesConfig, ServingConfig
+    from serving.engine.engine import select_ops
+    from serving.runtime import make_mesh
+
+    with caplog.at_level(logging.WARNING):
+        cfg = ServingConfig(use_ragged_attention=True, ragged_block_size=128, quantize_kvcache=True)
+    assert "quantize_kvcache=false for the kernel" in caplog.text and "no effect" not in caplog.text
+    with pytest.raises(ValueError, match="ragged_block_size"):
+        ServingConfig(ragged_block_size=0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ops = select_ops(cfg.engine, make_mesh(DevicesConfig(), jax.devices()[:1]))
+    assert ops.name != "ragged-tpu" and "the ragged paged kernel runs on TPUs" in caplog.text
