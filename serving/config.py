@@ -137,10 +137,10 @@ class ServingConfig(BaseModel):
     pagedattn_tokens_per_page: int = Field(default=32, ge=1)
     pagedattn_pages_per_compute_block: int = Field(default=4, ge=1)
     pagedattn_max_pages_per_group: int = -1
-    # MaxText's ragged attention keys: on TPUs, attention of a float KV pool reads each sequence's
-    # pages in place through pathserve's ragged paged kernel (serving.kernels.ragged_paged),
+    # MaxText's ragged attention keys: on TPUs, attention reads each sequence's pages (float or
+    # int8) in place through pathserve's ragged paged kernel (serving.kernels.ragged_paged),
     # ragged_block_size positions (whole pages of prefix_block_size) copied into VMEM at once;
-    # elsewhere, or over an int8 pool, they change nothing (logged).
+    # elsewhere they change nothing (logged).
     use_ragged_attention: bool = False
     ragged_block_size: int = Field(default=256, ge=1)
     max_queued_requests: int = Field(default=256, ge=1)
@@ -265,11 +265,6 @@ class ServingConfig(BaseModel):
             self._paged_attention_keys()
         else:
             self._log_attention_without_effect()
-        if self.use_ragged_attention and self.quantize_kvcache:
-            logging.getLogger(__name__).warning(
-                "use_ragged_attention with quantize_kvcache=true: the ragged kernel reads float pages, so "
-                "attention over the int8 cache gathers its pages with XLA (quantize_kvcache=false for the kernel)"
-            )
         self._disaggregation_keys()
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(

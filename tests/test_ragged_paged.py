@@ -32,7 +32,21 @@ def _reference(q_tokens, pool_k, pool_v, layer, table, start):
     return np.einsum("thgs,shd->thgd", weights, v)
 
 
-def ragged_case(dtype, seed: int = 0):
+def _int8_lanes(values: np.ndarray, per_head: bool):
+    """Float pool values [layers, pages, page_size, kv_heads * head_dim] as an int8 lanes pool:
+    (int32 lanes, scales [layers, pages, heads x page_size] head-major, the dequantized values)."""
+    from serving.models.cache import quantize_kv, to_lanes
+
+    layers, pages, page, _ = values.shape
+    split = jnp.asarray(values).reshape(layers, pages, page, KV_HEADS, HEAD_DIM)
+    quantized, scales = quantize_kv(split, per_head)  # scales [..., heads or 1, 1]
+    lanes = to_lanes(quantized, jnp.zeros((), jnp.int32))
+    head_major = jnp.moveaxis(scales[..., 0], -1, 2).reshape(layers, pages, -1)  # [.., heads * page]
+    exact = np.asarray(quantized.astype(jnp.float32) * scales).reshape(values.shape)
+    return lanes, head_major, exact
+
+
+def ragged_case(dtype, seed: int = 0, int8: str = ""):
     """(run, check): `run(interpret)` calls the kernel on a ragged step (decodes at 0 and deep in,
     a fresh chunk, chunks after history, two empty blocks at the end: a bucket's padding) over
     shuffled pages in layer 1 of 2; `check(out, tolerance)` compares its output with float64
@@ -50,6 +64,10 @@ def ragged_case(dtype, seed: int = 0):
         return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32))
 
     pool_k, pool_v = (rounded((LAYERS, num_pages, PAGE, KV_HEADS * HEAD_DIM)) for _ in range(2))
+    stored, scales = (jnp.asarray(pool_k, dtype), jnp.asarray(pool_v, dtype)), {}
+    if int8:  # "dkv": a scale per token and head; "heads_and_dkv": per token
+        (k8, ks, pool_k), (v8, vs, pool_v) = (_int8_lanes(x, int8 == "dkv") for x in (pool_k, pool_v))
+        stored, scales = (k8, v8), dict(k_scale=ks, v_scale=vs)
     block_seq, block_start, block_rows, offsets = pack_blocks([n for n, _ in seqs], [s for _, s in seqs], block_q)
     block_seq, block_start, block_rows = [*block_seq, 0, 0], [*block_start, 0, 0], [*block_rows, 0, 0]
     blocks = len(block_seq)
@@ -59,9 +77,8 @@ def ragged_case(dtype, seed: int = 0):
 
     def run(interpret: bool) -> np.ndarray:
         out, _ = ragged_paged_attention(
-            q, jnp.asarray(pool_k, dtype), jnp.asarray(pool_v, dtype), layer, jnp.asarray(tables),
-            jnp.asarray(block_seq), jnp.asarray(block_start), jnp.asarray(block_rows), block_q=block_q,
-            pages_per_block=2, interpret=interpret,
+            q, *stored, layer, jnp.asarray(tables), jnp.asarray(block_seq), jnp.asarray(block_start),
+            jnp.asarray(block_rows), block_q=block_q, pages_per_block=2, interpret=interpret, **scales,
         )
         return np.asarray(out.astype(jnp.float32))
 
@@ -76,9 +93,13 @@ def ragged_case(dtype, seed: int = 0):
     return run, check
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_paged_attention_matches_attention_over_each_rows_pages(dtype):
-    run, check = ragged_case(dtype)
+@pytest.mark.parametrize(
+    ("dtype", "int8"), [(jnp.float32, ""), (jnp.bfloat16, ""), (jnp.float32, "dkv"), (jnp.bfloat16, "heads_and_dkv")]
+)
+def test_ragged_paged_attention_matches_attention_over_each_rows_pages(dtype, int8):
+    """Float pages, and int8 pages (four values an int32 lane, scales per token and head or per
+    token) against float64 attention over their dequantized values."""
+    run, check = ragged_case(dtype, int8=int8)
     with pltpu.force_tpu_interpret_mode():
         out = run(interpret=False)
     check(out, 2e-5 if dtype == jnp.float32 else 3e-2)  # bfloat16: the output's rounding
@@ -88,10 +109,10 @@ def test_pack_blocks_starts_each_sequence_at_a_block():
     assert pack_blocks([1, 5, 4], [9, 0, 2], 4) == ([0, 1, 1, 2], [9, 0, 4, 2], [1, 4, 1, 4], [0, 1, 3])
 
 
-def _lanes_case(rng, dtype, batch: int):
-    """A float lanes pool of 2 layers with random values, each row its own shuffled pages, the
-    last row parked (all scratch)."""
-    from serving.models.cache import init_pool
+def _lanes_case(rng, dtype, batch: int, int8: bool = False):
+    """A lanes pool of 2 layers with random values (float, or int8 with scales per token and
+    head), each row its own shuffled pages, the last row parked (all scratch)."""
+    from serving.models.cache import KVCache, init_pool
     from serving.models.config import ModelConfig
 
     cfg = ModelConfig(
@@ -101,14 +122,19 @@ def _lanes_case(rng, dtype, batch: int):
     )
     num_pages = 1 + batch * MAX_PAGES
     pool = init_pool(cfg, num_pages, PAGE, dtype, layout="lanes")
-    values = [jnp.asarray(rng.standard_normal(pool.k.shape), dtype) for _ in range(2)]
+    values = [rng.standard_normal((LAYERS, num_pages, PAGE, KV_HEADS * HEAD_DIM)) for _ in range(2)]
+    if int8:
+        (k8, ks, _), (v8, vs, _) = (_int8_lanes(x, True) for x in values)
+        pool = KVCache(k8, v8, ks, vs)
+    else:
+        pool = pool._replace(k=jnp.asarray(values[0], dtype), v=jnp.asarray(values[1], dtype))
     tables = rng.permutation(np.arange(1, num_pages))[: batch * MAX_PAGES].reshape(batch, MAX_PAGES).astype(np.int32)
     tables[-1] = 0
-    return pool._replace(k=values[0], v=values[1]), jnp.asarray(tables)
+    return pool, jnp.asarray(tables)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype):
+@pytest.mark.parametrize(("dtype", "int8"), [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)])
+def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype, int8):
     """RaggedPagedOps' decode and chunk attention (history through the kernel in interpret mode,
     own tokens by XLA, merged) against TpuXlaOps' over the same pool: rows at position 0, deep in,
     at a page's edge, chunks after history and fresh ones, the parked row's output not compared."""
@@ -116,7 +142,7 @@ def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype):
     from serving.models.ops import TpuXlaOps
 
     rng = np.random.default_rng(3)
-    cache, tables = _lanes_case(rng, dtype, 5)
+    cache, tables = _lanes_case(rng, dtype, 5, int8)
     window = MAX_PAGES * PAGE
     tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
     positions = jnp.asarray([0, 17, 8, 63, 0], jnp.int32)
@@ -145,10 +171,12 @@ def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype):
                                    atol=tolerance, rtol=tolerance, err_msg=f"row {b}")
 
 
-def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("quantize_kvcache", [False, True], ids=["float", "int8"])
+def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model_dir, monkeypatch, quantize_kvcache):
     """The tiny model served on RaggedPagedOps (the kernel in interpret mode: decode steps, a prompt
     in chunks, a prefix hit's rest after cached pages, one window compiled) gives the greedy tokens
-    of the same engine on TpuXlaOps (XLA's gather of each call's window), float32 on the CPU."""
+    of the same engine on TpuXlaOps (XLA's gather of each call's window), float32 on the CPU, over
+    a float and an int8 KV cache."""
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
     from serving.engine import engine as engine_module
@@ -159,7 +187,7 @@ def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model
 
     cfg = ServingConfig(
         per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
-        decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False,
+        decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False, quantize_kvcache=quantize_kvcache,
     )
     model = load_model(str(tiny_model_dir), cfg)
     prompt = list(range(5, 45))  # 40 tokens: two chunks; its first page cached for the repeat
@@ -179,8 +207,7 @@ def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model
 
 def test_use_ragged_attention_is_maxtexts_key_and_says_where_it_does_nothing(caplog):
     """use_ragged_attention / ragged_block_size are MaxText's keys: honoured (not logged as without
-    effect), the block in whole pages; with an int8 cache, or off a TPU, a warning says the kernel
-    does not run there."""
+    effect); off a TPU a warning says the kernel does not run there."""
     import logging
 
     from serving.config import DevicesConfig, ServingConfig
@@ -189,10 +216,28 @@ def test_use_ragged_attention_is_maxtexts_key_and_says_where_it_does_nothing(cap
 
     with caplog.at_level(logging.WARNING):
         cfg = ServingConfig(use_ragged_attention=True, ragged_block_size=128, quantize_kvcache=True)
-    assert "quantize_kvcache=false for the kernel" in caplog.text and "no effect" not in caplog.text
+    assert "no effect" not in caplog.text
     with pytest.raises(ValueError, match="ragged_block_size"):
         ServingConfig(ragged_block_size=0)
-    caplog.clear()
     with caplog.at_level(logging.WARNING):
         ops = select_ops(cfg.engine, make_mesh(DevicesConfig(), jax.devices()[:1]))
     assert ops.name != "ragged-tpu" and "the ragged paged kernel runs on TPUs" in caplog.text
+
+
+def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monkeypatch):
+    """Decode and chunks read each row's positions in place: one generate window and one history
+    window, where XLA's gather has the ladder's (512 and 2,048 on a TPU)."""
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine import engine as engine_module
+    from serving.kernels.ragged_paged import RaggedPagedOps
+    from serving.models.ops import TPU_XLA
+
+    cfg = ServingConfig(per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=2048, cpu_kernels="off")
+    model = load_model(str(tiny_model_dir), cfg)
+    windows = {}
+    for ops in (TPU_XLA, RaggedPagedOps()):
+        monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
+        engine = engine_module.Engine(model, cfg.engine)
+        windows[ops.name] = (engine.windows, engine.history_windows)
+    assert windows == {"xla-tpu": ([512, 2048], [512, 2048]), "ragged-tpu": ([2048], [2048])}

@@ -204,8 +204,9 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         self._prefill_compiled: dict[int, tuple[object, object | None, tuple | None]] = {}
         self._compile_lock = threading.Lock()
         self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
-        self.history_windows = attention_windows(  # what a chunk may read
-            config.max_target_length, self.ops.min_window, self.ops.shape_growth
+        self.history_windows = (  # what a chunk may read: one window where chunks read their rows' positions
+            [config.max_target_length] if self.cache_in_place and self.ops.chunks_in_place
+            else attention_windows(config.max_target_length, self.ops.min_window, self.ops.shape_growth)
         )
         self._init_chunked(static)
         self._init_speculative(static, verify_warmup)

@@ -134,6 +134,134 @@ def _kernel(
             lse_ref[h] = m + jnp.log(l)
 
 
+def _unpack(x: jax.Array, k: int) -> jax.Array:
+    """Byte k (0: the lowest) of int32 lanes x as float32: the int8 value 4j + k of lane j."""
+    return jax.lax.shift_right_arithmetic(jax.lax.shift_left(x, 24 - 8 * k), 24).astype(jnp.float32)
+
+
+def _kernel_int8(
+    # scalar prefetch
+    layer_ref, tables_ref, seq_ref, start_ref, rows_ref,
+    # inputs
+    q_ref, k_hbm, v_hbm, ks_hbm, vs_hbm,
+    # outputs
+    o_ref, lse_ref,
+    # scratch
+    k_buf, v_buf, ks_buf, vs_buf, sems,
+    *, block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
+    max_pages: int, sm_scale: float, causal: bool, scale_heads: int,
+):
+    """`_kernel` over an int8 lanes pool: values four to an int32 lane (lane j of head h holds its
+    dims 4j..4j+3), scales a row of heads x page_size a page. q arrives with each head's dims in
+    the lanes' order (dims k, k + 4, ... first for k = 0..3: `_by_byte`) and the output leaves in it;
+    a page at a time, each byte's values a dot of their own, the scales applied to the scores (K)
+    and to the probabilities (V) as rows, so that no scale is laid out as a column."""
+    b = pl.program_id(0)
+    seq, start, rows = seq_ref[b], start_ref[b], rows_ref[b]
+    layer = layer_ref[0]
+    quarter = head_dim // 4
+    kv_len = start + rows if causal else start
+    num_pages = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + page_size - 1, page_size), 0)
+
+    def copies(kv_block, slot):
+        out = []
+        for p in range(pages_per_block):
+            column = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
+            page = tables_ref[seq, column]
+            out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
+            out.append(pltpu.make_async_copy(ks_hbm.at[layer, pl.ds(page, 1)], ks_buf.at[slot, p], sems.at[2, slot]))
+            out.append(pltpu.make_async_copy(vs_hbm.at[layer, pl.ds(page, 1)], vs_buf.at[slot, p], sems.at[3, slot]))
+        return out
+
+    @pl.when(num_pages == 0)
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+        lse_ref[...] = jnp.full_like(lse_ref, NEG_INF)
+
+    @pl.when(num_pages > 0)
+    def _():
+        for c in copies(0, 0):
+            c.start()
+        rows_q = block_q * groups
+        col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, page_size), 1)
+        if causal:
+            last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, page_size), 0), groups)
+        else:
+            last = jnp.full((rows_q, page_size), start - 1, jnp.int32)
+        queries = [
+            [q_ref[h, :, k * quarter : (k + 1) * quarter].astype(jnp.float32) * sm_scale for k in range(4)]
+            for h in range(kv_heads)
+        ]
+
+        def body(i, carry):
+            kv_block, p = jax.lax.div(i, pages_per_block), jax.lax.rem(i, pages_per_block)
+            slot = jax.lax.rem(kv_block, 2)
+
+            @pl.when(p == 0)
+            def _():
+                @pl.when((kv_block + 1) * pages_per_block < num_pages)
+                def _():
+                    for c in copies(kv_block + 1, 1 - slot):
+                        c.start()
+
+                for c in copies(kv_block, slot):
+                    c.wait()
+
+            keys, values = k_buf[slot, p], v_buf[slot, p]  # [page_size, kv_heads * head_dim / 4] int32
+            k_scales, v_scales = ks_buf[slot, p], vs_buf[slot, p]  # [1, scale_heads * page_size]
+            visible = i * page_size + col <= last
+            out = []
+            for h in range(kv_heads):
+                m, l, accs = carry[h]
+                k_h = keys[:, h * quarter : (h + 1) * quarter]
+                v_h = values[:, h * quarter : (h + 1) * quarter]
+                at = (h if scale_heads > 1 else 0) * page_size
+                s = sum(
+                    jax.lax.dot_general(queries[h][k], _unpack(k_h, k), (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+                    for k in range(4)
+                )
+                s = jnp.where(visible, s * k_scales[:, at : at + page_size], NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+                weights = jnp.exp(s - m_new)
+                alpha = jnp.exp(m - m_new)
+                l_new = alpha * l + weights.sum(axis=1, keepdims=True)
+                weights = weights * v_scales[:, at : at + page_size]
+                accs = tuple(
+                    alpha * acc + jnp.dot(weights, _unpack(v_h, k), preferred_element_type=jnp.float32)
+                    for k, acc in enumerate(accs)
+                )
+                out.append((m_new, l_new, accs))
+            return tuple(out)
+
+        init = tuple(
+            (
+                jnp.full((rows_q, 1), NEG_INF, jnp.float32),
+                jnp.zeros((rows_q, 1), jnp.float32),
+                tuple(jnp.zeros((rows_q, quarter), jnp.float32) for _ in range(4)),
+            )
+            for _ in range(kv_heads)
+        )
+        final = jax.lax.fori_loop(0, num_pages, body, init)
+        for h in range(kv_heads):
+            m, l, accs = final[h]
+            for k, acc in enumerate(accs):
+                o_ref[h, :, k * quarter : (k + 1) * quarter] = (acc / l).astype(o_ref.dtype)
+            lse_ref[h] = m + jnp.log(l)
+
+
+def _by_byte(x: jax.Array) -> jax.Array:
+    """x [..., head_dim] with its dims in the int8 lanes' order: k, k + 4, k + 8, ... for k = 0..3."""
+    return jnp.concatenate([x[..., k::4] for k in range(4)], axis=-1)
+
+
+def _from_bytes(x: jax.Array) -> jax.Array:
+    """`_by_byte`'s inverse."""
+    quarter = x.shape[-1] // 4
+    return jnp.stack([x[..., k * quarter : (k + 1) * quarter] for k in range(4)], axis=-1).reshape(x.shape)
+
+
 @functools.partial(jax.jit, static_argnames=("block_q", "pages_per_block", "causal", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,
@@ -149,6 +277,8 @@ def ragged_paged_attention(
     pages_per_block: int = 8,
     causal: bool = True,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of the packed queries q [kv_heads, blocks * block_q * groups, head_dim] (the
     module docstring's layout) over layer `layer` of the lanes pool k_pool, v_pool [layers,
@@ -159,9 +289,13 @@ def ragged_paged_attention(
     elsewhere, merged by the log-sum-exp). Returns (out, lse): the attention output in q's layout
     and dtype, and each query row's log-sum-exp of its scores [kv_heads, rows, 1] float32 (padding
     rows: anything; a block with nothing to attend: zeros and NEG_INF). `pages_per_block`: pages
-    a kv block copies into VMEM at once."""
+    a kv block copies into VMEM at once. An int8 pool (int32 lanes of four values) comes with its
+    scales k_scale, v_scale [layers, num_pages, heads x page_size] (serving.models.cache)."""
     kv_heads, total, head_dim = q.shape
     _, _, page_size, width = k_pool.shape
+    quantized = k_scale is not None
+    if quantized:
+        width *= 4  # four int8 values a lane
     if width != kv_heads * head_dim:
         raise ValueError(f"the pool's rows hold {width} values, not kv_heads x head_dim = {kv_heads * head_dim}")
     blocks = block_seq.shape[0]
@@ -169,26 +303,32 @@ def ragged_paged_attention(
     if remainder or groups < 1:
         raise ValueError(f"q holds {total} rows a head, not blocks x block_q x groups ({blocks} x {block_q} x groups)")
     max_pages = tables.shape[1]
-    kernel = functools.partial(
-        _kernel, block_q=block_q, groups=groups, kv_heads=kv_heads, head_dim=head_dim,
+    shape = dict(
+        block_q=block_q, groups=groups, kv_heads=kv_heads, head_dim=head_dim,
         pages_per_block=pages_per_block, page_size=page_size, max_pages=max_pages,
         sm_scale=1.0 / math.sqrt(head_dim), causal=causal,
     )
+    scale_heads = k_scale.shape[-1] // page_size if quantized else 0
+    kernel = functools.partial(_kernel_int8, scale_heads=scale_heads, **shape) if quantized else functools.partial(_kernel, **shape)
     rows_q = block_q * groups
     spec = pl.BlockSpec((kv_heads, rows_q, head_dim), lambda b, *_: (0, b, 0))
     lse_spec = pl.BlockSpec((kv_heads, rows_q, 1), lambda b, *_: (0, b, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(blocks,),
-        in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[spec] + [pl.BlockSpec(memory_space=pl.ANY)] * (4 if quantized else 2),
         out_specs=[spec, lse_spec],
         scratch_shapes=[
-            pltpu.VMEM((2, pages_per_block, page_size, width), k_pool.dtype),
-            pltpu.VMEM((2, pages_per_block, page_size, width), v_pool.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((2, pages_per_block, *k_pool.shape[2:]), k_pool.dtype),
+            pltpu.VMEM((2, pages_per_block, *v_pool.shape[2:]), v_pool.dtype),
+            *(
+                [pltpu.VMEM((2, pages_per_block, 1, k_scale.shape[-1]), jnp.float32)] * 2
+                if quantized else []
+            ),
+            pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
         ],
     )
-    return pl.pallas_call(
+    out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((kv_heads, total, 1), jnp.float32)],
@@ -200,10 +340,12 @@ def ragged_paged_attention(
         block_seq.astype(jnp.int32),
         block_start.astype(jnp.int32),
         block_rows.astype(jnp.int32),
-        q,
+        _by_byte(q) if quantized else q,
         k_pool,
         v_pool,
+        *((k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()),
     )
+    return (_from_bytes(out), lse) if quantized else (out, lse)
 
 
 def pack_blocks(q_lens: list[int], starts: list[int], block_q: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -234,13 +376,14 @@ def _rows_block(groups: int) -> int:
 
 
 class RaggedPagedOps(TpuXlaOps):
-    """XLA's ops on TPUs over the lanes pool, except attention of a float pool: each row's cached
-    positions read in place by the ragged paged kernel (no window of pages gathered, so one
+    """XLA's ops on TPUs over the lanes pool, except attention: each row's cached positions read in
+    place by the ragged paged kernel, float or int8 pages (no window of pages gathered, so one
     window is all the engine compiles), its own new tokens attended by XLA, the two merged by
-    their log-sum-exps. An int8 pool attends through XLA's gather (the kernel reads float pages).
-    MaxText's `use_ragged_attention=true` selects it on TPUs (serving.kernels.backend)."""
+    their log-sum-exps. MaxText's `use_ragged_attention=true` selects it on TPUs
+    (serving.kernels.backend)."""
 
     name = "ragged-tpu"
+    chunks_in_place = True  # a chunk's history through the kernel: one history window
 
     def __init__(self, pages_per_block: int = 8):
         if pages_per_block < 1:
@@ -248,7 +391,7 @@ class RaggedPagedOps(TpuXlaOps):
         self.pages_per_block = pages_per_block
 
     def reads_cache_in_place(self, cfg, cache_dtype, dtype) -> bool:
-        return jnp.dtype(cache_dtype) != jnp.int8
+        return True
 
     def _history(self, q: jax.Array, cache, layer, pages: jax.Array, starts: jax.Array, lengths: jax.Array):
         """Attention of q [batch, seq, kv_heads, groups, head_dim] over each row's positions
@@ -265,13 +408,14 @@ class RaggedPagedOps(TpuXlaOps):
         out, lse = ragged_paged_attention(
             packed, cache.k, cache.v, layer, pages, jnp.repeat(jnp.arange(batch), per_row),
             jnp.repeat(starts, per_row), rows, block_q=block_q, pages_per_block=self.pages_per_block, causal=False,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
         out = out.reshape(kv_heads, batch, per_row * block_q, groups, head_dim)[:, :, :seq].transpose(1, 2, 0, 3, 4)
         lse = lse.reshape(kv_heads, batch, per_row * block_q, groups)[:, :, :seq].transpose(1, 2, 0, 3)
         return out, lse
 
     def decode_attention(self, q, cache, layer, positions, k_new, v_new, window, pages):
-        if cache.quantized or not cache.lanes:
+        if not cache.lanes:
             return super().decode_attention(q, cache, layer, positions, k_new, v_new, window, pages)
         out, lse = self._history(q, cache, layer, pages, positions, jnp.ones_like(positions))
         own = jnp.einsum("bhgd,bhd->bhg", q[:, 0].astype(jnp.float32), k_new.astype(jnp.float32))
@@ -280,7 +424,7 @@ class RaggedPagedOps(TpuXlaOps):
         return merge(out[:, 0], lse[:, 0], values, own)[:, None].astype(q.dtype)
 
     def chunk_attention(self, q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths):
-        if cache.quantized or not cache.lanes:
+        if not cache.lanes:
             return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths)
         out, lse = self._history(q, cache, layer, pages, starts, lengths)
         scores = jnp.einsum("bshgd,bthd->bshgt", q.astype(jnp.float32), k_new.astype(jnp.float32))

@@ -30,6 +30,9 @@ class XlaOps:
     min_prefill_bucket = 16
     min_window = 128
     shape_growth = 2
+    # Chunk attention reads each row's cached positions in place too (with `reads_cache_in_place`):
+    # then chunks after cached positions compile for one history window, not the ladder's.
+    chunks_in_place = False
 
     def matmul(self, x: jax.Array, w) -> jax.Array:
         """x [..., in] @ w [in, out], in x's dtype (w float or a QuantizedWeight)."""
