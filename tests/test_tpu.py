@@ -80,12 +80,13 @@ def test_tiny_models_greedy_tokens_on_the_chip_equal_the_cpu_engines(chip_model_
 
 
 @requires_tpu
+@pytest.mark.parametrize("ragged", [False, True], ids=["xla", "ragged"])
 @pytest.mark.parametrize("kv", ["int8", "bfloat16"])
-def test_no_program_copies_the_kv_pool(chip_model_dir, kv):
+def test_no_program_copies_the_kv_pool(chip_model_dir, kv, ragged):
     """Llama 3.2 1B's attention widths (8 KV heads of 64: a lanes pool 128 int32 or 512 bfloat16
     wide) over two layers, with abstract weights, and a pool of the profile's size (a tiny pool, or
     a minor axis narrower than the TPU's 128 lanes, is relaid out or staged in VMEM by XLA, which
-    says nothing of serving's)."""
+    says nothing of serving's); XLA's attention and the ragged kernel's (use_ragged_attention)."""
     from loadtest.tpu_plan import abstract_model
     from serving.config import load_model_config
     from serving.engine.compiled_memory import abstract_params, abstract_state
@@ -94,9 +95,10 @@ def test_no_program_copies_the_kv_pool(chip_model_dir, kv):
     shape = load_model_config("llama3.2-1b").model_copy(update={"num_layers": 2, "vocab_size": 320})
     cfg = ServingConfig(
         per_device_batch_size=32, max_prefill_predict_length=512, max_target_length=2048, prefill_chunk_size=512,
-        dtype="bfloat16", quantize_kvcache=kv == "int8",
+        dtype="bfloat16", quantize_kvcache=kv == "int8", use_ragged_attention=ragged,
     )
     engine = Engine(abstract_model(shape, chip_model_dir, cfg.quantization, "bfloat16"), cfg.engine)
+    assert engine.ops.name == ("ragged-tpu" if ragged else "xla-tpu")
     from serving.engine.api import PrefillRow
     from serving.engine.chunked import _model_inputs
     from serving.request import SamplingParams

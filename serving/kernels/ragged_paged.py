@@ -170,8 +170,8 @@ def _kernel_int8(
             page = tables_ref[seq, column]
             out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
-            out.append(pltpu.make_async_copy(ks_hbm.at[layer, pl.ds(page, 1)], ks_buf.at[slot, p], sems.at[2, slot]))
-            out.append(pltpu.make_async_copy(vs_hbm.at[layer, pl.ds(page, 1)], vs_buf.at[slot, p], sems.at[3, slot]))
+            out.append(pltpu.make_async_copy(ks_hbm.at[page, pl.ds(layer, 1)], ks_buf.at[slot, p], sems.at[2, slot]))
+            out.append(pltpu.make_async_copy(vs_hbm.at[page, pl.ds(layer, 1)], vs_buf.at[slot, p], sems.at[3, slot]))
         return out
 
     @pl.when(num_pages == 0)
@@ -343,7 +343,10 @@ def ragged_paged_attention(
         _by_byte(q) if quantized else q,
         k_pool,
         v_pool,
-        *((k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()),
+        # the scales page-major [num_pages, layers, heads x page_size]: how XLA stores the pool's
+        # scales on a TPU (its layout {2,0,1}, from their scatter), so that this view is the same
+        # bytes and no copy of them is made for the kernel (as [layers, pages, ...] there were two)
+        *((jnp.swapaxes(k_scale, 0, 1), jnp.swapaxes(v_scale, 0, 1)) if quantized else ()),
     )
     return (_from_bytes(out), lse) if quantized else (out, lse)
 
