@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu bench-sim lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu bench-tpu-8b bench-sim lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -81,6 +81,14 @@ bench-tpu:
 	test -d $(TPU_BENCH_MODEL) || $(PYTHON) -m loadtest.random_model $(TPU_BENCH_MODEL) --shape llama3.2-1b \
 	  $(if $(TPU_BENCH_TOKENIZER),--tokenizer $(TPU_BENCH_TOKENIZER))
 	$(PYTHON) -m loadtest.tpu_bench $(TPU_BENCH_MODEL) results/tpu grpc_port=0
+
+# The same for Llama 3.1 8B's shape with int8w weights (quantized on the host as they load; 16 GB of
+# random bfloat16 written once): ready time and slots, batch 1 and 32; results/tpu-8b/tpu-bench.json.
+TPU_BENCH_8B_MODEL ?= results/random-llama3.1-8b
+bench-tpu-8b:
+	test -d $(TPU_BENCH_8B_MODEL) || $(PYTHON) -m loadtest.random_model $(TPU_BENCH_8B_MODEL) --shape llama3.1-8b \
+	  $(if $(TPU_BENCH_TOKENIZER),--tokenizer $(TPU_BENCH_TOKENIZER))
+	$(PYTHON) -m loadtest.tpu_bench $(TPU_BENCH_8B_MODEL) results/tpu-8b --batches 1,32 quantization=int8w grpc_port=0
 
 # The served path's scheduling at a v5e's call times, on the mock engine (no chip; loadtest/served_sim.py)
 bench-sim: $(STAMP)

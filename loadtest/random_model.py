@@ -8,13 +8,16 @@ The shape is a preset of configs/models/ (its vocabulary size included, so the h
 real one does); the tokenizer is copied from DIR's tokenizer.json and tokenizer_config.json (default:
 the default model's, exported once as `make bench-peers` does), so its decodable vocabulary may be
 smaller than the shape's. The GPU figures in docs/performance.md were measured on such a model. Weights are drawn as transformers initializes a Llama (normal, std 0.02;
-norms one), seeded, written one tensor at a time.
+norms one), seeded, written one tensor at a time; a tensor of more than 4M values repeats one drawn
+block of 4M from a random offset (speed does not depend on the values, and the 8B shape's 16 GB
+are written in a minute rather than drawn for minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,7 @@ from serving.config import load_model_config
 from serving.models.config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+DRAWN = 1 << 22  # values drawn for a tensor up to this size; larger ones repeat a drawn block
 
 
 def hf_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -62,18 +66,37 @@ def write_random_model(
     config = tokenizer_dir / "tokenizer_config.json"
     special = json.loads(config.read_text()) if config.is_file() else {}
     rng = np.random.default_rng(seed)
+    block: list[np.ndarray] = []  # drawn once, at the first tensor larger than it
 
     def tensors():
         for name, dims in hf_shapes(cfg):
             if len(dims) == 1:  # a norm's weight
                 yield name, np.ones(dims, numpy_dtype)
-            else:
+            elif math.prod(dims) <= DRAWN:
                 yield name, (rng.standard_normal(dims, np.float32) * 0.02).astype(numpy_dtype)
+            else:  # repeats of one drawn block from a random offset: 8B's 16 GB in seconds, not minutes
+                if not block:
+                    block.append((rng.standard_normal(DRAWN, np.float32) * 0.02).astype(numpy_dtype))
+                yield name, _tiled(block[0], dims, int(rng.integers(DRAWN)))
 
-    write_safetensors(out / "model.safetensors", tensors(), code)
+    write_safetensors(out / "model.safetensors", tensors(), code, shapes=list(hf_shapes(cfg)))
     ids = _special_ids(tokenizer_dir / "tokenizer.json", special)
     (out / "config.json").write_text(json.dumps(hf_config(cfg, *ids, dtype), indent=2))
     return out
+
+
+def _tiled(block: np.ndarray, dims: tuple[int, ...], offset: int) -> np.ndarray:
+    """An array of `dims` filled with `block`'s values from `offset` on, repeated."""
+    size = math.prod(dims)
+    out = np.empty(size, block.dtype)
+    period = np.concatenate([block[offset:], block[:offset]])
+    filled = min(size, period.size)
+    out[:filled] = period[:filled]
+    while filled < size:  # doubling copies of whole periods: log2(size / block) of them
+        n = min(filled, size - filled)
+        out[filled : filled + n] = out[:n]
+        filled += n
+    return out.reshape(dims)
 
 
 def _special_ids(tokenizer_json: Path, special: dict) -> tuple[int | None, int | None]:

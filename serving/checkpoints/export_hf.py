@@ -11,6 +11,7 @@ already un-permuted by the GGUF reader, so the result is transformers' rotary ha
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -80,9 +81,16 @@ def hf_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: s
     }
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], code: str) -> int:
+def write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, np.ndarray]], code: str, shapes: list[tuple[str, tuple[int, ...]]] | None = None
+) -> int:
     """Write `tensors` (already in one dtype, whose safetensors code is `code`) to `path`; returns
-    bytes written. The data goes to a side file first so that memory holds one tensor at a time."""
+    bytes written. The data goes to a side file first so that memory holds one tensor at a time;
+    with `shapes` (every tensor's name and shape, in the order they come) the header is written
+    first and the data after it as it comes: one write of the data, not two and a read (a
+    random 8B model's 16 GB)."""
+    if shapes is not None:
+        return _write_known(path, tensors, code, shapes)
     header: dict[str, dict] = {}
     body = path.with_name(path.name + ".data")
     offset = 0
@@ -92,14 +100,37 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, np.ndarray]], cod
             header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [offset, offset + len(raw)]}
             f.write(raw)
             offset += len(raw)
-    head = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned
+    head = _header(header)
     with path.open("wb") as out, body.open("rb") as data:
         out.write(struct.pack("<Q", len(head)))
         out.write(head)
         while chunk := data.read(1 << 24):
             out.write(chunk)
     body.unlink()
+    return 8 + len(head) + offset
+
+
+def _header(entries: dict[str, dict]) -> bytes:
+    head = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    return head + b" " * (-len(head) % 8)  # data starts 8-byte aligned
+
+
+def _write_known(path: Path, tensors: Iterable[tuple[str, np.ndarray]], code: str, shapes: list) -> int:
+    """`write_safetensors` of tensors whose names and shapes are known before they come."""
+    itemsize = next(np.dtype(d).itemsize for d, c in DTYPES.values() if c == code)
+    header, offset = {}, 0
+    for name, shape in shapes:
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = _header(header)
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(head)))
+        out.write(head)
+        for (name, shape), (got, tensor) in zip(shapes, tensors, strict=True):
+            if got != name or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{path}: tensor {got} {tuple(tensor.shape)} where {name} {tuple(shape)} was declared")
+            out.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
     return 8 + len(head) + offset
 
 

@@ -27,3 +27,24 @@ def test_a_random_model_of_a_presets_shape_loads_in_both_readers(tiny_model_dir,
     assert q.shape == (preset.num_heads * preset.head_dim, preset.embed_dim)
     assert 0.015 < float(np.std(q)) < 0.025  # transformers' init: std 0.02
     assert np.all(weights["model.norm.weight"].numpy() == 1)
+
+
+def test_tensors_larger_than_the_drawn_block_repeat_it_and_load_whole(tiny_model_dir, tmp_path, monkeypatch):
+    """A tensor of more values than DRAWN repeats one drawn block from a random offset (the 8B
+    shape's 16 GB written in a minute); the file, written header first, loads in transformers with
+    those values; a declared shape the stream does not match is refused."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loadtest import random_model
+    from serving.checkpoints.export_hf import write_safetensors
+
+    monkeypatch.setattr(random_model, "DRAWN", 1000)
+    out = write_random_model(tmp_path / "random", "tiny-random", tiny_model_dir, dtype="float32", seed=3)
+    weights = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    embed = weights["model.embed_tokens.weight"].numpy().reshape(-1)  # more than 1000 values
+    assert embed.size > 2000 and np.array_equal(embed[1000:2000], embed[:1000])
+    assert 0.015 < float(np.std(embed)) < 0.025
+    with pytest.raises(ValueError, match="declared"):
+        write_safetensors(tmp_path / "bad.safetensors", [("a", np.zeros((2, 3), np.float32))], "F32", shapes=[("a", (3, 2))])
