@@ -15,7 +15,11 @@ each rate with its ratio to the engine alone at the same batch, the engine's wit
 the roofline those limits allow. JSON to OUT/tpu-bench.json as
 each part finishes (a run cut short keeps what it measured).
 
-    python -m loadtest.tpu_bench MODEL_DIR OUT_DIR [--batches 1,16,64,256] [--max-tokens 128] [key=value ...]
+    python -m loadtest.tpu_bench MODEL_DIR OUT_DIR [--batches 1,16,64,256] [--max-tokens 128]
+        [--skip-engine | --engine-only] [key=value ...]
+
+`--engine-only`: part 3 alone (a backend against another, say `use_ragged_attention=true`, in a
+minute or two of a device call); `--skip-engine`: parts 1 and 2.
 
 A batch above the slots (256 on the TPU profile's 128) queues the rest, over HTTP and in the
 offline driver; the engine alone then decodes every slot.
@@ -228,13 +232,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--skip-engine", action="store_true", help="the served path only")
+    parser.add_argument("--engine-only", action="store_true", help="the chip's limits, the engine and the offline driver only")
     parser.add_argument("--rate-size", type=int, default=8192, help="the matmul's side for the MXU rates")
     parser.add_argument("overrides", nargs="*", help="key=value for both the server and the engine parts")
     ns = parser.parse_intermixed_args(argv)
+    if ns.engine_only and ns.skip_engine:
+        parser.error("--engine-only and --skip-engine leave nothing to measure")
     ns.out.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in ns.batches.split(",")]
     uds = str(ns.out / "serve.sock") if len(str(ns.out)) < 80 else f"/tmp/pathserve-bench-{os.getpid()}.sock"
     report: dict = {"model": ns.model, "overrides": ns.overrides, "max_tokens": ns.max_tokens, "http": {}}
+    if not ns.engine_only:
+        _served(ns, uds, batches, report)
+    if not ns.skip_engine:
+        report["engine"] = engine_rates(ns.model, ns.overrides, batches, ns.max_tokens, ns.rate_size)
+        for batch in batches:
+            http, alone = report["http"].get(f"b{batch}"), report["engine"].get(f"b{batch}")
+            if http and alone:
+                http["over_engine"] = http["tokens_per_s"] / alone["engine_tok_s"]
+        _write(ns.out, report)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _served(ns: argparse.Namespace, uds: str, batches: list[int], report: dict) -> None:
+    """The served part: ready (cold or as the cache finds it), HTTP at each batch, ready again warm."""
     server = start_server(ns.model, uds, ns.overrides, ns.out / "serve.log")
     try:
         report["ready_s"], report["warmed_s"] = wait_ready(server, uds, ns.ready_timeout)
@@ -255,15 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         _write(ns.out, report)
     finally:
         stop_server(server)
-    if not ns.skip_engine:
-        report["engine"] = engine_rates(ns.model, ns.overrides, batches, ns.max_tokens, ns.rate_size)
-        for batch in batches:
-            http, alone = report["http"].get(f"b{batch}"), report["engine"].get(f"b{batch}")
-            if http and alone:
-                http["over_engine"] = http["tokens_per_s"] / alone["engine_tok_s"]
-        _write(ns.out, report)
-    print(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
