@@ -153,15 +153,17 @@ def _kernel_int8(
 ):
     """`_kernel` over an int8 lanes pool: values four to an int32 lane (lane j of head h holds its
     dims 4j..4j+3), scales a row of heads x page_size a page. q arrives with each head's dims in
-    the lanes' order (dims k, k + 4, ... first for k = 0..3: `_by_byte`) and the output leaves in it;
-    a page at a time, each byte's values a dot of their own, the scales applied to the scores (K)
-    and to the probabilities (V) as rows, so that no scale is laid out as a column."""
+    the lanes' order (dims k, k + 4, ... first for k = 0..3: `_by_byte`) and the output leaves in it.
+    A kv block at a time: its pages' scale rows [pages, heads x page_size] transposed once into
+    columns, each byte's values dequantized by its head's column (positions on sublanes) and a dot
+    of their own."""
     b = pl.program_id(0)
     seq, start, rows = seq_ref[b], start_ref[b], rows_ref[b]
     layer = layer_ref[0]
     quarter = head_dim // 4
+    span = pages_per_block * page_size
     kv_len = start + rows if causal else start
-    num_pages = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + page_size - 1, page_size), 0)
+    num_kv = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)
 
     def copies(kv_block, slot):
         out = []
@@ -170,66 +172,70 @@ def _kernel_int8(
             page = tables_ref[seq, column]
             out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
-            out.append(pltpu.make_async_copy(ks_hbm.at[page, pl.ds(layer, 1)], ks_buf.at[slot, p], sems.at[2, slot]))
-            out.append(pltpu.make_async_copy(vs_hbm.at[page, pl.ds(layer, 1)], vs_buf.at[slot, p], sems.at[3, slot]))
+            rows_at = (page, pl.ds(layer, 1))
+            out.append(pltpu.make_async_copy(ks_hbm.at[rows_at], ks_buf.at[slot, pl.ds(p, 1)], sems.at[2, slot]))
+            out.append(pltpu.make_async_copy(vs_hbm.at[rows_at], vs_buf.at[slot, pl.ds(p, 1)], sems.at[3, slot]))
         return out
 
-    @pl.when(num_pages == 0)
+    def columns(scales: jax.Array, h: int) -> jax.Array:
+        """Head h's scales of a kv block as a column [span, 1] (position p * page_size + o at row
+        p * page_size + o) from its pages' rows [pages, scale_heads x page_size]."""
+        at = (h if scale_heads > 1 else 0) * page_size
+        by_position = scales[:, at : at + page_size].T  # [page_size, pages]
+        return jnp.concatenate([by_position[:, p : p + 1] for p in range(pages_per_block)], axis=0)
+
+    @pl.when(num_kv == 0)
     def _():
         o_ref[...] = jnp.zeros_like(o_ref)
         lse_ref[...] = jnp.full_like(lse_ref, NEG_INF)
 
-    @pl.when(num_pages > 0)
+    @pl.when(num_kv > 0)
     def _():
         for c in copies(0, 0):
             c.start()
         rows_q = block_q * groups
-        col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, page_size), 1)
+        col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 1)
         if causal:
-            last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, page_size), 0), groups)
+            last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
         else:
-            last = jnp.full((rows_q, page_size), start - 1, jnp.int32)
+            last = jnp.full((rows_q, span), start - 1, jnp.int32)
         queries = [
             [q_ref[h, :, k * quarter : (k + 1) * quarter].astype(jnp.float32) * sm_scale for k in range(4)]
             for h in range(kv_heads)
         ]
 
         def body(i, carry):
-            kv_block, p = jax.lax.div(i, pages_per_block), jax.lax.rem(i, pages_per_block)
-            slot = jax.lax.rem(kv_block, 2)
+            slot = jax.lax.rem(i, 2)
 
-            @pl.when(p == 0)
+            @pl.when(i + 1 < num_kv)
             def _():
-                @pl.when((kv_block + 1) * pages_per_block < num_pages)
-                def _():
-                    for c in copies(kv_block + 1, 1 - slot):
-                        c.start()
+                for c in copies(i + 1, 1 - slot):
+                    c.start()
 
-                for c in copies(kv_block, slot):
-                    c.wait()
-
-            keys, values = k_buf[slot, p], v_buf[slot, p]  # [page_size, kv_heads * head_dim / 4] int32
-            k_scales, v_scales = ks_buf[slot, p], vs_buf[slot, p]  # [1, scale_heads * page_size]
-            visible = i * page_size + col <= last
+            for c in copies(i, slot):
+                c.wait()
+            keys = k_buf[slot].reshape(span, kv_heads * quarter)  # int32, four values a lane
+            values = v_buf[slot].reshape(span, kv_heads * quarter)
+            k_scales, v_scales = ks_buf[slot], vs_buf[slot]  # [pages, scale_heads * page_size]
+            visible = i * span + col <= last
             out = []
             for h in range(kv_heads):
                 m, l, accs = carry[h]
+                k_col, v_col = columns(k_scales, h), columns(v_scales, h)
                 k_h = keys[:, h * quarter : (h + 1) * quarter]
                 v_h = values[:, h * quarter : (h + 1) * quarter]
-                at = (h if scale_heads > 1 else 0) * page_size
                 s = sum(
-                    jax.lax.dot_general(queries[h][k], _unpack(k_h, k), (((1,), (1,)), ((), ())),
+                    jax.lax.dot_general(queries[h][k], _unpack(k_h, k) * k_col, (((1,), (1,)), ((), ())),
                                         preferred_element_type=jnp.float32)
                     for k in range(4)
                 )
-                s = jnp.where(visible, s * k_scales[:, at : at + page_size], NEG_INF)
+                s = jnp.where(visible, s, NEG_INF)
                 m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
                 weights = jnp.exp(s - m_new)
                 alpha = jnp.exp(m - m_new)
                 l_new = alpha * l + weights.sum(axis=1, keepdims=True)
-                weights = weights * v_scales[:, at : at + page_size]
                 accs = tuple(
-                    alpha * acc + jnp.dot(weights, _unpack(v_h, k), preferred_element_type=jnp.float32)
+                    alpha * acc + jnp.dot(weights, _unpack(v_h, k) * v_col, preferred_element_type=jnp.float32)
                     for k, acc in enumerate(accs)
                 )
                 out.append((m_new, l_new, accs))
@@ -243,7 +249,7 @@ def _kernel_int8(
             )
             for _ in range(kv_heads)
         )
-        final = jax.lax.fori_loop(0, num_pages, body, init)
+        final = jax.lax.fori_loop(0, num_kv, body, init)
         for h in range(kv_heads):
             m, l, accs = final[h]
             for k, acc in enumerate(accs):
@@ -321,10 +327,7 @@ def ragged_paged_attention(
         scratch_shapes=[
             pltpu.VMEM((2, pages_per_block, *k_pool.shape[2:]), k_pool.dtype),
             pltpu.VMEM((2, pages_per_block, *v_pool.shape[2:]), v_pool.dtype),
-            *(
-                [pltpu.VMEM((2, pages_per_block, 1, k_scale.shape[-1]), jnp.float32)] * 2
-                if quantized else []
-            ),
+            *([pltpu.VMEM((2, pages_per_block, k_scale.shape[-1]), jnp.float32)] * 2 if quantized else []),
             pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
         ],
     )
