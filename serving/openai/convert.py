@@ -190,12 +190,16 @@ def openai_sampling(
     )
 
 
-def usage(c: Completion | Sequence[Completion]) -> dict[str, int]:
-    """Usage of one completion, or of a request's choices (the prompt counted once)."""
+def usage(c: Completion | Sequence[Completion]) -> dict[str, Any]:
+    """Usage of one completion, or of a request's choices (the prompt counted once), with OpenAI's
+    prompt_tokens_details.cached_tokens: the prompt tokens read from the prefix cache."""
     choices = [c] if not isinstance(c, Sequence) else list(c)
     prompt = choices[0].prompt_tokens
     completion = sum(x.completion_tokens for x in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": choices[0].cached_tokens},
+    }
 
 
 def completion_chunk(

@@ -350,6 +350,9 @@ class Orchestrator:
         waiting = [_waiting(group, load) for group, load in groups]
         ahead.land_unless_ahead(waiting)
         plan = scheduler.schedule(waiting, cancelled)
+        for rid, tokens in scheduler.take_cached().items():
+            if rid in running:
+                running[rid].cached_tokens = tokens
         for rid in cancelled:
             self._finish(running.pop(rid), "cancelled")
         self._left_slots(len(cancelled))

@@ -167,6 +167,9 @@ class Scheduler:
     _clock: itertools.count = field(default_factory=itertools.count)
     _decoding: tuple[int, ...] = ()  # the slots the last plan decodes
     _deferred: int = 0  # turns in a row that ran no generate call for a burst (`burst_first`)
+    # request id -> its prompt's tokens found in the prefix cache when it was admitted (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens), until the orchestrator takes them (`take_cached`)
+    _cached: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.limits.max_concurrent_decodes))
@@ -435,6 +438,15 @@ class Scheduler:
             self._order[slot] = next(self._clock)
             self._changed.add(slot)
         entry.computed, entry.checked = len(found) * self.page_size, len(found)
+        if not entry.generated:  # the request's own prompt (not one a preemption made)
+            self._cached[entry.request_id] = entry.computed
+
+    def take_cached(self) -> dict[int, int]:
+        """Request id -> prompt tokens read from the prefix cache, of the requests whose cached
+        pages were looked up since the last call (each request once; a request that takes the whole
+        prefill reads none and is not in it)."""
+        taken, self._cached = self._cached, {}
+        return taken
 
     def _coming(self, key: bytes, index: int) -> bool:
         """Whether a prefilling slot (not waiting itself) will register page `index` under `key`."""

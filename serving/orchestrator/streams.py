@@ -50,6 +50,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # one per prompt token (echo)
     choice: int = 0  # which of the request's n choices
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not computed
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Request:
     choice: int = 0  # of sampling.n; the choices of one request are queued one after another
     grammar: Any = None  # a serving.structured matcher (the scheduler holds and advances it)
     ended: bool = False  # its end is on the stream (the device loop's): no token may follow
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (the device loop's, before any token)
 
     def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a token (with its logprobs, if asked) to the reader (device loop only)."""
@@ -224,6 +226,7 @@ class _Assembler:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             choice=self.request.choice,
+            cached_tokens=self.request.cached_tokens,
         )
 
 

@@ -309,3 +309,20 @@ def test_serve_exits_2_when_the_model_cannot_be_loaded(tmp_path):
     run = _serve_cli(str(tmp_path), "--port", str(free_port()))
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr and str(tmp_path) in run.stderr
+
+
+def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, model_name):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 the first time a prompt is seen, its
+    full pages' tokens (32 a page, one token always computed) when it comes again, in a stream's
+    usage too; a request that takes the whole prefill (n > 1) reads none and says 0."""
+    prompt = [20 + (i * 37) % 230 for i in range(70)]  # no other test sends it
+    args = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert again.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    choices = client.completions.create(**args, n=2)
+    assert choices.usage.prompt_tokens_details.cached_tokens == 0
