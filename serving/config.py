@@ -265,6 +265,8 @@ class ServingConfig(BaseModel):
             self._paged_attention_keys()
         else:
             self._log_attention_without_effect()
+        if self.use_ragged_attention:
+            self._ragged_attention_keys()
         self._disaggregation_keys()
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(
@@ -337,10 +339,25 @@ class ServingConfig(BaseModel):
         given = sorted(k for k in self.model_fields_set if k.startswith("pagedattn_"))
         if self.attention not in ("autoselected", "dot_product"):  # dot-product attention is what runs
             given.insert(0, f"attention={self.attention}")
+        if "ragged_block_size" in self.model_fields_set and not self.use_ragged_attention:
+            given.append("ragged_block_size (without use_ragged_attention)")
         if given:
             logging.getLogger(__name__).warning(
                 "MaxText keys with no effect on serving (the KV cache is paged either way; only "
                 "attention=paged reads the pagedattn_* keys): %s", ", ".join(given)
+            )
+
+    def _ragged_attention_keys(self) -> None:
+        """use_ragged_attention: its block is whole pages; it takes precedence over attention=paged."""
+        if self.ragged_block_size % self.prefix_block_size:
+            raise ValueError(
+                f"ragged_block_size ({self.ragged_block_size}) must be a whole number of pages of "
+                f"prefix_block_size ({self.prefix_block_size}) positions: the kernel copies whole pages"
+            )
+        if self.attention == "paged":
+            logging.getLogger(__name__).warning(
+                "use_ragged_attention and attention=paged: the ragged kernel serves attention on a TPU "
+                "(pagedattn_pages_per_compute_block is then unused)"
             )
 
     def _paged_attention_keys(self) -> None:

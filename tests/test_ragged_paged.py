@@ -191,17 +191,19 @@ def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model
     )
     model = load_model(str(tiny_model_dir), cfg)
     prompt = list(range(5, 45))  # 40 tokens: two chunks; its first page cached for the repeat
-    requests = [(prompt, SamplingParams(max_tokens=5)), (list(range(7, 19)), SamplingParams(max_tokens=4))]
+    # two slots: the repeat waits for one, by then the prompt's first page is in the prefix cache
+    requests = [(prompt, SamplingParams(max_tokens=5)), (list(range(7, 19)), SamplingParams(max_tokens=4)),
+                (prompt, SamplingParams(max_tokens=5))]
     tokens = {}
     for ops in (TPU_XLA, RaggedPagedOps(pages_per_block=2)):
         monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
         engine = engine_module.Engine(model, cfg.engine)
         assert engine.ops is ops
         with pltpu.force_tpu_interpret_mode():
-            params = engine.load_params()
-            first = run_to_completion(engine, params, requests)
-            again = run_to_completion(engine, params, requests[:1])  # the prompt's pages from the prefix cache
-        tokens[ops.name] = ([r.token_ids for r in first], [r.token_ids for r in again])
+            done = run_to_completion(engine, engine.load_params(), requests, prefix_caching=True)
+        assert [r.cached_tokens for r in done] == [0, 0, 32]  # the repeat's rest after a cached page
+        assert done[2].token_ids == done[0].token_ids
+        tokens[ops.name] = [r.token_ids for r in done]
     assert tokens["ragged-tpu"] == tokens["xla-tpu"]
 
 
@@ -219,6 +221,15 @@ def test_use_ragged_attention_is_maxtexts_key_and_says_where_it_does_nothing(cap
     assert "no effect" not in caplog.text
     with pytest.raises(ValueError, match="ragged_block_size"):
         ServingConfig(ragged_block_size=0)
+    with pytest.raises(ValueError, match="whole number of pages"):  # the kernel copies whole pages
+        ServingConfig(use_ragged_attention=True, ragged_block_size=48, prefix_block_size=32)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ServingConfig(ragged_block_size=128)  # without use_ragged_attention: said, not silent
+        ServingConfig(use_ragged_attention=True, attention="paged", pagedattn_num_pages=129)
+    assert "ragged_block_size (without use_ragged_attention)" in caplog.text
+    assert "the ragged kernel serves attention on a TPU" in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         ops = select_ops(cfg.engine, make_mesh(DevicesConfig(), jax.devices()[:1]))
     assert ops.name != "ragged-tpu" and "the ragged paged kernel runs on TPUs" in caplog.text

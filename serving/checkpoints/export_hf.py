@@ -117,20 +117,28 @@ def _header(entries: dict[str, dict]) -> bytes:
 
 def _write_known(path: Path, tensors: Iterable[tuple[str, np.ndarray]], code: str, shapes: list) -> int:
     """`write_safetensors` of tensors whose names and shapes are known before they come."""
-    itemsize = next(np.dtype(d).itemsize for d, c in DTYPES.values() if c == code)
+    dtype = next(np.dtype(d) for d, c in DTYPES.values() if c == code)
     header, offset = {}, 0
     for name, shape in shapes:
-        size = math.prod(shape) * itemsize
+        size = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = _header(header)
-    with path.open("wb") as out:
-        out.write(struct.pack("<Q", len(head)))
-        out.write(head)
-        for (name, shape), (got, tensor) in zip(shapes, tensors, strict=True):
-            if got != name or tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"{path}: tensor {got} {tuple(tensor.shape)} where {name} {tuple(shape)} was declared")
-            out.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
+    partial = path.with_name(path.name + ".partial")  # the file appears whole or not at all
+    try:
+        with partial.open("wb") as out:
+            out.write(struct.pack("<Q", len(head)))
+            out.write(head)
+            for (name, shape), (got, tensor) in zip(shapes, tensors, strict=True):
+                if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                    raise ValueError(
+                        f"{path}: tensor {got} {tuple(tensor.shape)} {tensor.dtype} where {name} {tuple(shape)} {dtype} "
+                        "was declared"
+                    )
+                out.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
     return 8 + len(head) + offset
 
 

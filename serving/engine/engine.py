@@ -107,7 +107,7 @@ def select_ops(config: EngineConfig, mesh: Mesh):
         list(mesh.devices.flat),
         pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         attention=config.attention,
-        ragged_pages=max(1, config.ragged_block_size // config.prefix_block_size) if config.use_ragged_attention else 0,
+        ragged_pages=config.ragged_block_size // config.prefix_block_size if config.use_ragged_attention else 0,
     )
 
 

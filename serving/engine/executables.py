@@ -88,8 +88,17 @@ def _leaf(x: Any) -> str:
 
 def _stable(values: tuple) -> str:
     """`values` as the same text in every process: an element whose repr is an object's address
-    (JAX's axis environment in its trace context) by its type's name instead."""
-    return repr(tuple(type(v).__qualname__ if " object at 0x" in repr(v) else v for v in values))
+    (JAX's axis environment in its trace context) by its type's name and its attributes instead
+    (an axis environment's names and sizes), or its type's name alone where those hold addresses."""
+
+    def text(v) -> str:
+        if " object at 0x" not in repr(v):
+            return repr(v)
+        names = [n for c in type(v).__mro__ for n in getattr(c, "__slots__", ()) if not n.startswith("__")]
+        fields = repr(sorted({**{n: getattr(v, n, None) for n in names}, **getattr(v, "__dict__", {})}.items()))
+        return type(v).__qualname__ + ("" if " at 0x" in fields else fields)
+
+    return "(" + ", ".join(text(v) for v in values) + ")"
 
 
 def describe(args: Any) -> str:

@@ -125,10 +125,16 @@ def select(
     names the CPU kernels, so only `on` changes that (it raises there, as on any device but one CPU).
     `on` raises ConfigError where the kernels cannot run; `auto` falls back to XLA's ops.
     `ragged_pages` (MaxText's use_ragged_attention, its ragged_block_size in pages; 0: off): on
-    TPUs, attention of a float pool through pathserve's ragged paged kernel, that many pages a block
-    (serving.kernels.ragged_paged); before `attention=paged`, which is for decode alone."""
+    one TPU, attention through pathserve's ragged paged kernel, that many pages a block
+    (serving.kernels.ragged_paged), before `attention=paged`; its calls are not sharded yet, so
+    on several TPUs attention stays XLA's (logged)."""
     if cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices):
-        if ragged_pages:
+        if ragged_pages and len(devices) > 1:
+            log.warning(
+                "use_ragged_attention: the ragged paged kernel runs on one TPU (its calls are not sharded yet); "
+                "attention on these %d TPUs stays XLA's", len(devices),
+            )
+        elif ragged_pages:
             from serving.kernels.ragged_paged import RaggedPagedOps
 
             log.info("attention reads the pages in place through the ragged paged kernel on %d TPUs", len(devices))

@@ -13,10 +13,12 @@ The layout of a call:
   the position of its first token (`block_start`), and its real tokens (`block_rows`, 0: an
   empty block, skipped). Token t of block b is at position block_start[b] + t and attends to the
   positions [0, block_start[b] + t] (causal within a chunk, the cached history before it).
-- the pool, k and v [layers, num_pages, page_size, kv_heads * head_dim] (the lanes layout,
-  float), read in place in HBM: the step's new keys and values are written into their pages
-  before the call (serving.models.cache's scatter), so the kernel reads every position it attends
-  to from pages, its own included.
+- the pool, k and v [layers, num_pages, page_size, kv_heads * head_dim] (the lanes layout; int8
+  values four to an int32 lane, with their scales), read in place in HBM. Causal, every position
+  a token attends to is read from pages, its own included (written there before the call);
+  `RaggedPagedOps` calls it history-only instead (every token of a row sees [0, start)), the
+  call's own new tokens attended by XLA beside it, since the model writes them into the pool
+  after its layer loop.
 
 Per block the kernel walks the sequence's pages `pages_per_block` at a time (a kv block), copying
 each kv block's pages from HBM into VMEM while it computes the one before (two buffers, one DMA

@@ -27,6 +27,7 @@ class OfflineResult:
     sampling: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (with prefix_caching)
 
 
 def run_to_completion(
@@ -81,6 +82,8 @@ def _drive(results: list[OfflineResult], waiting: deque, scheduler: Scheduler, e
         batch = [Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit]
         ahead.land_unless_ahead(batch)
         plan = scheduler.schedule(batch)
+        for request_id, tokens in scheduler.take_cached().items():
+            results[request_id].cached_tokens = tokens
         if plan.empty:
             ahead.land()
             continue

@@ -149,9 +149,10 @@ class Scheduler:
     # handed from the prefill engine to the generate engine (`StepPlan.handoffs`)
     handoffs: bool = False
     # A burst's prompts prefill before any of it decodes: while a turn prefills and more prompts wait
-    # for the next, and nothing running has decoded a token yet (all of it this burst's), the turn
-    # runs no generate call (at most BURST_DEFERRALS turns in a row). Its sequences then decode in
-    # step and end in the same call, where a burst whose rows took several prefill calls decoded
+    # for the next, and the burst (sequences with only their first token, prompts whose rest fits
+    # a chunk) is at least as many as the sequences that decoded before it, the turn runs no
+    # generate call (at most BURST_DEFERRALS turns in a row; `_defers`). Its sequences then decode
+    # in step and end in the same call, where a burst whose rows took several prefill calls decoded
     # in groups a call apart, each group's last calls short of rows (TPU profile: on with
     # admission_wait_ms; the orchestrator passes it).
     burst_first: bool = False
@@ -368,6 +369,8 @@ class Scheduler:
         else:
             entry = self.prefilling[slot]
             entry.computed, entry.checked, entry.waits = 0, 0, False
+            if not entry.generated:  # it computes its whole prompt now: none of it read from the cache
+                self._cached[entry.request_id] = 0
 
     def _admit_pending(self, preempted: list[int]) -> list[Admission]:
         """Whole admissions whose pages (prompt and max_tokens, per choice) are free, in order; the
@@ -560,13 +563,17 @@ class Scheduler:
     def _defers(self, rows: Sequence[PrefillRow], decoding: dict[int, _Running]) -> bool:
         """Whether this turn runs no generate call so that a burst prefills first (`burst_first`):
         it prefills, more prompts wait for a later call, and the burst (the sequences with only
-        their first token, and the prompts still to prefill) is at least as many as the sequences
-        that decoded before it, which wait one prefill call a turn for it; none under a grammar, no
-        speculator, BURST_DEFERRALS turns at most. (A wave of closed-loop clients, each sending its
-        next request as its last one ends, arrives over tens of milliseconds: its first request
-        admitted alone and decoding must not split the rest into groups a generate call apart.)"""
+        their first token, and the prompts whose rest fits one chunk, not waiting for pages) is at
+        least as many as the sequences that decoded before it, which wait one prefill call a turn
+        for it; none under a grammar, no speculator, BURST_DEFERRALS turns at most. (A wave of
+        closed-loop clients, each sending its next request as its last one ends, arrives over tens
+        of milliseconds: its first request admitted alone and decoding must not split the rest into
+        groups a generate call apart. A long prompt going through its chunks is no burst: the
+        sequences decoding beside it are not held back for it.)"""
         older = sum(1 for r in decoding.values() if len(r.tokens) + r.unread > 1)
-        burst = len(decoding) - older + len(self.prefilling)
+        chunk = self.limits.prefill_chunk_size
+        coming = sum(1 for e in self.prefilling.values() if not e.waits and len(e.prompt_ids) - e.computed <= chunk)
+        burst = len(decoding) - older + coming
         defer = (
             self.burst_first and bool(rows) and bool(decoding) and bool(self.prefilling) and burst >= older
             and not any(r.constrained for r in decoding.values())

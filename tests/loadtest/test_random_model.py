@@ -46,5 +46,7 @@ def test_tensors_larger_than_the_drawn_block_repeat_it_and_load_whole(tiny_model
     embed = weights["model.embed_tokens.weight"].numpy().reshape(-1)  # more than 1000 values
     assert embed.size > 2000 and np.array_equal(embed[1000:2000], embed[:1000])
     assert 0.015 < float(np.std(embed)) < 0.025
-    with pytest.raises(ValueError, match="declared"):
-        write_safetensors(tmp_path / "bad.safetensors", [("a", np.zeros((2, 3), np.float32))], "F32", shapes=[("a", (3, 2))])
+    for tensor, shape in ((np.zeros((2, 3), np.float32), (3, 2)), (np.zeros((2, 3), np.float64), (2, 3))):
+        with pytest.raises(ValueError, match="declared"):  # a shape or a dtype the header did not say
+            write_safetensors(tmp_path / "bad.safetensors", [("a", tensor)], "F32", shapes=[("a", shape)])
+    assert not list(tmp_path.glob("bad.safetensors*"))  # nothing half written left behind

@@ -174,11 +174,14 @@ def test_a_starved_prompt_starts_when_nothing_runs_though_a_newer_one_holds_cach
     scheduler.schedule([Waiting(2, tuple(range(600, 700)), SamplingParams(max_tokens=4))])  # A, slot 1
     for _ in range(scheduler_module.STARVED_TURNS + 1):
         assert not scheduler.schedule([]).rows
+    scheduler.take_cached()
     scheduler.schedule([Waiting(3, (*prefix, 9, 9, 9, 9), SamplingParams(max_tokens=4))])  # B, slot 2
     assert len(scheduler.tables[2]) == 2 and 2 in scheduler.prefilling
+    assert scheduler.take_cached() == {3: 32}  # usage's cached_tokens, so far
     scheduler.schedule([], cancelled=[1])  # R ends
     rows = next(plan.rows for plan in (scheduler.schedule([]) for _ in range(3)) if plan.rows)
     assert [r.slot for r in rows] == [1] and len(scheduler.tables[1]) == 7
+    assert scheduler.take_cached() == {3: 0}  # B gave its cached pages back: it computes its whole prompt
 
 
 def test_a_preempted_sequence_starts_again_before_newer_prompts(monkeypatch):

@@ -251,3 +251,26 @@ def test_burst_first_does_not_hold_back_a_batch_for_fewer_newcomers():
         scheduler.update(plan, executor.run(plan))
         plan = scheduler.schedule([])
     assert steps == [(1, 2), (1, 2), (1, 2)]
+
+
+def test_burst_first_does_not_hold_decoding_back_for_a_long_prompts_chunks():
+    """One sequence decoding when a 1,000-token prompt arrives (chunks of 64): the prompt is no
+    burst, so every turn decodes while it goes through its chunks (a rule that counted every
+    prompt still to prefill held the decode back 4 turns of every 5)."""
+    from serving.orchestrator.executor import Executor
+
+    engine = MockEngine(slots=4, max_prefill_length=1024, max_target_length=2048, prefill_chunk_size=64,
+                        max_prefill_batch=4, prefill_batch_tokens=64)
+    scheduler, executor = Scheduler(engine.limits, 2, burst_first=True), Executor(engine, {})
+    plan = scheduler.schedule([_waiting(0, range(1, 11), max_tokens=200)])
+    for _ in range(3):  # decoding, several tokens in
+        scheduler.update(plan, executor.run(plan))
+        plan = scheduler.schedule([])
+    scheduler.update(plan, executor.run(plan))
+    plan = scheduler.schedule([_waiting(1, [5 + i % 200 for i in range(1000)], max_tokens=4)])
+    steps = []
+    for _ in range(10):
+        steps.append(plan.decode_steps)
+        scheduler.update(plan, executor.run(plan))
+        plan = scheduler.schedule([])
+    assert steps == [2] * 10
