@@ -91,7 +91,10 @@ def _kernel(
             last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
         else:  # every row sees [0, start)
             last = jnp.full((rows_q, span), start - 1, jnp.int32)
-        queries = [q_ref[h].astype(jnp.float32) * sm_scale for h in range(kv_heads)]
+        # the dots' inputs in the pool's dtype where it is bfloat16 (the MXU's own; float32 passes
+        # cost several), accumulated in float32
+        dot = jnp.bfloat16 if k_buf.dtype == jnp.bfloat16 else jnp.float32
+        queries = [(q_ref[h].astype(jnp.float32) * sm_scale).astype(dot) for h in range(kv_heads)]
 
         def body(i, carry):
             slot = jax.lax.rem(i, 2)
@@ -109,15 +112,15 @@ def _kernel(
             out = []
             for h in range(kv_heads):
                 m, l, acc = carry[h]
-                k_h = keys[:, h * head_dim : (h + 1) * head_dim].astype(jnp.float32)
-                v_h = values[:, h * head_dim : (h + 1) * head_dim].astype(jnp.float32)
+                k_h = keys[:, h * head_dim : (h + 1) * head_dim].astype(dot)
+                v_h = values[:, h * head_dim : (h + 1) * head_dim].astype(dot)
                 s = jax.lax.dot_general(queries[h], k_h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 s = jnp.where(visible, s, NEG_INF)
                 m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
                 p = jnp.exp(s - m_new)
                 alpha = jnp.exp(m - m_new)
                 l_new = alpha * l + p.sum(axis=1, keepdims=True)
-                acc_new = alpha * acc + jnp.dot(p, v_h, preferred_element_type=jnp.float32)
+                acc_new = alpha * acc + jnp.dot(p.astype(dot), v_h, preferred_element_type=jnp.float32)
                 out.append((m_new, l_new, acc_new))
             return tuple(out)
 
@@ -201,8 +204,9 @@ def _kernel_int8(
             last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
         else:
             last = jnp.full((rows_q, span), start - 1, jnp.int32)
+        dot = jnp.bfloat16 if q_ref.dtype == jnp.bfloat16 else jnp.float32  # the compute dtype's dots
         queries = [
-            [q_ref[h, :, k * quarter : (k + 1) * quarter].astype(jnp.float32) * sm_scale for k in range(4)]
+            [(q_ref[h, :, k * quarter : (k + 1) * quarter].astype(jnp.float32) * sm_scale).astype(dot) for k in range(4)]
             for h in range(kv_heads)
         ]
 
@@ -227,7 +231,7 @@ def _kernel_int8(
                 k_h = keys[:, h * quarter : (h + 1) * quarter]
                 v_h = values[:, h * quarter : (h + 1) * quarter]
                 s = sum(
-                    jax.lax.dot_general(queries[h][k], _unpack(k_h, k) * k_col, (((1,), (1,)), ((), ())),
+                    jax.lax.dot_general(queries[h][k], (_unpack(k_h, k) * k_col).astype(dot), (((1,), (1,)), ((), ())),
                                         preferred_element_type=jnp.float32)
                     for k in range(4)
                 )
@@ -237,7 +241,8 @@ def _kernel_int8(
                 alpha = jnp.exp(m - m_new)
                 l_new = alpha * l + weights.sum(axis=1, keepdims=True)
                 accs = tuple(
-                    alpha * acc + jnp.dot(weights, _unpack(v_h, k) * v_col, preferred_element_type=jnp.float32)
+                    alpha * acc + jnp.dot(weights.astype(dot), (_unpack(v_h, k) * v_col).astype(dot),
+                                          preferred_element_type=jnp.float32)
                     for k, acc in enumerate(accs)
                 )
                 out.append((m_new, l_new, accs))
