@@ -47,142 +47,56 @@ from serving.models.ops import TpuXlaOps
 NEG_INF = -1e30  # a masked score: finite, so that a row with nothing visible yet gives no NaN
 
 
-def _kernel(
-    # scalar prefetch
-    layer_ref, tables_ref, seq_ref, start_ref, rows_ref,
-    # inputs
-    q_ref, k_hbm, v_hbm,
-    # outputs
-    o_ref, lse_ref,
-    # scratch
-    k_buf, v_buf, sems,
-    *, block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
-    max_pages: int, sm_scale: float, causal: bool,
-):
-    b = pl.program_id(0)
-    seq, start, rows = seq_ref[b], start_ref[b], rows_ref[b]
-    layer = layer_ref[0]
-    span = pages_per_block * page_size  # positions of one kv block
-    kv_len = start + rows if causal else start  # not causal: every token sees [0, start)
-    num_kv = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
-
-    def copies(kv_block, slot):
-        """The DMAs of kv block `kv_block`'s pages into buffer `slot` (k and v, a page each)."""
-        out = []
-        for p in range(pages_per_block):
-            column = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
-            page = tables_ref[seq, column]
-            out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
-        return out
-
-    @pl.when(num_kv == 0)
-    def _():
-        o_ref[...] = jnp.zeros_like(o_ref)
-        lse_ref[...] = jnp.full_like(lse_ref, NEG_INF)
-
-    @pl.when(num_kv > 0)
-    def _():
-        for c in copies(0, 0):
-            c.start()
-        rows_q = block_q * groups
-        col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 1)
-        if causal:  # each query row's position (row t * groups + g is token t): it sees [0, that]
-            last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
-        else:  # every row sees [0, start)
-            last = jnp.full((rows_q, span), start - 1, jnp.int32)
-        # the dots' inputs in the pool's dtype where it is bfloat16 (the MXU's own; float32 passes
-        # cost several), accumulated in float32
-        dot = jnp.bfloat16 if k_buf.dtype == jnp.bfloat16 else jnp.float32
-        queries = [(q_ref[h].astype(jnp.float32) * sm_scale).astype(dot) for h in range(kv_heads)]
-
-        def body(i, carry):
-            slot = jax.lax.rem(i, 2)
-
-            @pl.when(i + 1 < num_kv)
-            def _():
-                for c in copies(i + 1, 1 - slot):
-                    c.start()
-
-            for c in copies(i, slot):
-                c.wait()
-            keys = k_buf[slot].reshape(span, kv_heads * head_dim)
-            values = v_buf[slot].reshape(span, kv_heads * head_dim)
-            visible = i * span + col <= last
-            out = []
-            for h in range(kv_heads):
-                m, l, acc = carry[h]
-                k_h = keys[:, h * head_dim : (h + 1) * head_dim].astype(dot)
-                v_h = values[:, h * head_dim : (h + 1) * head_dim].astype(dot)
-                s = jax.lax.dot_general(queries[h], k_h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                s = jnp.where(visible, s, NEG_INF)
-                m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-                p = jnp.exp(s - m_new)
-                alpha = jnp.exp(m - m_new)
-                l_new = alpha * l + p.sum(axis=1, keepdims=True)
-                acc_new = alpha * acc + jnp.dot(p.astype(dot), v_h, preferred_element_type=jnp.float32)
-                out.append((m_new, l_new, acc_new))
-            return tuple(out)
-
-        init = tuple(
-            (
-                jnp.full((rows_q, 1), NEG_INF, jnp.float32),
-                jnp.zeros((rows_q, 1), jnp.float32),
-                jnp.zeros((rows_q, head_dim), jnp.float32),
-            )
-            for _ in range(kv_heads)
-        )
-        final = jax.lax.fori_loop(0, num_kv, body, init)
-        for h in range(kv_heads):
-            m, l, acc = final[h]
-            o_ref[h] = (acc / l).astype(o_ref.dtype)
-            lse_ref[h] = m + jnp.log(l)
-
-
 def _unpack(x: jax.Array, k: int) -> jax.Array:
     """Byte k (0: the lowest) of int32 lanes x as float32: the int8 value 4j + k of lane j."""
     return jax.lax.shift_right_arithmetic(jax.lax.shift_left(x, 24 - 8 * k), 24).astype(jnp.float32)
 
 
-def _kernel_int8(
+def _kernel(
     # scalar prefetch
     layer_ref, tables_ref, seq_ref, start_ref, rows_ref,
-    # inputs
-    q_ref, k_hbm, v_hbm, ks_hbm, vs_hbm,
-    # outputs
-    o_ref, lse_ref,
-    # scratch
-    k_buf, v_buf, ks_buf, vs_buf, sems,
-    *, block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
+    # inputs (q, k, v, and an int8 pool's k and v scales), outputs (out, lse), scratch (k and v
+    # buffers, the scales' buffers, the DMA semaphores)
+    *refs,
+    block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
     max_pages: int, sm_scale: float, causal: bool, scale_heads: int,
 ):
-    """`_kernel` over an int8 lanes pool: values four to an int32 lane (lane j of head h holds its
-    dims 4j..4j+3), scales a row of heads x page_size a page. q arrives with each head's dims in
-    the lanes' order (dims k, k + 4, ... first for k = 0..3: `_by_byte`) and the output leaves in it.
-    A kv block at a time: its pages' scale rows [pages, heads x page_size] transposed once into
-    columns, each byte's values dequantized by its head's column (positions on sublanes) and a dot
-    of their own."""
+    """One block of queries over its sequence's pages, a kv block at a time. A float pool's head
+    is one piece of head_dim lanes. An int8 pool (`scale_heads` > 0: values four to an int32
+    lane, lane j of head h holding its dims 4j..4j+3; scales a row of scale_heads x page_size a
+    page) has four pieces a head, one per byte: q arrives with each head's dims in the lanes'
+    order (dims k, k + 4, ... first for k = 0..3: `_by_byte`) and the output leaves in it; a kv
+    block's scale rows [pages, scale_heads x page_size] are transposed once into a column a head
+    (positions on sublanes) that dequantizes each byte's values before their dot."""
+    quantized = scale_heads > 0
+    if quantized:
+        q_ref, k_hbm, v_hbm, ks_hbm, vs_hbm, o_ref, lse_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+    else:
+        q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems = refs
     b = pl.program_id(0)
     seq, start, rows = seq_ref[b], start_ref[b], rows_ref[b]
     layer = layer_ref[0]
-    quarter = head_dim // 4
-    span = pages_per_block * page_size
-    kv_len = start + rows if causal else start
-    num_kv = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)
+    pieces = 4 if quantized else 1  # a head's dims in pieces of `width` lanes
+    width = head_dim // pieces  # a piece's lanes: a head's lanes in the pool too (int8: four values a lane)
+    span = pages_per_block * page_size  # positions of one kv block
+    kv_len = start + rows if causal else start  # not causal: every token sees [0, start)
+    num_kv = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
 
     def copies(kv_block, slot):
+        """The DMAs of kv block `kv_block`'s pages into buffer `slot` (k and v, and their scales)."""
         out = []
         for p in range(pages_per_block):
             column = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
             page = tables_ref[seq, column]
             out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
-            rows_at = (page, pl.ds(layer, 1))
-            out.append(pltpu.make_async_copy(ks_hbm.at[rows_at], ks_buf.at[slot, pl.ds(p, 1)], sems.at[2, slot]))
-            out.append(pltpu.make_async_copy(vs_hbm.at[rows_at], vs_buf.at[slot, pl.ds(p, 1)], sems.at[3, slot]))
+            if quantized:
+                rows_at = (page, pl.ds(layer, 1))
+                out.append(pltpu.make_async_copy(ks_hbm.at[rows_at], ks_buf.at[slot, pl.ds(p, 1)], sems.at[2, slot]))
+                out.append(pltpu.make_async_copy(vs_hbm.at[rows_at], vs_buf.at[slot, pl.ds(p, 1)], sems.at[3, slot]))
         return out
 
-    def columns(scales: jax.Array, h: int) -> jax.Array:
+    def column(scales: jax.Array, h: int) -> jax.Array:
         """Head h's scales of a kv block as a column [span, 1] (position p * page_size + o at row
         p * page_size + o) from its pages' rows [pages, scale_heads x page_size]."""
         at = (h if scale_heads > 1 else 0) * page_size
@@ -200,15 +114,26 @@ def _kernel_int8(
             c.start()
         rows_q = block_q * groups
         col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 1)
-        if causal:
+        if causal:  # each query row's position (row t * groups + g is token t): it sees [0, that]
             last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
-        else:
+        else:  # every row sees [0, start)
             last = jnp.full((rows_q, span), start - 1, jnp.int32)
-        dot = jnp.bfloat16 if q_ref.dtype == jnp.bfloat16 else jnp.float32  # the compute dtype's dots
+        # the dots' inputs in bfloat16 over a bfloat16 pool or bfloat16 queries (the MXU's own;
+        # float32 passes cost several), accumulated in float32
+        dot = jnp.bfloat16 if (q_ref if quantized else k_buf).dtype == jnp.bfloat16 else jnp.float32
         queries = [
-            [(q_ref[h, :, k * quarter : (k + 1) * quarter].astype(jnp.float32) * sm_scale).astype(dot) for k in range(4)]
+            [(q_ref[h, :, k * width : (k + 1) * width].astype(jnp.float32) * sm_scale).astype(dot) for k in range(pieces)]
             for h in range(kv_heads)
         ]
+
+        def head_pieces(keys, values, slot, h):
+            """Head h's keys and values of the kv block in `slot`, a [span, width] pair a piece."""
+            k_h = keys[:, h * width : (h + 1) * width]
+            v_h = values[:, h * width : (h + 1) * width]
+            if not quantized:
+                return [(k_h.astype(dot), v_h.astype(dot))]
+            k_col, v_col = column(ks_buf[slot], h), column(vs_buf[slot], h)
+            return [((_unpack(k_h, k) * k_col).astype(dot), (_unpack(v_h, k) * v_col).astype(dot)) for k in range(4)]
 
         def body(i, carry):
             slot = jax.lax.rem(i, 2)
@@ -220,20 +145,16 @@ def _kernel_int8(
 
             for c in copies(i, slot):
                 c.wait()
-            keys = k_buf[slot].reshape(span, kv_heads * quarter)  # int32, four values a lane
-            values = v_buf[slot].reshape(span, kv_heads * quarter)
-            k_scales, v_scales = ks_buf[slot], vs_buf[slot]  # [pages, scale_heads * page_size]
+            keys = k_buf[slot].reshape(span, kv_heads * width)  # int8: four values a lane
+            values = v_buf[slot].reshape(span, kv_heads * width)
             visible = i * span + col <= last
             out = []
             for h in range(kv_heads):
                 m, l, accs = carry[h]
-                k_col, v_col = columns(k_scales, h), columns(v_scales, h)
-                k_h = keys[:, h * quarter : (h + 1) * quarter]
-                v_h = values[:, h * quarter : (h + 1) * quarter]
+                parts = head_pieces(keys, values, slot, h)
                 s = sum(
-                    jax.lax.dot_general(queries[h][k], (_unpack(k_h, k) * k_col).astype(dot), (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-                    for k in range(4)
+                    jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    for q, (k, _) in zip(queries[h], parts, strict=True)
                 )
                 s = jnp.where(visible, s, NEG_INF)
                 m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
@@ -241,9 +162,8 @@ def _kernel_int8(
                 alpha = jnp.exp(m - m_new)
                 l_new = alpha * l + weights.sum(axis=1, keepdims=True)
                 accs = tuple(
-                    alpha * acc + jnp.dot(weights.astype(dot), (_unpack(v_h, k) * v_col).astype(dot),
-                                          preferred_element_type=jnp.float32)
-                    for k, acc in enumerate(accs)
+                    alpha * acc + jnp.dot(weights.astype(dot), v, preferred_element_type=jnp.float32)
+                    for acc, (_, v) in zip(accs, parts, strict=True)
                 )
                 out.append((m_new, l_new, accs))
             return tuple(out)
@@ -252,7 +172,7 @@ def _kernel_int8(
             (
                 jnp.full((rows_q, 1), NEG_INF, jnp.float32),
                 jnp.zeros((rows_q, 1), jnp.float32),
-                tuple(jnp.zeros((rows_q, quarter), jnp.float32) for _ in range(4)),
+                tuple(jnp.zeros((rows_q, width), jnp.float32) for _ in range(pieces)),
             )
             for _ in range(kv_heads)
         )
@@ -260,7 +180,7 @@ def _kernel_int8(
         for h in range(kv_heads):
             m, l, accs = final[h]
             for k, acc in enumerate(accs):
-                o_ref[h, :, k * quarter : (k + 1) * quarter] = (acc / l).astype(o_ref.dtype)
+                o_ref[h, :, k * width : (k + 1) * width] = (acc / l).astype(o_ref.dtype)
             lse_ref[h] = m + jnp.log(l)
 
 
@@ -321,8 +241,7 @@ def ragged_paged_attention(
         pages_per_block=pages_per_block, page_size=page_size, max_pages=max_pages,
         sm_scale=1.0 / math.sqrt(head_dim), causal=causal,
     )
-    scale_heads = k_scale.shape[-1] // page_size if quantized else 0
-    kernel = functools.partial(_kernel_int8, scale_heads=scale_heads, **shape) if quantized else functools.partial(_kernel, **shape)
+    kernel = functools.partial(_kernel, scale_heads=k_scale.shape[-1] // page_size if quantized else 0, **shape)
     rows_q = block_q * groups
     spec = pl.BlockSpec((kv_heads, rows_q, head_dim), lambda b, *_: (0, b, 0))
     lse_spec = pl.BlockSpec((kv_heads, rows_q, 1), lambda b, *_: (0, b, 0))

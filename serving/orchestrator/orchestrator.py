@@ -309,7 +309,8 @@ class Orchestrator:
         executor.close()
 
     def _gather_arrivals(self) -> None:
-        """With nothing running and requests queued: wait while more keep arriving (each within
+        """With requests queued and nothing running but sequences with their first token only:
+        wait while more keep arriving (each within
         `admission_gap_ms` of the last, `admission_wait_ms` at most in all), so that a burst is
         scheduled as one (config.OrchestratorConfig.admission_wait_ms says why)."""
         wait = self.config.admission_wait_ms / 1000
@@ -375,7 +376,7 @@ class Orchestrator:
         for seconds in started.timings.prefills:
             self.metrics.observe("prefill_step", seconds)
         self.last_progress = time.monotonic()
-        if log.isEnabledFor(logging.DEBUG):  # the call timeline (make bench-tpu's serve-calls log)
+        if log.isEnabledFor(logging.DEBUG):  # the call timeline (PATHSERVE_LOG_LEVEL=DEBUG; make bench-tpu's serve.log)
             log.debug(
                 "turn: %d admitted, %d prefill rows (%d tokens) in %s s, %d decoding x %d steps, %d queued",
                 len(plan.admissions), len(plan.rows), sum(len(r.tokens) for r in plan.rows),
