@@ -93,7 +93,7 @@ def _prefilled(engine, params, state, length: int):
     for start in range(0, length, chunk):
         piece = tokens[start : start + chunk]
         row = PrefillRow(0, piece, start, start + len(piece) == length, SamplingParams(max_tokens=8))
-        state, _ = engine.prefill_slots(params, state, [row])
+        state, *_ = engine.prefill_slots(params, state, [row])
     return state
 
 

@@ -5,7 +5,8 @@ time split by function (cProfile) and the device's by op (a jax.profiler trace, 
     python -m loadtest.tpu_probe MODEL_DIR OUT_DIR [key=value ...]
 
 Writes OUT_DIR/probe.json (rates, per-call timings), OUT_DIR/host-profile-b{N}.txt (cProfile's
-top functions of the offline run) and OUT_DIR/trace-b{N}.tar.gz (the device trace of a few steps). Not a
+top functions of the offline run), OUT_DIR/device-ops-b{N}-{offline,engine}.json (the device's time by
+op, the longest first) and OUT_DIR/trace-b{N}.tar.gz (the engine's device trace). Not a
 test: a diagnostic for the chip (issue 64's "where the 30 ms a token went").
 """
 
@@ -121,6 +122,44 @@ def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, o
     (out / "sweep.json").write_text(json.dumps(results, indent=2))
 
 
+def device_ops(trace_dir: Path, top: int = 40) -> dict:
+    """A device trace's time by op: the perfetto JSON `jax.profiler.trace` wrote under `trace_dir`,
+    its events on device processes (a TPU's "/device:TPU:0") summed by thread ("XLA Ops", "XLA
+    Modules", ...) and name, the `top` longest of each thread, in milliseconds."""
+    import gzip
+    from collections import Counter, defaultdict
+
+    found = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not found:
+        return {"error": f"no trace JSON under {trace_dir}"}
+    events = json.loads(gzip.decompress(found[0].read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            processes[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    totals: dict[str, Counter] = defaultdict(Counter)
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        process = processes.get(e["pid"], "")
+        if "/device:" not in process or "CPU" in process:
+            continue
+        thread = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+        totals[thread][e["name"]] += e["dur"] / 1e3
+        counts[thread][e["name"]] += 1
+    return {
+        thread: {
+            "total_ms": sum(by_name.values()),
+            "top": [(name, round(ms, 3), counts[thread][name]) for name, ms in by_name.most_common(top)],
+        }
+        for thread, by_name in totals.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -165,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         trace_dir = ns.out / f"trace-b{batch}"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             offline(engine, params, executor, prompt_ids, batch, 16)
+        (ns.out / f"device-ops-b{batch}-offline.json").write_text(json.dumps(device_ops(trace_dir), indent=1))
+        shutil.rmtree(trace_dir)
+        # the engine alone: generate calls back to back (where a decode step's device time goes)
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            engine_alone(engine, params, prompt_ids, batch, 32)
+        (ns.out / f"device-ops-b{batch}-engine.json").write_text(json.dumps(device_ops(trace_dir), indent=1))
         # one file: a device machine returns a few files of a shallow tree, not a profile's own
         shutil.make_archive(str(trace_dir), "gztar", trace_dir)
         shutil.rmtree(trace_dir)

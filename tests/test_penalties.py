@@ -139,7 +139,7 @@ def test_the_chunked_path_applies_bias_bad_words_and_min_tokens(tiny):
         SamplingParams(max_tokens=6, logit_bias=((t, 3.0),), frequency_penalty=2.0, presence_penalty=1.0),
     ]
     state = engine.init_decode_state()
-    state, firsts = engine.prefill_slots(params, state, [PrefillRow(i, prompt, 0, True, s) for i, s in enumerate(rows)])
+    state, firsts, _ = engine.prefill_slots(params, state, [PrefillRow(i, prompt, 0, True, s) for i, s in enumerate(rows)])
     tokens = [[f] for f in firsts]
     for _ in range(3):
         state, result = engine.generate(params, state)
@@ -202,3 +202,67 @@ def test_record_skips_the_scatter_only_when_no_emitting_row_reads_its_history():
     counted = penalties.record(history, rows, tokens, valid, jnp.array([False, True, False]))
     assert [list(axis) for axis in np.asarray(counted.counts).nonzero()] == [[0, 1], [3, 4]]
     assert np.asarray(counted.recent)[:, -1].tolist() == [3, 4, penalties.NO_TOKEN]
+
+
+def test_the_chunked_path_applies_a_repetition_penalty_over_the_whole_prompt(tiny):
+    """A repetition penalty reads every prompt token: the final row carries the whole prompt (its
+    earlier chunks, and cached pages, never pass through that call), and the tokens equal the
+    whole prefill's, greedy under vLLM's definition; without the prompt they differ."""
+    model, engine, params = tiny
+    prompt = tuple(model.tokenizer.encode(TEXT)[:13])
+    s = SamplingParams(max_tokens=8, logprobs=1, repetition_penalty=0.2, frequency_penalty=0.3)
+    whole, _ = _decode(engine, params, [list(prompt)], [s], steps=4)
+
+    def chunked(carried: tuple[int, ...]) -> list[int]:
+        state = engine.init_decode_state()
+        state, *_ = engine.prefill_slots(params, state, [PrefillRow(0, prompt[:8], 0, False, s)])
+        state, firsts, _ = engine.prefill_slots(params, state, [PrefillRow(0, prompt[8:], 8, True, s, prompt_ids=carried)])
+        tokens = [firsts[0]]
+        while len(tokens) < 8:
+            state, result = engine.generate(params, state)
+            valid, out = np.asarray(result.valid), np.asarray(result.tokens)
+            tokens += [int(out[step, 0]) for step in range(valid.shape[0]) if valid[step, 0]]
+        return tokens
+
+    tokens = chunked(prompt)
+    assert tokens == whole[0]
+    raw = _model_logits(model, [*prompt, *tokens])[len(prompt) - 1 :]
+    for i, token in enumerate(tokens):
+        ref = reference_logits(raw[i], list(prompt), tokens[:i], s)
+        assert ref[token] >= ref.max() - ATOL
+    assert chunked(()) != tokens  # the prompt's tokens are what the penalty read
+
+
+def test_a_final_row_carries_its_prompt_only_when_final():
+    from serving.engine.limits import Limits
+
+    limits = Limits(max_concurrent_decodes=2, max_prefill_length=16, max_target_length=32)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        _check_inputs(limits, PrefillRow(0, (1, 2), 0, False, SamplingParams(repetition_penalty=2.0), prompt_ids=(1, 2)))
+
+
+def _check_inputs(limits, row):
+    from types import SimpleNamespace
+
+    from serving.engine.chunked import ChunkedPrefill
+
+    fake = SimpleNamespace(limits=limits, row_buckets=(1, 2), history_window=lambda start: 0)
+    return ChunkedPrefill._slot_inputs(fake, [row])
+
+
+def test_a_chunked_final_row_gives_the_first_tokens_logprobs_as_the_whole_prefill(tiny):
+    model, engine, params = tiny
+    prompt = tuple(model.tokenizer.encode(TEXT)[:13])
+    s = SamplingParams(max_tokens=4, logprobs=5, temperature=0.7, seed=5, repetition_penalty=1.4, logit_bias=((prompt[2], 2.0),))
+    prefix, first = engine.prefill(params, engine.limits.pad(list(prompt)), len(prompt), s)
+    whole = engine.prefill_outputs(prefix).first_logprobs[0]
+    state = engine.init_decode_state()
+    state, *_ = engine.prefill_slots(params, state, [PrefillRow(1, prompt[:8], 0, False, s)])
+    plain = PrefillRow(0, prompt, 0, True, SamplingParams(max_tokens=4))  # a row that wants none, beside it
+    state, firsts, logprobs = engine.prefill_slots(params, state, [plain, PrefillRow(1, prompt[8:], 8, True, s, prompt_ids=prompt)])
+    assert firsts[1] == first and logprobs[0] is None
+    got = logprobs[1]
+    assert got.token == whole.token == first
+    np.testing.assert_allclose(got.logprob, whole.logprob, atol=ATOL)
+    assert [t for t, _ in got.top[:5]] == [t for t, _ in whole.top[:5]]
+    np.testing.assert_allclose([v for _, v in got.top], [v for _, v in whole.top], atol=ATOL)

@@ -204,9 +204,9 @@ def test_prompt_past_max_prefill_is_served_and_one_past_max_target_refused(model
         with pytest.raises(GenerationError, match="max_target_length") as refused:
             orchestrator.submit(list(range(3, 3 + MAX_TARGET - 5)), SamplingParams(max_tokens=10))
         assert refused.value.field == "max_tokens"
-        # The whole path (logprobs need the prefill's own outputs) keeps max_prefill_predict_length.
+        # The whole path (the prompt's logprobs need the prefill's own outputs) keeps max_prefill_predict_length.
         with pytest.raises(GenerationError, match="max_prefill_predict_length"):
-            orchestrator.submit(prompts[long], SamplingParams(max_tokens=4, logprobs=1))
+            orchestrator.submit(prompts[long], SamplingParams(max_tokens=4, prompt_logprobs=1))
     finally:
         orchestrator.stop(timeout=60)
 

@@ -72,6 +72,9 @@ class PrefillRow(NamedTuple):
     # prompt here is the original prompt and those tokens, and a final row samples the next one,
     # as a generate step would (PRNG index, counts, min_tokens, max_tokens). 0: a fresh prompt.
     generated: int = 0
+    # A final row's whole prompt (cached positions and earlier chunks included) when its request
+    # has a repetition penalty, which reads every prompt token; () otherwise, and when resumed.
+    prompt_ids: tuple[int, ...] = ()
 
 
 class Proposer(Protocol):
@@ -175,15 +178,17 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
 
     def prefill_slots(
         self, params: ParamsT, decode_state: StateT, rows: Sequence[PrefillRow]
-    ) -> tuple[StateT, tuple[int | None, ...]]:
+    ) -> tuple[StateT, tuple[int | None, ...], tuple[TokenLogprob | None, ...]]:
         """Prefill every row's chunk into its slot in one compiled call (rows padded to a shared
         length bucket, `limits.bucket_for` of the longest; at most `limits.max_prefill_batch` rows).
 
         A chunk attends to its slot's positions [0, start) and to itself, and its KV is written at
         [start, start + len(tokens)). A non-final row leaves its slot inactive; a final row samples
         the first token (with the PRNG key and rule of `prefill`, so the tokens are the same) and
-        makes the slot active unless that token finished it. Returns the state and, per row, its
-        first token (None for a non-final row), on the host."""
+        makes the slot active unless that token finished it. Returns the state and, per row, on the
+        host: its first token (None for a non-final row) and that token's logprobs with the
+        MAX_LOGPROBS best alternatives, as `prefill_outputs` gives them (None unless the row is
+        final and its request wants logprobs)."""
         ...
 
     @property

@@ -33,11 +33,13 @@ import numpy as np
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
+from serving.engine.sampling import token_logprobs
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
 from serving.models import prefill
 from serving.models.cache import SCRATCH_PAGE, store_chunks
+from serving.request import MAX_LOGPROBS, TokenLogprob
 
 if TYPE_CHECKING:
     from serving.engine.warmup import BackgroundWarmup
@@ -83,9 +85,9 @@ class ChunkedPrefill:
 
     def prefill_slots(
         self, params: dict, decode_state: DecodeState, rows: Sequence[PrefillRow]
-    ) -> tuple[DecodeState, tuple[int | None, ...]]:
+    ) -> tuple[DecodeState, tuple[int | None, ...], tuple[TokenLogprob | None, ...]]:
         if not rows:
-            return decode_state, ()
+            return decode_state, (), ()
         inputs, shape = self._slot_inputs(rows)
         chunks = _model_inputs(inputs)
         with self._shapes_lock:
@@ -97,14 +99,24 @@ class ChunkedPrefill:
         else:
             cache, last = self._prefill_slots_fn(params, decode_state.cache, decode_state.pages, *chunks, window=shape[2])
         start = self._start_compiled.get(shape[0]) or self._start_rows_fn
-        state, first = start(decode_state._replace(cache=None), last, *inputs[1:])
+        state, out = start(decode_state._replace(cache=None), last, *inputs[1:])
         state = state._replace(cache=cache)
-        first = np.asarray(first)
-        return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows))
+        wants = [row.final and row.sampling.wants_logprobs for row in rows]
+        if not any(wants):
+            first = np.asarray(out[0])
+            return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows)), (None,) * len(rows)
+        first, chosen, top_ids, top = jax.device_get(out)  # one transfer
+        logprobs = tuple(
+            TokenLogprob(int(first[i]), float(chosen[i]), tuple(zip(top_ids[i].tolist(), top[i].tolist(), strict=True)))
+            if want else None
+            for i, want in enumerate(wants)
+        )
+        return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows)), logprobs
 
     def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
         """The compiled call's host inputs for `rows` (tokens [count, bucket]; slots, starts,
-        lengths, final, generated [count]; keys [count, 2]; sampling [count, ...]; padding rows
+        lengths, final, generated [count]; keys [count, 2]; prompt [count, max_target_length], -1
+        padded; sampling [count, ...]; padding rows
         write to the scratch page) and its shape (count, bucket, history window)."""
         limits = self.limits
         if len(rows) > limits.max_prefill_batch:
@@ -116,6 +128,9 @@ class ChunkedPrefill:
         starts, lengths = np.zeros((count,), np.int32), np.ones((count,), np.int32)
         final = np.zeros((count,), bool)
         generated = np.zeros((count,), np.int32)
+        # a final row's whole prompt under a repetition penalty (-1: none), its cached and earlier
+        # chunks included: the penalty's prompt tokens, kept in the slot's history
+        prompt = np.full((count, limits.max_target_length), -1, np.int32)
         for i, row in enumerate(rows):
             if len(row.tokens) > limits.prefill_chunk_size:
                 raise ValueError(f"a chunk of {len(row.tokens)} tokens, more than prefill_chunk_size")
@@ -124,9 +139,13 @@ class ChunkedPrefill:
             tokens[i, : len(row.tokens)] = row.tokens
             slots[i], starts[i], lengths[i], final[i] = row.slot, row.start, len(row.tokens), row.final
             generated[i] = row.generated
+            if row.prompt_ids:
+                if not row.final or len(row.prompt_ids) >= limits.max_target_length:
+                    raise ValueError("a row's prompt_ids go with its final chunk, shorter than max_target_length")
+                prompt[i, : len(row.prompt_ids)] = row.prompt_ids
         sampling = stacked_sampling([r.sampling for r in rows], count)
         keys = sampling.key  # the request's own seed: choice 0's key, as `prefill` draws it
-        inputs = (tokens, slots, starts, lengths, final, generated, keys, sampling)
+        inputs = (tokens, slots, starts, lengths, final, generated, keys, prompt, sampling)
         return inputs, (count, bucket, self.history_window(int(starts.max())))
 
     def precompile_prefill_slots(self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]) -> bool:
@@ -216,25 +235,30 @@ class ChunkedPrefill:
         return store_chunks(cache, kv, pages, starts), last
 
     def _start_rows_impl(
-        self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, sampling,
+        self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, prompt, sampling,
     ) -> tuple[DecodeState, jax.Array]:
         """state: a decode state whose cache is None; last [rows, vocab]; slots, starts, lengths,
-        final, generated [rows]; keys [rows, 2]; sampling [rows, ...]. Returns the state and every
-        row's first token [rows] (replicated)."""
+        final, generated [rows]; keys [rows, 2]; prompt [rows, max_target_length] (-1 padded);
+        sampling [rows, ...]. Returns the state and, replicated, every row's first token [rows] and,
+        when a final row wants logprobs, their logprobs as `prefill` computes them (chosen [rows],
+        top ids and logprobs [rows, num_top]; zeros otherwise)."""
         total = self.max_concurrent_decodes
         real = slots < total
         held = jnp.clip(slots, 0, total - 1)
         count, vocab = last.shape
-        # A fresh prompt has generated nothing, and no repetition penalty (limits.prefills_whole):
-        # the penalties change nothing; bad words, min_tokens and the bias apply. A resumed
-        # sequence's row reads its slot's token history, which preemption kept.
+        # A fresh prompt has generated nothing: its counts are 0, and its prompt tokens are those
+        # its final row carries (a repetition penalty's; none otherwise), so bad words, min_tokens,
+        # the bias and the repetition penalty apply. A resumed sequence's row reads its slot's
+        # token history, which preemption kept.
         resumed = real & (generated > 0)
         recent = jnp.where(resumed[:, None], state.history.recent[held], penalties.no_recent(count))
+        row = jnp.arange(count)[:, None]
+        fresh_prompt = jnp.zeros((count, vocab), bool).at[row, jnp.where(prompt >= 0, prompt, vocab)].set(True, mode="drop")
 
         def kept() -> tuple[jax.Array, jax.Array]:
             return (
                 jnp.where(resumed[:, None], state.history.counts[held], 0),
-                resumed[:, None] & state.history.prompt[held],
+                jnp.where(resumed[:, None], state.history.prompt[held], fresh_prompt),
             )
 
         last = penalties.process(last, sampling, generated, recent, kept, final)
@@ -245,13 +269,13 @@ class ChunkedPrefill:
         def put(old, new):
             return old.at[slots].set(new.astype(old.dtype), mode="drop")
 
-        # a final row's fresh sequence starts: its first token, no prompt tokens kept; a resumed
+        # a final row's fresh sequence starts: its first token, the prompt tokens it carries; a resumed
         # one appends its token to the history it kept (other rows drop)
         started = jnp.where(final & ~resumed, slots, total)
         counts, fresh_recent = penalties.started(first, vocab)
         history = TokenHistory(
             counts=state.history.counts.at[started].set(counts, mode="drop"),
-            prompt=state.history.prompt.at[started].set(False, mode="drop"),
+            prompt=state.history.prompt.at[started].set(fresh_prompt, mode="drop"),
             recent=state.history.recent.at[started].set(fresh_recent, mode="drop"),
         )
         history = penalties.record(
@@ -268,4 +292,12 @@ class ChunkedPrefill:
             sampling=jax.tree.map(put, state.sampling, sampling._replace(key=keys)),
             history=history,
         )
-        return new_state, jax.lax.with_sharding_constraint(first, replicated(self.mesh))
+        num_top = min(MAX_LOGPROBS, vocab)
+
+        def no_logprobs(logits, token, temperature):
+            return jnp.zeros((count,), jnp.float32), jnp.zeros((count, num_top), jnp.int32), jnp.zeros((count, num_top))
+
+        logprobs = jax.lax.cond(
+            jnp.any(final & sampling.logprobs), token_logprobs, no_logprobs, last, first, sampling.temperature
+        )
+        return new_state, jax.lax.with_sharding_constraint((first, *logprobs), replicated(self.mesh))

@@ -88,7 +88,7 @@ class DraftModel:
                 else:
                     batch.append(row)
                     seen.add(row.slot)
-            self.state, firsts = engine.prefill_slots(self.params, self.state, batch)
+            self.state, firsts, _ = engine.prefill_slots(self.params, self.state, batch)
             for row, first in zip(batch, firsts, strict=True):
                 if row.final:
                     proposals[row.slot, 0] = first

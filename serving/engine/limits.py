@@ -61,15 +61,12 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
 
 def prefills_whole(sampling: SamplingParams) -> bool:
     """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
-    several choices, logprobs, the prompt's logprobs, a grammar's first mask, the prompt's tokens for
-    a repetition penalty) instead of chunks."""
+    several choices, the prompt's logprobs, a grammar's first mask) instead of chunks."""
     return (
         sampling.n > 1
-        or sampling.wants_logprobs
         or sampling.prompt_logprobs is not None
         or sampling.grammar is not None
         or sampling.max_tokens < 1
-        or sampling.repetition_penalty != 1  # reads the whole prompt's tokens, which only a whole prefill has
     )
 
 
@@ -177,13 +174,6 @@ class Limits:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""
         if prompt_length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
-        if sampling.repetition_penalty != 1 and prompt_length > self.max_prefill_length:
-            raise GenerationError(
-                f"repetition_penalty reads every prompt token, so the prompt is prefilled in one call: at most "
-                f"max_prefill_predict_length={self.max_prefill_length} tokens, got {prompt_length}",
-                field="repetition_penalty",
-                code=CONTEXT_LENGTH_EXCEEDED,
-            )
         if prefills_whole(sampling):
             self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:

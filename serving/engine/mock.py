@@ -314,18 +314,20 @@ class MockEngine:
 
     def prefill_slots(
         self, params: dict, decode_state: MockState, rows: Sequence[PrefillRow]
-    ) -> tuple[MockState, tuple[int | None, ...]]:
+    ) -> tuple[MockState, tuple[int | None, ...], tuple[TokenLogprob | None, ...]]:
         self._check(decode_state)
         self._check_rows(decode_state, rows)
         self.calls.append(("prefill_slots", tuple((r.slot, r.start, len(r.tokens), r.final) for r in rows)))
         state = MockState(dict(decode_state.slots), decode_state.tables, decode_state.pool)
         firsts: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
         for row in rows:
             prompt = self._read(state, row.slot, row.start) + tuple(int(t) for t in row.tokens)
             for position in range(row.start, len(prompt)):
                 self._write(state, row.slot, position, prompt[position])
             if not row.final:
                 firsts.append(None)
+                logprobs.append(None)
                 continue
             if row.generated:  # a preempted sequence's next token, as generate would give it
                 first = self.next_token(prompt[-1], row.sampling)
@@ -336,8 +338,9 @@ class MockEngine:
             if not (first in row.sampling.stop_ids or generated >= row.sampling.max_tokens):
                 state.slots[row.slot] = _Slot(first, len(prompt), generated, row.sampling)
             firsts.append(first)
+            logprobs.append(mock_logprob(first, self.vocab_size) if row.sampling.wants_logprobs else None)
         decode_state.replaced = True  # only once the call went through: a refused call keeps its state
-        return state, tuple(firsts)
+        return state, tuple(firsts), tuple(logprobs)
 
     def _check_rows(self, state: MockState, rows: Sequence[PrefillRow]) -> None:
         limits = self.limits

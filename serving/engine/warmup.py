@@ -53,7 +53,7 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     marks.append(("whole prefills and inserts", time.perf_counter()))
     shapes = chunk_shapes(engine)  # fresh prompts, then long prompts' middle chunks
     for rows, length, at in shapes:
-        state, _ = engine.prefill_slots(params, state, _rows(rows, length, at, probe))
+        state, *_ = engine.prefill_slots(params, state, _rows(rows, length, at, probe))
     for slot in range(limits.max_concurrent_decodes):
         state = engine.free_resource(state, slot)
     jax.block_until_ready(state)

@@ -134,15 +134,15 @@ class Executor:
         """The plan's `prefill_slots` call on `engine`'s `state` (returned), its final rows' first
         tokens into `firsts`."""
         started = time.perf_counter()
-        state, tokens = engine.prefill_slots(params, state, plan.rows)
+        state, tokens, logprobs = engine.prefill_slots(params, state, plan.rows)
         self.timings.prefills.append(time.perf_counter() - started)
-        for row, token in zip(plan.rows, tokens, strict=True):
+        for row, token, logprob in zip(plan.rows, tokens, logprobs, strict=True):
             if row.final:
                 token = int(token)
                 if on_first_token is not None:
-                    on_first_token(row.slot, token, None, None)
+                    on_first_token(row.slot, token, logprob, None)
                 firsts.tokens.append(token)
-                firsts.logprobs.append(None)
+                firsts.logprobs.append(logprob)
         return state
 
     def _prepare(self, plan: StepPlan) -> None:

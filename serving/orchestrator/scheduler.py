@@ -7,7 +7,7 @@ The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequenc
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first. A request
-   that `prefills_whole` (n > 1 choices, logprobs, prompt logprobs, a grammar) is an `Admission`:
+   that `prefills_whole` (n > 1 choices, prompt logprobs, a grammar) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
    Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
@@ -506,12 +506,19 @@ class Scheduler:
                     chosen.append(i)
                     bucket = max(bucket, need)
         return [
-            PrefillRow(
-                slot, chunk, entry.computed, entry.computed + len(chunk) == len(entry.prompt_ids), entry.sampling,
-                len(entry.generated),
-            )
-            for slot, entry, chunk in (candidates[i] for i in sorted(chosen))
+            self._row(slot, entry, chunk) for slot, entry, chunk in (candidates[i] for i in sorted(chosen))
         ]
+
+    @staticmethod
+    def _row(slot: int, entry: _Prefilling, chunk: tuple[int, ...]) -> PrefillRow:
+        """A prefilling entry's next chunk as a row; a fresh prompt's final row under a repetition
+        penalty carries the whole prompt (the penalty reads every prompt token, cached ones too)."""
+        final = entry.computed + len(chunk) == len(entry.prompt_ids)
+        carries = final and not entry.generated and entry.sampling.repetition_penalty != 1
+        return PrefillRow(
+            slot, chunk, entry.computed, final, entry.sampling, len(entry.generated),
+            prompt_ids=entry.prompt_ids if carries else (),
+        )
 
     def _unstick(self) -> None:
         """Nothing decodes and no prompt could start: the oldest prompt's pages are not free while

@@ -154,7 +154,8 @@ def test_jetstream_generate_both_modes(server):
         ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt", ["vocabulary"]),
         # past max_prefill_predict_length a prompt is served in chunks; past the context it is refused
         ("/v1/completions", {"prompt": "word " * 2100}, "prompt", ["max_target_length=2048"]),
-        ("/v1/completions", {"prompt": "word " * 400, "logprobs": 1}, "prompt", [f"max_prefill_predict_length={TINY_MAX_PREFILL}"]),
+        # the prompt's logprobs (echo) take the whole prefill, which keeps max_prefill_predict_length
+        ("/v1/completions", {"prompt": "word " * 400, "logprobs": 1, "echo": True}, "prompt", [f"max_prefill_predict_length={TINY_MAX_PREFILL}"]),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens", ["max_target_length=2048"]),
         ("/v1/completions", {"max_tokens": 5}, "prompt", ["required"]),
         ("/v1/chat/completions", {"messages": []}, "messages", ["at least 1"]),
@@ -314,7 +315,8 @@ def test_serve_exits_2_when_the_model_cannot_be_loaded(tmp_path):
 def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, model_name):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 the first time a prompt is seen, its
     full pages' tokens (32 a page, one token always computed) when it comes again, in a stream's
-    usage too; a request that takes the whole prefill (n > 1) reads none and says 0."""
+    usage too, under a repetition penalty too; a request that takes the whole prefill (n > 1) reads
+    none and says 0."""
     prompt = [20 + (i * 37) % 230 for i in range(70)]  # no other test sends it
     args = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     first = client.completions.create(**args)
@@ -326,3 +328,9 @@ def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, mode
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
     choices = client.completions.create(**args, n=2)
     assert choices.usage.prompt_tokens_details.cached_tokens == 0
+    # a repetition penalty reads the cached pages too: its prompt tokens are carried to the final
+    # chunk, so the tokens equal the whole prefill's (n = 2 still takes that path)
+    penalized = client.completions.create(**args, extra_body={"repetition_penalty": 0.2})
+    assert penalized.usage.prompt_tokens_details.cached_tokens == 64
+    whole = client.completions.create(**args, n=2, extra_body={"repetition_penalty": 0.2})
+    assert [c.text for c in whole.choices] == [penalized.choices[0].text] * 2

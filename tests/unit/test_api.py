@@ -103,10 +103,8 @@ def test_stop_strings_and_jetstream_generate(server):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        # logprobs take the whole prefill, at most max_prefill_predict_length (64) tokens
-        ({"prompt": "a" * 65, "max_tokens": 2, "logprobs": 1}, "prompt"),
-        # so does a repetition penalty (it reads every prompt token)
-        ({"prompt": "a" * 65, "max_tokens": 2, "repetition_penalty": 1.2}, "repetition_penalty"),
+        # the prompt's logprobs (echo) take the whole prefill, at most max_prefill_predict_length (64) tokens
+        ({"prompt": "a" * 65, "max_tokens": 2, "logprobs": 1, "echo": True}, "prompt"),
         ({"prompt": "ab", "max_tokens": 255}, "max_tokens"),
         ({"prompt": "a" * 255, "max_tokens": 2}, "max_tokens"),
         ({"prompt": "ab", "max_tokens": 2, "temperature": -1}, "temperature"),
@@ -118,11 +116,20 @@ def test_requests_the_engine_cannot_take_get_400_naming_the_field(server, body, 
     assert response.json()["error"]["param"] == param
 
 
-def test_a_prompt_longer_than_the_largest_prefill_is_served_in_chunks(server):
-    body = {"model": "mock", "prompt": "a" * 200 + "b", "max_tokens": 3, "temperature": 0}
+@pytest.mark.parametrize(
+    "extra", [{}, {"repetition_penalty": 1.2}, {"logprobs": 2}], ids=["plain", "repetition_penalty", "logprobs"]
+)
+def test_a_prompt_longer_than_the_largest_prefill_is_served_in_chunks(server, extra):
+    # a repetition penalty and logprobs too: the final chunk carries the whole prompt, and its call
+    # gives the first token's logprobs
+    body = {"model": "mock", "prompt": "a" * 200 + "b", "max_tokens": 3, "temperature": 0, **extra}
     response = httpx.post(f"{server.url}/v1/completions", json=body)
     assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["text"] == "cde"
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "cde"
+    if "logprobs" in extra:  # as the whole prefill (n = 2) gives them for the same tokens
+        whole = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "ab", "n": 2}).json()["choices"][0]
+        assert whole["text"] == "cde" and choice["logprobs"] == whole["logprobs"]
     assert response.json()["usage"]["prompt_tokens"] == 201
 
 

@@ -80,7 +80,13 @@ def _requests() -> list[tuple[list[int], SamplingParams]]:
     lengths = [1, 5, 17, 33, 64, 65, 90, 130, 200, 3, 48, 100]
     prompts = [[(i * 11 + j) % 95 for j in range(n)] for i, n in enumerate(lengths)]
     prompts = [SYSTEM + p if i % 2 else p for i, p in enumerate(prompts)]
-    samplings = [SamplingParams(max_tokens=3 + i % 5, logprobs=1 if i in (4, 9) else None) for i in range(len(prompts))]
+    # logprobs go in chunks; the prompt's logprobs take the whole prefill
+    samplings = [
+        SamplingParams(
+            max_tokens=3 + i % 5, logprobs=1 if i in (2, 4, 9) else None, prompt_logprobs=1 if i in (4, 9) else None
+        )
+        for i in range(len(prompts))
+    ]
     return list(zip(prompts, samplings, strict=True))
 
 

@@ -109,7 +109,7 @@ def test_the_mock_checks_the_chunked_contract():
     with pytest.raises(AssertionError, match="holds no page"):  # slot 1 holds one page of 4 positions
         engine.prefill_slots({}, state, [PrefillRow(1, (1, 2, 3, 4, 5), 0, False, sampling)])
     state = engine.set_pages(engine.init_decode_state(), tables)
-    state, firsts = engine.prefill_slots({}, state, [PrefillRow(0, (1, 2, 3, 4, 5), 0, False, sampling)])
+    state, firsts, _ = engine.prefill_slots({}, state, [PrefillRow(0, (1, 2, 3, 4, 5), 0, False, sampling)])
     assert firsts == (None,) and engine.pages_of(state, 0) == (1, 2) and state.pool[1] == {0: 1, 1: 2, 2: 3, 3: 4}
     with pytest.raises(AssertionError, match="reads position 0, which no write reached"):
         engine.prefill_slots({}, state, [PrefillRow(1, (6,), 2, True, sampling)])
@@ -117,7 +117,7 @@ def test_the_mock_checks_the_chunked_contract():
         engine.prefill_slots({}, state, [PrefillRow(1, tuple(range(9)), 0, True, sampling)])
     with pytest.raises(AssertionError, match="mixes first chunks"):
         engine.prefill_slots({}, state, [PrefillRow(0, (6,), 5, True, sampling), PrefillRow(1, (6,), 0, True, sampling)])
-    state, firsts = engine.prefill_slots({}, state, [PrefillRow(1, (6,), 0, True, sampling)])
+    state, firsts, _ = engine.prefill_slots({}, state, [PrefillRow(1, (6,), 0, True, sampling)])
     assert firsts == (7,)
     with pytest.raises(AssertionError, match="3 slots is not one of"):
         engine.generate({}, state, num_slots=3)

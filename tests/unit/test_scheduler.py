@@ -17,7 +17,7 @@ def _waiting(request_id: int, length: int = 3, max_tokens: int = 4, **kw) -> Wai
 
 def test_whole_admissions_fill_free_slots_in_order_padded_to_their_bucket():
     scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
-    plan = scheduler.schedule([_waiting(7, length=3, logprobs=1), _waiting(8, length=20, logprobs=0)])
+    plan = scheduler.schedule([_waiting(7, length=3, prompt_logprobs=1), _waiting(8, length=20, prompt_logprobs=0)])
     assert [(a.request_id, a.slot, a.true_length, len(a.padded_tokens)) for a in plan.admissions] == [
         (7, 0, 3, 16),
         (8, 1, 20, 32),
@@ -80,7 +80,7 @@ def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
     assert outcome.first_tokens == (5,) and [row[0] for row in outcome.tokens] == [6, 7]
     assert engine.calls[-1] == ("generate", 1, 1)  # the host mirror: position 1, nothing read back; 1 slot
     assert scheduler.update(plan, outcome) == [(2, 0)]
-    plan = scheduler.schedule([Waiting(3, (4,), SamplingParams(max_tokens=1, logprobs=0))])  # the whole path
+    plan = scheduler.schedule([Waiting(3, (4,), SamplingParams(max_tokens=1, prompt_logprobs=0))])  # the whole path
     assert executor.run(plan).first_tokens == (5,)
     assert [c[0] for c in engine.calls[-2:]] == ["prefill", "insert"]
 
