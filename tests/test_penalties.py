@@ -233,21 +233,26 @@ def test_the_chunked_path_applies_a_repetition_penalty_over_the_whole_prompt(tin
     assert chunked(()) != tokens  # the prompt's tokens are what the penalty read
 
 
-def test_a_final_row_carries_its_prompt_only_when_final():
+def test_a_final_row_alone_carries_its_prompt_and_mask():
     from serving.engine.limits import Limits
 
     limits = Limits(max_concurrent_decodes=2, max_prefill_length=16, max_target_length=32)
     with pytest.raises(ValueError, match="prompt_ids"):
         _check_inputs(limits, PrefillRow(0, (1, 2), 0, False, SamplingParams(repetition_penalty=2.0), prompt_ids=(1, 2)))
+    with pytest.raises(ValueError, match="mask"):
+        _check_inputs(limits, PrefillRow(0, (1, 2), 0, False, SamplingParams(), mask=np.zeros(10, np.int32)))
+    rows = [PrefillRow(0, (1, 2), 0, True, SamplingParams(), mask=np.full(10, 5, np.int32)), PrefillRow(1, (3,), 0, True, SamplingParams())]
+    inputs, _ = _check_inputs(limits, rows)
+    assert (inputs[8][0, :10] == 5).all() and (inputs[8][1] == -1).all()  # a row without a grammar allows every token
 
 
-def _check_inputs(limits, row):
+def _check_inputs(limits, rows):
     from types import SimpleNamespace
 
     from serving.engine.chunked import ChunkedPrefill
 
-    fake = SimpleNamespace(limits=limits, row_buckets=(1, 2), history_window=lambda start: 0)
-    return ChunkedPrefill._slot_inputs(fake, [row])
+    fake = SimpleNamespace(limits=limits, row_buckets=(1, 2), history_window=lambda start: 0, _num_decodable=300)
+    return ChunkedPrefill._slot_inputs(fake, rows if isinstance(rows, list) else [rows])
 
 
 def test_a_chunked_final_row_gives_the_first_tokens_logprobs_as_the_whole_prefill(tiny):

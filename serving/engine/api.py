@@ -75,6 +75,9 @@ class PrefillRow(NamedTuple):
     # A final row's whole prompt (cached positions and earlier chunks included) when its request
     # has a repetition penalty, which reads every prompt token; () otherwise, and when resumed.
     prompt_ids: tuple[int, ...] = ()
+    # A final row's first-token mask under a grammar (int32 [words], bit i % 32 of word i // 32 for
+    # token i, as generate's masks); None: every token allowed.
+    mask: ArrayLike | None = None
 
 
 class Proposer(Protocol):

@@ -33,7 +33,7 @@ import numpy as np
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
-from serving.engine.sampling import token_logprobs
+from serving.engine.sampling import apply_mask, token_logprobs
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
@@ -116,7 +116,7 @@ class ChunkedPrefill:
     def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
         """The compiled call's host inputs for `rows` (tokens [count, bucket]; slots, starts,
         lengths, final, generated [count]; keys [count, 2]; prompt [count, max_target_length], -1
-        padded; sampling [count, ...]; padding rows
+        padded; masks [count, words], -1 (all allowed) but under a grammar; sampling [count, ...]; padding rows
         write to the scratch page) and its shape (count, bucket, history window)."""
         limits = self.limits
         if len(rows) > limits.max_prefill_batch:
@@ -131,6 +131,7 @@ class ChunkedPrefill:
         # a final row's whole prompt under a repetition penalty (-1: none), its cached and earlier
         # chunks included: the penalty's prompt tokens, kept in the slot's history
         prompt = np.full((count, limits.max_target_length), -1, np.int32)
+        masks = np.full((count, (self._num_decodable + 31) // 32), -1, np.int32)  # a grammar's first mask
         for i, row in enumerate(rows):
             if len(row.tokens) > limits.prefill_chunk_size:
                 raise ValueError(f"a chunk of {len(row.tokens)} tokens, more than prefill_chunk_size")
@@ -143,9 +144,13 @@ class ChunkedPrefill:
                 if not row.final or len(row.prompt_ids) >= limits.max_target_length:
                     raise ValueError("a row's prompt_ids go with its final chunk, shorter than max_target_length")
                 prompt[i, : len(row.prompt_ids)] = row.prompt_ids
+            if row.mask is not None:
+                if not row.final:
+                    raise ValueError("a row's mask goes with its final chunk")
+                masks[i] = row.mask
         sampling = stacked_sampling([r.sampling for r in rows], count)
         keys = sampling.key  # the request's own seed: choice 0's key, as `prefill` draws it
-        inputs = (tokens, slots, starts, lengths, final, generated, keys, prompt, sampling)
+        inputs = (tokens, slots, starts, lengths, final, generated, keys, prompt, masks, sampling)
         return inputs, (count, bucket, self.history_window(int(starts.max())))
 
     def precompile_prefill_slots(self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]) -> bool:
@@ -235,11 +240,11 @@ class ChunkedPrefill:
         return store_chunks(cache, kv, pages, starts), last
 
     def _start_rows_impl(
-        self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, prompt, sampling,
+        self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, prompt, masks, sampling,
     ) -> tuple[DecodeState, jax.Array]:
         """state: a decode state whose cache is None; last [rows, vocab]; slots, starts, lengths,
-        final, generated [rows]; keys [rows, 2]; prompt [rows, max_target_length] (-1 padded);
-        sampling [rows, ...]. Returns the state and, replicated, every row's first token [rows] and,
+        final, generated [rows]; keys [rows, 2]; prompt [rows, max_target_length] (-1 padded); masks
+        [rows, words] (a grammar's first-token mask; -1: every token); sampling [rows, ...]. Returns the state and, replicated, every row's first token [rows] and,
         when a final row wants logprobs, their logprobs as `prefill` computes them (chosen [rows],
         top ids and logprobs [rows, num_top]; zeros otherwise)."""
         total = self.max_concurrent_decodes
@@ -261,7 +266,7 @@ class ChunkedPrefill:
                 jnp.where(resumed[:, None], state.history.prompt[held], fresh_prompt),
             )
 
-        last = penalties.process(last, sampling, generated, recent, kept, final)
+        last = penalties.process(apply_mask(last, masks), sampling, generated, recent, kept, final)
         first = self._sample(last, jax.vmap(jax.random.fold_in)(keys, generated), sampling)
         finished = is_stop(first, sampling.stop_ids) | (generated + 1 >= sampling.max_tokens)
         parked = self.config.max_target_length - 1  # an inactive row's position (it writes to scratch)

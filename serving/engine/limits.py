@@ -4,11 +4,11 @@ its shapes, by the orchestrator at submit time, by the offline driver and by the
 Two ways into a slot:
 - whole: one `prefill` of the prompt padded to a power-of-two length bucket from MIN_BUCKET up to
   max_prefill_predict_length (MaxText's meaning: the largest single prefill), then `insert`. Requests
-  that need the prefill's own outputs take it: n > 1 choices, logprobs, prompt logprobs, a grammar,
-  a repetition penalty (it reads every prompt token).
+  that need the prefill's own outputs take it: n > 1 choices, prompt logprobs.
 - chunked: `prefill_slots` writes the prompt into its slot in chunks of at most
   `prefill_chunk_size` tokens, several prompts per compiled call; a prompt may then be as long as
-  max_target_length - max_tokens. Every other request takes it.
+  max_target_length - max_tokens. Every other request takes it: a final row gives its first token's
+  logprobs, and carries a grammar's first mask and a repetition penalty's prompt tokens.
 
 Decode runs over `decode_rows(active)`: generate is compiled for a few slot-count buckets, so that a
 lone request does not pay for every slot, and it gathers the slots it decodes, so that sequences
@@ -61,11 +61,10 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
 
 def prefills_whole(sampling: SamplingParams) -> bool:
     """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
-    several choices, the prompt's logprobs, a grammar's first mask) instead of chunks."""
+    several choices, the prompt's logprobs) instead of chunks."""
     return (
         sampling.n > 1
         or sampling.prompt_logprobs is not None
-        or sampling.grammar is not None
         or sampling.max_tokens < 1
     )
 

@@ -334,6 +334,7 @@ class MockEngine:
             else:
                 self.limits.check(len(prompt), row.sampling)
                 first = (prompt[-1] + 1) % self.vocab_size
+            first = allowed(first, row.mask, self.vocab_size)
             generated = row.generated + 1
             if not (first in row.sampling.stop_ids or generated >= row.sampling.max_tokens):
                 state.slots[row.slot] = _Slot(first, len(prompt), generated, row.sampling)

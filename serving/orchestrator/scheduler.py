@@ -7,7 +7,7 @@ The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequenc
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first. A request
-   that `prefills_whole` (n > 1 choices, prompt logprobs, a grammar) is an `Admission`:
+   that `prefills_whole` (n > 1 choices, prompt logprobs) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
    Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
@@ -40,10 +40,11 @@ The scheduler keeps the host mirror of every slot's position, so that no decisio
 attention window the engine reads) needs a value read back from the device.
 
 A request under a grammar brings one matcher per choice (serving.structured), which its records
-hold: its admission carries the first token's mask; while any running slot has one, each generate
-call is one step with every slot's mask in the plan (plain numpy, from the matchers, which `update`
-advances with each token), and a turn that admits such a request runs no generate call (its next
-mask depends on the first token).
+hold: its final prompt row (or its admission, n > 1) carries the first token's mask; while any
+running slot has one, each generate call is one step with every slot's mask in the plan (plain
+numpy, from the matchers, which `update` advances with each token), and a turn whose prefill
+samples such a request's first token runs no generate call (its next mask depends on that token).
+Preempted, it keeps its matcher, and its final row carries the mask of the token it resumes at.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class _Prefilling:
     turns_waited: int = 0  # turns it could not start: its pages not free, or behind a starved prompt
     generated: tuple[int, ...] = ()  # tokens it had generated when it was preempted
     original: int = 0  # the request's own prompt length
+    grammar: Any = None  # under a grammar: its matcher, whose mask its final row carries
 
 
 @dataclass
@@ -244,7 +246,8 @@ class Scheduler:
         self._decoding = tuple(decoding)
         steps, plan_masks = self.decode_steps_per_call if decoding else 0, None
         if any(r.constrained for r in self.running.values()):
-            steps = 0 if any(a.sampling.grammar is not None for a in admissions) else 1
+            starting = [*(a.sampling for a in admissions), *(row.sampling for row in rows if row.final)]
+            steps = 0 if any(s.grammar is not None for s in starting) else 1
             plan_masks = self._masks() if steps else None
         decode_rows = self.limits.decode_rows(decoding) if steps else None
         proposals = None
@@ -361,7 +364,7 @@ class Scheduler:
             # starved from its first turn without pages (no newer prompt starts before it)
             redo = _Prefilling(
                 entry.request_id, (*entry.prompt_ids, *generated), entry.sampling, generated=generated,
-                original=original, turns_waited=STARVED_TURNS,
+                original=original, turns_waited=STARVED_TURNS, grammar=entry.grammar,
             )
             self._keys_of(redo)
             self.prefilling = {slot: redo, **self.prefilling}
@@ -410,10 +413,13 @@ class Scheduler:
 
     def _admit_chunked(self, request: Waiting) -> None:
         """A prefilling slot, with its prompt's cached pages, if any are."""
-        if request.choice_ids or request.grammars:
-            raise ValueError("a request with choices or a grammar takes the whole prefill")
+        if request.choice_ids:
+            raise ValueError("a request with choices takes the whole prefill")
         slot = heapq.heappop(self._free)
-        entry = _Prefilling(request.request_id, request.prompt_ids, request.sampling, original=len(request.prompt_ids))
+        entry = _Prefilling(
+            request.request_id, request.prompt_ids, request.sampling, original=len(request.prompt_ids),
+            grammar=request.grammars[0] if request.grammars else None,
+        )
         self._keys_of(entry)
         self.prefilling[slot] = entry
         self._load(slot, entry)
@@ -512,12 +518,14 @@ class Scheduler:
     @staticmethod
     def _row(slot: int, entry: _Prefilling, chunk: tuple[int, ...]) -> PrefillRow:
         """A prefilling entry's next chunk as a row; a fresh prompt's final row under a repetition
-        penalty carries the whole prompt (the penalty reads every prompt token, cached ones too)."""
+        penalty carries the whole prompt (the penalty reads every prompt token, cached ones too),
+        and a final row under a grammar its matcher's mask for the token it samples."""
         final = entry.computed + len(chunk) == len(entry.prompt_ids)
         carries = final and not entry.generated and entry.sampling.repetition_penalty != 1
         return PrefillRow(
             slot, chunk, entry.computed, final, entry.sampling, len(entry.generated),
             prompt_ids=entry.prompt_ids if carries else (),
+            mask=entry.grammar.mask() if final and entry.grammar is not None else None,
         )
 
     def _unstick(self) -> None:
@@ -547,7 +555,7 @@ class Scheduler:
                 del self.prefilling[row.slot]
                 self.running[row.slot] = _Running(
                     entry.request_id, entry.computed, entry.prompt_ids[: entry.original], entry.sampling,
-                    tokens=list(entry.generated),
+                    tokens=list(entry.generated), grammar=entry.grammar,
                 )
 
     def _masks(self) -> np.ndarray:

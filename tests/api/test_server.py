@@ -315,8 +315,8 @@ def test_serve_exits_2_when_the_model_cannot_be_loaded(tmp_path):
 def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, model_name):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 the first time a prompt is seen, its
     full pages' tokens (32 a page, one token always computed) when it comes again, in a stream's
-    usage too, under a repetition penalty too; a request that takes the whole prefill (n > 1) reads
-    none and says 0."""
+    usage too, under a repetition penalty, logprobs and a grammar too; a request that takes the whole
+    prefill (n > 1) reads none and says 0."""
     prompt = [20 + (i * 37) % 230 for i in range(70)]  # no other test sends it
     args = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     first = client.completions.create(**args)
@@ -334,3 +334,11 @@ def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, mode
     assert penalized.usage.prompt_tokens_details.cached_tokens == 64
     whole = client.completions.create(**args, n=2, extra_body={"repetition_penalty": 0.2})
     assert [c.text for c in whole.choices] == [penalized.choices[0].text] * 2
+    # logprobs and a grammar come from the final chunk too (n = 2 prefills whole, the same tokens)
+    extra = {"response_format": {"type": "json_object"}}
+    constrained = client.completions.create(**args, logprobs=2, extra_body=extra)
+    assert constrained.usage.prompt_tokens_details.cached_tokens == 64
+    both = client.completions.create(**args, logprobs=2, n=2, extra_body=extra)
+    assert both.choices[0].text == constrained.choices[0].text
+    assert both.choices[0].logprobs.tokens == constrained.choices[0].logprobs.tokens
+    assert both.choices[0].logprobs.token_logprobs == pytest.approx(constrained.choices[0].logprobs.token_logprobs, abs=1e-4)

@@ -71,8 +71,9 @@ class _Matcher:
 
 
 def test_n_choices_take_n_slots_and_grammar_plans_carry_masks():
-    """The scheduler holds a grammar request's matcher: the first token's mask in its admission,
-    then each one-step call's mask from the matcher as the tokens advance it."""
+    """The scheduler holds a grammar request's matcher: the first token's mask in its final prompt
+    row (in chunks, as any request), then each one-step call's mask from the matcher as the tokens
+    advance it."""
     scheduler = Scheduler(Limits(4, 64, 256), decode_steps_per_call=2)
     grammar = SamplingParams(max_tokens=5, grammar=Grammar("json"))
     plan = scheduler.schedule([Waiting(0, (1, 2), SamplingParams(max_tokens=5, n=3), (1, 2))])
@@ -80,10 +81,11 @@ def test_n_choices_take_n_slots_and_grammar_plans_carry_masks():
     assert scheduler.room() == 1
     with pytest.raises(ValueError, match="2 slots asked for, 1 free"):
         scheduler.schedule([Waiting(3, (1,), SamplingParams(n=2), (4,))])
-    # a grammar request admitted: no generate call this turn (its mask needs the first token)
+    # a grammar request's final row: no generate call this turn (its mask needs the first token)
     matcher = _Matcher()
     plan = scheduler.schedule([Waiting(5, (1,), grammar, (), (matcher,))])
-    assert (plan.admissions[0].mask == 7).all() and plan.decode_steps == 0
+    assert plan.admissions == () and [(r.slot, r.final) for r in plan.rows] == [(3, True)]
+    assert (plan.rows[0].mask == 7).all() and plan.decode_steps == 0
     scheduler.update(plan, StepOutcome(first_tokens=(11,)))
     assert matcher.seen == [11]
     # then one-step calls with every slot's mask (all tokens allowed for the others)
