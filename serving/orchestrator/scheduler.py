@@ -7,9 +7,11 @@ The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequenc
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first. A request
-   that `prefills_whole` (n > 1 choices, prompt logprobs) is an `Admission`:
+   that `prefills_whole` (prompt logprobs; n > 1 choices without the prefix cache) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
+   With the prefix cache, n > 1 choices are n prefilling slots, each its choice's seed: the first
+   computes the prompt's pages, the others find them cached (waiting for those on their way).
    Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
    prompt's full pages found cached goes into its table as they are (shared, not copied), leaving
    at least one prompt token to compute, whose logits give the first token. A request whose next
@@ -53,7 +55,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -224,10 +226,11 @@ class Scheduler:
             if self.speculator is not None:
                 for rid in (request.request_id, *request.choice_ids):
                     self.speculator.start(rid, request.prompt_ids, request.sampling)
-            if prefills_whole(request.sampling):
+            if self._whole(request):
                 self._pending.append(_Pending(request, [heapq.heappop(self._free) for _ in range(request.num_slots)]))
             else:
-                self._admit_chunked(request)
+                for choice in self._choices(request):
+                    self._admit_chunked(choice)
         running_before = len(self.running)
         preempted: list[int] = []
         admissions = self._admit_pending(preempted)
@@ -410,6 +413,30 @@ class Scheduler:
         return admissions
 
     # -- prompts -----------------------------------------------------------------------------------
+
+    def _whole(self, request: Waiting) -> bool:
+        """Whether `request` takes the whole prefill: it needs that call's outputs (the prompt's
+        logprobs), or it has n > 1 choices and no prefix cache to share its prompt's pages through."""
+        sampling = request.sampling
+        if sampling.n > 1 and self.prefix_caching:
+            return prefills_whole(replace(sampling, n=1))
+        return prefills_whole(sampling)
+
+    @staticmethod
+    def _choices(request: Waiting) -> list[Waiting]:
+        """A request of n > 1 choices as n requests of one, each its choice's seed, id and matcher:
+        the first computes the prompt, the others find its pages in the prefix cache (waiting for
+        those it is about to compute) and compute the last, partial page and their own first token."""
+        if not request.choice_ids:
+            return [request]
+        sampling = request.sampling
+        return [
+            Waiting(
+                rid, request.prompt_ids, replace(sampling, n=1, seed=sampling.choice_seed(choice)),
+                grammars=request.grammars[choice : choice + 1],
+            )
+            for choice, rid in enumerate((request.request_id, *request.choice_ids))
+        ]
 
     def _admit_chunked(self, request: Waiting) -> None:
         """A prefilling slot, with its prompt's cached pages, if any are."""

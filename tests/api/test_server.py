@@ -315,8 +315,8 @@ def test_serve_exits_2_when_the_model_cannot_be_loaded(tmp_path):
 def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, model_name):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 the first time a prompt is seen, its
     full pages' tokens (32 a page, one token always computed) when it comes again, in a stream's
-    usage too, under a repetition penalty, logprobs and a grammar too; a request that takes the whole
-    prefill (n > 1) reads none and says 0."""
+    usage too, for n > 1 choices, under a repetition penalty, logprobs and a grammar too; a request
+    that takes the whole prefill (echo's prompt logprobs) reads none and says 0."""
     prompt = [20 + (i * 37) % 230 for i in range(70)]  # no other test sends it
     args = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     first = client.completions.create(**args)
@@ -326,19 +326,18 @@ def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, mode
     assert again.choices[0].text == first.choices[0].text
     chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    # n = 2: two sequences sharing the prompt's pages through the cache
     choices = client.completions.create(**args, n=2)
-    assert choices.usage.prompt_tokens_details.cached_tokens == 0
-    # a repetition penalty reads the cached pages too: its prompt tokens are carried to the final
-    # chunk, so the tokens equal the whole prefill's (n = 2 still takes that path)
-    penalized = client.completions.create(**args, extra_body={"repetition_penalty": 0.2})
-    assert penalized.usage.prompt_tokens_details.cached_tokens == 64
-    whole = client.completions.create(**args, n=2, extra_body={"repetition_penalty": 0.2})
-    assert [c.text for c in whole.choices] == [penalized.choices[0].text] * 2
-    # logprobs and a grammar come from the final chunk too (n = 2 prefills whole, the same tokens)
-    extra = {"response_format": {"type": "json_object"}}
-    constrained = client.completions.create(**args, logprobs=2, extra_body=extra)
-    assert constrained.usage.prompt_tokens_details.cached_tokens == 64
-    both = client.completions.create(**args, logprobs=2, n=2, extra_body=extra)
-    assert both.choices[0].text == constrained.choices[0].text
-    assert both.choices[0].logprobs.tokens == constrained.choices[0].logprobs.tokens
-    assert both.choices[0].logprobs.token_logprobs == pytest.approx(constrained.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert choices.usage.prompt_tokens_details.cached_tokens == 64
+    assert [c.text for c in choices.choices] == [first.choices[0].text] * 2
+    # a repetition penalty reads the cached pages too (its prompt tokens are carried to the final
+    # chunk), and logprobs and a grammar come from the final chunk: the tokens and logprobs of the
+    # whole prefill, which echo's prompt logprobs still take (reading no cached page)
+    for extra in ({"repetition_penalty": 0.2}, {"response_format": {"type": "json_object"}}):
+        chunked = client.completions.create(**args, logprobs=2, extra_body=extra)
+        whole = client.completions.create(**args, logprobs=2, echo=True, extra_body=extra)
+        assert chunked.usage.prompt_tokens_details.cached_tokens == 64
+        assert whole.usage.prompt_tokens_details.cached_tokens == 0
+        generated = whole.choices[0].logprobs.tokens[-4:], whole.choices[0].logprobs.token_logprobs[-4:]
+        assert chunked.choices[0].logprobs.tokens == generated[0]
+        assert chunked.choices[0].logprobs.token_logprobs == pytest.approx(generated[1], abs=1e-4)

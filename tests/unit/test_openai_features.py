@@ -26,8 +26,10 @@ from tests.unit.test_api import _Running
 TOKENIZER = AsciiTokenizer()
 
 
-def _orchestrator(slots: int = 4, queue: int = 64) -> Orchestrator:
-    cfg = ServingConfig(max_queued_requests=queue, max_prefill_predict_length=64, max_target_length=256)
+def _orchestrator(slots: int = 4, queue: int = 64, prefix_cache: str = "on") -> Orchestrator:
+    cfg = ServingConfig(
+        max_queued_requests=queue, max_prefill_predict_length=64, max_target_length=256, prefix_cache=prefix_cache
+    )
     return Orchestrator(MockEngine(slots=slots), {}, TOKENIZER, cfg.orchestrator)
 
 
@@ -115,8 +117,11 @@ def test_logprobs_follow_every_token_and_echo_scores_the_prompt():
         orchestrator.stop(timeout=10)
 
 
-def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue():
-    engine_orchestrator = _orchestrator(slots=4)
+@pytest.mark.parametrize("prefix_cache", ["on", "off"])
+def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue(prefix_cache):
+    """With the prefix cache, n choices are n chunked sequences sharing the prompt's pages through
+    it (no whole prefill); without it, one whole prefill inserted into n slots."""
+    engine_orchestrator = _orchestrator(slots=4, prefix_cache=prefix_cache)
     orchestrator = engine_orchestrator.start()
     try:
         sampling = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=3)
@@ -127,7 +132,7 @@ def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue():
         for i, r in enumerate(results):
             assert r.token_ids == engine.expected(TOKENIZER.encode("ab"), sampling, i)
         assert len({tuple(r.token_ids) for r in results}) == 3
-        assert sum(call[0] == "prefill" for call in engine.calls) == 1
+        assert sum(call[0] == "prefill" for call in engine.calls) == (prefix_cache == "off")
         with pytest.raises(GenerationError, match="decode slots"):
             orchestrator.submit_choices([1], SamplingParams(n=5))
         with pytest.raises(ValueError, match="submit_choices"):
@@ -189,9 +194,9 @@ def test_a_request_that_does_not_fit_waits_without_being_passed():
         third = orchestrator.submit([3], SamplingParams(max_tokens=3))
         assert [h.result().finish_reason for h in [first, *second, third]] == ["length"] * 6
         calls = orchestrator.engine.calls
-        # [1] in chunks, the 4 choices' [2] whole once 4 slots were free, then [3] in chunks
-        assert [c[0] for c in calls if "prefill" in c[0]] == ["prefill_slots", "prefill", "prefill_slots"]
-        assert [c[1] for c in calls if c[0] == "prefill"] == [(2,)]
+        # [1], then the 4 choices of [2] once 4 slots were free (chunks of one call), then [3]
+        rows = [c[1] for c in calls if c[0] == "prefill_slots"]
+        assert [[r[0] for r in call] for call in rows] == [[0], [0, 1, 2, 3], [0]]
     finally:
         orchestrator.stop(timeout=10)
 
