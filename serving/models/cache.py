@@ -131,7 +131,10 @@ def to_lanes(x: jax.Array, stored: jax.Array) -> jax.Array:
 def from_lanes(x: jax.Array, kv_heads: int) -> jax.Array:
     """Gathered lanes values [..., width] (int32 lanes of int8, or floats) as [..., kv_heads, head_dim]."""
     if x.dtype == jnp.int32:
-        x = jax.lax.bitcast_convert_type(x, jnp.int8).reshape(*x.shape[:-1], -1)
+        # byte k of each lane, sign-extended by two shifts: elementwise, so XLA fuses it into the
+        # dequantization (a bitcast to int8 made a TPU materialize [..., width, 4] of uint32)
+        pieces = [jax.lax.shift_right_arithmetic(jax.lax.shift_left(x, 24 - 8 * k), 24) for k in range(PACK)]
+        x = jnp.stack(pieces, axis=-1).reshape(*x.shape[:-1], -1)
     return x.reshape(*x.shape[:-1], kv_heads, -1)
 
 
@@ -187,11 +190,28 @@ def _write_lanes(cache: KVCache, pages: jax.Array, positions: jax.Array, values:
             out.append(None)
         elif c.ndim == 4:  # values
             out.append(c.at[layer, page, offset].set(to_lanes(x, c)))
+        elif positions.shape[1] == 1:  # scales of one token a row (a decode step): whole page rows
+            out.append(_write_scale_rows(c, layer[..., 0], page[..., 0], offset[..., 0], x[:, :, 0, :, 0]))
         else:  # scales [layers, pages, heads * page_size] of x [..., heads, 1] (heads 1: per token)
             heads = c.shape[-1] // page_size
             at = jnp.arange(heads) * page_size + offset[..., None]  # [1, batch, n, heads]
             out.append(c.at[layer[..., None], page[..., None], at].set(x[..., 0].astype(c.dtype)))
     return KVCache(*out)
+
+
+def _write_scale_rows(c: jax.Array, layer: jax.Array, page: jax.Array, offset: jax.Array, x: jax.Array) -> jax.Array:
+    """Scales x [layers, batch, heads] of one token a row (`layer` [layers, 1]), at `offset` [1, batch] of `page` [1,
+    batch], into c [layers, pages, heads * page_size]: each row's page row read, changed and
+    written back whole. A scatter of single values had XLA on a TPU flatten the whole scale pool to
+    one dimension and back, two copies of it every step; whole rows keep its layout. Rows write
+    distinct pages (a padding row's, the scratch page, is anyone's)."""
+    heads = x.shape[-1]
+    page_size = c.shape[-1] // heads
+    rows = c[layer, page]  # [layers, batch, heads * page_size]
+    column = jnp.arange(heads * page_size)
+    mine = column % page_size == offset[..., None]  # [1, batch, heads * page_size]
+    new = jnp.repeat(x.astype(c.dtype), page_size, axis=-1)  # each head's scale over its page_size columns
+    return c.at[layer, page].set(jnp.where(mine, new, rows))
 
 
 def _scatter(cache: KVCache, index: jax.Array, values: tuple) -> KVCache:
@@ -239,6 +259,21 @@ def read_layer(
 ) -> tuple[jax.Array, jax.Array]:
     """Layer `index` keys and values [rows, window, kv_heads, head_dim] in the compute dtype, of
     the rows whose tables are `pages` [rows, max_pages]: one gather of whole pages."""
+    keys, values, scales = read_layer_scaled(cache, index, dtype, window, pages, kv_heads)
+    if scales is None:
+        return keys, values
+    return keys * scales[0][..., None].astype(dtype), values * scales[1][..., None].astype(dtype)
+
+
+def read_layer_scaled(
+    cache: KVCache, index: jax.Array | int, dtype: jnp.dtype, window: int, pages: jax.Array, kv_heads: int
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """`read_layer`, an int8 lanes pool's values left unscaled: keys and values [rows, window,
+    kv_heads, head_dim] in the compute dtype (int8 values cast exactly) and their scales (k_scale,
+    v_scale [rows, window, kv_heads] float32), which attention applies to its scores and
+    probabilities (serving.models.layers.attention); None for any other pool, whose keys and values
+    come dequantized. On a TPU, a cast of the gathered scales alone is one XLA moves before the
+    gather, casting the whole scale pool every step; multiplied in float32 they stay gathered."""
     n = pages_for(window, cache.k.shape[2])
     if cache.lanes:
         return _read_lanes(cache, index, dtype, window, pages[:, :n], kv_heads)
@@ -248,14 +283,15 @@ def read_layer(
         return got.reshape(got.shape[0], -1, *got.shape[3:])[:, :window].astype(dtype)
 
     if not cache.quantized:
-        return layer(cache.k), layer(cache.v)
-    return layer(cache.k) * layer(cache.k_scale), layer(cache.v) * layer(cache.v_scale)
+        return layer(cache.k), layer(cache.v), None
+    return layer(cache.k) * layer(cache.k_scale), layer(cache.v) * layer(cache.v_scale), None
 
 
 def _read_lanes(
     cache: KVCache, index, dtype: jnp.dtype, window: int, pages: jax.Array, kv_heads: int
-) -> tuple[jax.Array, jax.Array]:
-    """`read_layer` of a lanes pool: the gathered pages unpacked to [rows, window, kv_heads, head_dim]."""
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """`read_layer_scaled` of a lanes pool: the gathered pages unpacked to [rows, window, kv_heads,
+    head_dim], an int8 pool's scales beside them."""
     rows = pages.shape[0]
 
     def positions(x: jax.Array) -> jax.Array:  # [rows, n, page_size, ...] -> [rows, window, ...]
@@ -266,14 +302,13 @@ def _read_lanes(
         return from_lanes(positions(x), kv_heads).astype(dtype)
 
     if not cache.quantized:
-        return values(cache.k), values(cache.v)
+        return values(cache.k), values(cache.v), None
 
     def scales(x: jax.Array) -> jax.Array:
         got = x[index, pages]  # [rows, n, heads * page_size] (heads: kv_heads, or 1 per token)
         page_size = cache.k.shape[2]
         heads = got.shape[-1] // page_size
         got = jnp.swapaxes(got.reshape(rows, -1, heads, page_size), -1, -2)  # [rows, n, page_size, heads]
-        return got.reshape(rows, -1, heads, 1)[:, :window].astype(dtype)
+        return jnp.broadcast_to(got.reshape(rows, -1, heads)[:, :window], (rows, window, kv_heads))
 
-    return values(cache.k) * scales(cache.k_scale), values(cache.v) * scales(cache.v_scale)
-
+    return values(cache.k), values(cache.v), (scales(cache.k_scale), scales(cache.v_scale))

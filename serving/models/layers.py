@@ -72,35 +72,59 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scales: tuple[jax.Array, jax.Array] | None = None
+) -> jax.Array:
     """Grouped-query attention with softmax in float32.
 
     q: [batch, seq, kv_heads, groups, head_dim]; k, v: [batch, cache, kv_heads, head_dim];
-    mask: [batch, seq, cache] (True = may attend). Returns [batch, seq, kv_heads, groups, head_dim].
+    mask: [batch, seq, cache] (True = may attend); `scales`: int8 k and v's (k_scale, v_scale
+    [batch, cache, kv_heads] float32), applied to the scores and the probabilities (see
+    `_scaled`). Returns [batch, seq, kv_heads, groups, head_dim].
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = jnp.einsum("bskgd,bckd->bkgsc", q, k, preferred_element_type=jnp.float32) * scale
+    scores = _scaled(scores, scales, 0)
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = _scaled(jax.nn.softmax(scores, axis=-1), scales, 1).astype(v.dtype)
     return jnp.einsum("bkgsc,bckd->bskgd", probs, v)
 
 
+def _scaled(x: jax.Array, scales: tuple[jax.Array, jax.Array] | None, which: int) -> jax.Array:
+    """x [batch, kv_heads, groups, seq, cache] times the cache positions' k (which 0) or v (1)
+    scales [batch, cache, kv_heads]: q . (k * s) = (q . k) s, and sum p (v * s) = sum (p s) v, so
+    an int8 cache's values go into the dots as they are (cast exactly) and its scales, in float32,
+    multiply a tensor of the scores' size, not the cache's (whose dequantized copy XLA would
+    make)."""
+    if scales is None:
+        return x
+    return x * jnp.transpose(scales[which], (0, 2, 1))[:, :, None, None, :]
+
+
 def attention_with_new_token(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, k_new: jax.Array, v_new: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """One decode step's attention over the cache plus the token's own key and value.
 
     q: [batch, 1, kv_heads, groups, head_dim]; k, v: [batch, cache, kv_heads, head_dim] (positions
-    before the token); mask: [batch, 1, cache]; k_new, v_new: [batch, kv_heads, head_dim].
+    before the token); mask: [batch, 1, cache]; k_new, v_new: [batch, kv_heads, head_dim]; `scales`
+    as `attention`'s (k and v int8 values, k_new and v_new not).
     Same result as writing the token into the cache first and calling `attention`, without
     needing the cache written before it is read.
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = jnp.einsum("bskgd,bckd->bkgsc", q, k, preferred_element_type=jnp.float32) * scale
+    scores = _scaled(scores, scales, 0)
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
     own = jnp.einsum("bskgd,bkd->bkgs", q, k_new, preferred_element_type=jnp.float32)[..., None] * scale
     top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), own)
     weights, own_weight = jnp.exp(scores - top), jnp.exp(own - top)
     total = jnp.sum(weights, axis=-1, keepdims=True) + own_weight
-    probs, own_prob = (weights / total).astype(v.dtype), (own_weight / total).astype(v.dtype)
+    probs, own_prob = _scaled(weights / total, scales, 1).astype(v.dtype), (own_weight / total).astype(v.dtype)
     return jnp.einsum("bkgsc,bckd->bskgd", probs, v) + jnp.einsum("bkgs,bkd->bskgd", own_prob[..., 0], v_new)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.models.cache import KVCache, read_layer
+from serving.models.cache import KVCache, read_layer_scaled
 from serving.models.config import ModelConfig
 from serving.models.layers import attention, attention_with_new_token, matmul
 
@@ -57,9 +57,9 @@ class XlaOps:
         of the page pool (serving.models.cache), row b at its positions [0, positions[b]) (all below
         `window`) through its block table pages[b] ([batch, max_pages]), then the token's own
         k_new, v_new [batch, kv_heads, head_dim]. Returns [batch, 1, kv_heads, groups, head_dim]."""
-        keys, values = read_layer(cache, layer, q.dtype, window, pages, q.shape[2])
+        keys, values, scales = read_layer_scaled(cache, layer, q.dtype, window, pages, q.shape[2])
         earlier = (jnp.arange(window)[None, :] < positions[:, None])[:, None, :]  # [batch, 1, window]
-        return attention_with_new_token(q, keys, values, earlier, k_new, v_new)
+        return attention_with_new_token(q, keys, values, earlier, k_new, v_new, scales)
 
     def chunk_attention(
         self,
@@ -84,10 +84,13 @@ class XlaOps:
         its row's true length, lengths[b] [batch], and may skip the rest (a chunk's padding),
         returning zeros there instead of this method's values: callers read only the positions
         below each row's length. Returns [batch, seq, kv_heads, groups, head_dim]."""
-        old_k, old_v = read_layer(cache, layer, q.dtype, window, pages, q.shape[2])
+        old_k, old_v, scales = read_layer_scaled(cache, layer, q.dtype, window, pages, q.shape[2])
         keys = jnp.concatenate([old_k, k_new.astype(q.dtype)], axis=1)
         values = jnp.concatenate([old_v, v_new.astype(q.dtype)], axis=1)
-        return attention(q, keys, values, mask)
+        if scales is not None:  # the call's own k_new, v_new are float: a scale of 1
+            ones = jnp.ones((*k_new.shape[:3],), jnp.float32)
+            scales = tuple(jnp.concatenate([s, ones], axis=1) for s in scales)
+        return attention(q, keys, values, mask, scales)
 
     def counting(self, counts: jax.Array, span: int) -> XlaOps:
         """These ops for a forward pass whose activations [groups, span, ...] count only each
