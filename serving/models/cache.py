@@ -176,8 +176,9 @@ def _write(cache: KVCache, pages: jax.Array, positions: jax.Array, values: tuple
 
 
 def _write_lanes(cache: KVCache, pages: jax.Array, positions: jax.Array, values: tuple) -> KVCache:
-    """`_write` into a lanes pool: one scatter per array at explicit (layer, page, offset) indices
-    (through a flat [layers, pages * page_size] view XLA relays the pool out on a TPU)."""
+    """`_write` into a lanes pool (each row's positions consecutive): values by one scatter at
+    explicit (layer, page, offset) indices (through a flat [layers, pages * page_size] view XLA
+    relays the pool out on a TPU), scales by whole page rows (`_write_scale_rows`)."""
     page_size, max_pages = cache.k.shape[2], pages.shape[1]
     column = positions // page_size
     page = jnp.take_along_axis(pages, jnp.clip(column, 0, max_pages - 1), axis=1)
@@ -190,28 +191,32 @@ def _write_lanes(cache: KVCache, pages: jax.Array, positions: jax.Array, values:
             out.append(None)
         elif c.ndim == 4:  # values
             out.append(c.at[layer, page, offset].set(to_lanes(x, c)))
-        elif positions.shape[1] == 1:  # scales of one token a row (a decode step): whole page rows
-            out.append(_write_scale_rows(c, layer[..., 0], page[..., 0], offset[..., 0], x[:, :, 0, :, 0]))
         else:  # scales [layers, pages, heads * page_size] of x [..., heads, 1] (heads 1: per token)
-            heads = c.shape[-1] // page_size
-            at = jnp.arange(heads) * page_size + offset[..., None]  # [1, batch, n, heads]
-            out.append(c.at[layer[..., None], page[..., None], at].set(x[..., 0].astype(c.dtype)))
+            out.append(_write_scale_rows(c, pages, positions, x[..., 0]))
     return KVCache(*out)
 
 
-def _write_scale_rows(c: jax.Array, layer: jax.Array, page: jax.Array, offset: jax.Array, x: jax.Array) -> jax.Array:
-    """Scales x [layers, batch, heads] of one token a row (`layer` [layers, 1]), at `offset` [1, batch] of `page` [1,
-    batch], into c [layers, pages, heads * page_size]: each row's page row read, changed and
-    written back whole. A scatter of single values had XLA on a TPU flatten the whole scale pool to
-    one dimension and back, two copies of it every step; whole rows keep its layout. Rows write
-    distinct pages (a padding row's, the scratch page, is anyone's)."""
+def _write_scale_rows(c: jax.Array, table: jax.Array, positions: jax.Array, x: jax.Array) -> jax.Array:
+    """Scales x [layers, batch, n, heads] at positions [batch, n] (consecutive in each row) of the
+    rows whose tables are `table` [batch, max_pages], into c [layers, pages, heads * page_size]:
+    each page row a row's positions touch read, changed where they fall and written back whole. A
+    scatter of single values had XLA on a TPU flatten the whole scale pool to one dimension and
+    back, two copies of it every call; whole rows keep its layout. Rows write distinct pages (a
+    padding row's, the scratch page, is anyone's)."""
+    batch, n = positions.shape
     heads = x.shape[-1]
     page_size = c.shape[-1] // heads
-    rows = c[layer, page]  # [layers, batch, heads * page_size]
-    column = jnp.arange(heads * page_size)
-    mine = column % page_size == offset[..., None]  # [1, batch, heads * page_size]
-    new = jnp.repeat(x.astype(c.dtype), page_size, axis=-1)  # each head's scale over its page_size columns
-    return c.at[layer, page].set(jnp.where(mine, new, rows))
+    span = 1 if n == 1 else -(-n // page_size) + 1  # page rows n consecutive positions can touch
+    columns = positions[:, :1] // page_size + jnp.arange(span)[None, :]  # [batch, span]
+    max_pages = table.shape[1]
+    page = jnp.take_along_axis(table, jnp.clip(columns, 0, max_pages - 1), axis=1)
+    page = jnp.where((columns >= 0) & (columns < max_pages), page, SCRATCH_PAGE)[None]  # [1, batch, span]
+    lane = jnp.arange(heads * page_size)  # head lane // page_size, offset lane % page_size
+    token = columns[..., None] * page_size + lane % page_size - positions[:, :1, None]  # [batch, span, lanes]
+    inside = (token >= 0) & (token < n)
+    new = x[:, jnp.arange(batch)[:, None, None], jnp.clip(token, 0, n - 1), lane // page_size]  # [layers, batch, span, lanes]
+    layer = jnp.arange(c.shape[0])[:, None, None]
+    return c.at[layer, page].set(jnp.where(inside[None], new.astype(c.dtype), c[layer, page]))
 
 
 def _scatter(cache: KVCache, index: jax.Array, values: tuple) -> KVCache:
