@@ -88,10 +88,13 @@ def compiled_generate(engine, params, batch: int, window: int | None = None):
     return {f: getattr(mem, f, None) for f in fields}, copies
 
 
-def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path) -> None:
+def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path, trace: int = 0) -> None:
     """Each config (key=value overrides, space-separated) on one loaded model: the engine alone at
-    each batch, its generate program's temporaries and pool-sized copies."""
+    each batch, its generate program's temporaries and pool-sized copies; with `trace`, a device
+    trace of the engine alone at that batch, by op (OUT/device-ops-{config index}.json)."""
     import gc
+
+    import jax
 
     from serving.checkpoints.model_source import load_model
     from serving.engine.engine import Engine
@@ -108,10 +111,19 @@ def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, o
         params = engine.load_params()
         row = {"overrides": overrides, "backend": engine.ops.name, "slots": engine.max_concurrent_decodes}
         try:
-            row["memory"], row["pool_copies"] = compiled_generate(engine, params, max(batches))
-            for batch in batches:
+            slots = engine.max_concurrent_decodes
+            row["memory"], row["pool_copies"] = compiled_generate(engine, params, min(max(batches), slots))
+            for batch in (min(b, slots) for b in batches):
                 engine_alone(engine, params, prompt_ids, batch, 8)  # compile
                 row[f"b{batch}_tok_s"] = engine_alone(engine, params, prompt_ids, batch, new_tokens)
+            if trace:
+                trace_dir = out / f"trace-{len(results)}"
+                engine_alone(engine, params, prompt_ids, trace, 8)
+                with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                    engine_alone(engine, params, prompt_ids, trace, 16)
+                ops = device_ops(trace_dir)
+                (out / f"device-ops-{len(results)}.json").write_text(json.dumps(ops, indent=1))
+                shutil.rmtree(trace_dir)
         except Exception as exc:  # one config's failure (out of memory, say) is a result too
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         row["seconds"] = time.perf_counter() - started
@@ -167,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--sweep", action="append", default=[], help="a config (overrides) to sweep")
+    parser.add_argument("--trace", type=int, default=0, help="with --sweep: a device trace of each config at this batch")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_intermixed_args(argv)
     if ns.sweep:
         ns.out.mkdir(parents=True, exist_ok=True)
-        sweep(ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out)
+        sweep(ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out, ns.trace)
         return 0
     import jax
 
