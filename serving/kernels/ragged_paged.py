@@ -22,7 +22,9 @@ The layout of a call:
 
 Per block the kernel walks the sequence's pages `pages_per_block` at a time (a kv block), copying
 each kv block's pages from HBM into VMEM while it computes the one before (two buffers, one DMA
-semaphore each), with an online softmax per kv head in float32. Only the kv blocks up to the
+semaphore each), with an online softmax per kv head in float32; a block's first kv block is
+copied while the block before it computes (two more buffers, by the blocks' parity), so that a
+decode step's sequences, one kv block each, do not each wait for their pages. Only the kv blocks up to the
 block's last position are read: a decode step reads each sequence's live pages once per layer.
 
 Why not JAX's own paged_attention kernel (serving.kernels.tpu_paged): it takes one query token
@@ -79,11 +81,19 @@ def _kernel(
     pieces = 4 if quantized else 1  # a head's dims in pieces of `width` lanes
     width = head_dim // pieces  # a piece's lanes: a head's lanes in the pool too (int8: four values a lane)
     span = pages_per_block * page_size  # positions of one kv block
-    kv_len = start + rows if causal else start  # not causal: every token sees [0, start)
-    num_kv = jnp.where((rows > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
 
-    def copies(kv_block, slot):
-        """The DMAs of kv block `kv_block`'s pages into buffer `slot` (k and v, and their scales)."""
+    def kv_blocks(block):
+        """How many kv blocks block `block` reads."""
+        kv_len = start_ref[block] + (rows_ref[block] if causal else 0)  # not causal: every token sees [0, start)
+        return jnp.where((rows_ref[block] > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
+
+    num_kv = kv_blocks(b)
+    # Buffers: a block's first kv block goes into slot 2 + b % 2, copied while the block before it
+    # computes (its DMAs started there, at that block's start), the rest alternate in slots 0 and 1.
+    entry = 2 + jax.lax.rem(b, 2)
+
+    def copies(kv_block, slot, seq=seq):
+        """The DMAs of sequence `seq`'s kv block `kv_block` into buffer `slot` (k and v, and their scales)."""
         out = []
         for p in range(pages_per_block):
             column = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
@@ -103,6 +113,17 @@ def _kernel(
         by_position = scales[:, at : at + page_size].T  # [page_size, pages]
         return jnp.concatenate([by_position[:, p : p + 1] for p in range(pages_per_block)], axis=0)
 
+    @pl.when((b == 0) & (num_kv > 0))
+    def _():  # the first block's first kv block: no block before it copied it
+        for c in copies(0, entry):
+            c.start()
+
+    @pl.when((b + 1 < pl.num_programs(0)) & (kv_blocks(jnp.minimum(b + 1, pl.num_programs(0) - 1)) > 0))
+    def _():  # the next block's first kv block, copied while this one computes
+        following = jnp.minimum(b + 1, pl.num_programs(0) - 1)
+        for c in copies(0, 3 - jax.lax.rem(b, 2), seq_ref[following]):
+            c.start()
+
     @pl.when(num_kv == 0)
     def _():
         o_ref[...] = jnp.zeros_like(o_ref)
@@ -110,8 +131,6 @@ def _kernel(
 
     @pl.when(num_kv > 0)
     def _():
-        for c in copies(0, 0):
-            c.start()
         rows_q = block_q * groups
         col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 1)
         if causal:  # each query row's position (row t * groups + g is token t): it sees [0, that]
@@ -136,11 +155,11 @@ def _kernel(
             return [((_unpack(k_h, k) * k_col).astype(dot), (_unpack(v_h, k) * v_col).astype(dot)) for k in range(4)]
 
         def body(i, carry):
-            slot = jax.lax.rem(i, 2)
+            slot = jnp.where(i == 0, entry, jax.lax.rem(i, 2))
 
             @pl.when(i + 1 < num_kv)
             def _():
-                for c in copies(i + 1, 1 - slot):
+                for c in copies(i + 1, jax.lax.rem(i + 1, 2)):
                     c.start()
 
             for c in copies(i, slot):
@@ -251,10 +270,10 @@ def ragged_paged_attention(
         in_specs=[spec] + [pl.BlockSpec(memory_space=pl.ANY)] * (4 if quantized else 2),
         out_specs=[spec, lse_spec],
         scratch_shapes=[
-            pltpu.VMEM((2, pages_per_block, *k_pool.shape[2:]), k_pool.dtype),
-            pltpu.VMEM((2, pages_per_block, *v_pool.shape[2:]), v_pool.dtype),
-            *([pltpu.VMEM((2, pages_per_block, k_scale.shape[-1]), jnp.float32)] * 2 if quantized else []),
-            pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
+            pltpu.VMEM((4, pages_per_block, *k_pool.shape[2:]), k_pool.dtype),
+            pltpu.VMEM((4, pages_per_block, *v_pool.shape[2:]), v_pool.dtype),
+            *([pltpu.VMEM((4, pages_per_block, k_scale.shape[-1]), jnp.float32)] * 2 if quantized else []),
+            pltpu.SemaphoreType.DMA((4 if quantized else 2, 4)),
         ],
     )
     out, lse = pl.pallas_call(
