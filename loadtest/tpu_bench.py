@@ -186,7 +186,7 @@ def roofline(engine, params, chip: dict, batch: int, context: int) -> float:
         + cfg.num_heads * cfg.head_dim * cfg.embed_dim
         + 3 * cfg.embed_dim * cfg.mlp_dim
     ) + cfg.embed_dim * cfg.vocab_size
-    rate = chip["int8_op_per_s"] if engine.config.quantization == "int8" else chip["bf16_flop_per_s"]
+    rate = chip["int8_op_per_s"] if engine.config.quantization.activations else chip["bf16_flop_per_s"]
     step = max((weights + batch * context * kv_per_position) / chip["hbm_bytes_per_s"], 2 * matmul_params * batch / rate)
     return batch / step
 

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -23,7 +23,7 @@ from serving.errors import ConfigError
 from serving.kernels.support import weights_unsupported
 from serving.maxtext_config import MODEL_KEYS, RULES, base_rules, merge_rules, normalize_rules, split_keys
 from serving.models.config import ModelConfig
-from serving.quantization_mode import decide_quantization
+from serving.quantization_mode import Quantization, decide_quantization
 
 CONFIG_DIR_ENV = "PATHSERVE_CONFIG_DIR"
 _Part = TypeVar("_Part")
@@ -215,6 +215,7 @@ class ServingConfig(BaseModel):
         part = self._part(EngineConfig)
         return EngineConfig(**{
             **part.__dict__,
+            "quantization": decide_quantization(self.quantization, self.checkpoint_is_quantized),
             "decode_slot_buckets": tuple(self.decode_slot_buckets),
             "logical_axis_rules": normalize_rules(self.logical_axis_rules),
             "max_loras": self.lora.max_loras,
@@ -413,7 +414,9 @@ class EngineConfig:
     scan_layers: bool = _default("scan_layers")
     dtype: str = _default("dtype")
     weight_dtype: str = _default("weight_dtype")
-    quantization: str = _default("quantization")
+    # what `quantization` means, decided once (serving.quantization_mode): the flags' mode, and
+    # where start-up read a checkpoint, the entries it stores in int8 (LaunchPlan.engine)
+    quantization: Quantization = field(default_factory=Quantization)
     quantize_kvcache: bool = _default("quantize_kvcache")
     kv_quant_axis: str = _default("kv_quant_axis")
     cpu_kernels: str = _default("cpu_kernels")

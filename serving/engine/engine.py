@@ -102,7 +102,7 @@ def select_ops(config: EngineConfig, mesh: Mesh):
     """The compute backend for `config` on `mesh`'s devices (serving.kernels.backend.select)."""
     return backend.select(
         config.cpu_kernels,
-        config.quantization,
+        config.quantization.mode,
         config.weight_dtype,
         list(mesh.devices.flat),
         pages_per_compute_block=config.pagedattn_pages_per_compute_block,
@@ -245,7 +245,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
     def summary(self) -> dict[str, str]:
         """What runs: the weights' quantization, the KV cache's format, the compute backend."""
         return {
-            "quantization": self.config.quantization or "none",
+            "quantization": self.config.quantization.mode or "none",
             "kv_cache": "int8" if self.config.quantize_kvcache else self.config.dtype,
             "backend": self.ops.name,
         }

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from serving.maxtext_config import Rules, base_rules, normalize_rules
 from serving.models.config import ModelConfig
 from serving.models.params import EMBEDDING, LAYER_KEYS, int8_entries, param_shapes
+from serving.quantization_mode import Quantization
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +97,17 @@ class Numerics:
 
     @classmethod
     def of(cls, config: object, int8: tuple[str, ...] | None = None, pool_layout: str = "tokens") -> Numerics:
-        """From a ServingConfig or an EngineConfig (both have these keys); `pool_layout`: the
+        """From a ServingConfig (its `quantization` flag) or an EngineConfig (the decided
+        `Quantization`, whose int8 entries stand where `int8` is not given); `pool_layout`: the
         compute backend's (serving.models.ops.XlaOps.pool_layout)."""
+        quantization = config.quantization
+        if isinstance(quantization, Quantization):
+            int8 = quantization.int8 if int8 is None and quantization.stored else int8
+            quantization = quantization.mode
         return cls(
             config.weight_dtype,
             config.dtype,
-            config.quantization,
+            quantization,
             config.quantize_kvcache,
             normalize_rules(getattr(config, "logical_axis_rules", ())),
             bool(getattr(config, "replicate_quant_scale", False)),

@@ -76,7 +76,7 @@ def _kernel(
     else:
         q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems = refs
     b = pl.program_id(0)
-    seq, start, rows = seq_ref[b], start_ref[b], rows_ref[b]
+    seq, start = seq_ref[b], start_ref[b]
     layer = layer_ref[0]
     pieces = 4 if quantized else 1  # a head's dims in pieces of `width` lanes
     width = head_dim // pieces  # a piece's lanes: a head's lanes in the pool too (int8: four values a lane)

@@ -15,7 +15,7 @@ kernels read it; nothing writes back.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from serving.checkpoints.checkpoint import is_checkpoint
@@ -58,7 +58,9 @@ class LaunchPlan:
 
     @property
     def engine(self) -> EngineConfig:
-        return self.config.engine
+        """The engine's config, carrying the quantization decided here (the checkpoint's own int8
+        entries with it)."""
+        return replace(self.config.engine, quantization=self.quantization)
 
     def numerics(self) -> Numerics:
         """The placement's numerics: the config's dtypes and rules, the int8 entries as decided."""

@@ -64,6 +64,21 @@ def test_the_placement_reads_the_decided_int8_entries():
     assert Numerics("float32", "float32", q.mode, int8=q.int8).int8_entries == frozenset(MAXTEXT_INT8)
 
 
+def test_the_engine_config_carries_the_decided_quantization_as_a_value():
+    """What `quantization` means is decided once: ServingConfig.engine carries the flags' decision,
+    a launch plan's engine its own (the checkpoint's stored int8 entries with it), and the
+    placement reads its int8 entries from that value."""
+    from dataclasses import replace
+
+    from serving.config import ServingConfig
+
+    engine = ServingConfig(quantization="int8").engine
+    assert engine.quantization == Quantization("int8") and engine.quantization.activations
+    decided = replace(engine, quantization=Quantization("int8", stored=MAXTEXT_INT8))
+    assert Numerics.of(decided).int8_entries == frozenset(MAXTEXT_INT8)
+    assert Numerics.of(ServingConfig(quantization="int8w")).int8_entries == frozenset(Quantization("int8w").int8)
+
+
 def test_the_serving_profile_applies_to_any_model_and_says_where_each_key_came_from(tmp_path):
     mine = given_config(None, ["max_target_length=512"], str(tmp_path))
     cfg = mine.config
