@@ -241,7 +241,8 @@ def test_a_final_row_alone_carries_its_prompt_and_mask():
         _check_inputs(limits, PrefillRow(0, (1, 2), 0, False, SamplingParams(repetition_penalty=2.0), prompt_ids=(1, 2)))
     with pytest.raises(ValueError, match="mask"):
         _check_inputs(limits, PrefillRow(0, (1, 2), 0, False, SamplingParams(), mask=np.zeros(10, np.int32)))
-    rows = [PrefillRow(0, (1, 2), 0, True, SamplingParams(), mask=np.full(10, 5, np.int32)), PrefillRow(1, (3,), 0, True, SamplingParams())]
+    # a matcher's mask over a tokenizer wider than the decodable vocabulary (12 words for 10): cut
+    rows = [PrefillRow(0, (1, 2), 0, True, SamplingParams(), mask=np.full(12, 5, np.int32)), PrefillRow(1, (3,), 0, True, SamplingParams())]
     inputs, _ = _check_inputs(limits, rows)
     assert (inputs[8][0, :10] == 5).all() and (inputs[8][1] == -1).all()  # a row without a grammar allows every token
 

@@ -147,7 +147,7 @@ class ChunkedPrefill:
             if row.mask is not None:
                 if not row.final:
                     raise ValueError("a row's mask goes with its final chunk")
-                masks[i] = row.mask
+                masks[i] = np.asarray(row.mask)[: masks.shape[1]]  # a tokenizer's words past the decodable vocabulary: dropped
         sampling = stacked_sampling([r.sampling for r in rows], count)
         keys = sampling.key  # the request's own seed: choice 0's key, as `prefill` draws it
         inputs = (tokens, slots, starts, lengths, final, generated, keys, prompt, masks, sampling)
@@ -258,7 +258,11 @@ class ChunkedPrefill:
         resumed = real & (generated > 0)
         recent = jnp.where(resumed[:, None], state.history.recent[held], penalties.no_recent(count))
         row = jnp.arange(count)[:, None]
-        fresh_prompt = jnp.zeros((count, vocab), bool).at[row, jnp.where(prompt >= 0, prompt, vocab)].set(True, mode="drop")
+        fresh_prompt = jax.lax.cond(  # the scatter only when some row carries its prompt
+            jnp.any(prompt >= 0),
+            lambda: jnp.zeros((count, vocab), bool).at[row, jnp.where(prompt >= 0, prompt, vocab)].set(True, mode="drop"),
+            lambda: jnp.zeros((count, vocab), bool),
+        )
 
         def kept() -> tuple[jax.Array, jax.Array]:
             return (

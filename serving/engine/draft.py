@@ -66,11 +66,15 @@ class DraftModel:
     @staticmethod
     def engine_config(target: EngineConfig, num_speculative_tokens: int) -> EngineConfig:
         """The draft engine's config: the target's slots and lengths, k - 1 steps per generate, a
-        KV pool in which every slot owns its full length."""
+        KV pool in which every slot owns its full length, the target's quantization mode without
+        the target checkpoint's stored int8 entries (the draft's params say their own)."""
         import dataclasses
 
+        from serving.quantization_mode import Quantization
+
         return dataclasses.replace(
-            target, decode_steps_per_call=max(1, num_speculative_tokens - 1), kv_cache_bytes_per_chip=0
+            target, decode_steps_per_call=max(1, num_speculative_tokens - 1), kv_cache_bytes_per_chip=0,
+            quantization=Quantization(target.quantization.mode),
         )
 
     def propose(self, rows: Sequence[PrefillRow]) -> np.ndarray:

@@ -280,6 +280,8 @@ def ragged_paged_attention(
         kernel,
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((kv_heads, total, 1), jnp.float32)],
+        # sequential: a block waits for the copies the block before it started (a "parallel" grid
+        # split over cores would break that)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
     )(

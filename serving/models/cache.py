@@ -169,7 +169,9 @@ def _flat(c: jax.Array) -> jax.Array:
 
 def _write(cache: KVCache, pages: jax.Array, positions: jax.Array, values: tuple) -> KVCache:
     """Write values [layers, batch, n, ...] (as `_stored` gives them) at positions [batch, n] of
-    the rows whose tables are `pages` [batch, max_pages], in every layer."""
+    the rows whose tables are `pages` [batch, max_pages], in every layer. Each row's positions are
+    consecutive (a chunk, a verify's tokens, a decode step's one): a lanes pool's scales are
+    written by whole page rows from the first (`_write_scale_rows`)."""
     if cache.lanes:
         return _write_lanes(cache, pages, positions, values)
     return _scatter(cache, token_index(pages, positions, cache.k.shape[2]), values)
