@@ -130,3 +130,34 @@ def test_a_lanes_pools_bytes_count_the_tpus_padding_of_a_narrow_minor_axis():
     padded = 2 * model.num_layers * (32 * 128 * 4 + 128 * 4)
     assert kv_bytes("smollm2-135m", "lanes") == padded > kv_bytes("smollm2-135m", "tokens")
     assert kv_bytes("llama3.2-1b", "lanes") == kv_bytes("llama3.2-1b", "tokens")
+
+
+def test_scale_rows_take_every_write_of_consecutive_positions():
+    """`_write_scale_rows` (a lanes pool's scales, whole page rows read, changed and written back)
+    against single-value writes: chunks from any offset of a page, across pages, past a row's
+    table (the scratch page, page 0, is anyone's: not compared), one token a row (a decode)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from serving.models.cache import _write_scale_rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        heads, page_size, batch = int(rng.choice([1, 3])), int(rng.choice([4, 8])), int(rng.integers(1, 4))
+        n, max_pages, num_pages = int(rng.choice([1, 2, 5, 9, 17])), 6, 40
+        owned = rng.permutation(np.arange(1, num_pages))
+        table = np.zeros((batch, max_pages), np.int32)
+        for b in range(batch):
+            k = int(rng.integers(0, max_pages + 1))
+            table[b, :k] = owned[b * max_pages : b * max_pages + k]
+        positions = (rng.integers(0, max_pages * page_size + 3, size=batch)[:, None] + np.arange(n)).astype(np.int32)
+        pool = rng.standard_normal((2, num_pages, heads * page_size)).astype(np.float32)
+        x = rng.standard_normal((2, batch, n, heads)).astype(np.float32)
+        want = pool.copy()
+        for b in range(batch):
+            for j, p in enumerate(positions[b]):
+                column = p // page_size
+                page = table[b, column] if column < max_pages else 0
+                want[:, page, np.arange(heads) * page_size + p % page_size] = x[:, b, j]
+        got = np.asarray(_write_scale_rows(jnp.asarray(pool), jnp.asarray(table), jnp.asarray(positions), jnp.asarray(x)))
+        np.testing.assert_array_equal(got[:, 1:], want[:, 1:])
