@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from serving.errors import GenerationError
 from serving.request import SamplingParams
@@ -169,11 +169,13 @@ class Limits:
         padding = itertools.islice(others, self.decode_slots(len(taken)) - len(taken))
         return tuple(sorted([*taken, *padding]))
 
-    def check(self, prompt_length: int, sampling: SamplingParams) -> None:
-        """Raise GenerationError (naming the request field) for a request these shapes cannot serve."""
+    def check(self, prompt_length: int, sampling: SamplingParams, prefix_cache: bool = False) -> None:
+        """Raise GenerationError (naming the request field) for a request these shapes cannot serve.
+        `prefix_cache`: the scheduler shares prompt pages (n > 1 choices then go in chunks, so
+        their prompt may be longer than max_prefill_predict_length)."""
         if prompt_length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
-        if prefills_whole(sampling):
+        if prefills_whole(replace(sampling, n=1) if prefix_cache else sampling):
             self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:
             raise GenerationError(

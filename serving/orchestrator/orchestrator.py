@@ -229,7 +229,8 @@ class Orchestrator:
         """`submit` for a request of `sampling.n` choices: one handle per choice, in order."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
-        self.engine.limits.check(len(prompt_ids), sampling)  # n choices need no more than the slots
+        # n choices need no more than the slots; with the prefix cache they go in chunks
+        self.engine.limits.check(len(prompt_ids), sampling, prefix_cache=self.config.prefix_cache == "on")
         if sampling.adapter is not None:
             if self.adapters is None:
                 raise UnknownAdapterError(sampling.adapter)

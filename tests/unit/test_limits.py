@@ -28,8 +28,12 @@ def test_the_whole_path_keeps_max_prefill_predict_length():
     # logprobs and carries the whole prompt), at any prompt length
     assert not prefills_whole(SamplingParams(logprobs=1)) and not prefills_whole(SamplingParams(repetition_penalty=1.3))
     LIMITS.check(65, SamplingParams(max_tokens=4, logprobs=1, repetition_penalty=1.3))
+    # n > 1 goes in chunks where the prefix cache shares the prompt's pages, whole otherwise
+    LIMITS.check(65, SamplingParams(max_tokens=4, n=2), prefix_cache=True)
+    with pytest.raises(GenerationError, match="max_prefill_predict_length=64"):
+        LIMITS.check(65, SamplingParams(max_tokens=4, n=2))
     with pytest.raises(GenerationError, match="max_prefill_predict_length=64") as err:
-        LIMITS.check(65, SamplingParams(max_tokens=4, prompt_logprobs=1))
+        LIMITS.check(65, SamplingParams(max_tokens=4, prompt_logprobs=1), prefix_cache=True)
     assert err.value.field == "prompt"
 
 

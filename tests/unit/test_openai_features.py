@@ -135,6 +135,14 @@ def test_n_choices_share_a_prefill_seed_apart_and_count_as_n_in_the_queue(prefix
         assert sum(call[0] == "prefill" for call in engine.calls) == (prefix_cache == "off")
         with pytest.raises(GenerationError, match="decode slots"):
             orchestrator.submit_choices([1], SamplingParams(n=5))
+        # a prompt past max_prefill_predict_length (64): chunks with the prefix cache, refused without
+        long = [(i * 7) % 90 + 3 for i in range(100)]
+        if prefix_cache == "on":
+            got = [h.result().token_ids for h in orchestrator.submit_choices(long, sampling)]
+            assert got == [engine.expected(long, sampling, i) for i in range(3)]
+        else:
+            with pytest.raises(GenerationError, match="max_prefill_predict_length"):
+                orchestrator.submit_choices(long, sampling)
         with pytest.raises(ValueError, match="submit_choices"):
             orchestrator.submit([1], sampling)
     finally:
