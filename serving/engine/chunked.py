@@ -33,13 +33,13 @@ import numpy as np
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
-from serving.engine.sampling import apply_mask, token_logprobs
+from serving.engine.sampling import apply_mask, token_logprobs_if
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
 from serving.models import prefill
 from serving.models.cache import SCRATCH_PAGE, store_chunks
-from serving.request import MAX_LOGPROBS, TokenLogprob
+from serving.request import TokenLogprob
 
 if TYPE_CHECKING:
     from serving.engine.warmup import BackgroundWarmup
@@ -102,15 +102,16 @@ class ChunkedPrefill:
         state, out = start(decode_state._replace(cache=None), last, *inputs[1:])
         state = state._replace(cache=cache)
         wants = [row.final and row.sampling.wants_logprobs for row in rows]
-        if not any(wants):
+        logprobs: tuple[TokenLogprob | None, ...] = (None,) * len(rows)
+        if any(wants):
+            first, chosen, top_ids, top = jax.device_get(out)  # one transfer
+            logprobs = tuple(
+                TokenLogprob(int(first[i]), float(chosen[i]), tuple(zip(top_ids[i].tolist(), top[i].tolist(), strict=True)))
+                if want else None
+                for i, want in enumerate(wants)
+            )
+        else:
             first = np.asarray(out[0])
-            return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows)), (None,) * len(rows)
-        first, chosen, top_ids, top = jax.device_get(out)  # one transfer
-        logprobs = tuple(
-            TokenLogprob(int(first[i]), float(chosen[i]), tuple(zip(top_ids[i].tolist(), top[i].tolist(), strict=True)))
-            if want else None
-            for i, want in enumerate(wants)
-        )
         return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows)), logprobs
 
     def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
@@ -301,12 +302,5 @@ class ChunkedPrefill:
             sampling=jax.tree.map(put, state.sampling, sampling._replace(key=keys)),
             history=history,
         )
-        num_top = min(MAX_LOGPROBS, vocab)
-
-        def no_logprobs(logits, token, temperature):
-            return jnp.zeros((count,), jnp.float32), jnp.zeros((count, num_top), jnp.int32), jnp.zeros((count, num_top))
-
-        logprobs = jax.lax.cond(
-            jnp.any(final & sampling.logprobs), token_logprobs, no_logprobs, last, first, sampling.temperature
-        )
+        logprobs = token_logprobs_if(jnp.any(final & sampling.logprobs), last, first, sampling.temperature)
         return new_state, jax.lax.with_sharding_constraint((first, *logprobs), replicated(self.mesh))

@@ -47,7 +47,7 @@ from serving.engine.handoff import Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
 from serving.engine.partitioning import Numerics
-from serving.engine.sampling import apply_mask, sample, token_logprobs
+from serving.engine.sampling import apply_mask, sample, token_logprobs, token_logprobs_if
 from serving.engine.sharding import (
     cache_shardings,
     engine_placement,
@@ -76,7 +76,7 @@ from serving.models.cache import SCRATCH_PAGE, dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
-from serving.request import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from serving.request import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -593,16 +593,6 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         pages = full.pages[rows]
         if masks is not None:
             masks = masks[rows]
-        num_top = min(MAX_LOGPROBS, self._num_decodable)
-
-        def no_logprobs(logits, token, temperature):
-            slots = token.shape[0]
-            return (
-                jnp.zeros((slots,), jnp.float32),
-                jnp.zeros((slots, num_top), jnp.int32),
-                jnp.zeros((slots, num_top), jnp.float32),
-            )
-
         def step(state: DecodeState, _):
             # An inactive row (free, prefilling, finished) attends to nothing and writes into the
             # scratch page: at position 0, its attention reads no cached position at all.
@@ -626,9 +616,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             )
             token = self._sample(logits, keys, sampling)
             wants = state.active & state.sampling.logprobs
-            chosen, top_ids, top = jax.lax.cond(
-                jnp.any(wants), token_logprobs, no_logprobs, logits, token, sampling.temperature
-            )
+            chosen, top_ids, top = token_logprobs_if(jnp.any(wants), logits, token, sampling.temperature)
             valid = state.active
             generated = state.generated + valid
             done = valid & (

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from serving.errors import GenerationError
 from serving.request import SamplingParams
@@ -59,11 +59,12 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
     return token in sampling.stop_ids or sampling.max_tokens <= 1
 
 
-def prefills_whole(sampling: SamplingParams) -> bool:
+def prefills_whole(sampling: SamplingParams, prefix_cache: bool = False) -> bool:
     """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
-    several choices, the prompt's logprobs) instead of chunks."""
+    the prompt's logprobs; several choices, unless the prefix cache shares their prompt's pages
+    and they go in chunks as n sequences) instead of chunks."""
     return (
-        sampling.n > 1
+        (sampling.n > 1 and not prefix_cache)
         or sampling.prompt_logprobs is not None
         or sampling.max_tokens < 1
     )
@@ -175,7 +176,7 @@ class Limits:
         their prompt may be longer than max_prefill_predict_length)."""
         if prompt_length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
-        if prefills_whole(replace(sampling, n=1) if prefix_cache else sampling):
+        if prefills_whole(sampling, prefix_cache):
             self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:
             raise GenerationError(

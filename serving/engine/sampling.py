@@ -34,7 +34,7 @@ from jax import lax
 
 from serving.request import MAX_LOGPROBS
 
-__all__ = ["apply_mask", "sample", "token_logprobs"]
+__all__ = ["apply_mask", "sample", "token_logprobs", "token_logprobs_if"]
 
 # top-k up to this k (and a top-p within it) is read from lax.top_k of this size; a larger k
 # bisects. On CPU at batch 32, top_k of 64 / 128 / 256 costs about 3.4 / 4.6 / 11 ms.
@@ -90,6 +90,20 @@ def token_logprobs(
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top, top_ids = lax.top_k(logprobs, min(num_top, logits.shape[-1]))
     return chosen, top_ids.astype(jnp.int32), top
+
+
+def token_logprobs_if(
+    wants: jax.Array, logits: jax.Array, tokens: jax.Array, temperature: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`token_logprobs` where `wants` (a scalar: some row asked for them), else zeros of the same
+    shapes: a call whose rows want none skips the log-softmax and the top-k over the vocabulary."""
+    rows, vocab = logits.shape
+    num_top = min(MAX_LOGPROBS, vocab)
+
+    def none(logits, tokens, temperature):
+        return jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_top), jnp.int32), jnp.zeros((rows, num_top))
+
+    return lax.cond(wants, token_logprobs, none, logits, tokens, temperature)
 
 
 def argmax(logits: jax.Array) -> jax.Array:

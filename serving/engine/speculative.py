@@ -39,13 +39,12 @@ from jax import lax
 
 from serving.engine import penalties
 from serving.engine.api import ResultTokens
-from serving.engine.sampling import argmax, kept, sample, token_logprobs
+from serving.engine.sampling import argmax, kept, sample, token_logprobs_if
 from serving.engine.sharding import replicated
 from serving.engine.state import RECENT, DecodeState, SlotSampling, TokenHistory, is_stop
 from serving.lora import stack as lora_stack
 from serving.models import prefill
 from serving.models.cache import SCRATCH_PAGE, store_chunks
-from serving.request import MAX_LOGPROBS
 
 
 def verify_tokens(
@@ -273,15 +272,8 @@ def _logprobs(
     """The emitted tokens' logprobs as `generate` gives them ([slots, k + 1] and [slots, k + 1,
     top]); zeros unless some slot `wants` them. logits [slots, k + 1, vocab]."""
     slots, columns, vocab = logits.shape
-    num_top = min(MAX_LOGPROBS, vocab)
-
-    def none(flat, chosen, temperature):
-        n = chosen.shape[0]
-        return jnp.zeros((n,), jnp.float32), jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top))
-
-    flat = lax.cond(
-        wants, token_logprobs, none, logits.reshape(slots * columns, vocab), tokens.reshape(-1),
-        jnp.repeat(temperature, columns),
+    flat = token_logprobs_if(
+        wants, logits.reshape(slots * columns, vocab), tokens.reshape(-1), jnp.repeat(temperature, columns)
     )
     return tuple(x.reshape(slots, columns, *x.shape[1:]) for x in flat)
 

@@ -417,10 +417,7 @@ class Scheduler:
     def _whole(self, request: Waiting) -> bool:
         """Whether `request` takes the whole prefill: it needs that call's outputs (the prompt's
         logprobs), or it has n > 1 choices and no prefix cache to share its prompt's pages through."""
-        sampling = request.sampling
-        if sampling.n > 1 and self.prefix_caching:
-            return prefills_whole(replace(sampling, n=1))
-        return prefills_whole(sampling)
+        return prefills_whole(request.sampling, self.prefix_caching)
 
     @staticmethod
     def _choices(request: Waiting) -> list[Waiting]:
