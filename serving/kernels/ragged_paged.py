@@ -58,29 +58,39 @@ def _kernel(
     # scalar prefetch
     layer_ref, tables_ref, seq_ref, start_ref, rows_ref,
     # inputs (q, k, v, and an int8 pool's k and v scales), outputs (out, lse), scratch (k and v
-    # buffers, the scales' buffers, the DMA semaphores)
+    # buffers, the scales' buffers, the DMA semaphores, the output's accumulators)
     *refs,
     block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
     max_pages: int, sm_scale: float, causal: bool, scale_heads: int,
 ):
-    """One block of queries over its sequence's pages, a kv block at a time. A float pool's head
-    is one piece of head_dim lanes. An int8 pool (`scale_heads` > 0: values four to an int32
-    lane, lane j of head h holding its dims 4j..4j+3; scales a row of scale_heads x page_size a
-    page) has four pieces a head, one per byte: q arrives with each head's dims in the lanes'
-    order (dims k, k + 4, ... first for k = 0..3: `_by_byte`) and the output leaves in it; a kv
-    block's scale rows [pages, scale_heads x page_size] are transposed once into a column a head
-    (positions on sublanes) that dequantizes each byte's values before their dot."""
+    """One block of queries over its sequence's pages, a kv block at a time, every kv head at once.
+
+    A kv block's keys arrive as the pool stores them, [span, lanes] with kv head h in lanes
+    [h * width, (h + 1) * width) (int8: `pieces` = 4 int8 values a lane, piece k the values of
+    dims 4j + k; float: one piece, the head's dims). The block's queries arrive in the same lanes,
+    q [pieces, rows, lanes] (row t * groups + g: token t, query head h * groups + g in head h's
+    lanes), and are laid out block-diagonally, [kv_heads * rows, lanes] with the rows of head h
+    zero outside its lanes: one dot per piece then gives every head's scores [kv_heads * rows,
+    span], and one dot per piece of the weights with the values every head's output in its own
+    lanes (the rest discarded at the end). Every array stays lane-dense (no head's narrow slice of
+    lanes is ever cut out), the MXU sees a few large dots instead of many tiny ones.
+
+    An int8 pool's scales (per position and head, or per position) multiply the scores and the
+    weights in float32; its int8 values are exact in bfloat16, so its dots lose nothing to them."""
     quantized = scale_heads > 0
     if quantized:
-        q_ref, k_hbm, v_hbm, ks_hbm, vs_hbm, o_ref, lse_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        q_ref, k_hbm, v_hbm, ks_hbm, vs_hbm, o_ref, lse_ref, k_buf, v_buf, ks_buf, vs_buf, sems, acc_ref = refs
     else:
-        q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems = refs
+        q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, acc_ref = refs
     b = pl.program_id(0)
     seq, start = seq_ref[b], start_ref[b]
     layer = layer_ref[0]
-    pieces = 4 if quantized else 1  # a head's dims in pieces of `width` lanes
-    width = head_dim // pieces  # a piece's lanes: a head's lanes in the pool too (int8: four values a lane)
+    pieces = 4 if quantized else 1
+    width = head_dim // pieces  # a head's lanes in a piece
+    lanes = kv_heads * width
     span = pages_per_block * page_size  # positions of one kv block
+    rows_q = block_q * groups
+    rows = kv_heads * rows_q  # the block-diagonal rows: head h's at [h * rows_q, (h + 1) * rows_q)
 
     def kv_blocks(block):
         """How many kv blocks block `block` reads."""
@@ -106,12 +116,8 @@ def _kernel(
                 out.append(pltpu.make_async_copy(vs_hbm.at[rows_at], vs_buf.at[slot, pl.ds(p, 1)], sems.at[3, slot]))
         return out
 
-    def column(scales: jax.Array, h: int) -> jax.Array:
-        """Head h's scales of a kv block as a column [span, 1] (position p * page_size + o at row
-        p * page_size + o) from its pages' rows [pages, scale_heads x page_size]."""
-        at = (h if scale_heads > 1 else 0) * page_size
-        by_position = scales[:, at : at + page_size].T  # [page_size, pages]
-        return jnp.concatenate([by_position[:, p : p + 1] for p in range(pages_per_block)], axis=0)
+    def head_of(shape, axis, size):
+        return jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, shape, axis), size)
 
     @pl.when((b == 0) & (num_kv > 0))
     def _():  # the first block's first kv block: no block before it copied it
@@ -131,30 +137,49 @@ def _kernel(
 
     @pl.when(num_kv > 0)
     def _():
-        rows_q = block_q * groups
-        col = jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 1)
-        if causal:  # each query row's position (row t * groups + g is token t): it sees [0, that]
-            last = start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows_q, span), 0), groups)
-        else:  # every row sees [0, start)
-            last = jnp.full((rows_q, span), start - 1, jnp.int32)
+        col = jax.lax.broadcasted_iota(jnp.int32, (rows, span), 1)
+        token = jax.lax.div(jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, span), 0), rows_q), groups)
+        # each row's last visible position: causal, its token's own; not causal, start - 1
+        last = start + token if causal else jnp.full((rows, span), start - 1, jnp.int32)
         # the dots' inputs in bfloat16 over a bfloat16 pool or bfloat16 queries (the MXU's own;
         # float32 passes cost several), accumulated in float32
         dot = jnp.bfloat16 if (q_ref if quantized else k_buf).dtype == jnp.bfloat16 else jnp.float32
+        diagonal = head_of((rows, lanes), 0, rows_q) == head_of((rows, lanes), 1, width)
         queries = [
-            [(q_ref[h, :, k * width : (k + 1) * width].astype(jnp.float32) * sm_scale).astype(dot) for k in range(pieces)]
-            for h in range(kv_heads)
+            jnp.where(diagonal, jnp.concatenate([q_ref[k].astype(jnp.float32) * sm_scale] * kv_heads, axis=0), 0.0).astype(dot)
+            for k in range(pieces)
         ]
 
-        def head_pieces(keys, values, slot, h):
-            """Head h's keys and values of the kv block in `slot`, a [span, width] pair a piece."""
-            k_h = keys[:, h * width : (h + 1) * width]
-            v_h = values[:, h * width : (h + 1) * width]
-            if not quantized:
-                return [(k_h.astype(dot), v_h.astype(dot))]
-            k_col, v_col = column(ks_buf[slot], h), column(vs_buf[slot], h)
-            return [((_unpack(k_h, k) * k_col).astype(dot), (_unpack(v_h, k) * v_col).astype(dot)) for k in range(4)]
+        def by_row(scales: jax.Array) -> jax.Array:
+            """A kv block's scales [pages, scale_heads x page_size] (a page's row head-major) as
+            the multiplier of its scores [rows, span]: row r of head h, column p * page_size + o
+            gets page p's scale of head h (or its only one) at offset o. Made by one dot of a
+            selection: each page's row spread over its page_size columns, a head's lanes summed
+            into its row; in two bfloat16 parts (their sum 16 bits of the scale's 24)."""
+            per_page = scales.shape[1]
+            spread = jnp.concatenate(
+                [jnp.broadcast_to(scales[p : p + 1], (page_size, per_page)) for p in range(pages_per_block)], axis=0
+            )  # [span, per_page]: row p * page_size + o holds page p's row
+            offset = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (span, per_page), 0), page_size)
+            spread = jnp.where(offset == jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (span, per_page), 1), page_size), spread, 0.0)
+            high = spread.astype(jnp.bfloat16)
+            low = (spread - high.astype(jnp.float32)).astype(jnp.bfloat16)
+            select = head_of((scale_heads, per_page), 1, page_size) == head_of((scale_heads, per_page), 0, 1)
+            select = select.astype(jnp.bfloat16)  # [scale_heads, per_page]: head h's lanes
+            by_head = sum(
+                jax.lax.dot_general(select, part, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for part in (high, low)
+            )  # [scale_heads, span]
+            return jnp.concatenate(
+                [jnp.broadcast_to(by_head[min(h, scale_heads - 1) : min(h, scale_heads - 1) + 1], (rows_q, span)) for h in range(kv_heads)], axis=0
+            )
+
+        def piece(x: jax.Array, k: int) -> jax.Array:
+            """Piece k of a kv block's keys or values [span, lanes] for the dots."""
+            return (_unpack(x, k) if quantized else x).astype(dot)
 
         def body(i, carry):
+            m, l = carry
             slot = jnp.where(i == 0, entry, jax.lax.rem(i, 2))
 
             @pl.when(i + 1 < num_kv)
@@ -164,54 +189,51 @@ def _kernel(
 
             for c in copies(i, slot):
                 c.wait()
-            keys = k_buf[slot].reshape(span, kv_heads * width)  # int8: four values a lane
-            values = v_buf[slot].reshape(span, kv_heads * width)
-            visible = i * span + col <= last
-            out = []
-            for h in range(kv_heads):
-                m, l, accs = carry[h]
-                parts = head_pieces(keys, values, slot, h)
-                s = sum(
-                    jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                    for q, (k, _) in zip(queries[h], parts, strict=True)
-                )
-                s = jnp.where(visible, s, NEG_INF)
-                m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-                weights = jnp.exp(s - m_new)
-                alpha = jnp.exp(m - m_new)
-                l_new = alpha * l + weights.sum(axis=1, keepdims=True)
-                accs = tuple(
-                    alpha * acc + jnp.dot(weights.astype(dot), v, preferred_element_type=jnp.float32)
-                    for acc, (_, v) in zip(accs, parts, strict=True)
-                )
-                out.append((m_new, l_new, accs))
-            return tuple(out)
+            keys = k_buf[slot].reshape(span, lanes)
+            values = v_buf[slot].reshape(span, lanes)
+            s = sum(
+                jax.lax.dot_general(queries[k], piece(keys, k), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for k in range(pieces)
+            )  # [rows, span]
+            if quantized:
+                s = s * by_row(ks_buf[slot])
+            s = jnp.where(i * span + col <= last, s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            weights = jnp.exp(s - m_new)
+            alpha = jnp.exp(m - m_new)
+            l_new = alpha * l + weights.sum(axis=1, keepdims=True)
+            if quantized:
+                weights = weights * by_row(vs_buf[slot])
+            weights = weights.astype(dot)
+            for k in range(pieces):
+                previous = jnp.where(i == 0, 0.0, acc_ref[k])
+                acc_ref[k] = alpha * previous + jnp.dot(weights, piece(values, k), preferred_element_type=jnp.float32)
+            return m_new, l_new
 
-        init = tuple(
-            (
-                jnp.full((rows_q, 1), NEG_INF, jnp.float32),
-                jnp.zeros((rows_q, 1), jnp.float32),
-                tuple(jnp.zeros((rows_q, width), jnp.float32) for _ in range(pieces)),
-            )
-            for _ in range(kv_heads)
-        )
-        final = jax.lax.fori_loop(0, num_kv, body, init)
+        init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+        m, l = jax.lax.fori_loop(0, num_kv, body, init)
+        inverse = 1.0 / l
+        for k in range(pieces):
+            out = jnp.where(diagonal, acc_ref[k] * inverse, 0.0)
+            o_ref[k] = sum(out[h * rows_q : (h + 1) * rows_q] for h in range(kv_heads)).astype(o_ref.dtype)
+        lse = m + jnp.log(l)
         for h in range(kv_heads):
-            m, l, accs = final[h]
-            for k, acc in enumerate(accs):
-                o_ref[h, :, k * width : (k + 1) * width] = (acc / l).astype(o_ref.dtype)
-            lse_ref[h] = m + jnp.log(l)
+            lse_ref[h] = lse[h * rows_q : (h + 1) * rows_q]
 
 
-def _by_byte(x: jax.Array) -> jax.Array:
-    """x [..., head_dim] with its dims in the int8 lanes' order: k, k + 4, k + 8, ... for k = 0..3."""
-    return jnp.concatenate([x[..., k::4] for k in range(4)], axis=-1)
+def _to_lanes(q: jax.Array, pieces: int) -> jax.Array:
+    """q [kv_heads, rows, head_dim] in the pool's lanes: [pieces, rows, kv_heads x head_dim / pieces],
+    piece k's lane h * width + j holding head h's dim j * pieces + k (int8: four values a lane)."""
+    kv_heads, rows, head_dim = q.shape
+    split = q.reshape(kv_heads, rows, head_dim // pieces, pieces)
+    return split.transpose(3, 1, 0, 2).reshape(pieces, rows, -1)
 
 
-def _from_bytes(x: jax.Array) -> jax.Array:
-    """`_by_byte`'s inverse."""
-    quarter = x.shape[-1] // 4
-    return jnp.stack([x[..., k * quarter : (k + 1) * quarter] for k in range(4)], axis=-1).reshape(x.shape)
+def _from_lanes(out: jax.Array, kv_heads: int) -> jax.Array:
+    """`_to_lanes`' inverse: [pieces, rows, lanes] as [kv_heads, rows, head_dim]."""
+    pieces, rows, lanes = out.shape
+    split = out.reshape(pieces, rows, kv_heads, lanes // kv_heads)
+    return split.transpose(2, 1, 3, 0).reshape(kv_heads, rows, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "pages_per_block", "causal", "interpret"))
@@ -262,7 +284,9 @@ def ragged_paged_attention(
     )
     kernel = functools.partial(_kernel, scale_heads=k_scale.shape[-1] // page_size if quantized else 0, **shape)
     rows_q = block_q * groups
-    spec = pl.BlockSpec((kv_heads, rows_q, head_dim), lambda b, *_: (0, b, 0))
+    pieces = 4 if quantized else 1
+    lanes = kv_heads * head_dim // pieces
+    spec = pl.BlockSpec((pieces, rows_q, lanes), lambda b, *_: (0, b, 0))
     lse_spec = pl.BlockSpec((kv_heads, rows_q, 1), lambda b, *_: (0, b, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -274,12 +298,13 @@ def ragged_paged_attention(
             pltpu.VMEM((4, pages_per_block, *v_pool.shape[2:]), v_pool.dtype),
             *([pltpu.VMEM((4, pages_per_block, k_scale.shape[-1]), jnp.float32)] * 2 if quantized else []),
             pltpu.SemaphoreType.DMA((4 if quantized else 2, 4)),
+            pltpu.VMEM((pieces, kv_heads * rows_q, lanes), jnp.float32),
         ],
     )
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((kv_heads, total, 1), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((pieces, total, lanes), q.dtype), jax.ShapeDtypeStruct((kv_heads, total, 1), jnp.float32)],
         # sequential: a block waits for the copies the block before it started (a "parallel" grid
         # split over cores would break that)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
@@ -290,7 +315,7 @@ def ragged_paged_attention(
         block_seq.astype(jnp.int32),
         block_start.astype(jnp.int32),
         block_rows.astype(jnp.int32),
-        _by_byte(q) if quantized else q,
+        _to_lanes(q, pieces),
         k_pool,
         v_pool,
         # the scales page-major [num_pages, layers, heads x page_size]: how XLA stores the pool's
@@ -298,7 +323,7 @@ def ragged_paged_attention(
         # bytes and no copy of them is made for the kernel (as [layers, pages, ...] there were two)
         *((jnp.swapaxes(k_scale, 0, 1), jnp.swapaxes(v_scale, 0, 1)) if quantized else ()),
     )
-    return (_from_bytes(out), lse) if quantized else (out, lse)
+    return _from_lanes(out, kv_heads), lse
 
 
 def pack_blocks(q_lens: list[int], starts: list[int], block_q: int) -> tuple[list[int], list[int], list[int], list[int]]:
