@@ -46,15 +46,19 @@ def _int8_lanes(values: np.ndarray, per_head: bool):
     return lanes, head_major, exact
 
 
-def ragged_case(dtype, seed: int = 0, int8: str = ""):
+def ragged_case(dtype, seed: int = 0, int8: str = "", decode: bool = False):
     """(run, check): `run(interpret)` calls the kernel on a ragged step (decodes at 0 and deep in,
-    a fresh chunk, chunks after history, two empty blocks at the end: a bucket's padding) over
+    a fresh chunk, chunks after history, two empty units at the end: a bucket's padding) over
     shuffled pages in layer 1 of 2; `check(out, tolerance)` compares its output with float64
     attention over each sequence's pages (the inputs rounded to `dtype` first) and the empty
-    blocks with zeros. Shared with the chip's tier (tests/test_tpu.py)."""
+    units with zeros. `decode`: a decode step's units instead, one token each, four a kernel
+    block. Shared with the chip's tier (tests/test_tpu.py)."""
     rng = np.random.default_rng(seed)
-    seqs = [(1, 20), (1, 0), (13, 0), (7, 30), (4, 3), (1, 63), (16, 40)]  # (query tokens, first position)
-    block_q, num_pages, layer = 8, 1 + len(seqs) * MAX_PAGES, 1
+    if decode:  # (query tokens, first position)
+        seqs, block_q, segments = [(1, 20), (1, 0), (1, 63), (1, 5), (1, 33), (1, 31), (1, 32), (1, 40), (1, 2), (1, 17)], 1, 4
+    else:
+        seqs, block_q, segments = [(1, 20), (1, 0), (13, 0), (7, 30), (4, 3), (1, 63), (16, 40)], 8, 1
+    num_pages, layer = 1 + len(seqs) * MAX_PAGES, 1
     tables = np.zeros((len(seqs), MAX_PAGES), np.int32)
     shuffled = rng.permutation(np.arange(1, num_pages))  # page 0 is scratch
     for s in range(len(seqs)):
@@ -72,34 +76,36 @@ def ragged_case(dtype, seed: int = 0, int8: str = ""):
     block_seq, block_start, block_rows = [*block_seq, 0, 0], [*block_start, 0, 0], [*block_rows, 0, 0]
     blocks = len(block_seq)
     tokens = rounded((blocks * block_q, KV_HEADS, GROUPS, HEAD_DIM))
-    # [kv_heads, blocks * block_q * groups, head_dim]: row t * groups + g of head h
-    q = jnp.asarray(tokens.transpose(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM), dtype)
+    # [units * block_q * groups, kv_heads, head_dim]: row (t, g) of head h
+    q = jnp.asarray(tokens.transpose(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_DIM), dtype)
 
     def run(interpret: bool) -> np.ndarray:
         out, _ = ragged_paged_attention(
             q, *stored, layer, jnp.asarray(tables), jnp.asarray(block_seq), jnp.asarray(block_start),
-            jnp.asarray(block_rows), block_q=block_q, pages_per_block=2, interpret=interpret, **scales,
+            jnp.asarray(block_rows), block_q=block_q, segments=segments, pages_per_block=2, interpret=interpret, **scales,
         )
         return np.asarray(out.astype(jnp.float32))
 
     def check(out: np.ndarray, tolerance: float) -> None:
-        got = out.reshape(KV_HEADS, blocks * block_q, GROUPS, HEAD_DIM).transpose(1, 0, 2, 3)
+        got = out.reshape(blocks * block_q, GROUPS, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
         for s, (n, start) in enumerate(seqs):
             first = offsets[s] * block_q
             want = _reference(tokens[first : first + n], pool_k, pool_v, layer, tables[s], start)
             np.testing.assert_allclose(got[first : first + n], want, atol=tolerance, rtol=tolerance, err_msg=f"sequence {s}")
-        np.testing.assert_array_equal(got[(blocks - 2) * block_q :], 0.0)  # the empty blocks
+        np.testing.assert_array_equal(got[(blocks - 2) * block_q :], 0.0)  # the empty units
 
     return run, check
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["chunks", "decodes"])
 @pytest.mark.parametrize(
     ("dtype", "int8"), [(jnp.float32, ""), (jnp.bfloat16, ""), (jnp.float32, "dkv"), (jnp.bfloat16, "heads_and_dkv")]
 )
-def test_ragged_paged_attention_matches_attention_over_each_rows_pages(dtype, int8):
+def test_ragged_paged_attention_matches_attention_over_each_rows_pages(dtype, int8, decode):
     """Float pages, and int8 pages (four values an int32 lane, scales per token and head or per
-    token) against float64 attention over their dequantized values."""
-    run, check = ragged_case(dtype, int8=int8)
+    token) against float64 attention over their dequantized values; chunks and decodes mixed a
+    unit a block, and a decode step's units four a block."""
+    run, check = ragged_case(dtype, int8=int8, decode=decode)
     with pltpu.force_tpu_interpret_mode():
         out = run(interpret=False)
     check(out, 2e-5 if dtype == jnp.float32 else 3e-2)  # bfloat16: the output's rounding

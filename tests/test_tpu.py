@@ -207,17 +207,18 @@ def test_pallas_kernel_on_the_chip_matches_xlas_attention(int8, groups):
 
 
 @requires_tpu
+@pytest.mark.parametrize("decode", [False, True], ids=["chunks", "decodes"])
 @pytest.mark.parametrize(
     ("dtype", "int8"), [(jnp.float32, ""), (jnp.bfloat16, ""), (jnp.bfloat16, "dkv"), (jnp.bfloat16, "heads_and_dkv")]
 )
-def test_ragged_paged_kernel_on_the_chip_matches_attention_over_each_rows_pages(dtype, int8):
+def test_ragged_paged_kernel_on_the_chip_matches_attention_over_each_rows_pages(dtype, int8, decode):
     """The ragged paged attention kernel (serving.kernels.ragged_paged) compiled for the chip:
-    decodes and chunks of different lengths in one call over shuffled pages, float and int8, against
-    float64 attention over each sequence's pages (the chip's dots at the default precision:
-    bfloat16 passes, hence the tolerance), empty blocks zeros."""
+    decodes and chunks of different lengths in one call over shuffled pages, or a decode step's
+    units four a block, float and int8, against float64 attention over each sequence's pages (the
+    chip's dots at the default precision: bfloat16 passes, hence the tolerance), empty units zeros."""
     from tests.test_ragged_paged import ragged_case
 
-    run, check = ragged_case(dtype, seed=1, int8=int8)
+    run, check = ragged_case(dtype, seed=1, int8=int8, decode=decode)
     out = run(interpret=False)
     assert jax.devices()[0].platform == "tpu"
     check(out, 2e-2)

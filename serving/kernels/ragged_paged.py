@@ -40,6 +40,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -60,20 +61,23 @@ def _kernel(
     # inputs (q, k, v, and an int8 pool's k and v scales), outputs (out, lse), scratch (k and v
     # buffers, the scales' buffers, the DMA semaphores, the output's accumulators)
     *refs,
-    block_q: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int, page_size: int,
-    max_pages: int, sm_scale: float, causal: bool, scale_heads: int,
+    block_q: int, segments: int, groups: int, kv_heads: int, head_dim: int, pages_per_block: int,
+    page_size: int, max_pages: int, sm_scale: float, causal: bool, scale_heads: int,
 ):
-    """One block of queries over its sequence's pages, a kv block at a time, every kv head at once.
+    """One block of queries: `segments` units of block_q tokens, each over its own sequence's
+    pages a kv block at a time, every kv head at once.
 
     A kv block's keys arrive as the pool stores them, [span, lanes] with kv head h in lanes
-    [h * width, (h + 1) * width) (int8: `pieces` = 4 int8 values a lane, piece k the values of
-    dims 4j + k; float: one piece, the head's dims). The block's queries arrive in the same lanes,
-    q [pieces, rows, lanes] (row t * groups + g: token t, query head h * groups + g in head h's
-    lanes), and are laid out block-diagonally, [kv_heads * rows, lanes] with the rows of head h
-    zero outside its lanes: one dot per piece then gives every head's scores [kv_heads * rows,
-    span], and one dot per piece of the weights with the values every head's output in its own
-    lanes (the rest discarded at the end). Every array stays lane-dense (no head's narrow slice of
-    lanes is ever cut out), the MXU sees a few large dots instead of many tiny ones.
+    [h * width, (h + 1) * width) (int8: `pieces` = 4 values a lane, piece k holding dims 4j + k;
+    float: one piece, the head's dims). The block's queries arrive in the same lanes, q [rows_q,
+    pieces x lanes] (row (s, t, g): unit s's token t, query head h * groups + g in head h's lanes
+    of each piece), and are laid out block-diagonally: [segments x kv_heads x block_q x groups,
+    lanes] a piece, rows (s, h, t, g), zero outside head h's lanes (one selection dot). Then one
+    dot per piece gives every head's scores for a unit [kv_heads x block_q x groups, span], and
+    one dot per piece of the weights with the values every head's output in its own lanes (the
+    rest dropped at the end, one more selection dot back to q's rows). Every array stays
+    lane-dense (no head's narrow slice of lanes is cut out), the MXU sees a few large dots, and a
+    decode step's units (one token each) need no padding to a sublane tile.
 
     An int8 pool's scales (per position and head, or per position) multiply the scores and the
     weights in float32; its int8 values are exact in bfloat16, so its dots lose nothing to them."""
@@ -83,31 +87,34 @@ def _kernel(
     else:
         q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, acc_ref = refs
     b = pl.program_id(0)
-    seq, start = seq_ref[b], start_ref[b]
+    units = pl.num_programs(0) * segments
     layer = layer_ref[0]
     pieces = 4 if quantized else 1
     width = head_dim // pieces  # a head's lanes in a piece
     lanes = kv_heads * width
     span = pages_per_block * page_size  # positions of one kv block
-    rows_q = block_q * groups
-    rows = kv_heads * rows_q  # the block-diagonal rows: head h's at [h * rows_q, (h + 1) * rows_q)
+    per_unit = block_q * groups  # q's rows of a unit
+    unit_rows = kv_heads * per_unit  # a unit's block-diagonal rows (h, t, g)
+    rows = segments * unit_rows
+    # the dots' inputs in bfloat16 over a bfloat16 pool or bfloat16 queries (the MXU's own;
+    # float32 passes cost several), accumulated in float32
+    dot = jnp.bfloat16 if (q_ref if quantized else k_buf).dtype == jnp.bfloat16 else jnp.float32
+    exact = jax.lax.Precision.HIGHEST if dot == jnp.float32 else None  # a selection dot must not round
 
-    def kv_blocks(block):
-        """How many kv blocks block `block` reads."""
-        kv_len = start_ref[block] + (rows_ref[block] if causal else 0)  # not causal: every token sees [0, start)
-        return jnp.where((rows_ref[block] > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
+    def iota(shape, axis):
+        return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
-    num_kv = kv_blocks(b)
-    # Buffers: a block's first kv block goes into slot 2 + b % 2, copied while the block before it
-    # computes (its DMAs started there, at that block's start), the rest alternate in slots 0 and 1.
-    entry = 2 + jax.lax.rem(b, 2)
+    def kv_blocks(unit):
+        """How many kv blocks unit `unit` reads."""
+        kv_len = start_ref[unit] + (rows_ref[unit] if causal else 0)  # not causal: every token sees [0, start)
+        return jnp.where((rows_ref[unit] > 0) & (kv_len > 0), jax.lax.div(kv_len + span - 1, span), 0)  # lax: no sign handling
 
-    def copies(kv_block, slot, seq=seq):
-        """The DMAs of sequence `seq`'s kv block `kv_block` into buffer `slot` (k and v, and their scales)."""
+    def copies(unit, kv_block, slot):
+        """The DMAs of unit `unit`'s kv block `kv_block` into buffer `slot` (k and v, and their scales)."""
         out = []
         for p in range(pages_per_block):
             column = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
-            page = tables_ref[seq, column]
+            page = tables_ref[seq_ref[unit], column]
             out.append(pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]))
             if quantized:
@@ -116,206 +123,224 @@ def _kernel(
                 out.append(pltpu.make_async_copy(vs_hbm.at[rows_at], vs_buf.at[slot, pl.ds(p, 1)], sems.at[3, slot]))
         return out
 
-    def head_of(shape, axis, size):
-        return jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, shape, axis), size)
-
-    @pl.when((b == 0) & (num_kv > 0))
-    def _():  # the first block's first kv block: no block before it copied it
-        for c in copies(0, entry):
+    # A unit's first kv block goes into slot 2 + unit % 2, copied while the unit before it computes
+    # (its DMAs started at that unit's start), the rest alternate in slots 0 and 1.
+    @pl.when((b == 0) & (kv_blocks(0) > 0))
+    def _():  # the first unit's first kv block: no unit before it copied it
+        for c in copies(0, 0, 2):
             c.start()
 
-    @pl.when((b + 1 < pl.num_programs(0)) & (kv_blocks(jnp.minimum(b + 1, pl.num_programs(0) - 1)) > 0))
-    def _():  # the next block's first kv block, copied while this one computes
-        following = jnp.minimum(b + 1, pl.num_programs(0) - 1)
-        for c in copies(0, 3 - jax.lax.rem(b, 2), seq_ref[following]):
-            c.start()
+    # q's rows spread block-diagonally (one selection dot a piece): row (s, h, t, g) is q's row
+    # (s, t, g) within head h's lanes
+    r = iota((rows, per_unit * segments), 0)
+    pick = (jax.lax.div(r, unit_rows) * per_unit + jax.lax.rem(r, per_unit)) == iota((rows, per_unit * segments), 1)
+    pick = pick.astype(dot)  # [rows, rows_q]
+    diagonal = jax.lax.div(jax.lax.rem(iota((rows, lanes), 0), unit_rows), per_unit) == jax.lax.div(iota((rows, lanes), 1), width)
+    queries = [
+        jnp.where(
+            diagonal,
+            jnp.dot(pick, (q_ref[:, k * lanes : (k + 1) * lanes].astype(jnp.float32) * sm_scale).astype(dot),
+                    preferred_element_type=jnp.float32, precision=exact),
+            0.0,
+        ).astype(dot)
+        for k in range(pieces)
+    ]
+    col = iota((unit_rows, span), 1)
+    token = jax.lax.div(jax.lax.rem(iota((unit_rows, span), 0), per_unit), groups)
+    # a scale's lanes summed into the rows of its head: [unit_rows, scale_heads x page_size]
+    per_page = (scale_heads or 1) * page_size
+    heads_lanes = (
+        jax.lax.div(iota((unit_rows, per_page), 1), page_size) == jax.lax.div(iota((unit_rows, per_page), 0), per_unit)
+        if scale_heads > 1 else jnp.ones((unit_rows, per_page), bool)
+    ).astype(dot)
+    same_offset = jax.lax.rem(iota((span, per_page), 0), page_size) == jax.lax.rem(iota((span, per_page), 1), page_size)
 
-    @pl.when(num_kv == 0)
-    def _():
-        o_ref[...] = jnp.zeros_like(o_ref)
-        lse_ref[...] = jnp.full_like(lse_ref, NEG_INF)
+    def by_row(scales: jax.Array) -> jax.Array:
+        """A kv block's scales [pages, scale_heads x page_size] (a page's row head-major) as the
+        multiplier of a unit's scores [unit_rows, span]: row (h, t, g), column p * page_size + o
+        gets page p's scale of head h (or its only one) at offset o. One selection dot: each
+        page's row spread over its page_size columns, a head's lanes summed into its rows (in
+        the dots' precision: bfloat16's over bfloat16 queries, as a dequantized value's was)."""
+        spread = jnp.concatenate(
+            [jnp.broadcast_to(scales[p : p + 1], (page_size, per_page)) for p in range(pages_per_block)], axis=0
+        )  # [span, per_page]: row p * page_size + o holds page p's row
+        spread = jnp.where(same_offset, spread, 0.0).astype(dot)
+        return jax.lax.dot_general(heads_lanes, spread, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=exact)
 
-    @pl.when(num_kv > 0)
-    def _():
-        col = jax.lax.broadcasted_iota(jnp.int32, (rows, span), 1)
-        token = jax.lax.div(jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, span), 0), rows_q), groups)
+    def piece(x: jax.Array, k: int) -> jax.Array:
+        """Piece k of a kv block's keys or values [span, lanes] for the dots."""
+        return (_unpack(x, k) if quantized else x).astype(dot)
+
+    lse_parts, inverse_parts = [], []
+    for s in range(segments):
+        unit = b * segments + s
+        start, num_kv = start_ref[unit], kv_blocks(unit)
+        entry = 2 + jax.lax.rem(unit, 2)
+        following = jnp.minimum(unit + 1, units - 1)
+
+        @pl.when((unit + 1 < units) & (kv_blocks(following) > 0))
+        def _(following=following):  # the next unit's first kv block, copied while this one computes
+            for c in copies(following, 0, 2 + jax.lax.rem(following, 2)):
+                c.start()
+
         # each row's last visible position: causal, its token's own; not causal, start - 1
-        last = start + token if causal else jnp.full((rows, span), start - 1, jnp.int32)
-        # the dots' inputs in bfloat16 over a bfloat16 pool or bfloat16 queries (the MXU's own;
-        # float32 passes cost several), accumulated in float32
-        dot = jnp.bfloat16 if (q_ref if quantized else k_buf).dtype == jnp.bfloat16 else jnp.float32
-        diagonal = head_of((rows, lanes), 0, rows_q) == head_of((rows, lanes), 1, width)
-        queries = [
-            jnp.where(diagonal, jnp.concatenate([q_ref[k].astype(jnp.float32) * sm_scale] * kv_heads, axis=0), 0.0).astype(dot)
-            for k in range(pieces)
-        ]
+        last = start + token if causal else jnp.full((unit_rows, span), start - 1, jnp.int32)
+        mine = slice(s * unit_rows, (s + 1) * unit_rows)
+        unit_queries = [q[mine] for q in queries]
 
-        def by_row(scales: jax.Array) -> jax.Array:
-            """A kv block's scales [pages, scale_heads x page_size] (a page's row head-major) as
-            the multiplier of its scores [rows, span]: row r of head h, column p * page_size + o
-            gets page p's scale of head h (or its only one) at offset o. Made by one dot of a
-            selection: each page's row spread over its page_size columns, a head's lanes summed
-            into its row; in two bfloat16 parts (their sum 16 bits of the scale's 24)."""
-            per_page = scales.shape[1]
-            spread = jnp.concatenate(
-                [jnp.broadcast_to(scales[p : p + 1], (page_size, per_page)) for p in range(pages_per_block)], axis=0
-            )  # [span, per_page]: row p * page_size + o holds page p's row
-            offset = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (span, per_page), 0), page_size)
-            spread = jnp.where(offset == jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (span, per_page), 1), page_size), spread, 0.0)
-            high = spread.astype(jnp.bfloat16)
-            low = (spread - high.astype(jnp.float32)).astype(jnp.bfloat16)
-            select = head_of((scale_heads, per_page), 1, page_size) == head_of((scale_heads, per_page), 0, 1)
-            select = select.astype(jnp.bfloat16)  # [scale_heads, per_page]: head h's lanes
-            by_head = sum(
-                jax.lax.dot_general(select, part, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                for part in (high, low)
-            )  # [scale_heads, span]
-            return jnp.concatenate(
-                [jnp.broadcast_to(by_head[min(h, scale_heads - 1) : min(h, scale_heads - 1) + 1], (rows_q, span)) for h in range(kv_heads)], axis=0
-            )
-
-        def piece(x: jax.Array, k: int) -> jax.Array:
-            """Piece k of a kv block's keys or values [span, lanes] for the dots."""
-            return (_unpack(x, k) if quantized else x).astype(dot)
-
-        def body(i, carry):
+        def body(i, carry, unit=unit, entry=entry, last=last, mine=mine, unit_queries=unit_queries, num_kv=num_kv):
             m, l = carry
             slot = jnp.where(i == 0, entry, jax.lax.rem(i, 2))
 
             @pl.when(i + 1 < num_kv)
             def _():
-                for c in copies(i + 1, jax.lax.rem(i + 1, 2)):
+                for c in copies(unit, i + 1, jax.lax.rem(i + 1, 2)):
                     c.start()
 
-            for c in copies(i, slot):
+            for c in copies(unit, i, slot):
                 c.wait()
             keys = k_buf[slot].reshape(span, lanes)
             values = v_buf[slot].reshape(span, lanes)
-            s = sum(
-                jax.lax.dot_general(queries[k], piece(keys, k), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            scores = sum(
+                jax.lax.dot_general(unit_queries[k], piece(keys, k), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 for k in range(pieces)
-            )  # [rows, span]
+            )  # [unit_rows, span]
             if quantized:
-                s = s * by_row(ks_buf[slot])
-            s = jnp.where(i * span + col <= last, s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-            weights = jnp.exp(s - m_new)
+                scores = scores * by_row(ks_buf[slot])
+            scores = jnp.where(i * span + col <= last, scores, NEG_INF)
+            m_new = jnp.maximum(m, scores.max(axis=1, keepdims=True))
+            weights = jnp.exp(scores - m_new)
             alpha = jnp.exp(m - m_new)
             l_new = alpha * l + weights.sum(axis=1, keepdims=True)
             if quantized:
                 weights = weights * by_row(vs_buf[slot])
             weights = weights.astype(dot)
             for k in range(pieces):
-                previous = jnp.where(i == 0, 0.0, acc_ref[k])
-                acc_ref[k] = alpha * previous + jnp.dot(weights, piece(values, k), preferred_element_type=jnp.float32)
+                previous = jnp.where(i == 0, 0.0, acc_ref[k, mine])
+                acc_ref[k, mine] = alpha * previous + jnp.dot(weights, piece(values, k), preferred_element_type=jnp.float32)
             return m_new, l_new
 
-        init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+        init = (jnp.full((unit_rows, 1), NEG_INF, jnp.float32), jnp.zeros((unit_rows, 1), jnp.float32))
         m, l = jax.lax.fori_loop(0, num_kv, body, init)
-        inverse = 1.0 / l
-        for k in range(pieces):
-            out = jnp.where(diagonal, acc_ref[k] * inverse, 0.0)
-            o_ref[k] = sum(out[h * rows_q : (h + 1) * rows_q] for h in range(kv_heads)).astype(o_ref.dtype)
-        lse = m + jnp.log(l)
-        for h in range(kv_heads):
-            lse_ref[h] = lse[h * rows_q : (h + 1) * rows_q]
+        lse_parts.append(jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), NEG_INF))  # nothing read: NEG_INF
+        inverse_parts.append(jnp.where(l > 0, 1.0 / jnp.maximum(l, 1e-30), 0.0))
+
+    lse = jnp.concatenate(lse_parts, axis=0) if segments > 1 else lse_parts[0]  # [rows, 1]
+    inverse = jnp.concatenate(inverse_parts, axis=0) if segments > 1 else inverse_parts[0]
+    read = inverse > 0
+    for k in range(pieces):
+        # a unit that read nothing: zeros (its accumulators were never written)
+        out = jnp.where(diagonal & read, acc_ref[k] * inverse, 0.0)
+        o_ref[:, k * lanes : (k + 1) * lanes] = jax.lax.dot_general(
+            pick, out.astype(dot), (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=exact
+        ).astype(o_ref.dtype)
+    lse_ref[0] = jnp.transpose(jnp.broadcast_to(lse, (rows, 128)))[:1]
 
 
-def _to_lanes(q: jax.Array, pieces: int) -> jax.Array:
-    """q [kv_heads, rows, head_dim] in the pool's lanes: [pieces, rows, kv_heads x head_dim / pieces],
-    piece k's lane h * width + j holding head h's dim j * pieces + k (int8: four values a lane)."""
-    kv_heads, rows, head_dim = q.shape
-    split = q.reshape(kv_heads, rows, head_dim // pieces, pieces)
-    return split.transpose(3, 1, 0, 2).reshape(pieces, rows, -1)
+def _lanes_order(kv_heads: int, head_dim: int, pieces: int) -> np.ndarray:
+    """The one-hot [kv_heads x head_dim, kv_heads x head_dim] that moves a row's values from
+    (head, dim) order into the pool's lanes: piece k's lane h * width + j takes head h's dim
+    j * pieces + k (int8: four values a lane, `serving.models.cache.to_lanes`)."""
+    width = head_dim // pieces
+    h, j, k = np.meshgrid(np.arange(kv_heads), np.arange(width), np.arange(pieces), indexing="ij")
+    order = np.zeros((kv_heads * head_dim, kv_heads * head_dim), np.float32)
+    order[(h * head_dim + j * pieces + k).ravel(), (k * kv_heads * width + h * width + j).ravel()] = 1.0
+    return order
 
 
-def _from_lanes(out: jax.Array, kv_heads: int) -> jax.Array:
-    """`_to_lanes`' inverse: [pieces, rows, lanes] as [kv_heads, rows, head_dim]."""
-    pieces, rows, lanes = out.shape
-    split = out.reshape(pieces, rows, kv_heads, lanes // kv_heads)
-    return split.transpose(2, 1, 3, 0).reshape(kv_heads, rows, -1)
+def _permute(x: jax.Array, order: np.ndarray) -> jax.Array:
+    """x [rows, n] @ the one-hot `order` [n, n], exactly (one product a value): a lane shuffle on
+    the MXU, where XLA's transpose of a minor axis of 4 copies slowly on a TPU."""
+    got = jnp.dot(x, jnp.asarray(order, x.dtype), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return got.astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "pages_per_block", "causal", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_q", "segments", "pages_per_block", "causal", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
     layer: jax.Array | int,
     tables: jax.Array,
-    block_seq: jax.Array,
-    block_start: jax.Array,
-    block_rows: jax.Array,
+    unit_seq: jax.Array,
+    unit_start: jax.Array,
+    unit_rows: jax.Array,
     *,
     block_q: int,
+    segments: int = 1,
     pages_per_block: int = 8,
     causal: bool = True,
     interpret: bool = False,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention of the packed queries q [kv_heads, blocks * block_q * groups, head_dim] (the
-    module docstring's layout) over layer `layer` of the lanes pool k_pool, v_pool [layers,
-    num_pages, page_size, kv_heads * head_dim] through tables [seqs, max_pages], block b of
-    block_q tokens being sequence block_seq[b]'s from position block_start[b], block_rows[b] of
-    them real. Token t of a block attends to [0, block_start[b] + t] (`causal`), or every token
-    to [0, block_start[b]) (not `causal`: the history before a chunk whose own tokens are attended
+    """Attention of the packed queries q [units * block_q * groups, kv_heads, head_dim] (the module
+    docstring's layout) over layer `layer` of the lanes pool k_pool, v_pool [layers, num_pages,
+    page_size, kv_heads * head_dim] through tables [seqs, max_pages], unit u of block_q tokens
+    being sequence unit_seq[u]'s from position unit_start[u], unit_rows[u] of them real; the
+    kernel takes `segments` units a block (a decode step: block_q 1, several sequences a block).
+    Token t of a unit attends to [0, unit_start[u] + t] (`causal`), or every token to
+    [0, unit_start[u]) (not `causal`: the history before a chunk whose own tokens are attended
     elsewhere, merged by the log-sum-exp). Returns (out, lse): the attention output in q's layout
-    and dtype, and each query row's log-sum-exp of its scores [kv_heads, rows, 1] float32 (padding
-    rows: anything; a block with nothing to attend: zeros and NEG_INF). `pages_per_block`: pages
+    and dtype, and each query row's log-sum-exp of its scores [rows, kv_heads] float32 (padding
+    rows: anything; a unit with nothing to attend: zeros and NEG_INF). `pages_per_block`: pages
     a kv block copies into VMEM at once. An int8 pool (int32 lanes of four values) comes with its
     scales k_scale, v_scale [layers, num_pages, heads x page_size] (serving.models.cache)."""
-    kv_heads, total, head_dim = q.shape
+    total, kv_heads, head_dim = q.shape
     _, _, page_size, width = k_pool.shape
     quantized = k_scale is not None
     if quantized:
         width *= 4  # four int8 values a lane
     if width != kv_heads * head_dim:
         raise ValueError(f"the pool's rows hold {width} values, not kv_heads x head_dim = {kv_heads * head_dim}")
-    blocks = block_seq.shape[0]
-    groups, remainder = divmod(total, blocks * block_q)
+    units = unit_seq.shape[0]
+    groups, remainder = divmod(total, units * block_q)
     if remainder or groups < 1:
-        raise ValueError(f"q holds {total} rows a head, not blocks x block_q x groups ({blocks} x {block_q} x groups)")
-    max_pages = tables.shape[1]
-    shape = dict(
-        block_q=block_q, groups=groups, kv_heads=kv_heads, head_dim=head_dim,
-        pages_per_block=pages_per_block, page_size=page_size, max_pages=max_pages,
-        sm_scale=1.0 / math.sqrt(head_dim), causal=causal,
-    )
-    kernel = functools.partial(_kernel, scale_heads=k_scale.shape[-1] // page_size if quantized else 0, **shape)
-    rows_q = block_q * groups
+        raise ValueError(f"q holds {total} rows, not units x block_q x groups ({units} x {block_q} x groups)")
+    blocks, left = divmod(units, segments)
+    rows_q = segments * block_q * groups
+    tile = 16 if q.dtype == jnp.bfloat16 else 8
+    if left or (blocks > 1 and rows_q % tile):
+        raise ValueError(f"{units} units of {block_q * groups} rows do not make blocks of {segments} units and whole {tile}-row tiles")
     pieces = 4 if quantized else 1
-    lanes = kv_heads * head_dim // pieces
-    spec = pl.BlockSpec((pieces, rows_q, lanes), lambda b, *_: (0, b, 0))
-    lse_spec = pl.BlockSpec((kv_heads, rows_q, 1), lambda b, *_: (0, b, 0))
+    kernel = functools.partial(
+        _kernel, block_q=block_q, segments=segments, groups=groups, kv_heads=kv_heads, head_dim=head_dim,
+        pages_per_block=pages_per_block, page_size=page_size, max_pages=tables.shape[1],
+        sm_scale=1.0 / math.sqrt(head_dim), causal=causal, scale_heads=k_scale.shape[-1] // page_size if quantized else 0,
+    )
+    lanes = kv_heads * head_dim
+    rows = rows_q * kv_heads  # a block's block-diagonal rows
+    spec = pl.BlockSpec((rows_q, lanes), lambda b, *_: (b, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(blocks,),
         in_specs=[spec] + [pl.BlockSpec(memory_space=pl.ANY)] * (4 if quantized else 2),
-        out_specs=[spec, lse_spec],
+        out_specs=[spec, pl.BlockSpec((1, 1, rows), lambda b, *_: (b, 0, 0))],
         scratch_shapes=[
             pltpu.VMEM((4, pages_per_block, *k_pool.shape[2:]), k_pool.dtype),
             pltpu.VMEM((4, pages_per_block, *v_pool.shape[2:]), v_pool.dtype),
             *([pltpu.VMEM((4, pages_per_block, k_scale.shape[-1]), jnp.float32)] * 2 if quantized else []),
             pltpu.SemaphoreType.DMA((4 if quantized else 2, 4)),
-            pltpu.VMEM((pieces, kv_heads * rows_q, lanes), jnp.float32),
+            pltpu.VMEM((pieces, rows, lanes // pieces), jnp.float32),
         ],
     )
+    order = _lanes_order(kv_heads, head_dim, pieces) if quantized else None
+    flat = q.reshape(total, lanes)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((pieces, total, lanes), q.dtype), jax.ShapeDtypeStruct((kv_heads, total, 1), jnp.float32)],
-        # sequential: a block waits for the copies the block before it started (a "parallel" grid
+        out_shape=[jax.ShapeDtypeStruct((total, lanes), q.dtype), jax.ShapeDtypeStruct((blocks, 1, rows), jnp.float32)],
+        # sequential: a unit waits for the copies the unit before it started (a "parallel" grid
         # split over cores would break that)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
         tables.astype(jnp.int32),
-        block_seq.astype(jnp.int32),
-        block_start.astype(jnp.int32),
-        block_rows.astype(jnp.int32),
-        _to_lanes(q, pieces),
+        unit_seq.astype(jnp.int32),
+        unit_start.astype(jnp.int32),
+        unit_rows.astype(jnp.int32),
+        _permute(flat, order) if quantized else flat,
         k_pool,
         v_pool,
         # the scales page-major [num_pages, layers, heads x page_size]: how XLA stores the pool's
@@ -323,7 +348,11 @@ def ragged_paged_attention(
         # bytes and no copy of them is made for the kernel (as [layers, pages, ...] there were two)
         *((jnp.swapaxes(k_scale, 0, 1), jnp.swapaxes(v_scale, 0, 1)) if quantized else ()),
     )
-    return _from_lanes(out, kv_heads), lse
+    if quantized:
+        out = _permute(out, order.T)
+    # lse's rows (s, h, t, g) a block as q's (s, t, g) by head
+    lse = lse.reshape(blocks, segments, kv_heads, block_q, groups).transpose(0, 1, 3, 4, 2).reshape(total, kv_heads)
+    return out.reshape(total, kv_heads, head_dim), lse
 
 
 def pack_blocks(q_lens: list[int], starts: list[int], block_q: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -374,22 +403,32 @@ class RaggedPagedOps(TpuXlaOps):
     def _history(self, q: jax.Array, cache, layer, pages: jax.Array, starts: jax.Array, lengths: jax.Array):
         """Attention of q [batch, seq, kv_heads, groups, head_dim] over each row's positions
         [0, starts[b]), its first lengths[b] tokens: (out [batch, seq, kv_heads, groups, head_dim]
-        float32, lse [batch, seq, kv_heads, groups])."""
+        float32, lse [batch, seq, kv_heads, groups]). A decode step's rows (seq 1) go several to
+        a kernel block, a unit each; a chunk's rows in units of a block's tokens."""
         batch, seq, kv_heads, groups, head_dim = q.shape
-        block_q = _rows_block(groups)
+        tile = _rows_block(groups)
+        block_q, segments = (1, tile) if seq == 1 else (tile, 1)
         per_row = -(-seq // block_q)
+        units = batch * per_row
+        padded_units = -(-units // segments) * segments
         padded = jnp.pad(q, ((0, 0), (0, per_row * block_q - seq), (0, 0), (0, 0), (0, 0)))
-        packed = padded.transpose(2, 0, 1, 3, 4).reshape(kv_heads, -1, head_dim)
+        packed = padded.transpose(0, 1, 3, 2, 4).reshape(units * block_q * groups, kv_heads, head_dim)  # rows (b, t, g)
+        packed = jnp.pad(packed, ((0, (padded_units - units) * block_q * groups), (0, 0), (0, 0)))
         parked = pages[:, 0] == SCRATCH_PAGE
         rows = jnp.clip(lengths[:, None] - jnp.arange(per_row)[None, :] * block_q, 0, block_q)
         rows = jnp.where(parked[:, None], 0, rows).reshape(-1)
+
+        def units_of(x: jax.Array) -> jax.Array:  # a unit's value, the padding units' 0
+            return jnp.pad(x, (0, padded_units - units))
+
         out, lse = ragged_paged_attention(
-            packed, cache.k, cache.v, layer, pages, jnp.repeat(jnp.arange(batch), per_row),
-            jnp.repeat(starts, per_row), rows, block_q=block_q, pages_per_block=self.pages_per_block, causal=False,
-            k_scale=cache.k_scale, v_scale=cache.v_scale,
+            packed, cache.k, cache.v, layer, pages, units_of(jnp.repeat(jnp.arange(batch), per_row)),
+            units_of(jnp.repeat(starts, per_row)), units_of(rows), block_q=block_q, segments=segments,
+            pages_per_block=self.pages_per_block, causal=False, k_scale=cache.k_scale, v_scale=cache.v_scale,
         )
-        out = out.reshape(kv_heads, batch, per_row * block_q, groups, head_dim)[:, :, :seq].transpose(1, 2, 0, 3, 4)
-        lse = lse.reshape(kv_heads, batch, per_row * block_q, groups)[:, :, :seq].transpose(1, 2, 0, 3)
+        real = units * block_q * groups
+        out = out[:real].reshape(batch, per_row * block_q, groups, kv_heads, head_dim)[:, :seq].transpose(0, 1, 3, 2, 4)
+        lse = lse[:real].reshape(batch, per_row * block_q, groups, kv_heads)[:, :seq].transpose(0, 1, 3, 2)
         return out, lse
 
     def decode_attention(self, q, cache, layer, positions, k_new, v_new, window, pages):
