@@ -88,10 +88,14 @@ def compiled_generate(engine, params, batch: int, window: int | None = None):
     return {f: getattr(mem, f, None) for f in fields}, copies
 
 
-def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path, trace: int = 0) -> None:
+def sweep(
+    model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path, trace: int = 0, prompt_tokens: int = 0
+) -> None:
     """Each config (key=value overrides, space-separated) on one loaded model: the engine alone at
     each batch, its generate program's temporaries and pool-sized copies; with `trace`, a device
-    trace of the engine alone at that batch, by op (OUT/device-ops-{config index}.json)."""
+    trace of the engine alone at that batch, by op (OUT/device-ops-{config index}.json). The
+    prompt: a sentence four times (~70 tokens), or `prompt_tokens` of it repeated (each sequence
+    then decodes from that position: the KV read a step grows with it)."""
     import gc
 
     import jax
@@ -102,14 +106,18 @@ def sweep(model: str, configs: list[str], batches: list[int], new_tokens: int, o
 
     base = given_config(None, configs[0].split(), model).config
     loaded = load_model(model, base)
-    prompt_ids = loaded.tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.") * 4
+    sentence = loaded.tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.")
+    prompt_ids = (sentence * (prompt_tokens // len(sentence) + 1))[:prompt_tokens] if prompt_tokens else sentence * 4
     results = []
     for overrides in configs:
         cfg = given_config(None, overrides.split(), model).config
         started = time.perf_counter()
         engine = Engine(loaded, cfg.engine)
         params = engine.load_params()
-        row = {"overrides": overrides, "backend": engine.ops.name, "slots": engine.max_concurrent_decodes}
+        row = {
+            "overrides": overrides, "backend": engine.ops.name, "slots": engine.max_concurrent_decodes,
+            "prompt_tokens": len(prompt_ids), "new_tokens": new_tokens,
+        }
         try:
             slots = engine.max_concurrent_decodes
             row["memory"], row["pool_copies"] = compiled_generate(engine, params, min(max(batches), slots))
@@ -180,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--sweep", action="append", default=[], help="a config (overrides) to sweep")
     parser.add_argument("--trace", type=int, default=0, help="with --sweep: a device trace of each config at this batch")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="with --sweep: each prompt's length (default ~70)")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_intermixed_args(argv)
     if ns.sweep:
         ns.out.mkdir(parents=True, exist_ok=True)
-        sweep(ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out, ns.trace)
+        sweep(ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out, ns.trace, ns.prompt_tokens)
         return 0
     import jax
 

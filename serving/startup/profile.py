@@ -100,8 +100,12 @@ def given_config(
 def fit_profile(defaults: dict[str, Any], given: Mapping[str, Any], origins: Mapping[str, str]) -> dict[str, Any]:
     """The profile's lengths fitted under lengths the user gave: its prefill length within a given
     max_target_length, its chunk within a given max_prefill_predict_length (a user's short
-    sequences keep the profile's other figures instead of failing its consistency check)."""
+    sequences keep the profile's other figures instead of failing its consistency check). A
+    given attention=paged (JAX's paged-attention kernel) is what runs: the profile's
+    use_ragged_attention, which would take precedence over it, steps aside."""
     fitted = dict(defaults)
+    if origins.get("use_ragged_attention") == FROM_PROFILE and given.get("attention") == "paged":
+        fitted["use_ragged_attention"] = False
     for inner, outer in (("max_prefill_predict_length", "max_target_length"), ("prefill_chunk_size", "max_prefill_predict_length")):
         if origins.get(inner) == FROM_PROFILE and inner in fitted:
             limit = given.get(outer, fitted.get(outer))

@@ -62,3 +62,15 @@ def test_an_unknown_platform_is_a_config_error(clean_env, tmp_path):
     clean_env.setenv("PATHSERVE_PLATFORM", "abacus")
     with pytest.raises(ConfigError, match="PATHSERVE_PLATFORM='abacus'"):
         given_config(None, [], str(tmp_path))
+
+
+def test_the_tpu_profile_attends_through_the_ragged_kernel_unless_paged_attention_is_given(clean_env, tmp_path):
+    clean_env.setenv("PATHSERVE_PLATFORM", "tpu")
+    profiled = given_config(None, [], str(tmp_path))
+    assert profiled.config.use_ragged_attention is True and profiled.origin("use_ragged_attention") == FROM_PROFILE
+    paged = given_config(None, ["attention=paged", "pagedattn_num_pages=1024"], str(tmp_path))
+    assert paged.config.use_ragged_attention is False and paged.config.attention == "paged"
+    both = given_config(None, ["attention=paged", "pagedattn_num_pages=1024", "use_ragged_attention=true"], str(tmp_path))
+    assert both.config.use_ragged_attention is True  # the user's own: the ragged kernel wins, as MaxText's keys say
+    clean_env.setenv("PATHSERVE_PLATFORM", "cpu")
+    assert given_config(None, [], str(tmp_path)).config.use_ragged_attention is False
