@@ -146,7 +146,7 @@ def stop_server(server: subprocess.Popen) -> None:
 
 
 def chip_rates(size: int) -> dict:
-    """The device's measured limits, best of 5 each: read bandwidth (a sum over 1 GiB of bfloat16),
+    """The device's measured limits, best of 5 each: HBM bandwidth (streaming 1 GiB of float32),
     bfloat16 and int8 matmul rates (size^3: 8192 on a TPU, where the MXU runs near its peak)."""
     import jax
     import jax.numpy as jnp
@@ -160,21 +160,37 @@ def chip_rates(size: int) -> dict:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    x = jnp.ones((1 << 29,), jnp.bfloat16)
-    bandwidth = x.nbytes / best(jax.jit(jnp.sum), x)
+    # HBM bandwidth: the better of a float32 sum (reads 1 GiB) and x + 1 (reads and writes it).
+    # Both read 510-540 GB/s on a v5e, below what a decode step's weight reads reach there (665
+    # GB/s at batch 1): `roofline` takes the chip's published figures where its kind is known.
+    x = jnp.ones((1 << 28,), jnp.float32)
+    bandwidth = max(x.nbytes / best(jax.jit(jnp.sum), x), 2 * x.nbytes / best(jax.jit(lambda u: u + 1), x))
     del x
     a = jnp.ones((size, size), jnp.bfloat16)
     bf16 = 2 * size**3 / best(jax.jit(jnp.matmul), a, a)
     q = jnp.ones((size, size), jnp.int8)
     dot = jax.jit(lambda u, v: jax.lax.dot(u, v, preferred_element_type=jnp.int32))
     int8 = 2 * size**3 / best(dot, q, q)
-    return {"hbm_bytes_per_s": bandwidth, "bf16_flop_per_s": bf16, "int8_op_per_s": int8, "matmul_size": size}
+    kind = jax.devices()[0].device_kind
+    return {
+        "device_kind": kind, "hbm_bytes_per_s": bandwidth, "bf16_flop_per_s": bf16, "int8_op_per_s": int8,
+        "matmul_size": size, "published": PUBLISHED.get(kind),
+    }
+
+
+# A chip's published limits by JAX's device_kind (Google Cloud's TPU pages): HBM bytes/s, bfloat16
+# FLOP/s, int8 OP/s. The roofline's bound: what the chip can do, where the measured figures fall short.
+PUBLISHED = {
+    "TPU v5 lite": {"hbm_bytes_per_s": 819e9, "bf16_flop_per_s": 197e12, "int8_op_per_s": 394e12},
+    "TPU v6 lite": {"hbm_bytes_per_s": 1640e9, "bf16_flop_per_s": 918e12, "int8_op_per_s": 1836e12},
+}
 
 
 def roofline(engine, params, chip: dict, batch: int, context: int) -> float:
-    """Decode tok/s the chip's measured limits allow at `batch` sequences of `context` positions:
-    every weight and each sequence's KV read once a step, 2 multiply-adds a weight a token, on the
-    MXU's int8 rate under W8A8 (quantization=int8), else its bfloat16 one."""
+    """Decode tok/s the chip's limits allow (each the better of measured and published) at `batch`
+    sequences of `context` positions: every weight and each sequence's KV read once a step, 2
+    multiply-adds a weight a token, on the MXU's int8 rate under W8A8 (quantization=int8), else
+    its bfloat16 one."""
     import jax
 
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -186,8 +202,9 @@ def roofline(engine, params, chip: dict, batch: int, context: int) -> float:
         + cfg.num_heads * cfg.head_dim * cfg.embed_dim
         + 3 * cfg.embed_dim * cfg.mlp_dim
     ) + cfg.embed_dim * cfg.vocab_size
-    rate = chip["int8_op_per_s"] if engine.config.quantization.activations else chip["bf16_flop_per_s"]
-    step = max((weights + batch * context * kv_per_position) / chip["hbm_bytes_per_s"], 2 * matmul_params * batch / rate)
+    limits = {key: max(chip[key], (chip.get("published") or {}).get(key, 0.0)) for key in PUBLISHED["TPU v5 lite"]}
+    rate = limits["int8_op_per_s"] if engine.config.quantization.activations else limits["bf16_flop_per_s"]
+    step = max((weights + batch * context * kv_per_position) / limits["hbm_bytes_per_s"], 2 * matmul_params * batch / rate)
     return batch / step
 
 
