@@ -258,3 +258,23 @@ def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monk
         engine = engine_module.Engine(model, cfg.engine)
         windows[ops.name] = (engine.windows, engine.history_windows)
     assert windows == {"xla-tpu": ([512, 2048], [512, 2048]), "ragged-tpu": ([2048], [2048])}
+
+
+def test_a_model_whose_kv_heads_overflow_the_kernels_vmem_stays_on_xlas_attention(caplog):
+    """The ragged kernel's VMEM grows with kv_heads x head_dim (its buffers, a block's rows): Llama
+    2 7B's 32 x 128 ran out of a v5e's scoped VMEM compiled by Mosaic, so such a model keeps XLA's
+    attention (said in a warning); the Llama 3 shapes keep the kernel."""
+    import logging
+
+    from serving.config import load_model_config
+    from serving.kernels.ragged_paged import RaggedPagedOps
+    from serving.models.ops import TPU_XLA
+
+    ops = RaggedPagedOps()
+    for shape in ("llama3.2-1b", "llama3.1-8b"):
+        assert ops.for_model(load_model_config(shape), True, jnp.bfloat16, 32) is ops
+        assert ops.for_model(load_model_config(shape), False, jnp.bfloat16, 32) is ops
+    mha = load_model_config("llama3.2-1b").model_copy(update={"num_kv_heads": 32, "num_heads": 32, "head_dim": 128})
+    with caplog.at_level(logging.WARNING):
+        assert ops.for_model(mha, True, jnp.bfloat16, 32) is TPU_XLA
+    assert "attention stays XLA's" in caplog.text and "32 kv heads of 128" in caplog.text

@@ -111,12 +111,19 @@ def select_ops(config: EngineConfig, mesh: Mesh):
     )
 
 
+def model_ops(model: LoadedModel, config: EngineConfig, mesh: Mesh):
+    """`select_ops`' backend where its kernels serve `model`'s shapes, else the one it names
+    instead (XlaOps.for_model: the ragged kernel's VMEM over a model of many kv heads)."""
+    ops = select_ops(config, mesh)
+    return ops.for_model(model.config, config.quantize_kvcache, jnp.dtype(config.dtype), config.prefix_block_size)
+
+
 def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None) -> Limits:
     """The limits an engine of `model` on `mesh` runs with: slots from per_device_batch_size, the
     page pool from the KV cache's memory, the prefill ladder from the backend `ops` (default: the
     one `mesh` selects). A function of its own so that a multi-controller prefill group can mirror
     a generate engine that lives only in the other processes."""
-    ops = ops or select_ops(config, mesh)
+    ops = ops or model_ops(model, config, mesh)
     slots = max(1, int(config.per_device_batch_size * mesh.size))
     numerics = Numerics.of(config, int8=int8_names(model.params), pool_layout=ops.pool_layout)
     return Limits(
@@ -162,7 +169,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         self.config = config
         self.draft = draft
         self.mesh = mesh if mesh is not None else make_mesh(DevicesConfig(), jax.devices()[:1])
-        self.ops = select_ops(config, self.mesh)
+        self.ops = model_ops(model, config, self.mesh)
         numerics = Numerics.of(config, int8=int8_names(model.params), pool_layout=self.ops.pool_layout)
         self.limits = mirror or engine_limits(model, config, self.mesh, self.ops)
         self.max_concurrent_decodes = self.limits.max_concurrent_decodes

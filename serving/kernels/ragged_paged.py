@@ -36,6 +36,7 @@ XLA's attention over gathered pages.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -47,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from serving.models.cache import SCRATCH_PAGE
 from serving.models.ops import TpuXlaOps
 
+log = logging.getLogger(__name__)
 NEG_INF = -1e30  # a masked score: finite, so that a row with nothing visible yet gives no NaN
 
 
@@ -382,6 +384,22 @@ def _rows_block(groups: int) -> int:
     return 16 // math.gcd(16, groups)
 
 
+# The kernel's VMEM that compiles within the default scoped VMEM (16 MiB), calibrated by compiling it
+# for a v5e (Mosaic, on a CPU host): kv_heads x head_dim 16 x 128 in int8 (7.9 MB by `vmem_bytes`)
+# and bfloat16 (12.1 MB) compile; 32 x 128 in int8 (22 MB: Llama 2 7B's heads) ran out of VMEM.
+VMEM_BUDGET = 12 << 20
+
+
+def vmem_bytes(kv_heads: int, head_dim: int, groups: int, page_size: int, pages_per_block: int, position_bytes: int) -> int:
+    """The kernel's largest VMEM at these shapes (a pool of `position_bytes` a position, all kv
+    heads): the k and v buffers (4 kv blocks each), the accumulators and block-diagonal queries of
+    a block's rows (kv_heads x 16 or more a block), the queries' and outputs' blocks."""
+    rows = kv_heads * _rows_block(groups) * groups
+    values = kv_heads * head_dim
+    buffers = 2 * 4 * pages_per_block * page_size * position_bytes
+    return buffers + rows * values * (4 + 2) + 2 * 2 * _rows_block(groups) * groups * values * 4
+
+
 class RaggedPagedOps(TpuXlaOps):
     """XLA's ops on TPUs over the lanes pool, except attention: each row's cached positions read in
     place by the ragged paged kernel, float or int8 pages (no window of pages gathered, so one
@@ -399,6 +417,23 @@ class RaggedPagedOps(TpuXlaOps):
 
     def reads_cache_in_place(self, cfg, cache_dtype, dtype) -> bool:
         return True
+
+    def for_model(self, cfg, quantized_kv: bool, cache_dtype, page_size: int) -> TpuXlaOps:
+        """Itself where the kernel's VMEM at `cfg`'s shapes fits `VMEM_BUDGET`, else XLA's ops on
+        TPUs (logged): a model of many kv heads (multi-head attention, Llama 2's) stays served."""
+        position = cfg.num_kv_heads * cfg.head_dim * (1 if quantized_kv else jnp.dtype(cache_dtype).itemsize)
+        need = vmem_bytes(cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, page_size,
+                          self.pages_per_block, position)
+        if need <= VMEM_BUDGET:
+            return self
+        log.warning(
+            "use_ragged_attention: the ragged paged kernel would need ~%.1f MB of VMEM for %d kv heads of %d "
+            "(%d pages a kv block; at most %.1f MB); attention stays XLA's",
+            need / 1e6, cfg.num_kv_heads, cfg.head_dim, self.pages_per_block, VMEM_BUDGET / 1e6,
+        )
+        from serving.models.ops import TPU_XLA
+
+        return TPU_XLA
 
     def _history(self, q: jax.Array, cache, layer, pages: jax.Array, starts: jax.Array, lengths: jax.Array):
         """Attention of q [batch, seq, kv_heads, groups, head_dim] over each row's positions
