@@ -260,21 +260,41 @@ def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monk
     assert windows == {"xla-tpu": ([512, 2048], [512, 2048]), "ragged-tpu": ([2048], [2048])}
 
 
-def test_a_model_whose_kv_heads_overflow_the_kernels_vmem_stays_on_xlas_attention(caplog):
+def test_a_model_whose_kv_heads_overflow_the_kernels_vmem_stays_on_xlas_attention(caplog, monkeypatch, tiny_model_dir):
     """The ragged kernel's VMEM grows with kv_heads x head_dim (its buffers, a block's rows): Llama
-    2 7B's 32 x 128 ran out of a v5e's scoped VMEM compiled by Mosaic, so such a model keeps XLA's
-    attention (said in a warning); the Llama 3 shapes keep the kernel."""
+    2 7B's 32 x 128 ran out of a v5e's scoped VMEM compiled by Mosaic, so such a model's engine
+    selects its backend without the kernel (said in a warning: XLA's attention, or JAX's paged
+    kernel under attention=paged); the Llama 3 shapes keep the kernel."""
+    import dataclasses
     import logging
 
-    from serving.config import load_model_config
+    from serving.checkpoints.model_source import load_model
+    from serving.config import DevicesConfig, ServingConfig, load_model_config
+    from serving.engine import engine as engine_module
     from serving.kernels.ragged_paged import RaggedPagedOps
     from serving.models.ops import TPU_XLA
+    from serving.runtime import make_mesh
 
     ops = RaggedPagedOps()
     for shape in ("llama3.2-1b", "llama3.1-8b"):
-        assert ops.for_model(load_model_config(shape), True, jnp.bfloat16, 32) is ops
-        assert ops.for_model(load_model_config(shape), False, jnp.bfloat16, 32) is ops
+        assert ops.serves(load_model_config(shape), True, jnp.bfloat16, 32)
+        assert ops.serves(load_model_config(shape), False, jnp.bfloat16, 32)
     mha = load_model_config("llama3.2-1b").model_copy(update={"num_kv_heads": 32, "num_heads": 32, "head_dim": 128})
     with caplog.at_level(logging.WARNING):
-        assert ops.for_model(mha, True, jnp.bfloat16, 32) is TPU_XLA
-    assert "attention stays XLA's" in caplog.text and "32 kv heads of 128" in caplog.text
+        assert not ops.serves(mha, True, jnp.bfloat16, 32)
+    assert "selected without it" in caplog.text and "32 kv heads of 128" in caplog.text
+
+    # the engine's choice: the backend selected again with use_ragged_attention off
+    cfg = ServingConfig(use_ragged_attention=True, quantize_kvcache=True, cpu_kernels="off", enable_model_warmup=False)
+    model = load_model(str(tiny_model_dir), cfg)
+    asked = []
+
+    def select(config, mesh):
+        asked.append(config.use_ragged_attention)
+        return ops if config.use_ragged_attention else TPU_XLA
+
+    monkeypatch.setattr(engine_module, "select_ops", select)
+    mesh = make_mesh(DevicesConfig(), jax.devices()[:1])
+    assert engine_module.model_ops(model, cfg.engine, mesh) is ops  # the tiny model fits
+    wide = dataclasses.replace(model, config=mha)
+    assert engine_module.model_ops(wide, cfg.engine, mesh) is TPU_XLA and asked == [True, True, False]

@@ -112,10 +112,13 @@ def select_ops(config: EngineConfig, mesh: Mesh):
 
 
 def model_ops(model: LoadedModel, config: EngineConfig, mesh: Mesh):
-    """`select_ops`' backend where its kernels serve `model`'s shapes, else the one it names
-    instead (XlaOps.for_model: the ragged kernel's VMEM over a model of many kv heads)."""
+    """`select_ops`' backend where its kernels serve `model`'s shapes; where the ragged kernel
+    cannot (XlaOps.serves: its VMEM over a model of many kv heads; logged), the backend selected
+    without use_ragged_attention (XLA's, or JAX's paged kernel with attention=paged)."""
     ops = select_ops(config, mesh)
-    return ops.for_model(model.config, config.quantize_kvcache, jnp.dtype(config.dtype), config.prefix_block_size)
+    if ops.serves(model.config, config.quantize_kvcache, jnp.dtype(config.dtype), config.prefix_block_size):
+        return ops
+    return select_ops(dataclasses.replace(config, use_ragged_attention=False), mesh)
 
 
 def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None) -> Limits:

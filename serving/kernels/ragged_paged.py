@@ -5,14 +5,16 @@ cached keys and values in place through its block table from the lanes page pool
 
 The layout of a call:
 
-- queries: the step's tokens packed sequence after sequence, each sequence's from a block
-  boundary: q [kv_heads, blocks * block_q * groups, head_dim], row (t * groups + g) of a block
-  the query head (h * groups + g) of its token t; a sequence's last block may hold fewer real
-  tokens than block_q (`block_rows`), the rest is padding whose output is anything.
-- per block (scalar-prefetched, int32 [blocks]): the table row of its sequence (`block_seq`),
-  the position of its first token (`block_start`), and its real tokens (`block_rows`, 0: an
-  empty block, skipped). Token t of block b is at position block_start[b] + t and attends to the
-  positions [0, block_start[b] + t] (causal within a chunk, the cached history before it).
+- queries: the step's tokens packed sequence after sequence in units of block_q tokens, each
+  sequence's from a unit boundary: q [units * block_q * groups, kv_heads, head_dim], row
+  (u, t, g) the query head (h * groups + g) of unit u's token t; a sequence's last unit may hold
+  fewer real tokens than block_q (`unit_rows`), the rest is padding whose output is anything.
+  A kernel block takes `segments` units (a decode step: units of one token, several sequences a
+  block; a chunk: one unit of 16 / gcd(16, groups) tokens a block).
+- per unit (scalar-prefetched, int32 [units]): the table row of its sequence (`unit_seq`), the
+  position of its first token (`unit_start`), and its real tokens (`unit_rows`, 0: an empty unit,
+  skipped). Token t of unit u is at position unit_start[u] + t and attends to the positions
+  [0, unit_start[u] + t] (causal within a chunk, the cached history before it).
 - the pool, k and v [layers, num_pages, page_size, kv_heads * head_dim] (the lanes layout; int8
   values four to an int32 lane, with their scales), read in place in HBM. Causal, every position
   a token attends to is read from pages, its own included (written there before the call);
@@ -20,12 +22,13 @@ The layout of a call:
   call's own new tokens attended by XLA beside it, since the model writes them into the pool
   after its layer loop.
 
-Per block the kernel walks the sequence's pages `pages_per_block` at a time (a kv block), copying
+Per unit the kernel walks the sequence's pages `pages_per_block` at a time (a kv block), copying
 each kv block's pages from HBM into VMEM while it computes the one before (two buffers, one DMA
-semaphore each), with an online softmax per kv head in float32; a block's first kv block is
-copied while the block before it computes (two more buffers, by the blocks' parity), so that a
-decode step's sequences, one kv block each, do not each wait for their pages. Only the kv blocks up to the
-block's last position are read: a decode step reads each sequence's live pages once per layer.
+semaphore each), with an online softmax in float32 for every kv head at once (`_kernel`); a
+unit's first kv block is copied while the unit before it computes (two more buffers, by the
+units' parity), so that a decode step's sequences, one kv block each, do not each wait for their
+pages. Only the kv blocks up to the unit's last position are read: a decode step reads each
+sequence's live pages once per layer.
 
 Why not JAX's own paged_attention kernel (serving.kernels.tpu_paged): it takes one query token
 per sequence and a pool in its own layout [kv_heads, pages, page_size, head_dim], so every layer
@@ -384,20 +387,36 @@ def _rows_block(groups: int) -> int:
     return 16 // math.gcd(16, groups)
 
 
-# The kernel's VMEM that compiles within the default scoped VMEM (16 MiB), calibrated by compiling it
-# for a v5e (Mosaic, on a CPU host): kv_heads x head_dim 16 x 128 in int8 (7.9 MB by `vmem_bytes`)
-# and bfloat16 (12.1 MB) compile; 32 x 128 in int8 (22 MB: Llama 2 7B's heads) ran out of VMEM.
-VMEM_BUDGET = 12 << 20
+# What `vmem_bytes` may estimate for the kernel to be used. Calibrated by compiling the kernel for a
+# v5e with Mosaic (on a CPU host, libtpu's compiler) against its default scoped VMEM: these compiled,
+# estimated 12.9 MiB (kv_heads x head_dim 16 x 128, int8, pages of 32), 19.0 (the same, bfloat16)
+# and 25.8 (16 x 128 int8, pages of 64); 32 x 128 int8 (Llama 2 7B's heads), estimated 32.8, ran
+# out of VMEM. The estimate counts every buffer as live at once, so it reads above the real peak.
+VMEM_BUDGET = 26 << 20
 
 
-def vmem_bytes(kv_heads: int, head_dim: int, groups: int, page_size: int, pages_per_block: int, position_bytes: int) -> int:
-    """The kernel's largest VMEM at these shapes (a pool of `position_bytes` a position, all kv
-    heads): the k and v buffers (4 kv blocks each), the accumulators and block-diagonal queries of
-    a block's rows (kv_heads x 16 or more a block), the queries' and outputs' blocks."""
-    rows = kv_heads * _rows_block(groups) * groups
+def vmem_bytes(
+    kv_heads: int, head_dim: int, groups: int, page_size: int, pages_per_block: int, position_bytes: int, quantized: bool
+) -> int:
+    """An upper estimate of the kernel's VMEM at these shapes (a pool of `position_bytes` a
+    position, all kv heads): the k and v buffers and their scales' (4 kv blocks each), a block's
+    accumulators and block-diagonal queries (kv_heads x rows_q rows), q's and the output's blocks
+    (two each), and a kv block's temporaries (scores and weights, the scales' spread, the unpacked
+    keys and values)."""
+    rows_q = _rows_block(groups) * groups
+    rows = kv_heads * rows_q
     values = kv_heads * head_dim
+    span = pages_per_block * page_size
+    per_page = kv_heads * page_size  # a page's scales (at most)
+    pieces = 4 if quantized else 1
     buffers = 2 * 4 * pages_per_block * page_size * position_bytes
-    return buffers + rows * values * (4 + 2) + 2 * 2 * _rows_block(groups) * groups * values * 4
+    if quantized:
+        buffers += 2 * 4 * pages_per_block * per_page * 4
+    block = rows * values * (4 + 2) + 2 * 2 * rows_q * values * 4
+    temporaries = 6 * rows * span * 4 + 2 * span * (values // pieces) * 6
+    if quantized:
+        temporaries += 2 * (span * per_page * 7 + rows * per_page * 2)
+    return buffers + block + temporaries
 
 
 class RaggedPagedOps(TpuXlaOps):
@@ -418,27 +437,26 @@ class RaggedPagedOps(TpuXlaOps):
     def reads_cache_in_place(self, cfg, cache_dtype, dtype) -> bool:
         return True
 
-    def for_model(self, cfg, quantized_kv: bool, cache_dtype, page_size: int) -> TpuXlaOps:
-        """Itself where the kernel's VMEM at `cfg`'s shapes fits `VMEM_BUDGET`, else XLA's ops on
-        TPUs (logged): a model of many kv heads (multi-head attention, Llama 2's) stays served."""
+    def serves(self, cfg, quantized_kv: bool, cache_dtype, page_size: int) -> bool:
+        """Whether the kernel's VMEM at `cfg`'s shapes (`vmem_bytes`) fits `VMEM_BUDGET`; if not
+        (logged), the engine selects its backend without the kernel: a model of many kv heads
+        (multi-head attention, Llama 2's) stays served, by XLA's attention."""
         position = cfg.num_kv_heads * cfg.head_dim * (1 if quantized_kv else jnp.dtype(cache_dtype).itemsize)
         need = vmem_bytes(cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, page_size,
-                          self.pages_per_block, position)
+                          self.pages_per_block, position, quantized_kv)
         if need <= VMEM_BUDGET:
-            return self
+            return True
         log.warning(
-            "use_ragged_attention: the ragged paged kernel would need ~%.1f MB of VMEM for %d kv heads of %d "
-            "(%d pages a kv block; at most %.1f MB); attention stays XLA's",
-            need / 1e6, cfg.num_kv_heads, cfg.head_dim, self.pages_per_block, VMEM_BUDGET / 1e6,
+            "use_ragged_attention: the ragged paged kernel would need ~%.1f MiB of VMEM for %d kv heads of %d "
+            "(%d pages a kv block; at most %.1f MiB); the backend is selected without it",
+            need / 2**20, cfg.num_kv_heads, cfg.head_dim, self.pages_per_block, VMEM_BUDGET / 2**20,
         )
-        from serving.models.ops import TPU_XLA
-
-        return TPU_XLA
+        return False
 
     def _history(self, q: jax.Array, cache, layer, pages: jax.Array, starts: jax.Array, lengths: jax.Array):
         """Attention of q [batch, seq, kv_heads, groups, head_dim] over each row's positions
         [0, starts[b]), its first lengths[b] tokens: (out [batch, seq, kv_heads, groups, head_dim]
-        float32, lse [batch, seq, kv_heads, groups]). A decode step's rows (seq 1) go several to
+        in q's dtype, lse [batch, seq, kv_heads, groups] float32). A decode step's rows (seq 1) go several to
         a kernel block, a unit each; a chunk's rows in units of a block's tokens."""
         batch, seq, kv_heads, groups, head_dim = q.shape
         tile = _rows_block(groups)

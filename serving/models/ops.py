@@ -106,10 +106,10 @@ class XlaOps:
         and one window, the whole cache, is all the engine compiles)."""
         return False
 
-    def for_model(self, cfg: ModelConfig, quantized_kv: bool, cache_dtype: jnp.dtype, page_size: int) -> XlaOps:
-        """The backend that serves `cfg`'s shapes: this one, or the one to run instead where a
-        kernel of this one cannot (logged). XLA's serves every shape."""
-        return self
+    def serves(self, cfg: ModelConfig, quantized_kv: bool, cache_dtype: jnp.dtype, page_size: int) -> bool:
+        """Whether this backend's kernels serve `cfg`'s shapes (a refusal logs why; the engine
+        then selects without them: serving.engine.engine.model_ops). XLA's serves every shape."""
+        return True
 
     def split_layers(self, layers: dict) -> tuple[dict, dict]:
         """Stacked layer params as (sliced per layer by the layer loop, read in place by index).
