@@ -10,7 +10,10 @@
    server's generate and prefill calls and their seconds, from /metrics);
 3. the server stopped, the chip's measured limits (read bandwidth, bfloat16 and int8 matmul
    rates), then the engine alone (generate back to back) and the offline driver (the device loop's
-   scheduler and executor, synchronously) on the same config, loadtest.tpu_probe's way;
+   scheduler and executor, synchronously) on the same config, loadtest.tpu_probe's way; then
+   prefill's FLOP/s (a whole max_prefill_predict_length prompt, a call of full chunks) as a
+   fraction of the MXU's peak, and decode with a chunk beside every generate call at the largest
+   batch against decode alone;
 each rate with its ratio to the engine alone at the same batch, the engine's with its fraction of
 the roofline those limits allow. JSON to OUT/tpu-bench.json as
 each part finishes (a run cut short keeps what it measured).
@@ -211,7 +214,7 @@ def roofline(engine, params, chip: dict, batch: int, context: int) -> float:
 def engine_rates(model: str, overrides: list[str], batches: list[int], max_tokens: int, rate_size: int) -> dict:
     """The chip's limits, then the engine alone and the offline driver at each batch (brought up as
     serve brings it up), each with its fraction of the roofline."""
-    from loadtest.tpu_probe import _bring_up, engine_alone, offline
+    from loadtest.tpu_probe import _bring_up, engine_alone, mixed_rate, offline, prefill_rates
     from serving.orchestrator.executor import Executor
 
     chip = chip_rates(rate_size)
@@ -238,6 +241,15 @@ def engine_rates(model: str, overrides: list[str], batches: list[int], max_token
             "offline_over_engine": driven / alone, "roofline_tok_s": bound, "engine_of_roofline": alone / bound,
         }
         print(json.dumps({batch: out[f"b{batch}"]}), file=sys.stderr, flush=True)
+    # prefill on the MXU (issue 65: a 1,024-token prompt at >= 0.4 of the peak) and a step that
+    # prefills beside its decodes (their tok/s >= 0.8x of decoding alone), at the largest batch
+    peak = max(chip["bf16_flop_per_s"], (chip.get("published") or {}).get("bf16_flop_per_s", 0.0))
+    prefill = prefill_rates(engine, params, prompt_ids)
+    prefill["whole_of_peak"] = prefill["whole_flop_per_s"] / peak
+    prefill["chunks_of_peak"] = prefill["chunks_flop_per_s"] / peak
+    out["prefill"] = prefill
+    out["mixed"] = mixed_rate(engine, params, prompt_ids, max(batches), max_tokens)
+    print(json.dumps({"prefill": prefill, "mixed": out["mixed"]}), file=sys.stderr, flush=True)
     return out
 
 

@@ -57,6 +57,94 @@ def engine_alone(engine, params, prompt_ids: list[int], batch: int, new_tokens: 
     return produced / (time.perf_counter() - start)
 
 
+def _best(fn, repeats: int = 3) -> float:
+    """The best of `repeats` timed calls of fn (after one untimed: compiles)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def prefill_flops(cfg, tokens: int, context: int) -> float:
+    """A prefill's FLOPs: 2 a weight a token (the layers' matmuls and the lm head's) plus causal
+    attention, 2 x 2 x heads x head_dim a query-key pair, over `context` positions a row of
+    `tokens` (each token sees about half)."""
+    matmul_params = cfg.num_layers * (
+        cfg.embed_dim * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.embed_dim
+        + 3 * cfg.embed_dim * cfg.mlp_dim
+    ) + cfg.embed_dim * cfg.vocab_size
+    return 2 * matmul_params * tokens + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * context
+
+
+def prefill_rates(engine, params, prompt_ids: list[int]) -> dict:
+    """Prefill on the MXU: a whole prefill of max_prefill_predict_length tokens (one prompt), and
+    one prefill_slots call of fresh full chunks filling its budget (rows x prefill_chunk_size
+    within prefill_batch_tokens), each its seconds (best of 3) and FLOP/s; the caller divides by
+    the chip's peak."""
+    from serving.engine.api import PrefillRow
+    from serving.request import SamplingParams
+
+    limits, cfg = engine.limits, engine.model.config
+    length = limits.max_prefill_length
+    tokens = (prompt_ids * (length // len(prompt_ids) + 1))[:length]
+    sampling = SamplingParams(max_tokens=2)
+    whole = _best(lambda: engine.prefill(params, limits.pad(tokens), length, sampling)[0].first_tokens)
+    chunk = limits.prefill_chunk_size
+    rows = max(1, min(limits.max_prefill_batch, limits.prefill_batch_tokens // chunk, engine.max_concurrent_decodes))
+    state = engine.init_decode_state()
+
+    def chunks():
+        nonlocal state
+        row = [PrefillRow(i, tuple(tokens[:chunk]), 0, False, sampling) for i in range(rows)]
+        state, _, _ = engine.prefill_slots(params, state, row)
+        return state.cache.k
+
+    batched = _best(chunks)
+    del state
+    return {
+        "whole_tokens": length, "whole_s": whole, "whole_flop_per_s": prefill_flops(cfg, length, length) / whole,
+        "chunk_rows": rows, "chunk_tokens": chunk, "chunks_s": batched,
+        "chunks_flop_per_s": rows * prefill_flops(cfg, chunk, chunk) / batched,
+    }
+
+
+def mixed_rate(engine, params, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
+    """Decode tok/s of `batch` sequences with a fresh prefill chunk (prefill_chunk_size tokens,
+    into a slot that never decodes) run beside every generate call, against the same decode alone:
+    what a step that also prefills leaves the decodes."""
+    import numpy as np
+
+    from serving.engine.api import PrefillRow
+    from serving.request import SamplingParams
+
+    batch = min(batch, engine.max_concurrent_decodes - 1)  # one slot for the chunks
+    alone = engine_alone(engine, params, prompt_ids, batch, new_tokens)
+    state = engine.init_decode_state()
+    for slot in range(batch):
+        prefix, _ = engine.prefill(
+            params, engine.limits.pad(prompt_ids), len(prompt_ids), SamplingParams(max_tokens=new_tokens + 1, seed=slot)
+        )
+        state = engine.insert(prefix, state, slot)
+    chunk = engine.limits.prefill_chunk_size
+    row = [PrefillRow(batch, tuple((prompt_ids * (chunk // len(prompt_ids) + 1))[:chunk]), 0, False, SamplingParams())]
+    rows = next(b for b in engine.limits.decode_buckets if b >= batch)
+    produced, calls, start = 0, 0, time.perf_counter()
+    while produced < batch * new_tokens:
+        state, result = engine.generate(params, state, max_position=len(prompt_ids) + produced // batch, slots=list(range(rows)))
+        state, _, _ = engine.prefill_slots(params, state, row)
+        produced += int(np.asarray(result.valid).sum())
+        calls += 1
+    mixed = produced / (time.perf_counter() - start)
+    return {"batch": batch, "chunk_tokens": chunk, "calls": calls, "alone_tok_s": alone, "mixed_tok_s": mixed,
+            "mixed_over_alone": mixed / alone}
+
+
 def offline(engine, params, executor, prompt_ids, batch, new_tokens) -> float:
     from serving.orchestrator.offline import run_to_completion
     from serving.request import SamplingParams
@@ -89,13 +177,16 @@ def compiled_generate(engine, params, batch: int, window: int | None = None):
 
 
 def sweep(
-    model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path, trace: int = 0, prompt_tokens: int = 0
+    model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path, trace: int = 0, prompt_tokens: int = 0,
+    prefill: bool = False, mixed: int = 0,
 ) -> None:
     """Each config (key=value overrides, space-separated) on one loaded model: the engine alone at
     each batch, its generate program's temporaries and pool-sized copies; with `trace`, a device
     trace of the engine alone at that batch, by op (OUT/device-ops-{config index}.json). The
     prompt: a sentence four times (~70 tokens), or `prompt_tokens` of it repeated (each sequence
-    then decodes from that position: the KV read a step grows with it)."""
+    then decodes from that position: the KV read a step grows with it). `prefill`: each config's
+    prefill rates (`prefill_rates`); `mixed`: its decode rate at that batch with a chunk beside
+    every generate call (`mixed_rate`)."""
     import gc
 
     import jax
@@ -124,6 +215,10 @@ def sweep(
             for batch in (min(b, slots) for b in batches):
                 engine_alone(engine, params, prompt_ids, batch, 8)  # compile
                 row[f"b{batch}_tok_s"] = engine_alone(engine, params, prompt_ids, batch, new_tokens)
+            if prefill:
+                row["prefill"] = prefill_rates(engine, params, prompt_ids)
+            if mixed:
+                row["mixed"] = mixed_rate(engine, params, prompt_ids, mixed, new_tokens)
             if trace:
                 trace_dir = out / f"trace-{len(results)}"
                 engine_alone(engine, params, prompt_ids, trace, 8)
@@ -189,11 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="append", default=[], help="a config (overrides) to sweep")
     parser.add_argument("--trace", type=int, default=0, help="with --sweep: a device trace of each config at this batch")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="with --sweep: each prompt's length (default ~70)")
+    parser.add_argument("--prefill", action="store_true", help="with --sweep: prefill's rates (a whole prompt, a call of chunks)")
+    parser.add_argument("--mixed", type=int, default=0, help="with --sweep: decode tok/s at this batch with a chunk beside each call")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_intermixed_args(argv)
     if ns.sweep:
         ns.out.mkdir(parents=True, exist_ok=True)
-        sweep(ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out, ns.trace, ns.prompt_tokens)
+        sweep(
+            ns.model, ns.sweep, [int(b) for b in ns.batches.split(",")], ns.new_tokens, ns.out, ns.trace,
+            ns.prompt_tokens, ns.prefill, ns.mixed,
+        )
         return 0
     import jax
 

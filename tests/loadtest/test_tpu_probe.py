@@ -1,0 +1,31 @@
+"""loadtest.tpu_probe's measurements run on the tiny model (on the CPU: the figures mean nothing
+here; on the chip they are the issue's prefill and mixed-step targets)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("jax")
+
+
+def test_prefill_rates_and_the_mixed_step_measure_on_the_tiny_model(tiny_model_dir):
+    from loadtest.tpu_probe import mixed_rate, prefill_flops, prefill_rates
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine.engine import Engine
+
+    cfg = ServingConfig(
+        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
+        max_prefill_batch=4, prefill_batch_tokens=64, decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    params = engine.load_params()
+    prompt = list(range(5, 17))
+    rates = prefill_rates(engine, params, prompt)
+    assert (rates["whole_tokens"], rates["chunk_rows"], rates["chunk_tokens"]) == (64, 2, 32)  # 2 x 32 within 64
+    assert rates["whole_s"] > 0 and rates["chunks_flop_per_s"] > 0
+    assert prefill_flops(model.config, 2, 0) == 2 * prefill_flops(model.config, 1, 0)  # matmuls: linear in tokens
+    mixed = mixed_rate(engine, params, prompt, 8, 6)
+    assert mixed["batch"] == 3  # one slot left for the chunks
+    assert mixed["calls"] >= 3 and mixed["mixed_tok_s"] > 0 and mixed["alone_tok_s"] > 0
