@@ -298,3 +298,55 @@ def test_a_model_whose_kv_heads_overflow_the_kernels_vmem_stays_on_xlas_attentio
     assert engine_module.model_ops(model, cfg.engine, mesh) is ops  # the tiny model fits
     wide = dataclasses.replace(model, config=mha)
     assert engine_module.model_ops(wide, cfg.engine, mesh) is TPU_XLA and asked == [True, True, False]
+
+
+def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprobs(tiny_model_dir, monkeypatch):
+    """The device loop (orchestrator, its own thread) on RaggedPagedOps (the kernel in interpret
+    mode) against TpuXlaOps, the same requests arriving together: greedy, a prompt in chunks, its
+    repeat (a prefix hit), a repetition penalty, a seeded sampled one, n = 2 choices, top-2
+    logprobs, with n-gram speculation verifying proposals: the same tokens, logprobs within 1e-4,
+    the same cached prompt tokens, over the TPU profile's int8 KV cache (float32 on the CPU; float
+    pages: the offline test above)."""
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine import engine as engine_module
+    from serving.kernels.ragged_paged import RaggedPagedOps
+    from serving.models.ops import TPU_XLA
+    from serving.orchestrator.orchestrator import Orchestrator
+    from serving.request import SamplingParams
+
+    cfg = ServingConfig(
+        per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
+        decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False, quantize_kvcache=True,
+        speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, speculative_cost_ratio=0.0,
+    )
+    model = load_model(str(tiny_model_dir), cfg)
+    long = [5, 6, 7, 8] * 10  # 40 tokens, repeating: two chunks, and n-grams for the proposals
+    asks = [
+        (long, SamplingParams(max_tokens=8)),
+        ([9, 10, 11, 9, 10, 11, 9], SamplingParams(max_tokens=6, repetition_penalty=1.3)),
+        ([12, 13, 14, 15], SamplingParams(max_tokens=6, temperature=1.0, seed=7)),
+        ([16, 17, 18, 16, 17], SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2)),
+        ([19, 20, 21, 22, 19, 20], SamplingParams(max_tokens=5, logprobs=2)),
+    ]
+    got = {}
+    for ops in (TPU_XLA, RaggedPagedOps(pages_per_block=2, interpret=True)):
+        monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
+        engine = engine_module.Engine(model, cfg.engine)
+        assert engine.ops is ops
+        orchestrator = Orchestrator(engine, engine.load_params(), model.tokenizer, cfg.orchestrator).start()
+        try:
+            handles = [h for prompt, sampling in asks for h in orchestrator.submit_choices(prompt, sampling)]
+            done = [h.result() for h in handles]
+            repeat = orchestrator.submit(long, SamplingParams(max_tokens=8)).result()  # its pages cached now
+            assert orchestrator.metrics.spec_rounds > 0  # proposals were verified
+        finally:
+            orchestrator.stop(timeout=60)
+        got[ops.name] = [*done, repeat]
+    xla, ragged = got["xla-tpu"], got["ragged-tpu"]
+    assert [c.token_ids for c in ragged] == [c.token_ids for c in xla]
+    assert [c.cached_tokens for c in ragged] == [c.cached_tokens for c in xla] and ragged[-1].cached_tokens == 32
+    assert ragged[-1].token_ids == ragged[0].token_ids
+    for a, b in zip(ragged[-2].logprobs, xla[-2].logprobs, strict=True):  # the logprobs request
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

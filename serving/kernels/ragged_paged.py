@@ -429,10 +429,12 @@ class RaggedPagedOps(TpuXlaOps):
     name = "ragged-tpu"
     chunks_in_place = True  # a chunk's history through the kernel: one history window
 
-    def __init__(self, pages_per_block: int = 8):
+    def __init__(self, pages_per_block: int = 8, interpret: bool = False):
+        """`interpret`: the kernel in Pallas' interpret mode (a CPU's tests, from any thread)."""
         if pages_per_block < 1:
             raise ValueError(f"pages_per_block must be at least 1, got {pages_per_block}")
         self.pages_per_block = pages_per_block
+        self.interpret = interpret
 
     def reads_cache_in_place(self, cfg, cache_dtype, dtype) -> bool:
         return True
@@ -477,7 +479,8 @@ class RaggedPagedOps(TpuXlaOps):
         out, lse = ragged_paged_attention(
             packed, cache.k, cache.v, layer, pages, units_of(jnp.repeat(jnp.arange(batch), per_row)),
             units_of(jnp.repeat(starts, per_row)), units_of(rows), block_q=block_q, segments=segments,
-            pages_per_block=self.pages_per_block, causal=False, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            pages_per_block=self.pages_per_block, causal=False, interpret=self.interpret, k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
         real = units * block_q * groups
         out = out[:real].reshape(batch, per_row * block_q, groups, kv_heads, head_dim)[:, :seq].transpose(0, 1, 3, 2, 4)
