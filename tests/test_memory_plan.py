@@ -126,9 +126,11 @@ def test_the_plan_compiles_warmups_programs_once_for_warmup_to_run(tiny_model_di
     from serving.orchestrator.offline import run_to_completion
 
     requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=6, seed=n)) for n in (3, 40, 64)]
-    whole = [(list(range(4, 20)), SamplingParams(max_tokens=6, prompt_logprobs=2))]  # a whole prefill, n=1
+    whole = [(list(range(4, 20)), SamplingParams(max_tokens=0, prompt_logprobs=2))]  # a whole prefill, n=1
+    whole.append((list(range(4, 20)), SamplingParams(max_tokens=6, prompt_logprobs=2)))  # scored chunks
     warmed = [r.token_ids for r in run_to_completion(engine, params, requests + whole)]
     assert [f._cache_size() for f in functions] == [0, 1, 0]  # only the prompt-logprobs prefill compiled
+    assert engine._score_chunk_fn._cache_size() == 1  # and the scored chunk's model call (at first use)
     # n = 2: each choice goes in as a single one, through the insert warmup compiled
     bucket = engine.limits.buckets[0]
     prefix, _ = engine.prefill(params, [5] * bucket, 10, SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=3))

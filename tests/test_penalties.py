@@ -272,3 +272,30 @@ def test_a_chunked_final_row_gives_the_first_tokens_logprobs_as_the_whole_prefil
     np.testing.assert_allclose(got.logprob, whole.logprob, atol=ATOL)
     assert [t for t, _ in got.top[:5]] == [t for t, _ in whole.top[:5]]
     np.testing.assert_allclose([v for _, v in got.top], [v for _, v in whole.top], atol=ATOL)
+
+
+def test_the_prompts_logprobs_in_chunks_are_the_whole_prefills(tiny):
+    """A prompt scored chunk by chunk (`prefill_slots_scored`: each chunk's positions, the last
+    one's against the next chunk's first token) gives the whole prefill's prompt logprobs: token,
+    logprob, rank and top 5; and the final chunk's first token."""
+    model, engine, params = tiny
+    prompt = tuple(model.tokenizer.encode(TEXT)[:21])
+    s = SamplingParams(max_tokens=4, prompt_logprobs=5)
+    prefix, first = engine.prefill(params, engine.limits.pad(list(prompt)), len(prompt), s)
+    whole = engine.prefill_outputs(prefix).prompt_logprobs
+    state, scored = engine.init_decode_state(), []
+    for start, end in ((0, 8), (8, 16), (16, 21)):
+        final = end == len(prompt)
+        row = PrefillRow(2, prompt[start:end], start, final, s, score=True, score_next=-1 if final else prompt[end])
+        state, token, logprob, scores = engine.prefill_slots_scored(params, state, row)
+        assert len(scores) == end - start - final and logprob is None
+        scored += scores
+        assert (token == first) if final else token is None
+    got = (None, *scored)
+    assert len(got) == len(whole) == len(prompt) and got[0] is whole[0] is None
+    for a, b in zip(got[1:], whole[1:], strict=True):
+        assert a.token == b.token and a.rank == b.rank
+        np.testing.assert_allclose(a.logprob, b.logprob, atol=ATOL)
+        assert [t for t, _ in a.top[:5]] == [t for t, _ in b.top[:5]]
+    with pytest.raises(ValueError, match="scores the prompt"):
+        engine.prefill_slots_scored(params, state, PrefillRow(3, prompt[:4], 0, False, s))

@@ -78,6 +78,12 @@ class PrefillRow(NamedTuple):
     # A final row's first-token mask under a grammar (int32 [words], bit i % 32 of word i // 32 for
     # token i, as generate's masks); None: every token allowed.
     mask: ArrayLike | None = None
+    # The prompt's logprobs (OpenAI's echo, vLLM's prompt_logprobs): this chunk's positions score
+    # the prompt token each predicts (`prefill_slots_scored`, the row alone in its call); the last
+    # one's is `score_next`, the prompt token after the chunk (-1 at the final chunk: it predicts
+    # the first generated token, which is not the prompt's).
+    score: bool = False
+    score_next: int = -1
 
 
 class Proposer(Protocol):
@@ -192,6 +198,17 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         host: its first token (None for a non-final row) and that token's logprobs with the
         MAX_LOGPROBS best alternatives, as `prefill_outputs` gives them (None unless the row is
         final and its request wants logprobs)."""
+        ...
+
+    def prefill_slots_scored(
+        self, params: ParamsT, decode_state: StateT, row: PrefillRow
+    ) -> tuple[StateT, int | None, TokenLogprob | None, tuple[TokenLogprob, ...]]:
+        """`prefill_slots` of one row that scores the prompt (`row.score`: a request for the
+        prompt's logprobs, its chunks each alone in a call): the state, the row's first token and
+        its logprob (None unless final; the logprob None unless wanted), and the logprob of each
+        prompt token its positions predict, in order (the chunk's tokens after its first, then
+        `row.score_next` unless final), over the whole vocabulary with the top MAX_LOGPROBS and
+        the rank, as `prefill_outputs`' prompt logprobs."""
         ...
 
     @property

@@ -33,9 +33,9 @@ import numpy as np
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
-from serving.engine.sampling import apply_mask, token_logprobs_if
+from serving.engine.sampling import apply_mask, token_logprobs, token_logprobs_if
 from serving.engine.sharding import replicated
-from serving.engine.state import DecodeState, TokenHistory, is_stop, stacked_sampling
+from serving.engine.state import DecodeState, Logprobs, TokenHistory, host_logprobs, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
 from serving.models import prefill
 from serving.models.cache import SCRATCH_PAGE, store_chunks
@@ -71,6 +71,14 @@ class ChunkedPrefill:
             self._start_rows_impl,
             donate_argnums=(0,),
             out_shardings=(state_shardings._replace(cache=None), replicated(self.mesh)),
+        )
+        # A chunk that scores the prompt (one row): the same model call, every position's logits kept
+        # and scored against the prompt's next tokens; compiled at first use (a rows bucket of 1)
+        self._score_chunk_fn = jax.jit(
+            partial(self._prefill_chunks_impl, static=static),
+            donate_argnums=(1,),
+            out_shardings=(state_shardings.cache, replicated(self.mesh), replicated(self.mesh)),
+            static_argnames=("window",),
         )
         self._pages_sharding = state_shardings.pages
         # (rows bucket, length bucket, history window) -> an executable compiled ahead of time, and
@@ -113,6 +121,36 @@ class ChunkedPrefill:
         else:
             first = np.asarray(out[0])
         return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows)), logprobs
+
+    def prefill_slots_scored(
+        self, params: dict, decode_state: DecodeState, row: PrefillRow
+    ) -> tuple[DecodeState, int | None, TokenLogprob | None, tuple[TokenLogprob, ...]]:
+        """`prefill_slots` of one row that scores the prompt (`row.score`): the state, its first
+        token and logprob (a final row's; None otherwise), and the logprob of each prompt token its
+        positions predict, in order (tokens[1:], then `score_next` unless final; TokenLogprob with
+        the top MAX_LOGPROBS and the rank, over the whole vocabulary at temperature 1: the whole
+        `prefill`'s prompt logprobs)."""
+        if not row.score:
+            raise ValueError("prefill_slots_scored takes a row that scores the prompt (score=True)")
+        inputs, shape = self._slot_inputs([row])
+        following = np.full((shape[0],), -1, np.int32)
+        following[0] = -1 if row.final else row.score_next
+        cache, last, scored = self._score_chunk_fn(
+            params, decode_state.cache, decode_state.pages, *_model_inputs(inputs), jnp.asarray(following), window=shape[2]
+        )
+        start = self._start_compiled.get(shape[0]) or self._start_rows_fn
+        state, out = start(decode_state._replace(cache=None), last, *inputs[1:])
+        state = state._replace(cache=cache)
+        first, chosen, top_ids, top = jax.device_get(out)
+        scored = jax.device_get(scored)
+        count = len(row.tokens) - (1 if row.final else 0)  # positions with a prompt token to predict
+        scores = tuple(host_logprobs(Logprobs(*(x[0, :count] for x in scored)))) if count else ()
+        if not row.final:
+            return state, None, None, scores
+        logprob = None
+        if row.sampling.wants_logprobs:
+            logprob = TokenLogprob(int(first[0]), float(chosen[0]), tuple(zip(top_ids[0].tolist(), top[0].tolist(), strict=True)))
+        return state, int(first[0]), logprob, scores
 
     def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
         """The compiled call's host inputs for `rows` (tokens [count, bucket]; slots, starts,
@@ -211,11 +249,13 @@ class ChunkedPrefill:
     # -- compiled bodies -----------------------------------------------------------------------
 
     def _prefill_chunks_impl(
-        self, params, cache, pages_table, tokens, slots, starts, lengths, lora_slot, static, window,
-    ) -> tuple[Any, jax.Array]:
+        self, params, cache, pages_table, tokens, slots, starts, lengths, lora_slot, following=None, *, static, window,
+    ):
         """tokens [rows, bucket]; slots, starts, lengths, lora_slot [rows]; pages_table [slots,
         max_pages]. Returns the page pool with the rows' KV written and each row's logits at its
-        last token [rows, decodable vocab]."""
+        last token [rows, decodable vocab]; with `following` [rows] (the prompt token after each
+        row's chunk, -1: none), also every position's score of the prompt token it predicts
+        (Logprobs [rows, bucket]: tokens[1:], then `following`; the prompt's logprobs)."""
         total = self.max_concurrent_decodes
         real = slots < total  # padding rows carry slot `total`: their table is all scratch
         pages = jnp.where(real[:, None], pages_table[jnp.clip(slots, 0, total - 1)], SCRATCH_PAGE)  # [rows, max_pages]
@@ -235,10 +275,24 @@ class ChunkedPrefill:
             quantized_kv=cache.quantized,
             kv_scale_per_head=cache.scale_per_head,
             lora=lora_stack.lora_batch(params, lora_slot),
-            last=lengths - 1,
+            last=lengths - 1 if following is None else None,
         )
-        last = self._decodable(logits, None)
-        return store_chunks(cache, kv, pages, starts), last
+        if following is None:
+            return store_chunks(cache, kv, pages, starts), self._decodable(logits, None)
+        # the prompt's logprobs: every position's logits [rows, bucket, vocab], as the whole prefill scores them
+        rows, bucket, vocab = logits.shape
+        at = jnp.arange(bucket)[None, :]
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((rows, 1), tokens.dtype)], axis=1)
+        targets = jnp.where(at == lengths[:, None] - 1, jnp.maximum(following, 0)[:, None], shifted)
+        flat, wanted = logits.reshape(rows * bucket, vocab), targets.reshape(-1)
+        chosen, top_ids, top = token_logprobs(flat, wanted, jnp.ones(wanted.shape, jnp.float32))
+        rank = 1 + jnp.sum(jax.nn.log_softmax(flat, axis=-1) > chosen[:, None], axis=-1, dtype=jnp.int32)
+        scored = Logprobs(
+            targets, chosen.reshape(rows, bucket), top_ids.reshape(rows, bucket, -1), top.reshape(rows, bucket, -1),
+            rank.reshape(rows, bucket),
+        )
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return store_chunks(cache, kv, pages, starts), self._decodable(last, None), scored
 
     def _start_rows_impl(
         self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, prompt, masks, sampling,

@@ -63,6 +63,7 @@ from serving.engine.state import (
     Prefix,
     SlotSampling,
     TokenHistory,
+    host_logprobs,
     is_stop,
     slot_sampling,
     stacked_sampling,
@@ -76,7 +77,7 @@ from serving.models.cache import SCRATCH_PAGE, dedicated_pages
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
-from serving.request import SamplingParams, TokenLogprob
+from serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -319,10 +320,10 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         """The first tokens and logprobs of a prefix, read back in one transfer."""
         host = jax.device_get((prefix.first_tokens, prefix.first_logprobs, prefix.prompt_logprobs, prefix.length))
         first_tokens, first, prompt, length = host
-        first_logprobs = None if first is None else tuple(_host_logprobs(first))
+        first_logprobs = None if first is None else tuple(host_logprobs(first))
         prompt_logprobs = None
         if prompt is not None:
-            prompt_logprobs = (None, *_host_logprobs(prompt)[: int(length) - 1])
+            prompt_logprobs = (None, *host_logprobs(prompt)[: int(length) - 1])
         return PrefillOutputs(tuple(int(t) for t in first_tokens), first_logprobs, prompt_logprobs)
 
     def prompt_logprobs(self, params: dict, padded_tokens, true_length: int) -> np.ndarray:
@@ -678,11 +679,3 @@ def _placed_as(arrays, specs) -> bool:
         a.shape == s.shape and a.dtype == s.dtype and a.sharding.is_equivalent_to(s.sharding, a.ndim) for a, s in pairs
     )
 
-
-def _host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
-    """Host copies ([rows] numpy) as one TokenLogprob per row."""
-    ranks = [None] * len(lp.ids) if lp.rank is None else [int(r) for r in lp.rank]
-    return [
-        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)), rank)
-        for t, c, ids, top, rank in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, ranks, strict=True)
-    ]

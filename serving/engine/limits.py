@@ -60,14 +60,11 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
 
 
 def prefills_whole(sampling: SamplingParams, prefix_cache: bool = False) -> bool:
-    """Whether a request takes the whole `prefill` + `insert` path (it needs that call's outputs:
-    the prompt's logprobs; several choices, unless the prefix cache shares their prompt's pages
-    and they go in chunks as n sequences) instead of chunks."""
-    return (
-        (sampling.n > 1 and not prefix_cache)
-        or sampling.prompt_logprobs is not None
-        or sampling.max_tokens < 1
-    )
+    """Whether a request takes the whole `prefill` + `insert` path instead of chunks: several
+    choices, unless the prefix cache shares their prompt's pages (then they go in chunks as n
+    sequences); or no token to generate (max_tokens 0: the prompt's logprobs alone). The prompt's
+    logprobs with tokens to generate go in chunks, each scoring its positions."""
+    return (sampling.n > 1 and not prefix_cache) or sampling.max_tokens < 1
 
 
 def row_buckets(max_rows: int, growth: int = 2) -> tuple[int, ...]:

@@ -343,6 +343,19 @@ class MockEngine:
         decode_state.replaced = True  # only once the call went through: a refused call keeps its state
         return state, tuple(firsts), tuple(logprobs)
 
+    def prefill_slots_scored(
+        self, params: dict, decode_state: MockState, row: PrefillRow
+    ) -> tuple[MockState, int | None, TokenLogprob | None, tuple[TokenLogprob, ...]]:
+        """`prefill_slots` of one scoring row, and each prompt token its positions predict scored
+        as `prefill_outputs` scores a whole prompt's (`mock_logprob` of the token)."""
+        if not row.score:
+            raise AssertionError("prefill_slots_scored takes a row that scores the prompt")
+        self.calls.append(("prefill_slots_scored", (row.slot, row.start, len(row.tokens), row.final)))
+        state, firsts, logprobs = self.prefill_slots(params, decode_state, [row])
+        self.calls.pop()  # the call is this one, not prefill_slots
+        predicted = [*row.tokens[1:], *([] if row.final else [row.score_next])]
+        return state, firsts[0], logprobs[0], tuple(mock_logprob(t, self.vocab_size) for t in predicted)
+
     def _check_rows(self, state: MockState, rows: Sequence[PrefillRow]) -> None:
         limits = self.limits
         if not 0 < len(rows) <= limits.max_prefill_batch:

@@ -11,7 +11,7 @@ import numpy as np
 
 from serving.engine.limits import MAX_STOP_IDS
 from serving.models import KVCache
-from serving.request import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams
+from serving.request import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams, TokenLogprob
 
 RECENT = MAX_BAD_WORD_TOKENS - 1  # generated tokens a bad word's prefix can span
 
@@ -128,3 +128,12 @@ def stacked_sampling(samplings: list[SamplingParams], rows: int) -> SlotSampling
     pad = SamplingParams(max_tokens=1)
     each = [slot_sampling(s) for s in samplings] + [slot_sampling(pad)] * (rows - len(samplings))
     return SlotSampling(*(np.stack(field) for field in zip(*each, strict=True)))
+
+
+def host_logprobs(lp: Logprobs) -> list[TokenLogprob]:
+    """Host copies ([rows] numpy) as one TokenLogprob per row."""
+    ranks = [None] * len(lp.ids) if lp.rank is None else [int(r) for r in lp.rank]
+    return [
+        TokenLogprob(int(t), float(c), tuple(zip(ids.tolist(), top.tolist(), strict=True)), rank)
+        for t, c, ids, top, rank in zip(lp.ids, lp.chosen, lp.top_ids, lp.top, ranks, strict=True)
+    ]

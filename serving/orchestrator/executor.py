@@ -93,6 +93,8 @@ class Executor:
         self.state = engine.init_decode_state()
         self.pages: np.ndarray | None = None  # the block tables, from the first plan that sets one
         self.timings = Timings()
+        # slot -> the prompt logprobs its earlier chunks scored (a request for them, in chunks)
+        self._scores: dict[int, tuple[TokenLogprob, ...]] = {}
 
     # `start` and `finish` split `run` at the generate call (the device loop may make and start
     # the next plan before reading this one's tokens: serving.orchestrator.scheduler.runs_ahead)
@@ -134,13 +136,24 @@ class Executor:
         """The plan's `prefill_slots` call on `engine`'s `state` (returned), its final rows' first
         tokens into `firsts`."""
         started = time.perf_counter()
-        state, tokens, logprobs = engine.prefill_slots(params, state, plan.rows)
+        prompt_logprobs = None
+        if plan.rows[0].score:  # a request for the prompt's logprobs: its chunk alone, scored
+            (row,) = plan.rows
+            state, token, logprob, scores = engine.prefill_slots_scored(params, state, row)
+            tokens, logprobs = (token,), (logprob,)
+            scored = (*(self._scores.pop(row.slot, ()) if row.start else ()), *scores)
+            if row.final:
+                prompt_logprobs = (None, *scored)  # the first prompt token has none (OpenAI's echo)
+            else:
+                self._scores[row.slot] = scored
+        else:
+            state, tokens, logprobs = engine.prefill_slots(params, state, plan.rows)
         self.timings.prefills.append(time.perf_counter() - started)
         for row, token, logprob in zip(plan.rows, tokens, logprobs, strict=True):
             if row.final:
                 token = int(token)
                 if on_first_token is not None:
-                    on_first_token(row.slot, token, logprob, None)
+                    on_first_token(row.slot, token, logprob, prompt_logprobs)
                 firsts.tokens.append(token)
                 firsts.logprobs.append(logprob)
         return state

@@ -7,14 +7,16 @@ The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequenc
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
 b. waiting requests take free slots, the lowest first. A request
-   that `prefills_whole` (prompt logprobs; n > 1 choices without the prefix cache) is an `Admission`:
+   that `prefills_whole` (n > 1 choices without the prefix cache; the prompt's logprobs with
+   max_tokens 0) is an `Admission`:
    one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
    the start (such a sequence is never preempted); it waits, slots held, until they are free.
    With the prefix cache, n > 1 choices are n prefilling slots, each its choice's seed: the first
    computes the prompt's pages, the others find them cached (waiting for those on their way).
    Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
    prompt's full pages found cached goes into its table as they are (shared, not copied), leaving
-   at least one prompt token to compute, whose logits give the first token. A request whose next
+   at least one prompt token to compute, whose logits give the first token (a request for the
+   prompt's logprobs reads no cached page: every position is scored). A request whose next
    uncached page another prefilling slot is about to compute (the same system prompt, sent by
    several clients at once) waits in its slot, computing nothing, until that page is registered or
    no longer coming; then it looks up again and goes on;
@@ -30,7 +32,8 @@ d. one `prefill_slots` call: the next chunk of each prefilling slot holding its 
    pages; a newer prompt whose pages are free starts before an older one whose are not, until that
    one has waited STARVED_TURNS. The rows fit `max_prefill_batch` and rows x bucket of the longest
    chunk fits `prefill_batch_tokens` (the oldest always goes; chunks within the bucket already chosen
-   before ones that would widen it); rows start all at 0 or all after it, as the first row does. A
+   before ones that would widen it); rows start all at 0 or all after it, as the first row does;
+   a chunk that scores the prompt (its request wants the prompt's logprobs) goes alone. A
    row that reaches its prompt's end is final: its slot decodes from this turn. Each full prompt
    page it completes is registered under its key;
 e. one generate call over the decoding slots, padded to the smallest slot bucket holding their
@@ -130,6 +133,12 @@ class _Prefilling:
     generated: tuple[int, ...] = ()  # tokens it had generated when it was preempted
     original: int = 0  # the request's own prompt length
     grammar: Any = None  # under a grammar: its matcher, whose mask its final row carries
+
+    @property
+    def scores(self) -> bool:
+        """Its request wants the prompt's logprobs, not yet delivered: every position is computed
+        (no cached page read) and scored, each chunk alone in its call."""
+        return self.sampling.prompt_logprobs is not None and not self.generated
 
 
 @dataclass
@@ -458,7 +467,7 @@ class Scheduler:
         (`entry.waits`) while the first page past that run is on its way: another prefilling slot
         holds it, not computed or not registered yet. Counted as hits and misses once, when it
         loads."""
-        if not self.prefix_caching or entry.computed:
+        if not self.prefix_caching or entry.computed or entry.scores:  # a scored prompt computes every position
             return
         reusable = entry.keys[: (len(entry.prompt_ids) - 1) // self.page_size]  # one token is left to compute
         cached = next((i for i, key in enumerate(reusable) if not self.pool.contains(key)), len(reusable))
@@ -525,11 +534,11 @@ class Scheduler:
         chosen, bucket = [0], limits.bucket_for(len(candidates[0][2]))  # the oldest always goes
         budget = limits.batch_tokens(candidates[0][1].computed)  # all start at 0, or all after it
         for widening in (False, True):
-            for i, (_, _, chunk) in enumerate(candidates):
-                if len(chosen) == limits.max_prefill_batch:
+            for i, (_, entry, chunk) in enumerate(candidates):
+                if len(chosen) == limits.max_prefill_batch or candidates[0][1].scores:  # a scored chunk goes alone
                     break
                 need = limits.bucket_for(len(chunk))
-                if i in chosen or (need > bucket and not widening):
+                if i in chosen or entry.scores or (need > bucket and not widening):
                     continue
                 # the padded call (rows to their bucket) within the budget: the shape warmup compiled
                 if limits.padded_rows(len(chosen) + 1) * max(bucket, need) <= budget:
@@ -546,10 +555,12 @@ class Scheduler:
         and a final row under a grammar its matcher's mask for the token it samples."""
         final = entry.computed + len(chunk) == len(entry.prompt_ids)
         carries = final and not entry.generated and entry.sampling.repetition_penalty != 1
+        after = entry.computed + len(chunk)
         return PrefillRow(
             slot, chunk, entry.computed, final, entry.sampling, len(entry.generated),
             prompt_ids=entry.prompt_ids if carries else (),
             mask=entry.grammar.mask() if final and entry.grammar is not None else None,
+            score=entry.scores, score_next=entry.prompt_ids[after] if entry.scores and not final else -1,
         )
 
     def _unstick(self) -> None:

@@ -103,8 +103,9 @@ def test_stop_strings_and_jetstream_generate(server):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        # the prompt's logprobs (echo) take the whole prefill, at most max_prefill_predict_length (64) tokens
-        ({"prompt": "a" * 65, "max_tokens": 2, "logprobs": 1, "echo": True}, "prompt"),
+        # the prompt's logprobs alone (echo, max_tokens 0) take the whole prefill, at most
+        # max_prefill_predict_length (64) tokens
+        ({"prompt": "a" * 65, "max_tokens": 0, "logprobs": 1, "echo": True}, "prompt"),
         ({"prompt": "ab", "max_tokens": 255}, "max_tokens"),
         ({"prompt": "a" * 255, "max_tokens": 2}, "max_tokens"),
         ({"prompt": "ab", "max_tokens": 2, "temperature": -1}, "temperature"),
@@ -131,6 +132,21 @@ def test_a_prompt_longer_than_the_largest_prefill_is_served_in_chunks(server, ex
         whole = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "ab", "n": 2}).json()["choices"][0]
         assert whole["text"] == "cde" and choice["logprobs"] == whole["logprobs"]
     assert response.json()["usage"]["prompt_tokens"] == 201
+
+
+def test_the_prompts_logprobs_of_a_prompt_longer_than_the_largest_prefill_come_from_its_chunks(server):
+    """echo with logprobs: each chunk scores its positions (the mock's logprob of each prompt
+    token, the first none), the generated tokens' as without echo."""
+    body = {"model": "mock", "prompt": "a" * 200 + "b", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    response = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": True})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "a" * 200 + "b" + "cde"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [*"a" * 200, "b", *plain["tokens"]] and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:201] == [0.0] * 199 + [-0.25]  # the mock's: a after a, then b
+    assert lp["token_logprobs"][201:] == plain["token_logprobs"] and lp["top_logprobs"][201:] == plain["top_logprobs"]
 
 
 def test_a_full_queue_answers_429_at_once():

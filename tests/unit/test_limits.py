@@ -22,18 +22,20 @@ def test_chunked_requests_may_be_as_long_as_the_context_leaves_room_for():
 
 
 def test_the_whole_path_keeps_max_prefill_predict_length():
-    assert prefills_whole(SamplingParams(prompt_logprobs=1)) and prefills_whole(SamplingParams(n=2))
+    assert prefills_whole(SamplingParams(max_tokens=0, prompt_logprobs=1)) and prefills_whole(SamplingParams(n=2))
     assert not prefills_whole(SamplingParams(max_tokens=3, temperature=1.0))
-    # logprobs and a repetition penalty go in chunks (the final one gives the first token's
-    # logprobs and carries the whole prompt), at any prompt length
+    # logprobs, a repetition penalty and the prompt's logprobs go in chunks (the final one gives
+    # the first token's logprobs and carries the whole prompt; each scores its positions), at any
+    # prompt length
     assert not prefills_whole(SamplingParams(logprobs=1)) and not prefills_whole(SamplingParams(repetition_penalty=1.3))
-    LIMITS.check(65, SamplingParams(max_tokens=4, logprobs=1, repetition_penalty=1.3))
+    assert not prefills_whole(SamplingParams(prompt_logprobs=1))
+    LIMITS.check(65, SamplingParams(max_tokens=4, logprobs=1, repetition_penalty=1.3, prompt_logprobs=1))
     # n > 1 goes in chunks where the prefix cache shares the prompt's pages, whole otherwise
     LIMITS.check(65, SamplingParams(max_tokens=4, n=2), prefix_cache=True)
     with pytest.raises(GenerationError, match="max_prefill_predict_length=64"):
         LIMITS.check(65, SamplingParams(max_tokens=4, n=2))
-    with pytest.raises(GenerationError, match="max_prefill_predict_length=64") as err:
-        LIMITS.check(65, SamplingParams(max_tokens=4, prompt_logprobs=1), prefix_cache=True)
+    with pytest.raises(GenerationError, match="max_prefill_predict_length=64") as err:  # the prompt's logprobs alone
+        LIMITS.check(65, SamplingParams(max_tokens=0, prompt_logprobs=1), prefix_cache=True)
     assert err.value.field == "prompt"
 
 

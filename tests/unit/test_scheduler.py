@@ -17,7 +17,9 @@ def _waiting(request_id: int, length: int = 3, max_tokens: int = 4, **kw) -> Wai
 
 def test_whole_admissions_fill_free_slots_in_order_padded_to_their_bucket():
     scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
-    plan = scheduler.schedule([_waiting(7, length=3, prompt_logprobs=1), _waiting(8, length=20, prompt_logprobs=0)])
+    plan = scheduler.schedule(
+        [_waiting(7, length=3, max_tokens=0, prompt_logprobs=1), _waiting(8, length=20, max_tokens=0, prompt_logprobs=0)]
+    )
     assert [(a.request_id, a.slot, a.true_length, len(a.padded_tokens)) for a in plan.admissions] == [
         (7, 0, 3, 16),
         (8, 1, 20, 32),
@@ -80,9 +82,38 @@ def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
     assert outcome.first_tokens == (5,) and [row[0] for row in outcome.tokens] == [6, 7]
     assert engine.calls[-1] == ("generate", 1, 1)  # the host mirror: position 1, nothing read back; 1 slot
     assert scheduler.update(plan, outcome) == [(2, 0)]
-    plan = scheduler.schedule([Waiting(3, (4,), SamplingParams(max_tokens=1, prompt_logprobs=0))])  # the whole path
-    assert executor.run(plan).first_tokens == (5,)
+    plan = scheduler.schedule([Waiting(3, (4,), SamplingParams(max_tokens=1, prompt_logprobs=0))])  # scored, in chunks
+    outcome = executor.run(plan)
+    assert outcome.first_tokens == (5,) and engine.calls[-1][0] == "prefill_slots_scored"
+    assert scheduler.update(plan, outcome) == [(3, 0)]
+    plan = scheduler.schedule([Waiting(4, (4,), SamplingParams(max_tokens=0, prompt_logprobs=0))])  # the whole path
+    executor.run(plan)
     assert [c[0] for c in engine.calls[-2:]] == ["prefill", "insert"]
+
+
+def test_a_request_for_the_prompts_logprobs_goes_in_scored_chunks_alone_reading_no_cached_page():
+    """Its prompt's every position is scored (each chunk's last one against the next chunk's
+    first token), so no cached page is read for it (vLLM's rule too), and its chunks go alone."""
+    engine = MockEngine(slots=4, prefill_chunk_size=16, prefill_batch_tokens=64, prefix_block=8)
+    scheduler, executor = Scheduler(engine.limits, 2, prefix_caching=True), Executor(engine, {})
+    prompt = tuple(range(1, 41))  # 40 tokens: chunks of 16, 16, 8
+
+    def run(waiting) -> list:
+        plan, rows = scheduler.schedule(waiting), []
+        while not plan.empty:
+            rows += plan.rows
+            assert all(not r.score for r in plan.rows) or len(plan.rows) == 1  # a scored chunk goes alone
+            scheduler.update(plan, executor.run(plan))
+            plan = scheduler.schedule([])
+        return rows
+
+    run([Waiting(0, prompt, SamplingParams(max_tokens=2))])
+    assert scheduler.take_cached() == {0: 0}
+    rows = run([Waiting(1, prompt, SamplingParams(max_tokens=2, prompt_logprobs=1)), Waiting(2, prompt, SamplingParams(max_tokens=2))])
+    assert scheduler.take_cached() == {2: 32}  # the plain repeat read 4 cached pages; the scored one none
+    mine = [(r.start, len(r.tokens), r.final, r.score_next) for r in rows if r.score]
+    assert mine == [(0, 16, False, 17), (16, 16, False, 33), (32, 8, True, -1)]
+    assert [c for c in engine.calls if c[0] == "prefill_slots_scored"][-1][1] == (0, 32, 8, True)
 
 
 def test_a_waiting_requests_adapter_load_goes_into_its_turns_plan():
