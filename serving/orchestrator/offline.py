@@ -99,7 +99,7 @@ def _record(
     """A plan's tokens onto its requests (not onto one that finished since it ran ahead), then
     the scheduler's records, the finished requests' reasons."""
     for slot, first in zip(plan.first_token_slots, outcome.first_tokens, strict=True):
-        if not slots[slot].finish_reason:
+        if not slots[slot].finish_reason and slots[slot].sampling.max_tokens > 0:  # 0: the prompt scored, no token
             slots[slot].token_ids.append(first)
     for step_tokens, step_valid in zip(outcome.tokens, outcome.valid, strict=True):
         for slot, result in slots.items():
@@ -107,4 +107,4 @@ def _record(
                 result.token_ids.append(step_tokens[slot])
     for request_id, _slot in scheduler.update(plan, outcome, projected):
         r = results[request_id]
-        r.finish_reason = "stop" if r.token_ids[-1] in r.sampling.stop_ids else "length"
+        r.finish_reason = "stop" if r.token_ids and r.token_ids[-1] in r.sampling.stop_ids else "length"

@@ -145,3 +145,12 @@ def test_the_offline_driver_refuses_a_request_of_several_choices_naming_n():
     with pytest.raises(GenerationError, match="n=2") as refused:
         run_to_completion(MockEngine(slots=4), None, [([5, 6, 7], SamplingParams(max_tokens=3, n=2, temperature=1.0))])
     assert refused.value.field == "n"
+
+
+def test_the_offline_driver_gives_no_token_to_a_request_that_only_scores_its_prompt():
+    """max_tokens 0 (the prompt's logprobs alone, echo): its prefill samples a token the request
+    never asked for; the driver records none (as the server streams none), beside a plain one."""
+    engine = MockEngine(slots=4)
+    requests = [([5, 6, 7], SamplingParams(max_tokens=0, prompt_logprobs=1)), ([5, 6, 7], SamplingParams(max_tokens=3))]
+    done = run_to_completion(engine, None, requests)
+    assert [r.token_ids for r in done] == [engine.expected(p, s) for p, s in requests] and done[0].token_ids == []
