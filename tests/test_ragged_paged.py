@@ -304,7 +304,8 @@ def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprob
     """The device loop (orchestrator, its own thread) on RaggedPagedOps (the kernel in interpret
     mode) against TpuXlaOps, the same requests arriving together: greedy, a prompt in chunks, its
     repeat (a prefix hit), a repetition penalty, a seeded sampled one, n = 2 choices, top-2
-    logprobs, with n-gram speculation verifying proposals: the same tokens, logprobs within 1e-4,
+    logprobs, the prompt's logprobs (scored chunks), with n-gram speculation verifying proposals:
+    the same tokens, logprobs within 1e-4,
     the same cached prompt tokens, over the TPU profile's int8 KV cache (float32 on the CPU; float
     pages: the offline test above)."""
     from serving.checkpoints.model_source import load_model
@@ -328,6 +329,7 @@ def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprob
         ([12, 13, 14, 15], SamplingParams(max_tokens=6, temperature=1.0, seed=7)),
         ([16, 17, 18, 16, 17], SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2)),
         ([19, 20, 21, 22, 19, 20], SamplingParams(max_tokens=5, logprobs=2)),
+        ([23, 24, 25, 26, 27, 28, 29] * 6, SamplingParams(max_tokens=4, prompt_logprobs=2)),  # echo: scored chunks
     ]
     got = {}
     for ops in (TPU_XLA, RaggedPagedOps(pages_per_block=2, interpret=True)):
@@ -347,6 +349,10 @@ def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprob
     assert [c.token_ids for c in ragged] == [c.token_ids for c in xla]
     assert [c.cached_tokens for c in ragged] == [c.cached_tokens for c in xla] and ragged[-1].cached_tokens == 32
     assert ragged[-1].token_ids == ragged[0].token_ids
-    for a, b in zip(ragged[-2].logprobs, xla[-2].logprobs, strict=True):  # the logprobs request
+    for a, b in zip(ragged[-3].logprobs, xla[-3].logprobs, strict=True):  # the logprobs request
         assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    scored = ragged[-2].prompt_logprobs  # the prompt's logprobs, its two chunks scored
+    assert len(scored) == 42 and scored[0] is None is xla[-2].prompt_logprobs[0]
+    for a, b in zip(scored[1:], xla[-2].prompt_logprobs[1:], strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4

@@ -225,6 +225,39 @@ def test_ragged_paged_kernel_on_the_chip_matches_attention_over_each_rows_pages(
 
 
 @requires_tpu
+@pytest.mark.parametrize("ragged", [False, True], ids=["xla", "ragged"])
+def test_the_prompts_logprobs_in_chunks_on_the_chip_are_the_whole_prefills(chip_model_dir, ragged):
+    """A prompt scored chunk by chunk on the chip (`prefill_slots_scored`, XLA's attention and the
+    ragged kernel's, int8 pages, bfloat16) against the same chip's whole prefill: the same tokens,
+    logprobs within bfloat16's tolerance."""
+    from serving.checkpoints.model_source import load_model
+    from serving.engine.api import PrefillRow
+    from serving.engine.engine import Engine
+    from serving.request import SamplingParams
+
+    cfg = _config(dtype="bfloat16", quantize_kvcache=True, use_ragged_attention=ragged)
+    model = load_model(str(chip_model_dir), cfg)
+    engine = Engine(model, cfg.engine)
+    assert engine.ops.name == ("ragged-tpu" if ragged else "xla-tpu")
+    params = engine.load_params()
+    prompt = tuple(3 + (i * 7) % 250 for i in range(50))
+    s = SamplingParams(max_tokens=4, prompt_logprobs=5)
+    prefix, first = engine.prefill(params, engine.limits.pad(list(prompt)), len(prompt), s)
+    whole = engine.prefill_outputs(prefix).prompt_logprobs
+    state, scored = engine.init_decode_state(), []
+    for start in range(0, len(prompt), 32):  # chunks of prefill_chunk_size (64): 32 here, two of them
+        end = min(start + 32, len(prompt))
+        final = end == len(prompt)
+        row = PrefillRow(1, prompt[start:end], start, final, s, score=True, score_next=-1 if final else prompt[end])
+        state, token, _, scores = engine.prefill_slots_scored(params, state, row)
+        scored += scores
+    assert token == first and len(scored) == len(prompt) - 1
+    for a, b in zip(scored, whole[1:], strict=True):
+        assert a.token == b.token
+        np.testing.assert_allclose(a.logprob, b.logprob, atol=0.05)
+
+
+@requires_tpu
 def test_the_1b_shapes_logits_on_the_chip_within_bfloat16_of_the_cpus():
     """Llama 3.2 1B's shape, random weights: the whole-prompt forward in bfloat16 (weights and
     activations) on the chip against float32 at 'highest' on the CPU, 64 tokens."""
