@@ -28,8 +28,7 @@ def test_the_largest_programs_come_from_the_compiler(tiny_model_dir):
     plan = compiled_plan(engine)
     assert set(plan.programs) == {
         "generate of 4 slots over 128 positions", "prefill of 1 x 64 tokens after 64 positions",
-        "prefill of 4 x 16 tokens after 112 positions", "whole prefill of 64 tokens",
-        "whole prefill of 64 tokens with the prompt's logprobs",
+        "prefill of 4 x 16 tokens after 112 positions", "a scored chunk of 64 tokens after 64 positions",
     }
     assert all(v > 0 for v in plan.programs.values())
     where = engine.placement  # the arguments: the params and the whole decode state at least
@@ -116,29 +115,23 @@ def test_the_plan_compiles_warmups_programs_once_for_warmup_to_run(tiny_model_di
     engine.warmup(params)
     assert engine._jit_shapes == set() and engine._generate_fn._cache_size() == 0
     assert all(engine._generate_compiled[k] is v for k, v in kept.items())  # not compiled twice
-    # the small programs beside them too: each rows bucket's first tokens, each whole prefill and
-    # its prefix's insert (serially at warmup's first runs, they were 19 s of a v5e's 25)
+    # the small programs beside them too: each rows bucket's first tokens (serially at warmup's
+    # first runs, they and the whole prefills no request takes now were 19 s of a v5e's 25)
     assert set(engine._start_compiled) == {rows for rows, _, _ in engine._precompiled}
     assert all(engine._start_compiled.values())
-    assert set(engine._prefill_compiled) == set(engine.limits.buckets)
+    assert set(engine._prefill_compiled) == set()  # every request goes in chunks: no whole prefill warmed
     functions = (engine._start_rows_fn, engine._prefill_fn, engine._insert_fn)
     assert [f._cache_size() for f in functions] == [0, 0, 0]
     from serving.orchestrator.offline import run_to_completion
 
     requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=6, seed=n)) for n in (3, 40, 64)]
-    whole = [(list(range(4, 20)), SamplingParams(max_tokens=0, prompt_logprobs=2))]  # a whole prefill, n=1
-    whole.append((list(range(4, 20)), SamplingParams(max_tokens=6, prompt_logprobs=2)))  # scored chunks
-    warmed = [r.token_ids for r in run_to_completion(engine, params, requests + whole)]
-    assert [f._cache_size() for f in functions] == [0, 1, 0]  # only the prompt-logprobs prefill compiled
-    assert engine._score_chunk_fn._cache_size() == 1  # and the scored chunk's model call (at first use)
-    # n = 2: each choice goes in as a single one, through the insert warmup compiled
-    bucket = engine.limits.buckets[0]
-    prefix, _ = engine.prefill(params, [5] * bucket, 10, SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=3))
-    state = engine.insert(prefix, engine.init_decode_state(), 1, choice=1)
-    assert int(state.tokens[1]) == int(prefix.first_tokens[1]) and bool(state.active[1])
-    assert [f._cache_size() for f in functions] == [0, 2, 0]
+    scored = [(list(range(4, 20)), SamplingParams(max_tokens=0, prompt_logprobs=2))]  # the prompt scored alone
+    scored.append((list(range(4, 20)), SamplingParams(max_tokens=6, prompt_logprobs=2)))  # and generating
+    warmed = [r.token_ids for r in run_to_completion(engine, params, requests + scored)]
+    assert [f._cache_size() for f in functions] == [0, 0, 0]  # neither a whole prefill nor an insert
+    assert engine._score_chunk_fn._cache_size() == 1  # the scored chunk's model call at this shape (first use)
     cold = Engine(engine.model, cfg.engine)
-    assert [r.token_ids for r in run_to_completion(cold, cold.load_params(), requests + whole)] == warmed
+    assert [r.token_ids for r in run_to_completion(cold, cold.load_params(), requests + scored)] == warmed
 
 
 def test_the_profiles_slots_are_sized_down_to_what_the_compiled_plan_fits(tiny_model_dir, monkeypatch):
@@ -222,7 +215,7 @@ def _second_engine_loads(tiny_model_dir, monkeypatch) -> None:
     expected = [r.token_ids for r in run_to_completion(first, first.load_params(), requests)]
 
     second = Engine(model, cfg.engine)
-    for fn in (second._generate_fn, second._prefill_slots_fn, second._start_rows_fn, second._prefill_fn, second._insert_fn):
+    for fn in (second._generate_fn, second._prefill_slots_fn, second._start_rows_fn, second._score_chunk_fn):
         monkeypatch.setattr(fn, "lower", lambda *a, **k: (_ for _ in ()).throw(AssertionError("traced")))
     plan = compiled_plan(second, warm=True)
     assert second.executables.loaded >= stored and second.executables.saved == 0

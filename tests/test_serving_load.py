@@ -204,12 +204,12 @@ def test_prompt_past_max_prefill_is_served_and_one_past_max_target_refused(model
         with pytest.raises(GenerationError, match="max_target_length") as refused:
             orchestrator.submit(list(range(3, 3 + MAX_TARGET - 5)), SamplingParams(max_tokens=10))
         assert refused.value.field == "max_tokens"
-        # The whole path (the prompt's logprobs alone, no token generated) keeps max_prefill_predict_length;
-        # with tokens to generate they come from the prompt's chunks, each scoring its positions.
-        with pytest.raises(GenerationError, match="max_prefill_predict_length"):
-            orchestrator.submit(prompts[long], SamplingParams(max_tokens=0, prompt_logprobs=1))
+        # The prompt's logprobs come from its chunks, each scoring its positions: past
+        # max_prefill_predict_length too, with tokens to generate or none.
         scored = orchestrator.submit(prompts[long], SamplingParams(max_tokens=4, prompt_logprobs=1)).result()
         assert scored.token_ids == expected[long][:4] and len(scored.prompt_logprobs) == len(prompts[long])
+        alone = orchestrator.submit(prompts[long], SamplingParams(max_tokens=0, prompt_logprobs=1)).result()
+        assert alone.token_ids == [] and [t.token for t in alone.prompt_logprobs[1:]] == [t.token for t in scored.prompt_logprobs[1:]]
     finally:
         orchestrator.stop(timeout=60)
 

@@ -67,7 +67,7 @@ class PrefillRow(NamedTuple):
     tokens: tuple[int, ...]  # this chunk of the prompt: 1..limits.prefill_chunk_size tokens, unpadded
     start: int  # the position of tokens[0]: the slot's cache already holds positions [0, start)
     final: bool  # the prompt's last chunk: sample the first token and make the slot active
-    sampling: SamplingParams  # read by a final row (a request `limits.prefills_whole` turns away)
+    sampling: SamplingParams  # read by a final row
     # Tokens the sequence generated before it was preempted (serving.orchestrator.scheduler): its
     # prompt here is the original prompt and those tokens, and a final row samples the next one,
     # as a generate step would (PRNG index, counts, min_tokens, max_tokens). 0: a fresh prompt.

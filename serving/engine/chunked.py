@@ -86,6 +86,7 @@ class ChunkedPrefill:
         self._precompiled: dict[tuple[int, int, int], Any] = {}
         self._jit_shapes: set[tuple[int, int, int]] = set()
         self._start_compiled: dict[int, Any] = {}  # rows bucket -> `_start_rows_fn`'s executable (None: compiling)
+        self._scored_compiled: dict[tuple[int, int, int], Any] = {}  # shape -> `_score_chunk_fn`'s executable
         self._shapes_lock = threading.Lock()
         self.background_warmup: BackgroundWarmup | None = None  # started by the warmup
 
@@ -135,9 +136,9 @@ class ChunkedPrefill:
         inputs, shape = self._slot_inputs([row])
         following = np.full((shape[0],), -1, np.int32)
         following[0] = -1 if row.final else row.score_next
-        cache, last, scored = self._score_chunk_fn(
-            params, decode_state.cache, decode_state.pages, *_model_inputs(inputs), jnp.asarray(following), window=shape[2]
-        )
+        held = self._scored_compiled.get(shape)  # compiled ahead (the memory plan's), else the jit's
+        args = (params, decode_state.cache, decode_state.pages, *_model_inputs(inputs), following)
+        cache, last, scored = held(*args) if held is not None else self._score_chunk_fn(*args, window=shape[2])
         start = self._start_compiled.get(shape[0]) or self._start_rows_fn
         state, out = start(decode_state._replace(cache=None), last, *inputs[1:])
         state = state._replace(cache=cache)
@@ -151,6 +152,19 @@ class ChunkedPrefill:
         if row.sampling.wants_logprobs:
             logprob = TokenLogprob(int(first[0]), float(chosen[0]), tuple(zip(top_ids[0].tolist(), top[0].tolist(), strict=True)))
         return state, int(first[0]), logprob, scores
+
+    def compile_scored_chunk(self, params: dict, state_spec: DecodeState, row: PrefillRow):
+        """The model call of `prefill_slots_scored` for `row`'s shape, compiled (or loaded from the
+        executable store) against `state_spec` (abstract or real) and kept: calls of that shape run
+        it; the memory plan reads its footprint."""
+        inputs, shape = self._slot_inputs([row])
+        following = np.full((shape[0],), -1, np.int32)
+        args = (params, state_spec.cache, state_spec.pages, *_model_inputs(inputs), following)
+        compiled = self.compile_ahead(
+            f"prefill_slots_scored window={shape[2]}", args, lambda: self._score_chunk_fn.lower(*args, window=shape[2])
+        )
+        with self._shapes_lock:
+            return self._scored_compiled.setdefault(shape, compiled)
 
     def _slot_inputs(self, rows: Sequence[PrefillRow]) -> tuple[tuple, tuple[int, int, int]]:
         """The compiled call's host inputs for `rows` (tokens [count, bucket]; slots, starts,

@@ -74,7 +74,8 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
     every slot over the widest window (with `generate`), and (with `prefill`) the most full chunks a
     call takes after the longest history (and from position 0, where that budget is larger), the
     most short rests (a prefix hit's) over the widest
-    window, and the longest whole prefill with and without the prompt's logprobs. The generate and
+    window, and a full chunk that scores the prompt (the prompt's logprobs) after the longest
+    history. The generate and
     chunk executables are the engine's from here on (serving.engine.warmup finds them compiled).
     With `warm`, every other program warmup compiles (serving.engine.warmup.compile_jobs) compiles
     in the same pool, before the weights are placed: one batch of compiles on the host's cores
@@ -113,14 +114,10 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
         for count, length, at in calls:
             rows = [PrefillRow(i, (1,) * length, at, True, probe) for i in range(count)]
             add(f"prefill of {count} x {length} tokens after {at} positions", True, _slots_executable, engine, params, state, rows)
-        longest = limits.buckets[-1]
-        for scored in (False, True):
-            name = f"whole prefill of {longest} tokens" + (" with the prompt's logprobs" if scored else "")
-            # with `warm`, the unscored one is warmup's too, its prefix's insert compiled beside it
-            add(name, False, _whole_executable, engine, params, longest, scored, state if warm else None)
+        # the prompt's logprobs: a full chunk alone, every position's logits scored, after the longest history
+        scored = PrefillRow(0, (1,) * chunk, after, False, probe, score=True, score_next=1)
+        add(f"a scored chunk of {chunk} tokens after {after} positions", True, _scored_executable, engine, params, state, scored)
     extra = compile_jobs(engine, params, state, generate, prefill) if warm else []
-    if prefill:  # the longest whole prefill is the plan's own job (`_whole_executable`), not twice
-        extra = [(fn, args) for fn, args in extra if not (fn == engine.precompile_prefill and args[1] == longest)]
     done = run_jobs([*jobs, *extra], os.cpu_count() or 1)
     if extra:
         store = engine.executables
@@ -151,10 +148,6 @@ def _slots_executable(engine: Engine, params, state, rows):
     return compiled
 
 
-def _whole_executable(engine: Engine, params, bucket: int, scored: bool, state=None):
-    """The whole-prefill executable of `bucket` tokens, with the prompt's logprobs or not; without
-    them, the one the engine keeps and runs (`Engine.precompile_prefill`; with `state`, the decode
-    state's spec, its prefix's insert too)."""
-    if not scored:
-        return engine.precompile_prefill(params, bucket, state)
-    return engine.compile_prefill(params, bucket, prompt_logprobs=scored)
+def _scored_executable(engine: Engine, params, state, row):
+    """The executable of a chunk that scores the prompt (`Engine.prefill_slots_scored`'s model call)."""
+    return engine.compile_scored_chunk(params, state, row)

@@ -59,14 +59,6 @@ def finishes_at_first_token(token: int, sampling: SamplingParams) -> bool:
     return token in sampling.stop_ids or sampling.max_tokens <= 1
 
 
-def prefills_whole(sampling: SamplingParams, prefix_cache: bool = False) -> bool:
-    """Whether a request takes the whole `prefill` + `insert` path instead of chunks: several
-    choices, unless the prefix cache shares their prompt's pages (then they go in chunks as n
-    sequences); or no token to generate (max_tokens 0: the prompt's logprobs alone). The prompt's
-    logprobs with tokens to generate go in chunks, each scoring its positions."""
-    return (sampling.n > 1 and not prefix_cache) or sampling.max_tokens < 1
-
-
 def row_buckets(max_rows: int, growth: int = 2) -> tuple[int, ...]:
     """Row counts a prefill_slots call is compiled for: powers of `growth` below `max_rows`, and it
     (a TPU's backend grows its shape ladders by 4: fewer programs, each padded more)."""
@@ -167,14 +159,11 @@ class Limits:
         padding = itertools.islice(others, self.decode_slots(len(taken)) - len(taken))
         return tuple(sorted([*taken, *padding]))
 
-    def check(self, prompt_length: int, sampling: SamplingParams, prefix_cache: bool = False) -> None:
+    def check(self, prompt_length: int, sampling: SamplingParams) -> None:
         """Raise GenerationError (naming the request field) for a request these shapes cannot serve.
-        `prefix_cache`: the scheduler shares prompt pages (n > 1 choices then go in chunks, so
-        their prompt may be longer than max_prefill_predict_length)."""
+        Every request goes in chunks, so a prompt may be longer than max_prefill_predict_length."""
         if prompt_length <= 0:
             raise GenerationError("the prompt is empty", field="prompt")
-        if prefills_whole(sampling, prefix_cache):
-            self.bucket_for(prompt_length)
         if prompt_length >= self.max_target_length:
             raise GenerationError(
                 f"the prompt has {prompt_length} tokens; max_target_length={self.max_target_length} "

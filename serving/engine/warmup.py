@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
 from serving.engine.api import PrefillRow
 from serving.request import SamplingParams
@@ -25,8 +24,7 @@ log = logging.getLogger("serving.engine.engine")
 
 
 def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, BackgroundWarmup | None]:
-    """Compile what serving runs: every whole-prefill bucket and insert; every prefill_slots shape of
-    fresh prompts (rows x length within the per-call budget) and, for every row count whose full
+    """Compile what serving runs: every prefill_slots shape of fresh prompts (rows x length within the per-call budget) and, for every row count whose full
     chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
     at once); a prefix block's save and load; generate for every slot bucket and attention window.
     Then, unless `enable_background_warmup` is off, starts a `BackgroundWarmup`, which compiles the
@@ -46,11 +44,6 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
     if workers:  # compiled with the rest: nothing is left for the background
         rest = []
     marks = [("parallel compiles", time.perf_counter())]
-    for bucket in limits.buckets:
-        prefix, _ = engine.prefill(params, np.zeros((bucket,), np.int32), 1, probe)
-        state = engine.insert(prefix, state, 0)
-    state = engine.free_resource(state, 0)
-    marks.append(("whole prefills and inserts", time.perf_counter()))
     shapes = chunk_shapes(engine)  # fresh prompts, then long prompts' middle chunks
     for rows, length, at in shapes:
         state, *_ = engine.prefill_slots(params, state, _rows(rows, length, at, probe))
@@ -70,9 +63,8 @@ def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, 
         log.info("warmup: %s %.1f s", name, when - at)
         at = when
     log.info(
-        "warmup: compiled %d prefill buckets, insert, %d chunked prefill shapes and %d generate shapes "
+        "warmup: compiled %d chunked prefill shapes and %d generate shapes "
         "(%d slot buckets x %d windows; %d of them compiled in parallel first) in %.1f s",
-        len(limits.buckets),
         len(shapes),
         len(limits.decode_buckets) * len(engine.windows),
         len(limits.decode_buckets),
@@ -142,9 +134,8 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
 
 def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, prefill: bool = True) -> list:
     """Warmup's compiles as (function, arguments), each callable from any thread: every chunk shape
-    and prefix-hit rest (with `prefill`; each row count's first-token program beside them), each
-    whole-prefill bucket and its prefix's insert (`Engine.precompile_prefill`), and (with
-    `generate`) every generate shape; params and decode
+    and prefix-hit rest (with `prefill`; each row count's first-token program beside them), and
+    (with `generate`) every generate shape; params and decode
     state abstract or real (shapes and placements are what count). The memory plan runs them in
     its own pool (serving.engine.compiled_memory), so that warmup finds them compiled."""
     probe = SamplingParams(max_tokens=1)
@@ -156,7 +147,6 @@ def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, pref
             for rows, length, at in [*chunk_shapes(engine), *starts]
             if at is not None
         ]
-        jobs += [(engine.precompile_prefill, (params, bucket, state_spec)) for bucket in engine.limits.buckets]
     if generate:
         jobs += [
             (engine.precompile_generate, (params, state_spec, num_slots, window))
@@ -209,18 +199,14 @@ def _warm_generate(engine: Engine, params: dict, state):
 
 def warm_generate_side(engine: Engine, params: dict, prefiller: Engine, prefill_params: dict) -> float:
     """A disaggregated server's generate engine (its prefill engine warmed up on its own, without
-    generate): each whole-prefill bucket's prefix moved from `prefiller` and inserted, a handoff of
-    every page-count bucket both ways (a prompt's pages here, a preempted slot's state back), and
-    generate for every slot bucket and attention window. Returns the seconds spent."""
+    generate): a handoff of every page-count bucket both ways (a prompt's pages here, a preempted
+    slot's state back), and generate for every slot bucket and attention window. Returns the
+    seconds spent."""
     from serving.engine.handoff import padded_pages
 
     start = time.perf_counter()
     limits = engine.limits
     state, prefill_state = engine.init_decode_state(), prefiller.init_decode_state()
-    probe = SamplingParams(max_tokens=1)
-    for bucket in limits.buckets:
-        prefix, _ = prefiller.prefill(prefill_params, np.zeros((bucket,), np.int32), 1, probe)
-        state = engine.insert(engine.receive(prefix), state, 0)
     counts = sorted({len(padded_pages([0] * n)) for n in range(1, limits.max_pages + 1)})
     for count in counts:  # scratch onto scratch: every page-count bucket's compile
         state = engine.accept(state, prefiller.handoff(prefill_state, 0, [0] * count), 0, [0] * count)
@@ -229,8 +215,8 @@ def warm_generate_side(engine: Engine, params: dict, prefiller: Engine, prefill_
     jax.block_until_ready((state, prefill_state))
     seconds = time.perf_counter() - start
     log.info(
-        "warmup: %d prefix moves and inserts, %d handoff sizes and %d generate shapes on the generate engine in %.1f s",
-        len(limits.buckets), len(counts), len(limits.decode_buckets) * len(engine.windows), seconds,
+        "warmup: %d handoff sizes and %d generate shapes on the generate engine in %.1f s",
+        len(counts), len(limits.decode_buckets) * len(engine.windows), seconds,
     )
     return seconds
 
@@ -239,7 +225,7 @@ def warm_generate_alone(engine: Engine, params: dict) -> float:
     """A disaggregated server's generate engine on its own processes (multi-controller; the
     prefill group warms up its engine without generate): a handoff's accept for every page-count
     bucket (its own slot read back, scratch onto scratch) and generate for every slot bucket and
-    attention window. An admission's insert compiles at its first use. Returns the seconds spent."""
+    attention window. Returns the seconds spent."""
     from serving.engine.handoff import padded_pages
 
     start = time.perf_counter()

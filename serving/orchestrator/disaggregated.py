@@ -13,10 +13,10 @@ holding its prompt to the generate side (`engine.handoff` there, `engine.accept`
    params (a LoRA request's prompt runs on one side, its tokens on the other), block tables on both;
 2. the generate call over the slots already running, dispatched and not read (JAX runs it on the
    generate devices while the host goes on);
-3. whole admissions (n > 1, logprobs, a grammar): prefilled on the prefill engine, the prefix
-   moved (`engine.receive`) and inserted; the `prefill_slots` call on the prefill engine, its first
-   tokens read back (a sync of the prefill devices alone); the handoffs. Inserts and handoffs queue
-   behind the generate call on the generate devices, so a new slot decodes from the next plan;
+3. the `prefill_slots` call on the prefill engine (a row that scores the prompt: alone,
+   `prefill_slots_scored`), its first tokens read back (a sync of the prefill devices alone); the
+   handoffs. They queue behind the generate call on the generate devices, so a new slot decodes
+   from the next plan;
 4. the generate call's tokens read back.
 
 So prompts prefill while the running slots decode, and neither side waits for the other except
@@ -65,10 +65,6 @@ class DisaggregatedExecutor(Executor):
         self.handed_off = 0  # sequences moved to the generate side so far
 
     @property
-    def prefill_side(self) -> tuple[EngineAPI, object]:
-        return self.prefill_engine, self.prefill_params
-
-    @property
     def background_warmup(self) -> BackgroundCompiles | None:
         """The prefill engine's (a prefix hit's partial chunks: prefill shapes); the generate
         engine starts none."""
@@ -81,8 +77,6 @@ class DisaggregatedExecutor(Executor):
         if plan.decode_steps and plan.running > 0:
             result = self._dispatch(plan)
         firsts = _Firsts()
-        for admission in plan.admissions:
-            self._admit(admission, firsts, on_first_token)
         if plan.rows:
             prefiller = self.prefill_engine
             self.prefill_state = self._prefill_rows(

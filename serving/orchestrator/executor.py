@@ -5,8 +5,8 @@ the same order.
 
 Order within a plan: frees and preemptions, LoRA adapter writes (`adapter_loads`: each adapter's
 weights from `adapter_weights`, written into its device slot by `engine.write_adapter`), the changed
-block tables (one write of the whole table), whole admissions (prefill + insert each), the
-`prefill_slots` call, the generate call (over the plan's `slots`; first the engine's draft
+block tables (one write of the whole table), the `prefill_slots` call (a row that scores the
+prompt: alone, `prefill_slots_scored`), the generate call (over the plan's `slots`; first the engine's draft
 model's proposals when the plan has `draft_rows`).
 
 An adapter's weights come from storage at most here, on the device loop's thread and under no lock
@@ -14,8 +14,8 @@ a request's submitter takes: `adapter_weights` is process 0's registry (its host
 only when the host LRU dropped it) or, on a multi-host follower, a read of the adapter's path.
 
 Host syncs: each first token (the plan's stream needs it, and whether the generate call runs
-depends on it; with n > 1 choices or logprobs, the prefill's outputs in one read; a
-`prefill_slots` call's final rows in one read) and the generate call's tokens (with their
+depends on it: a `prefill_slots` call's final rows in one read, with their logprobs; a scored
+row's prompt logprobs beside them) and the generate call's tokens (with their
 logprobs, when it made them). Nothing else is read back.
 """
 
@@ -24,19 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from serving.engine.api import BackgroundCompiles, EngineAPI, PrefillOutputs, ResultTokens
+from serving.engine.api import BackgroundCompiles, EngineAPI, ResultTokens
 from serving.engine.limits import finishes_at_first_token
 from serving.lora.peft import LoraWeights
 from serving.lora.registry import AdapterLoad
-from serving.orchestrator.plan import Admission, StepOutcome, StepPlan
+from serving.orchestrator.plan import StepOutcome, StepPlan
 from serving.request import TokenLogprob
-
-if TYPE_CHECKING:
-    from serving.engine.state import Prefix  # imports JAX: the mock engine's executor must not
 
 
 @dataclass
@@ -74,13 +70,10 @@ class _Firsts:
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    prompt_logprobs: list[tuple[TokenLogprob | None, ...] | None] = field(default_factory=list)
 
     def outcome(self) -> StepOutcome:
         """A plan's outcome before its generate call."""
-        return StepOutcome(
-            tuple(self.tokens), first_logprobs=tuple(self.logprobs), prompt_logprobs=tuple(self.prompt_logprobs)
-        )
+        return StepOutcome(tuple(self.tokens), first_logprobs=tuple(self.logprobs))
 
 
 class Executor:
@@ -111,8 +104,6 @@ class Executor:
         host goes on (`finish` reads it). Calls on the device run in the order they are started."""
         self._prepare(plan)
         firsts = _Firsts()
-        for admission in plan.admissions:
-            self._admit(admission, firsts, on_first_token)
         if plan.rows:
             self.state = self._prefill_rows(self.engine, self.params, self.state, plan, firsts, on_first_token)
         samplings = plan.first_token_samplings
@@ -176,50 +167,10 @@ class Executor:
                 self.pages[slot, : len(pages)] = pages
             self.state = engine.set_pages(self.state, self.pages)
 
-    @property
-    def prefill_side(self) -> tuple[EngineAPI, object]:
-        """The engine whole prefills run on, and its params: this one's (interleaved serving)."""
-        return self.engine, self.params
-
     def _write_adapter(self, load: AdapterLoad) -> None:
         if self.adapter_weights is None:
             raise ValueError(f"a plan loads LoRA adapter {load.name!r}, but this executor has no adapters")
         self.params = self.engine.write_adapter(self.params, load.slot, self.adapter_weights(load))
-
-    def _admit(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> None:
-        """The whole path: one prefill (on the prefill side's engine), inserted into each of the
-        admission's slots."""
-        prefix = self._prefill_whole(admission, firsts, on_first_token)
-        if self.prefill_side[0] is not self.engine:
-            prefix = self.engine.receive(prefix)
-        self._insert_whole(admission, prefix)
-
-    def _prefill_whole(self, admission: Admission, firsts: _Firsts, on_first_token: FirstTokenHook | None) -> Prefix:
-        """An admission's prefill on the prefill side's engine, its choices' first tokens into
-        `firsts` (and `on_first_token`); returns its prefix (on the prefill side's devices)."""
-        sampling = admission.sampling
-        prefiller, params = self.prefill_side
-        started = time.perf_counter()
-        prefix, first = prefiller.prefill(
-            params, admission.padded_tokens, admission.true_length, sampling, admission.mask
-        )
-        outputs = PrefillOutputs((first,))
-        if sampling.n > 1 or sampling.wants_logprobs or sampling.prompt_logprobs is not None:
-            outputs = prefiller.prefill_outputs(prefix)
-        self.timings.prefills.append(time.perf_counter() - started)
-        firsts.prompt_logprobs.append(outputs.prompt_logprobs)
-        for choice, (slot, token) in enumerate(zip(admission.slots, outputs.first_tokens, strict=True)):
-            logprob = outputs.first_logprobs[choice] if outputs.first_logprobs else None
-            if on_first_token is not None:
-                on_first_token(slot, token, logprob, outputs.prompt_logprobs)
-            firsts.tokens.append(token)
-            firsts.logprobs.append(logprob)
-        return prefix
-
-    def _insert_whole(self, admission: Admission, prefix: Prefix) -> None:
-        """An admission's prefix (on this engine's devices) inserted into each of its slots."""
-        for choice, slot in enumerate(admission.slots):
-            self.state = self.engine.insert(prefix, self.state, slot, choice)
 
     def _dispatch(self, plan: StepPlan) -> ResultTokens:
         """The plan's generate (or verify) call, dispatched: its results still on the device."""
@@ -257,8 +208,7 @@ class Executor:
             )
         timings.generate = time.perf_counter() - started
         return StepOutcome(
-            outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist(),
-            outcome.first_logprobs, outcome.prompt_logprobs, **extra,
+            outcome.first_tokens, tokens.tolist(), valid.tolist(), done.tolist(), outcome.first_logprobs, **extra,
         )
 
     @property

@@ -48,7 +48,7 @@ def run_to_completion(
     each allocate and fault in the KV pool (default: a new one on `engine` and `params`)."""
     results = [OfflineResult(list(p), s) for p, s in requests]
     for r in results:
-        engine.limits.check(len(r.prompt_ids), r.sampling, prefix_cache=prefix_caching)
+        engine.limits.check(len(r.prompt_ids), r.sampling)
         if r.sampling.n != 1:  # one result a request (the orchestrator streams each choice on its own)
             raise GenerationError(
                 f"the offline driver runs one choice a request, not n={r.sampling.n}: send n requests, each with its own seed",

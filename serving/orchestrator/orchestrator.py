@@ -14,8 +14,8 @@
       decoding on and proposals, a verify call: serving.orchestrator.proposers); the result is a
       `StepPlan`;
    b. execute (serving.orchestrator.executor): free_resource, LoRA adapter writes, set_pages,
-      prefill + insert per whole admission, one prefill_slots call, then generate (k steps per
-      call), on the engine;
+      one prefill_slots call (a chunk that scores the prompt: alone, prefill_slots_scored), then
+      generate (k steps per call), on the engine;
    c. deliver: each first token (at once, before the generate call) and each slot's new tokens go
       to their request's stream; finished slots are free for (a) on the next turn, so a waiting
       request starts within one generate call of a slot freeing.
@@ -229,8 +229,8 @@ class Orchestrator:
         """`submit` for a request of `sampling.n` choices: one handle per choice, in order."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down")
-        # n choices need no more than the slots; with the prefix cache they go in chunks
-        self.engine.limits.check(len(prompt_ids), sampling, prefix_cache=self.config.prefix_cache == "on")
+        # n choices need no more than the slots (each a sequence of its own, in chunks)
+        self.engine.limits.check(len(prompt_ids), sampling)
         if sampling.adapter is not None:
             if self.adapters is None:
                 raise UnknownAdapterError(sampling.adapter)
@@ -379,8 +379,8 @@ class Orchestrator:
         self.last_progress = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):  # the call timeline (PATHSERVE_LOG_LEVEL=DEBUG; make bench-tpu's serve.log)
             log.debug(
-                "turn: %d admitted, %d prefill rows (%d tokens) in %s s, %d decoding x %d steps, %d queued",
-                len(plan.admissions), len(plan.rows), sum(len(r.tokens) for r in plan.rows),
+                "turn: %d prefill rows (%d tokens, %d final) in %s s, %d decoding x %d steps, %d queued",
+                len(plan.rows), sum(len(r.tokens) for r in plan.rows), len(plan.first_token_slots),
                 ",".join(f"{t:.3f}" for t in started.timings.prefills), plan.running if plan.decode_steps else 0,
                 plan.decode_steps, self.metrics.queued,
             )

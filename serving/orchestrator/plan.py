@@ -47,30 +47,13 @@ class Waiting:
 
 
 @dataclass(frozen=True)
-class Admission:
-    """The whole path: prefill a prompt (padded to its bucket) and insert it into `slot` (choice 0)
-    and `choice_slots` (choices 1..n-1)."""
-
-    request_id: int
-    slot: int
-    padded_tokens: tuple[int, ...]
-    true_length: int
-    sampling: SamplingParams
-    choice_slots: tuple[int, ...] = ()
-    mask: np.ndarray | None = None
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        return (self.slot, *self.choice_slots)
-
-
-@dataclass(frozen=True)
 class StepPlan:
     """One turn of the device loop, executed in this order: frees (cancelled requests' slots) and
     preemptions (slots whose sequence gave up its pages and prefills again: made inactive), the
     LoRA adapters written into their device slots (`adapter_loads`: for the requests taken this
     turn, before any of them prefills), the block tables that changed (`page_tables`: slot -> its pages in order, the rest of its row
-    scratch), whole admissions, one `prefill_slots` call (`rows`), one generate call.
+    scratch), one `prefill_slots` call (`rows`; a row that scores the prompt: alone, through
+    `prefill_slots_scored`), one generate call.
 
     `decode_steps` is 0 (no generate call) or the engine's steps per call; the call is skipped when
     no slot is active after the prefills (`running` slots were active before them, and a slot whose
@@ -84,7 +67,6 @@ class StepPlan:
     frees: tuple[int, ...] = ()
     preempted: tuple[int, ...] = ()
     page_tables: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    admissions: tuple[Admission, ...] = ()
     rows: tuple[PrefillRow, ...] = ()
     decode_steps: int = 0
     running: int = 0
@@ -110,22 +92,20 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not (
-            self.frees or self.preempted or self.adapter_loads or self.page_tables or self.admissions or self.rows
+            self.frees or self.preempted or self.adapter_loads or self.page_tables or self.rows
             or self.decode_steps
         )
 
     @property
     def first_token_slots(self) -> tuple[int, ...]:
-        """The slots that sample their first token this turn, in the order of
-        `StepOutcome.first_tokens`: each whole admission's slots (choice order), then the final rows."""
-        whole = tuple(slot for a in self.admissions for slot in a.slots)
-        return whole + tuple(row.slot for row in self.rows if row.final)
+        """The slots that sample their first token this turn (the final rows'), in the order of
+        `StepOutcome.first_tokens`."""
+        return tuple(row.slot for row in self.rows if row.final)
 
     @property
     def first_token_samplings(self) -> tuple[SamplingParams, ...]:
         """The sampling of each slot of `first_token_slots`, in that order."""
-        whole = tuple(a.sampling for a in self.admissions for _ in a.slots)
-        return whole + tuple(row.sampling for row in self.rows if row.final)
+        return tuple(row.sampling for row in self.rows if row.final)
 
 
 @dataclass(frozen=True)
@@ -137,7 +117,6 @@ class StepOutcome:
     valid: Sequence[Sequence[bool]] = ()
     done: Sequence[Sequence[bool]] = ()
     first_logprobs: tuple[TokenLogprob | None, ...] = ()  # like first_tokens (None: not asked)
-    prompt_logprobs: tuple[tuple[TokenLogprob | None, ...] | None, ...] = ()  # one per whole admission
     logprobs: np.ndarray | None = None  # [steps, slots] float32, when the generate call made them
     top_ids: np.ndarray | None = None  # [steps, slots, K]
     top_logprobs: np.ndarray | None = None

@@ -6,14 +6,10 @@ executor; on a multi-host slice that plan is what the leader sends to every host
 The scheduler owns the KV cache's memory (serving.orchestrator.pages): a sequence holds pages as
 it grows, and every plan carries the block tables it changed. Each turn:
 a. the slots of cancelled requests are freed (running or still prefilling), and their pages;
-b. waiting requests take free slots, the lowest first. A request
-   that `prefills_whole` (n > 1 choices without the prefix cache; the prompt's logprobs with
-   max_tokens 0) is an `Admission`:
-   one prefill, inserted into its n slots, each holding pages for its prompt and max_tokens from
-   the start (such a sequence is never preempted); it waits, slots held, until they are free.
-   With the prefix cache, n > 1 choices are n prefilling slots, each its choice's seed: the first
-   computes the prompt's pages, the others find them cached (waiting for those on their way).
-   Every other one becomes a prefilling slot; with the prefix cache on, the longest run of its
+b. waiting requests take free slots, the lowest first. n > 1 choices are n prefilling slots,
+   each its choice's seed: with the prefix cache the first computes the prompt's pages and the
+   others find them cached (waiting for those on their way); without it each computes its own.
+   Every request becomes prefilling slots; with the prefix cache on, the longest run of its
    prompt's full pages found cached goes into its table as they are (shared, not copied), leaving
    at least one prompt token to compute, whose logits give the first token (a request for the
    prompt's logprobs reads no cached page: every position is scored). A request whose next
@@ -21,8 +17,7 @@ b. waiting requests take free slots, the lowest first. A request
    several clients at once) waits in its slot, computing nothing, until that page is registered or
    no longer coming; then it looks up again and goes on;
 c. every running sequence takes the pages its next decode call writes, oldest first; when none
-   are free, the newest sequence holding pages (running or prefilling, never a whole admission)
-   is preempted: its pages are freed and it prefills again from the start, its prompt now the
+   are free, the newest sequence holding pages (running or prefilling) is preempted: its pages are freed and it prefills again from the start, its prompt now the
    prompt and the tokens it already streamed, and its final chunk samples its next token (so its
    stream neither repeats nor loses one). A sequence that would preempt only itself waits;
 d. one `prefill_slots` call: the next chunk of each prefilling slot holding its pages, oldest
@@ -64,14 +59,14 @@ from typing import Any
 import numpy as np
 
 from serving.engine.api import PrefillRow
-from serving.engine.limits import Limits, prefills_whole
+from serving.engine.limits import Limits
 from serving.orchestrator.pages import PagePool
-from serving.orchestrator.plan import Admission, StepOutcome, StepPlan, Waiting
+from serving.orchestrator.plan import StepOutcome, StepPlan, Waiting
 from serving.orchestrator.prefix_cache import adapter_salt, block_keys
 from serving.orchestrator.proposers import Speculator
 from serving.request import SamplingParams
 
-__all__ = ["Admission", "Scheduler", "StepOutcome", "StepPlan", "Waiting"]
+__all__ = ["Scheduler", "StepOutcome", "StepPlan", "Waiting"]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +81,7 @@ log = logging.getLogger(__name__)
 GROWTH_HORIZON = 16
 
 # Turns a prompt may wait for its pages while newer (shorter) prompts whose pages are free start
-# before it; past them, no newer prompt starts until it has (a whole admission, which takes its
-# pages before any prompt starts and preempts to get them, is not held back). The mixed
+# before it; past them, no newer prompt starts until it has. The mixed
 # benchmark's longest wait without this bound was ~120 turns; 64 leaves its most sequences
 # decoding at once unchanged.
 STARVED_TURNS = 64
@@ -102,7 +96,6 @@ class _Running:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     grammar: Any = None  # under a grammar: its matcher (serving.structured), advanced by `update`
-    whole: bool = False  # admitted whole: its pages were taken at admission, it is never preempted
     tokens: list[int] = field(default_factory=list)  # generated so far (kept for a preemption)
     unread: int = 0  # tokens of a call in flight (async scheduling: `project`), not in `tokens` yet
 
@@ -142,14 +135,6 @@ class _Prefilling:
 
 
 @dataclass
-class _Pending:
-    """A whole admission whose slots are held while it waits for pages."""
-
-    request: Waiting
-    slots: list[int]
-
-
-@dataclass
 class Scheduler:
     """Slots, pages and their requests, first come first served. `prefix_caching`: full prompt
     pages are registered and looked up (off: no sharing)."""
@@ -177,7 +162,6 @@ class Scheduler:
     tables: dict[int, list[int]] = field(default_factory=dict)  # slot -> the pages it holds, in order
     _changed: set[int] = field(default_factory=set)  # slots whose table changed this turn
     _order: dict[int, int] = field(default_factory=dict)  # slot -> when its sequence took pages (newest last)
-    _pending: list[_Pending] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
     _decoding: tuple[int, ...] = ()  # the slots the last plan decodes
     _deferred: int = 0  # turns in a row that ran no generate call for a burst (`burst_first`)
@@ -199,8 +183,8 @@ class Scheduler:
 
     @property
     def num_used(self) -> int:
-        """Slots held by a request (decoding, prefilling, or waiting for pages)."""
-        return len(self.running) + len(self.prefilling) + sum(len(p.slots) for p in self._pending)
+        """Slots held by a request (decoding or prefilling)."""
+        return len(self.running) + len(self.prefilling)
 
     def slot_of(self, request_id: int) -> int | None:
         held = [*self.running.items(), *self.prefilling.items()]
@@ -230,19 +214,14 @@ class Scheduler:
         frees = self._cancelled_slots(cancelled)
         for slot in frees:
             self._release(slot)
-        self._pending = [p for p in self._pending if p.request.request_id not in cancelled]
         for request in waiting:
             if self.speculator is not None:
                 for rid in (request.request_id, *request.choice_ids):
                     self.speculator.start(rid, request.prompt_ids, request.sampling)
-            if self._whole(request):
-                self._pending.append(_Pending(request, [heapq.heappop(self._free) for _ in range(request.num_slots)]))
-            else:
-                for choice in self._choices(request):
-                    self._admit_chunked(choice)
+            for choice in self._choices(request):
+                self._admit_chunked(choice)
         running_before = len(self.running)
         preempted: list[int] = []
-        admissions = self._admit_pending(preempted)
         for slot, entry in self.prefilling.items():
             if entry.waits:
                 self._load(slot, entry)
@@ -258,7 +237,7 @@ class Scheduler:
         self._decoding = tuple(decoding)
         steps, plan_masks = self.decode_steps_per_call if decoding else 0, None
         if any(r.constrained for r in self.running.values()):
-            starting = [*(a.sampling for a in admissions), *(row.sampling for row in rows if row.final)]
+            starting = [row.sampling for row in rows if row.final]
             steps = 0 if any(s.grammar is not None for s in starting) else 1
             plan_masks = self._masks() if steps else None
         decode_rows = self.limits.decode_rows(decoding) if steps else None
@@ -281,7 +260,6 @@ class Scheduler:
             preempted=tuple(preempted),
             adapter_loads=tuple(w.adapter_load for w in waiting if w.adapter_load is not None),
             page_tables=tables,
-            admissions=tuple(admissions),
             rows=tuple(rows),
             decode_steps=steps,
             running=max(running_before, 0),
@@ -356,11 +334,8 @@ class Scheduler:
         return total
 
     def _victim(self, exclude: int) -> int | None:
-        """The newest sequence holding pages that may be preempted (not a whole admission)."""
-        held = [
-            s for s in self._order
-            if s != exclude and not (s in self.running and self.running[s].whole) and self.tables.get(s)
-        ]
+        """The newest sequence holding pages that may be preempted."""
+        held = [s for s in self._order if s != exclude and self.tables.get(s)]
         return max(held, key=lambda s: self._order[s], default=None)
 
     def _preempt(self, slot: int, preempted: list[int]) -> None:
@@ -387,52 +362,14 @@ class Scheduler:
             if not entry.generated:  # it computes its whole prompt now: none of it read from the cache
                 self._cached[entry.request_id] = 0
 
-    def _admit_pending(self, preempted: list[int]) -> list[Admission]:
-        """Whole admissions whose pages (prompt and max_tokens, per choice) are free, in order; the
-        first that does not fit preempts newer sequences, or waits with those after it."""
-        admissions = []
-        while self._pending:
-            pending = self._pending[0]
-            request = pending.request
-            per_choice = self._pages_for(len(request.prompt_ids) + request.sampling.max_tokens)
-            while self.pool.num_free < per_choice * len(pending.slots):
-                victim = self._victim(exclude=-1)
-                if victim is None:
-                    return admissions
-                self._preempt(victim, preempted)
-            self._pending.pop(0)
-            mask = request.mask  # the first token's, before any choice advances
-            grammars = request.grammars or (None,) * request.num_slots
-            for slot, rid, grammar in zip(pending.slots, (request.request_id, *request.choice_ids), grammars, strict=True):
-                self.running[slot] = _Running(
-                    rid, len(request.prompt_ids), request.prompt_ids, request.sampling, grammar, whole=True
-                )
-                self._grow(slot, len(request.prompt_ids) + request.sampling.max_tokens)
-            admissions.append(
-                Admission(
-                    request.request_id,
-                    pending.slots[0],
-                    tuple(self.limits.pad(list(request.prompt_ids))),
-                    len(request.prompt_ids),
-                    request.sampling,
-                    tuple(pending.slots[1:]),
-                    mask,
-                )
-            )
-        return admissions
-
     # -- prompts -----------------------------------------------------------------------------------
-
-    def _whole(self, request: Waiting) -> bool:
-        """Whether `request` takes the whole prefill: it needs that call's outputs (the prompt's
-        logprobs), or it has n > 1 choices and no prefix cache to share its prompt's pages through."""
-        return prefills_whole(request.sampling, self.prefix_caching)
 
     @staticmethod
     def _choices(request: Waiting) -> list[Waiting]:
         """A request of n > 1 choices as n requests of one, each its choice's seed, id and matcher:
-        the first computes the prompt, the others find its pages in the prefix cache (waiting for
-        those it is about to compute) and compute the last, partial page and their own first token."""
+        with the prefix cache the first computes the prompt, the others find its pages cached
+        (waiting for those it is about to compute) and compute the last, partial page and their own
+        first token; without it each computes the whole prompt."""
         if not request.choice_ids:
             return [request]
         sampling = request.sampling
@@ -447,7 +384,7 @@ class Scheduler:
     def _admit_chunked(self, request: Waiting) -> None:
         """A prefilling slot, with its prompt's cached pages, if any are."""
         if request.choice_ids:
-            raise ValueError("a request with choices takes the whole prefill")
+            raise ValueError("a request with choices is admitted as one request a choice (_choices)")
         slot = heapq.heappop(self._free)
         entry = _Prefilling(
             request.request_id, request.prompt_ids, request.sampling, original=len(request.prompt_ids),
@@ -485,8 +422,8 @@ class Scheduler:
 
     def take_cached(self) -> dict[int, int]:
         """Request id -> prompt tokens read from the prefix cache, of the requests whose cached
-        pages were looked up since the last call (each request once; a request that takes the whole
-        prefill reads none and is not in it)."""
+        pages were looked up since the last call (each request once; a request for the prompt's
+        logprobs reads none and is not in it)."""
         taken, self._cached = self._cached, {}
         return taken
 
@@ -635,12 +572,13 @@ class Scheduler:
     def runs_ahead(self, waiting: Sequence[Waiting] = ()) -> bool:
         """Whether the next plan may be made while this one's generate call is still on the device
         (`project`ed, its tokens not read): no decision of the next turn may need those tokens. So
-        no speculator (proposals), no running slot under a grammar (its mask), no whole admission
-        held or among `waiting` (it may preempt), and a free page for every page the running
-        sequences take for their next call (no preemption: a preempted sequence's new prompt is its
-        tokens so far). The device runs the calls in order, so a slot that finished in the call in
-        flight only decodes nothing in the next (its rows invalid, dropped by `update`)."""
-        if self.speculator is not None or self._pending or any(prefills_whole(w.sampling) for w in waiting):
+        no speculator (proposals), no running slot under a grammar (its mask), and a free page for
+        every page the running sequences take for their next call (no preemption: a preempted
+        sequence's new prompt is its tokens so far). The `waiting` requests it would admit do not
+        change the answer (each goes in chunks, taking pages as it starts, within the headroom the
+        running ones keep). The device runs the calls in order, so a slot that finished in the call
+        in flight only decodes nothing in the next (its rows invalid, dropped by `update`)."""
+        if self.speculator is not None:
             return False
         if any(r.constrained for r in self.running.values()):
             return False
@@ -734,11 +672,7 @@ class Scheduler:
 
     def _cancelled_slots(self, cancelled: Collection[int]) -> tuple[int, ...]:
         held = [*self.running.items(), *self.prefilling.items()]
-        pending = [(s, p.request) for p in self._pending for s in p.slots]
-        return tuple(sorted(
-            [s for s, r in held if r.request_id in cancelled]
-            + [s for s, r in pending if r.request_id in cancelled]
-        ))
+        return tuple(sorted(s for s, r in held if r.request_id in cancelled))
 
     def _release(self, slot: int) -> None:
         entry = self.running.pop(slot, None)

@@ -11,12 +11,12 @@ schedules and broadcasts) and runs, in this order:
    token history); then each side's frees, preemptions, adapter writes and block tables (both
    engines mirror the same slots and pool pages, so one plan's ids name the same on both);
 2. generate: the generate call, dispatched (not read);
-3. whole admissions: prefill prefills and sends the prefix, generate inserts it into its slots;
-4. the `prefill_slots` call on prefill; each final row's slot state and prompt pages sent (a
-   handoff), accepted by generate behind its generate call, freed on prefill;
-5. generate reads its call's tokens and its lead process tells process 0, which delivers them
+3. the `prefill_slots` call on prefill (a row that scores the prompt: alone, `prefill_slots_scored`);
+   each final row's slot state and prompt pages sent (a handoff), accepted by generate behind its
+   generate call, freed on prefill;
+4. generate reads its call's tokens and its lead process tells process 0, which delivers them
    with the prefill's first tokens;
-6. every process meets at the distributed runtime's barrier (`Link.meet`), so that neither side
+5. every process meets at the distributed runtime's barrier (`Link.meet`), so that neither side
    waits in the next plan's broadcast, a collective with a short deadline, while the other
    compiles a call at its first use.
 
@@ -61,12 +61,6 @@ class SplitExecutor(Executor):
         if decodes and not prefills:
             result = self._dispatch(plan)
         firsts = _Firsts()
-        for admission in plan.admissions:
-            if prefills:
-                prefix = self._prefill_whole(admission, firsts, on_first_token)
-                link.move(engine.gathered(prefix), *to_generate)
-            else:
-                self._insert_whole(admission, engine.receive(link.move(None, *to_generate)))
         if plan.rows and prefills:
             self.state = self._prefill_rows(engine, self.params, self.state, plan, firsts, on_first_token)
         for slot, pages in plan.handoffs:
@@ -83,8 +77,7 @@ class SplitExecutor(Executor):
             told = link.tell(None if read is None else _generated(read, self.timings.generate), lead, 0)
             if told is not None:
                 generated, self.timings.generate = told
-                outcome = StepOutcome(outcome.first_tokens, first_logprobs=outcome.first_logprobs,
-                                      prompt_logprobs=outcome.prompt_logprobs, **generated)
+                outcome = StepOutcome(outcome.first_tokens, first_logprobs=outcome.first_logprobs, **generated)
         link.meet()  # nobody enters the next broadcast while the other side still compiles
         return outcome
 

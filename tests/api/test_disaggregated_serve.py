@@ -4,7 +4,7 @@ between them.
 
 - Engines over 8 devices, 4 + 4, each side's mesh fsdp 2 x tensor 2: a mixed batch (chunked
   prompts longer than one prefill, prompts behind a shared system prompt that hit the prefix cache,
-  a whole admission with logprobs) gives the interleaved engine's greedy tokens on 4 of those
+  a request with logprobs) gives the interleaved engine's greedy tokens on 4 of those
   devices, with a float KV cache, and with an int8 one in a pool of 8 pages, where sequences are
   preempted and recomputed on the prefill side.
 - `pathserve serve` on 2 devices, 1 + 1: concurrent greedy requests, streamed and not, give the

@@ -154,9 +154,6 @@ def test_jetstream_generate_both_modes(server):
         ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt", ["vocabulary"]),
         # past max_prefill_predict_length a prompt is served in chunks; past the context it is refused
         ("/v1/completions", {"prompt": "word " * 2100}, "prompt", ["max_target_length=2048"]),
-        # the prompt's logprobs alone (echo, max_tokens 0) take the whole prefill, which keeps
-        # max_prefill_predict_length (with tokens to generate they go in scored chunks)
-        ("/v1/completions", {"prompt": "word " * 400, "max_tokens": 0, "logprobs": 1, "echo": True}, "prompt", [f"max_prefill_predict_length={TINY_MAX_PREFILL}"]),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, "max_tokens", ["max_target_length=2048"]),
         ("/v1/completions", {"max_tokens": 5}, "prompt", ["required"]),
         ("/v1/chat/completions", {"messages": []}, "messages", ["at least 1"]),
@@ -317,8 +314,8 @@ def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, mode
     """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 the first time a prompt is seen, its
     full pages' tokens (32 a page, one token always computed) when it comes again, in a stream's
     usage too, for n > 1 choices, under a repetition penalty, logprobs and a grammar too; a request
-    for the prompt's logprobs (echo) scores every position, reads none and says 0 (its chunks'
-    prompt logprobs those of the whole prefill, echo with max_tokens 0)."""
+    for the prompt's logprobs (echo) scores every position, reads none and says 0, with tokens to
+    generate or none (max_tokens 0)."""
     prompt = [20 + (i * 37) % 230 for i in range(70)]  # no other test sends it
     args = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0)
     first = client.completions.create(**args)
@@ -335,8 +332,8 @@ def test_usage_reports_the_prompt_tokens_read_from_the_prefix_cache(client, mode
     # a repetition penalty reads the cached pages too (its prompt tokens are carried to the final
     # chunk), and logprobs and a grammar come from the final chunk: the tokens and logprobs of a
     # request that computes every position, echo's (reading no cached page)
-    alone = client.completions.create(**{**args, "max_tokens": 0}, logprobs=2, echo=True)  # the whole prefill
-    scored = client.completions.create(**args, logprobs=2, echo=True)  # in chunks, each scoring its positions
+    alone = client.completions.create(**{**args, "max_tokens": 0}, logprobs=2, echo=True)  # the prompt scored alone
+    scored = client.completions.create(**args, logprobs=2, echo=True)  # and with tokens to generate
     assert scored.usage.prompt_tokens_details.cached_tokens == alone.usage.prompt_tokens_details.cached_tokens == 0
     assert scored.choices[0].logprobs.tokens[:70] == alone.choices[0].logprobs.tokens
     assert scored.choices[0].logprobs.token_logprobs[0] is alone.choices[0].logprobs.token_logprobs[0] is None

@@ -6,7 +6,7 @@ from process 0 to each generate process by `jax.experimental.transfer`, preempte
 back; the generate call's tokens reach process 0 through the distributed runtime's key-value store.
 
 A mixed batch (prompts longer than a chunk, prompts behind a shared system prompt of more than a
-page, a whole admission with logprobs) with an int8 KV cache in a pool of 5 pages (4 slots of up
+page, a request with logprobs) with an int8 KV cache in a pool of 5 pages (4 slots of up
 to 4 pages: sequences are preempted and recomputed on the prefill side) gives the greedy tokens of
 the interleaved engine in one process with a pool for every slot, and so do two sequences that
 preempt each other while they decode (the state moves back to process 0); both generate processes
@@ -137,7 +137,7 @@ def test_a_mixed_batch_gets_the_interleaved_engines_tokens(group, reference, tin
         process.proc.wait(timeout=60)
     # Every prefill's final row was handed off, and each generate process pulled the same trees
     # (pages and states of the 6 prompts that prefill in rows, each preempted prompt's recompute
-    # that had been handed off before, the whole admission's prefix); process 0 pulled the state
+    # that had been handed off before); process 0 pulled the state
     # of the sequence preempted while it decoded.
     pulled = []
     for process in group:

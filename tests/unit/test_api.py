@@ -103,9 +103,6 @@ def test_stop_strings_and_jetstream_generate(server):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        # the prompt's logprobs alone (echo, max_tokens 0) take the whole prefill, at most
-        # max_prefill_predict_length (64) tokens
-        ({"prompt": "a" * 65, "max_tokens": 0, "logprobs": 1, "echo": True}, "prompt"),
         ({"prompt": "ab", "max_tokens": 255}, "max_tokens"),
         ({"prompt": "a" * 255, "max_tokens": 2}, "max_tokens"),
         ({"prompt": "ab", "max_tokens": 2, "temperature": -1}, "temperature"),

@@ -54,7 +54,6 @@ TYPE_ONLY_IMPORTS = [
     "serving.openai.streaming -> serving.orchestrator",
     "serving.openai.streaming -> serving.text.tokenizer",
     "serving.openai.tool_calls -> serving.text.tokenizer",
-    "serving.orchestrator.executor -> serving.engine.state",
     "serving.orchestrator.orchestrator -> serving.lora.registry",
     "serving.orchestrator.streams -> serving.orchestrator.orchestrator",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine.limits import Limits, prefills_whole, slot_buckets
+from serving.engine.limits import Limits, slot_buckets
 from serving.errors import GenerationError
 from serving.request import SamplingParams
 
@@ -21,22 +21,18 @@ def test_chunked_requests_may_be_as_long_as_the_context_leaves_room_for():
     assert err.value.field == "prompt"
 
 
-def test_the_whole_path_keeps_max_prefill_predict_length():
-    assert prefills_whole(SamplingParams(max_tokens=0, prompt_logprobs=1)) and prefills_whole(SamplingParams(n=2))
-    assert not prefills_whole(SamplingParams(max_tokens=3, temperature=1.0))
-    # logprobs, a repetition penalty and the prompt's logprobs go in chunks (the final one gives
-    # the first token's logprobs and carries the whole prompt; each scores its positions), at any
-    # prompt length
-    assert not prefills_whole(SamplingParams(logprobs=1)) and not prefills_whole(SamplingParams(repetition_penalty=1.3))
-    assert not prefills_whole(SamplingParams(prompt_logprobs=1))
-    LIMITS.check(65, SamplingParams(max_tokens=4, logprobs=1, repetition_penalty=1.3, prompt_logprobs=1))
-    # n > 1 goes in chunks where the prefix cache shares the prompt's pages, whole otherwise
-    LIMITS.check(65, SamplingParams(max_tokens=4, n=2), prefix_cache=True)
-    with pytest.raises(GenerationError, match="max_prefill_predict_length=64"):
-        LIMITS.check(65, SamplingParams(max_tokens=4, n=2))
-    with pytest.raises(GenerationError, match="max_prefill_predict_length=64") as err:  # the prompt's logprobs alone
-        LIMITS.check(65, SamplingParams(max_tokens=0, prompt_logprobs=1), prefix_cache=True)
-    assert err.value.field == "prompt"
+def test_every_request_goes_in_chunks_at_any_prompt_length():
+    """n > 1, logprobs, a repetition penalty, the prompt's logprobs (with max_tokens 0 too): no
+    request is held to max_prefill_predict_length (there is no whole-prompt path left)."""
+    for sampling in (
+        SamplingParams(max_tokens=4, logprobs=1, repetition_penalty=1.3, prompt_logprobs=1),
+        SamplingParams(max_tokens=4, n=2, temperature=1.0),
+        SamplingParams(max_tokens=0, prompt_logprobs=1),
+    ):
+        LIMITS.check(65, sampling)
+    with pytest.raises(GenerationError, match="n=9 choices") as err:
+        LIMITS.check(5, SamplingParams(max_tokens=4, n=9, temperature=1.0))
+    assert err.value.field == "n"
 
 
 def test_buckets():

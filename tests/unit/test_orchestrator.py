@@ -209,9 +209,6 @@ def test_cancelled_requests_give_their_room_back():
 
 
 def test_requests_the_engine_cannot_take_fail_at_submit_naming_the_field(orchestrator):
-    with pytest.raises(GenerationError) as err:  # the prompt's logprobs alone take the whole prefill: at most 64 tokens
-        orchestrator.submit(list(range(65)), SamplingParams(max_tokens=0, prompt_logprobs=1))
-    assert err.value.field == "prompt" and err.value.code == "context_length_exceeded"
     with pytest.raises(GenerationError) as err:
         orchestrator.submit([1, 2], SamplingParams(max_tokens=255))
     assert err.value.field == "max_tokens"

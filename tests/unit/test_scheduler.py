@@ -15,26 +15,27 @@ def _waiting(request_id: int, length: int = 3, max_tokens: int = 4, **kw) -> Wai
     return Waiting(request_id, tuple(range(1, length + 1)), SamplingParams(max_tokens=max_tokens, **kw))
 
 
-def test_whole_admissions_fill_free_slots_in_order_padded_to_their_bucket():
-    scheduler = Scheduler(Limits(2, 32, 64), decode_steps_per_call=2)
-    plan = scheduler.schedule(
-        [_waiting(7, length=3, max_tokens=0, prompt_logprobs=1), _waiting(8, length=20, max_tokens=0, prompt_logprobs=0)]
-    )
-    assert [(a.request_id, a.slot, a.true_length, len(a.padded_tokens)) for a in plan.admissions] == [
-        (7, 0, 3, 16),
-        (8, 1, 20, 32),
+def test_choices_and_a_scored_prompt_take_chunked_slots_in_order():
+    """n > 1 without the prefix cache: a prefilling slot a choice, each computing the prompt; the
+    prompt's logprobs alone (max_tokens 0): a scored chunk, alone in its call."""
+    scheduler = Scheduler(Limits(4, 32, 64, prefill_batch_tokens=64), decode_steps_per_call=2)
+    choices = SamplingParams(max_tokens=4, n=2, temperature=1.0)
+    plan = scheduler.schedule([Waiting(7, (1, 2, 3), choices, (9,)), _waiting(8, length=20, max_tokens=0, prompt_logprobs=0)])
+    assert [(r.slot, r.tokens, r.start, r.final, r.score) for r in plan.rows] == [
+        (0, (1, 2, 3), 0, True, False), (1, (1, 2, 3), 0, True, False),
     ]
-    assert plan.admissions[0].padded_tokens == (1, 2, 3, *([0] * 13))
-    assert (plan.decode_steps, plan.running, plan.max_position, plan.num_slots) == (2, 0, 20, 2)
-    assert plan.rows == () and scheduler.room() == 0
-    with pytest.raises(ValueError, match="1 slots asked for, 0 free"):
-        scheduler.schedule([_waiting(9)])
+    assert [r.sampling.seed for r in plan.rows] == [choices.choice_seed(0), choices.choice_seed(1)]
+    assert scheduler.room() == 1 and set(scheduler.prefilling) == {2}
+    scheduler.update(plan, StepOutcome((5, 6)))
+    plan = scheduler.schedule([])
+    assert [(r.slot, r.final, r.score) for r in plan.rows] == [(2, True, True)]  # alone, scored
+    with pytest.raises(ValueError, match="2 slots asked for, 1 free"):
+        scheduler.schedule([Waiting(9, (1,), SamplingParams(n=2, temperature=1.0), (10,))])
 
 
 def test_plain_requests_enter_their_slots_as_rows_of_one_prefill_call():
     scheduler = Scheduler(Limits(2, 32, 64, prefill_batch_tokens=64), decode_steps_per_call=2)
     plan = scheduler.schedule([_waiting(7, length=3), _waiting(8, length=20)])
-    assert plan.admissions == ()
     assert [(r.slot, r.tokens, r.start, r.final) for r in plan.rows] == [
         (0, (1, 2, 3), 0, True),
         (1, tuple(range(1, 21)), 0, True),
@@ -86,9 +87,9 @@ def test_the_executor_runs_plans_and_skips_a_generate_call_nothing_needs():
     outcome = executor.run(plan)
     assert outcome.first_tokens == (5,) and engine.calls[-1][0] == "prefill_slots_scored"
     assert scheduler.update(plan, outcome) == [(3, 0)]
-    plan = scheduler.schedule([Waiting(4, (4,), SamplingParams(max_tokens=0, prompt_logprobs=0))])  # the whole path
+    plan = scheduler.schedule([Waiting(4, (4,), SamplingParams(max_tokens=0, prompt_logprobs=0))])  # scored alone
     executor.run(plan)
-    assert [c[0] for c in engine.calls[-2:]] == ["prefill", "insert"]
+    assert engine.calls[-1][0] == "prefill_slots_scored" and not [c for c in engine.calls if c[0] in ("prefill", "insert")]
 
 
 def test_a_request_for_the_prompts_logprobs_goes_in_scored_chunks_alone_reading_no_cached_page():
