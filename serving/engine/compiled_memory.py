@@ -1,5 +1,5 @@
 """An engine's device memory as XLA lays it out, read before any weight is loaded: the largest
-generate, chunked prefill and whole prefill it runs, lowered against abstract params and decode
+generate and chunked prefill (a scored chunk too) it runs, lowered against abstract params and decode
 state (shapes, dtypes and shardings only) and compiled; from each `memory_analysis()`, the
 arguments (params and state, padded as the chip tiles them: a TPU pads a narrow minor axis to 128
 lanes) and the temporaries plus the outputs not written in place. serve's memory plan

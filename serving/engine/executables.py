@@ -1,5 +1,5 @@
 """Compiled programs kept on disk and loaded back without tracing: an engine's ahead-of-time
-compiles (the memory plan's and warmup's: generate, chunked prefill, whole prefill and insert)
+compiles (the memory plan's and warmup's: generate, chunked prefill, a scored chunk)
 go through an `ExecutableStore` beside JAX's persistent compilation cache.
 
 Why: on a warm start JAX's own cache still traces and lowers every program to find its key, and

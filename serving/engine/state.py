@@ -42,7 +42,7 @@ class TokenHistory(NamedTuple):
     """What the logit processing of each slot reads of its sequence so far (serving.engine.penalties)."""
 
     counts: jax.Array  # int32 [slots, vocab]: times each token was generated (the output only)
-    prompt: jax.Array  # bool [slots, vocab]: the token is in the prompt (kept by whole prefills)
+    prompt: jax.Array  # bool [slots, vocab]: the token is in the prompt (a final row carries it, or insert)
     recent: jax.Array  # int32 [slots, RECENT]: the last generated tokens, newest last; -2 before
 
 
