@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from serving.engine.api import PrefillRow
+from serving.engine.sampler import Sampler
 from serving.models import prefill
 from serving.request import SamplingParams
 from tests.conftest import DATA, tiny_engine
@@ -252,7 +253,7 @@ def _check_inputs(limits, rows):
 
     from serving.engine.chunked import ChunkedPrefill
 
-    fake = SimpleNamespace(limits=limits, row_buckets=(1, 2), history_window=lambda start: 0, _num_decodable=300)
+    fake = SimpleNamespace(limits=limits, row_buckets=(1, 2), history_window=lambda start: 0, sampler=Sampler(300))
     return ChunkedPrefill._slot_inputs(fake, rows if isinstance(rows, list) else [rows])
 
 
@@ -299,3 +300,28 @@ def test_the_prompts_logprobs_in_chunks_are_the_whole_prefills(tiny):
         assert [t for t, _ in a.top[:5]] == [t for t, _ in b.top[:5]]
     with pytest.raises(ValueError, match="scores the prompt"):
         engine.prefill_slots_scored(params, state, PrefillRow(3, prompt[:4], 0, False, s))
+
+
+def test_the_engine_samples_with_the_sampler_it_is_given(tiny_model_dir):
+    """The sampler is a part passed in (serving.engine.sampler): one that always draws token 7
+    gives only 7s, from the final chunk's first token and from generate."""
+    import jax.numpy as jnp
+
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine.engine import Engine
+    from serving.orchestrator.offline import run_to_completion
+
+    class Sevens(Sampler):
+        def sample(self, logits, keys, sampling):
+            return jnp.zeros(logits.shape[:1], jnp.int32) + 7
+
+    cfg = ServingConfig(per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=128,
+                        cpu_kernels="off", enable_model_warmup=False)
+    model = load_model(str(tiny_model_dir), cfg)
+    engine = Engine(model, cfg.engine, sampler=Sevens(200))
+    assert engine.sampler.num_decodable == 200
+    done = run_to_completion(engine, engine.load_params(), [(list(range(5, 15)), SamplingParams(max_tokens=5))])
+    assert done[0].token_ids == [7] * 5
+    plain = Engine(model, cfg.engine)
+    assert plain.sampler == Sampler(min(model.config.vocab_size, model.tokenizer.vocab_size))

@@ -33,7 +33,7 @@ import numpy as np
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
-from serving.engine.sampling import apply_mask, token_logprobs, token_logprobs_if
+from serving.engine.sampling import token_logprobs
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, Logprobs, TokenHistory, host_logprobs, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
@@ -184,7 +184,7 @@ class ChunkedPrefill:
         # a final row's whole prompt under a repetition penalty (-1: none), its cached and earlier
         # chunks included: the penalty's prompt tokens, kept in the slot's history
         prompt = np.full((count, limits.max_target_length), -1, np.int32)
-        masks = np.full((count, (self._num_decodable + 31) // 32), -1, np.int32)  # a grammar's first mask
+        masks = np.full((count, (self.sampler.num_decodable + 31) // 32), -1, np.int32)  # a grammar's first mask
         for i, row in enumerate(rows):
             if len(row.tokens) > limits.prefill_chunk_size:
                 raise ValueError(f"a chunk of {len(row.tokens)} tokens, more than prefill_chunk_size")
@@ -292,7 +292,7 @@ class ChunkedPrefill:
             last=lengths - 1 if following is None else None,
         )
         if following is None:
-            return store_chunks(cache, kv, pages, starts), self._decodable(logits, None)
+            return store_chunks(cache, kv, pages, starts), self.sampler.decodable(logits, None)
         # the prompt's logprobs: every position's logits [rows, bucket, vocab], as the whole prefill scores them
         rows, bucket, vocab = logits.shape
         at = jnp.arange(bucket)[None, :]
@@ -306,7 +306,7 @@ class ChunkedPrefill:
             rank.reshape(rows, bucket),
         )
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return store_chunks(cache, kv, pages, starts), self._decodable(last, None), scored
+        return store_chunks(cache, kv, pages, starts), self.sampler.decodable(last, None), scored
 
     def _start_rows_impl(
         self, state: DecodeState, last, slots, starts, lengths, final, generated, keys, prompt, masks, sampling,
@@ -339,8 +339,8 @@ class ChunkedPrefill:
                 jnp.where(resumed[:, None], state.history.prompt[held], fresh_prompt),
             )
 
-        last = penalties.process(apply_mask(last, masks), sampling, generated, recent, kept, final)
-        first = self._sample(last, jax.vmap(jax.random.fold_in)(keys, generated), sampling)
+        last = self.sampler.process(self.sampler.decodable(last, masks), sampling, generated, recent, kept, final)
+        first = self.sampler.sample(last, jax.vmap(jax.random.fold_in)(keys, generated), sampling)
         finished = is_stop(first, sampling.stop_ids) | (generated + 1 >= sampling.max_tokens)
         parked = self.config.max_target_length - 1  # an inactive row's position (it writes to scratch)
 
@@ -370,5 +370,5 @@ class ChunkedPrefill:
             sampling=jax.tree.map(put, state.sampling, sampling._replace(key=keys)),
             history=history,
         )
-        logprobs = token_logprobs_if(jnp.any(final & sampling.logprobs), last, first, sampling.temperature)
+        logprobs = self.sampler.logprobs_if(jnp.any(final & sampling.logprobs), last, first, sampling.temperature)
         return new_state, jax.lax.with_sharding_constraint((first, *logprobs), replicated(self.mesh))

@@ -47,7 +47,8 @@ from serving.engine.handoff import Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
 from serving.engine.partitioning import Numerics
-from serving.engine.sampling import apply_mask, sample, token_logprobs, token_logprobs_if
+from serving.engine.sampler import Sampler
+from serving.engine.sampling import token_logprobs
 from serving.engine.sharding import (
     cache_shardings,
     engine_placement,
@@ -160,13 +161,16 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         draft: Proposer | None = None,
         verify_warmup: tuple[int, int] | None = None,
         mirror: Limits | None = None,
+        sampler: Sampler | None = None,
     ):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
         `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
         mesh. `verify_warmup`: (k, the most decoding slots that speculate), the verify shapes the
         warmup compiles (None: the server does not speculate). `mirror`: another engine's limits,
         taken whole (a disaggregated server's prefill engine mirrors its generate engine: the same
-        slots and pool pages, so that the scheduler's slot and page ids name the same on both)."""
+        slots and pool pages, so that the scheduler's slot and page ids name the same on both).
+        `sampler`: what turns logits into tokens (serving.engine.sampler; by default over the
+        tokens both the model and the tokenizer have)."""
         from serving.runtime import make_mesh
 
         self.model = model
@@ -186,7 +190,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             self.limits.page_size,
         )
         self._dtype = jnp.dtype(config.dtype)
-        self._num_decodable = min(model.config.vocab_size, model.tokenizer.vocab_size)
+        self.sampler = sampler or Sampler(min(model.config.vocab_size, model.tokenizer.vocab_size))
         static = dict(cfg=model.config, scan_layers=config.scan_layers, dtype=self._dtype, ops=self.ops)
         self._prefill_fn = jax.jit(
             partial(self._prefill_impl, static=static), static_argnames=("choices", "logprobs", "prompt_logprobs")
@@ -279,7 +283,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             generated=zeros(),
             active=jnp.zeros((slots,), bool),
             sampling=jax.tree.map(jnp.asarray, stacked_sampling([], slots)),  # neutral, inactive
-            history=penalties.init_history(slots, self._num_decodable),
+            history=self.sampler.init_history(slots),
         )
         return jax.device_put(state, self._state_shardings())
 
@@ -495,14 +499,6 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             history=TokenHistory(*(rows for _ in TokenHistory._fields)),
         )
 
-    def _sample(self, logits: jax.Array, keys: jax.Array, sampling: SlotSampling) -> jax.Array:
-        return sample(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-
-    def _decodable(self, logits: jax.Array, mask: jax.Array | None) -> jax.Array:
-        """[batch, vocab] logits of the tokens the tokenizer can decode, -inf where `mask` forbids."""
-        logits = logits[:, : self._num_decodable]
-        return logits if mask is None else apply_mask(logits, mask)
-
     def _prefill_impl(
         self, params, tokens, true_length, sampling: SlotSampling, keys, mask, static, choices, logprobs,
         prompt_logprobs,
@@ -517,12 +513,12 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)[None]
         else:
             last = logits
-        last = self._decodable(last, mask)
+        last = self.sampler.decodable(last, mask)
         vocab = last.shape[-1]
         seen = penalties.prompt_tokens(tokens[0], true_length, vocab)
         batched = jax.tree.map(lambda x: jnp.broadcast_to(x, (choices, *jnp.shape(x))), sampling)
         nothing = jnp.zeros((choices,), jnp.int32)
-        last = penalties.process(
+        last = self.sampler.process(
             jnp.broadcast_to(last, (choices, vocab)),  # [choices, vocab]
             batched,
             nothing,
@@ -530,7 +526,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             lambda: (jnp.zeros((choices, vocab), jnp.int32), jnp.broadcast_to(seen, (choices, vocab))),
             jnp.ones((choices,), bool),
         )
-        first = self._sample(last, jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys), batched)
+        first = self.sampler.sample(last, jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys), batched)
         first_logprobs = None
         if logprobs:
             first_logprobs = Logprobs(first, *token_logprobs(last, first, batched.temperature))
@@ -620,15 +616,15 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             sampling = state.sampling._replace(
                 temperature=jnp.where(state.active, state.sampling.temperature, 0.0)
             )
-            logits = self._decodable(logits, masks)
+            logits = self.sampler.decodable(logits, masks)
             history = state.history
-            logits = penalties.process(
+            logits = self.sampler.process(
                 logits, sampling, state.generated, history.recent[rows],
                 lambda: (history.counts[rows], history.prompt[rows]), state.active,
             )
-            token = self._sample(logits, keys, sampling)
+            token = self.sampler.sample(logits, keys, sampling)
             wants = state.active & state.sampling.logprobs
-            chosen, top_ids, top = token_logprobs_if(jnp.any(wants), logits, token, sampling.temperature)
+            chosen, top_ids, top = self.sampler.logprobs_if(jnp.any(wants), logits, token, sampling.temperature)
             valid = state.active
             generated = state.generated + valid
             done = valid & (

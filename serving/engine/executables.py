@@ -137,7 +137,7 @@ class ExecutableStore:
         )
         context = (
             str(jax.process_index()), repr([(d.id, getattr(d, "coords", None)) for d in devices]),
-            repr(engine.mesh), repr(engine.config), repr(engine.model.config), str(engine._num_decodable),
+            repr(engine.mesh), repr(engine.config), repr(engine.model.config), str(engine.sampler.num_decodable),
             engine.ops.name, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
             _stable(jax._src.config.trace_context()),
         )

@@ -179,7 +179,7 @@ class Speculative:
             quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
         )
         vocab = logits.shape[-1]
-        logits = self._decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
+        logits = self.sampler.decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
         sampling = state.sampling._replace(temperature=jnp.where(state.active, state.sampling.temperature, 0.0))
         logits = _processed(logits, proposals, state, sampling, full.history, rows)
         column = jnp.arange(k + 1)
