@@ -33,7 +33,6 @@ import numpy as np
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
-from serving.engine.sampling import token_logprobs
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, Logprobs, TokenHistory, host_logprobs, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
@@ -113,12 +112,9 @@ class ChunkedPrefill:
         wants = [row.final and row.sampling.wants_logprobs for row in rows]
         logprobs: tuple[TokenLogprob | None, ...] = (None,) * len(rows)
         if any(wants):
-            first, chosen, top_ids, top = jax.device_get(out)  # one transfer
-            logprobs = tuple(
-                TokenLogprob(int(first[i]), float(chosen[i]), tuple(zip(top_ids[i].tolist(), top[i].tolist(), strict=True)))
-                if want else None
-                for i, want in enumerate(wants)
-            )
+            first, *rest = jax.device_get(out)  # one transfer
+            every = host_logprobs(Logprobs(first, *rest))
+            logprobs = tuple(every[i] if want else None for i, want in enumerate(wants))
         else:
             first = np.asarray(out[0])
         return state, tuple(int(first[i]) if row.final else None for i, row in enumerate(rows)), logprobs
@@ -142,16 +138,13 @@ class ChunkedPrefill:
         start = self._start_compiled.get(shape[0]) or self._start_rows_fn
         state, out = start(decode_state._replace(cache=None), last, *inputs[1:])
         state = state._replace(cache=cache)
-        first, chosen, top_ids, top = jax.device_get(out)
-        scored = jax.device_get(scored)
+        out, scored = jax.device_get((out, scored))
         count = len(row.tokens) - (1 if row.final else 0)  # positions with a prompt token to predict
         scores = tuple(host_logprobs(Logprobs(*(x[0, :count] for x in scored)))) if count else ()
         if not row.final:
             return state, None, None, scores
-        logprob = None
-        if row.sampling.wants_logprobs:
-            logprob = TokenLogprob(int(first[0]), float(chosen[0]), tuple(zip(top_ids[0].tolist(), top[0].tolist(), strict=True)))
-        return state, int(first[0]), logprob, scores
+        logprob = host_logprobs(Logprobs(*(x[:1] for x in out)))[0] if row.sampling.wants_logprobs else None
+        return state, int(out[0][0]), logprob, scores
 
     def compile_scored_chunk(self, params: dict, state_spec: DecodeState, row: PrefillRow):
         """The model call of `prefill_slots_scored` for `row`'s shape, compiled (or loaded from the
@@ -298,13 +291,8 @@ class ChunkedPrefill:
         at = jnp.arange(bucket)[None, :]
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((rows, 1), tokens.dtype)], axis=1)
         targets = jnp.where(at == lengths[:, None] - 1, jnp.maximum(following, 0)[:, None], shifted)
-        flat, wanted = logits.reshape(rows * bucket, vocab), targets.reshape(-1)
-        chosen, top_ids, top = token_logprobs(flat, wanted, jnp.ones(wanted.shape, jnp.float32))
-        rank = 1 + jnp.sum(jax.nn.log_softmax(flat, axis=-1) > chosen[:, None], axis=-1, dtype=jnp.int32)
-        scored = Logprobs(
-            targets, chosen.reshape(rows, bucket), top_ids.reshape(rows, bucket, -1), top.reshape(rows, bucket, -1),
-            rank.reshape(rows, bucket),
-        )
+        flat = self.sampler.prompt_scores(logits.reshape(rows * bucket, vocab), targets.reshape(-1))
+        scored = Logprobs(*(x.reshape(rows, bucket, *x.shape[1:]) for x in flat))
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return store_chunks(cache, kv, pages, starts), self.sampler.decodable(last, None), scored
 

@@ -532,11 +532,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             first_logprobs = Logprobs(first, *token_logprobs(last, first, batched.temperature))
         scored = None
         if prompt_logprobs:  # the prompt as given, over the whole vocabulary: no temperature, no mask
-            raw = logits[0, :-1]
-            nxt = tokens[0, 1:]
-            chosen, top_ids, top = token_logprobs(raw, nxt, jnp.ones(nxt.shape, jnp.float32))
-            rank = 1 + jnp.sum(jax.nn.log_softmax(raw, axis=-1) > chosen[:, None], axis=-1, dtype=jnp.int32)
-            scored = Logprobs(nxt, chosen, top_ids, top, rank)
+            scored = self.sampler.prompt_scores(logits[0, :-1], tokens[0, 1:])
         # What the host reads back, replicated: every process of a multi-host slice reads it.
         first, first_logprobs, scored = jax.lax.with_sharding_constraint(
             (first, first_logprobs, scored), replicated(self.mesh)

@@ -6,19 +6,19 @@ Its steps, in order: the logits of the tokens the tokenizer can decode (`decodab
 mask applied), the logit processing (`process`: bad words, min_tokens, logit bias, penalties over
 the slot's token history: serving.engine.penalties), the draw (`sample`: temperature, top-k,
 top-p, min-p: serving.engine.sampling) and, where asked, the chosen token's logprob with the best
-alternatives (`logprobs_if`). Pure functions of arrays: traced inside the engine's jits.
+alternatives (`logprobs_if`), or the prompt's own (`prompt_scores`). Pure functions of arrays: traced inside the engine's jits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from serving.engine import penalties
-from serving.engine.sampling import apply_mask, sample, token_logprobs_if
-from serving.engine.state import SlotSampling, TokenHistory
+from serving.engine.sampling import apply_mask, sample, token_logprobs, token_logprobs_if
+from serving.engine.state import Logprobs, SlotSampling, TokenHistory
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,8 @@ class Sampler:
         logits = logits[:, : self.num_decodable]
         return logits if mask is None else apply_mask(logits, mask)
 
-    def process(
-        self,
-        logits: jax.Array,
-        sampling: SlotSampling,
-        generated: jax.Array,
-        recent: jax.Array,
-        history: Callable[[], tuple[jax.Array, jax.Array]] | None,
-        active: jax.Array,
-    ) -> jax.Array:
-        """The rows' logit processing (serving.engine.penalties.process)."""
-        return penalties.process(logits, sampling, generated, recent, history, active)
+    # The rows' logit processing: bad words, min_tokens, logit bias, penalties (its arguments there)
+    process = staticmethod(penalties.process)
 
     def sample(self, logits: jax.Array, keys: jax.Array, sampling: SlotSampling) -> jax.Array:
         """Each row's token [rows] int32, drawn with its key under its temperature, top-k, top-p
@@ -56,6 +47,14 @@ class Sampler:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The tokens' logprobs and the best alternatives where `wants` (some row asked), else zeros."""
         return token_logprobs_if(wants, logits, tokens, temperature)
+
+    def prompt_scores(self, logits: jax.Array, targets: jax.Array) -> Logprobs:
+        """The prompt's logprobs (OpenAI's echo): each row's target token [rows] scored by its logits
+        [rows, vocab] over the whole vocabulary (no temperature, no mask), with the top
+        MAX_LOGPROBS and its rank (1 + the tokens likelier)."""
+        chosen, top_ids, top = token_logprobs(logits, targets, jnp.ones(targets.shape, jnp.float32))
+        rank = 1 + jnp.sum(jax.nn.log_softmax(logits, axis=-1) > chosen[:, None], axis=-1, dtype=jnp.int32)
+        return Logprobs(targets, chosen, top_ids, top, rank)
 
     def init_history(self, slots: int) -> TokenHistory:
         """An empty token history for `slots` slots over the decodable vocabulary."""
