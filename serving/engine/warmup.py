@@ -24,9 +24,9 @@ log = logging.getLogger("serving.engine.engine")
 
 
 def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, BackgroundWarmup | None]:
-    """Compile what serving runs: every prefill_slots shape of fresh prompts (rows x length within the per-call budget) and, for every row count whose full
-    chunks fit the budget, full chunks at every history window (long prompts' middle chunks, several
-    at once); a prefix block's save and load; generate for every slot bucket and attention window.
+    """Compile what serving runs: every prefill_slots shape of fresh prompts (rows x length within
+    the per-call budget) and, for every row count whose full chunks fit the budget, full chunks at
+    every history window (long prompts' middle chunks, several at once); a prefix block's save and load; generate for every slot bucket and attention window.
     Then, unless `enable_background_warmup` is off, starts a `BackgroundWarmup`, which compiles the
     partial chunks after cached positions (a prefix hit's rest, a long prompt's last chunk: rows x
     length at every history window, minutes of compiling in all) at the lowest CPU priority while

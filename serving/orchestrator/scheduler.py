@@ -17,9 +17,10 @@ b. waiting requests take free slots, the lowest first. n > 1 choices are n prefi
    several clients at once) waits in its slot, computing nothing, until that page is registered or
    no longer coming; then it looks up again and goes on;
 c. every running sequence takes the pages its next decode call writes, oldest first; when none
-   are free, the newest sequence holding pages (running or prefilling) is preempted: its pages are freed and it prefills again from the start, its prompt now the
-   prompt and the tokens it already streamed, and its final chunk samples its next token (so its
-   stream neither repeats nor loses one). A sequence that would preempt only itself waits;
+   are free, the newest sequence holding pages (running or prefilling) is preempted: its pages
+   are freed and it prefills again from the start, its prompt now the prompt and the tokens it
+   already streamed, and its final chunk samples its next token (so its stream neither repeats
+   nor loses one). A sequence that would preempt only itself waits;
 d. one `prefill_slots` call: the next chunk of each prefilling slot holding its pages, oldest
    admission first. A prompt takes the pages of its whole prompt (and its first decode call) when
    it starts, if they are free (leaving free the pages the running sequences grow into over their
