@@ -32,6 +32,7 @@ from serving.checkpoints.model_source import default_model_path, load_model
 from serving.config import ServingConfig
 from serving.engine import penalties
 from serving.engine.engine import Engine
+from serving.engine.sampler import Sampler
 
 PROMPT = "The history of the lighthouse is closely tied to the history of seafaring. Long before electric lamps,"
 PENALIZED = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
@@ -48,8 +49,12 @@ ARMS: dict[str, Callable[[int], dict]] = {  # name -> a slot's SamplingParams fi
 def without_processing() -> Iterator[None]:
     """The engine's step traced with no logit processing and no history kept (the `without` arm:
     every call of its engine runs inside this, so any retrace sees the same step)."""
-    with (
-        mock.patch.object(penalties, "process", lambda logits, *args, **kwargs: logits),
+    def unprocessed(logits, *args, **kwargs):
+        return logits
+
+    with (  # the sampler's processing, and speculative verify's (which calls penalties' own)
+        mock.patch.object(Sampler, "process", staticmethod(unprocessed)),
+        mock.patch.object(penalties, "process", unprocessed),
         mock.patch.object(penalties, "record", lambda history, *args, **kwargs: history),
     ):
         yield
