@@ -22,7 +22,7 @@ from tests.backends import expected_backend
 from tests.cli import call_cli
 from tests.conftest import TINY_MAX_PREFILL, TINY_MAX_TARGET, TINY_QUEUE, TINY_SLOTS
 from tests.reference import ReferenceDecoder
-from tests.server_process import free_port, metric, with_free_grpc_port
+from tests.server_process import free_port, metric, wait_for, with_free_grpc_port
 
 SLOTS, QUEUE = TINY_SLOTS, TINY_QUEUE
 PROMPT = "The history of the lighthouse is closely tied to"
@@ -205,7 +205,12 @@ def test_malformed_json_nan_and_size_limit(server):
 
 
 def test_burst_beyond_capacity_gets_429s_and_every_admitted_request_completes(server, model_name):
+    """A burst of 4x capacity at an idle server: the first `capacity` are admitted whatever the pace,
+    each later one is admitted or told to retry (how many of each depends on how fast this machine
+    drains the slots, so not asserted: test_admission_and_fields.py holds the slots to see a 429 for
+    certain), every admitted one completes and every 429 is counted."""
     capacity = SLOTS + QUEUE
+    assert wait_for(lambda: metric(server, "pathserve_active_slots") == 0, 60)
     rejected_before = metric(server, "pathserve_requests_rejected_total")
 
     def one(i: int) -> httpx.Response:
@@ -216,7 +221,7 @@ def test_burst_beyond_capacity_gets_429s_and_every_admitted_request_completes(se
         responses = list(pool.map(one, range(4 * capacity)))
     statuses = [r.status_code for r in responses]
     assert all(s in (200, 429) for s in statuses), statuses
-    assert statuses.count(429) > 0 and statuses.count(200) >= capacity
+    assert statuses.count(200) >= capacity, statuses
     for r in responses:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
@@ -224,7 +229,8 @@ def test_burst_beyond_capacity_gets_429s_and_every_admitted_request_completes(se
             assert r.json()["choices"][0]["finish_reason"] == "length"
             assert r.json()["usage"]["completion_tokens"] == 300
     assert metric(server, "pathserve_requests_rejected_total") - rejected_before == statuses.count(429)
-    assert metric(server, "pathserve_http_requests_total", '{route="/v1/completions",status="429"}') >= 1
+    if 429 in statuses:
+        assert metric(server, "pathserve_http_requests_total", '{route="/v1/completions",status="429"}') >= 1
 
 
 def test_metrics_use_jetstream_names(server, client, model_name):

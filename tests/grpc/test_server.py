@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from serving.text.tokenizer import load_tokenizer
-from tests.conftest import TINY_MAX_PREFILL, TINY_MAX_TARGET, TINY_SLOTS
+from tests.conftest import TINY_MAX_PREFILL, TINY_MAX_TARGET, TINY_QUEUE, TINY_SLOTS
 from tests.server_process import ServerProcess, free_port, metric, wait_for
 
 SLOTS, MAX_PREFILL, MAX_TARGET = TINY_SLOTS, TINY_MAX_PREFILL, TINY_MAX_TARGET
@@ -161,7 +161,12 @@ def test_num_samples_one_is_one_sample(server, stub, stubs):
 
 
 def test_64_concurrent_streams_on_4_slots_complete_or_are_told_to_retry(server, stubs):
+    """At an idle server the first slots + queue streams are admitted whatever the pace; each later
+    one completes or hears RESOURCE_EXHAUSTED (how many of each depends on how fast this machine
+    drains the slots, so not asserted: tests/unit/test_grpc.py fills the queue to see the code
+    for certain), and every rejection is counted."""
     pb, n, max_tokens = stubs.pb, 64, 12
+    assert wait_for(lambda: metric(server, "pathserve_active_slots") == 0, 60)
 
     async def one(orchestrator, i: int) -> str:
         request = text_request(pb, f"Story number {i}:", max_tokens)
@@ -182,7 +187,7 @@ def test_64_concurrent_streams_on_4_slots_complete_or_are_told_to_retry(server, 
     rejected_before = metric(server, "pathserve_requests_rejected_total")
     outcomes = asyncio.run(burst())
     assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
-    assert outcomes.count("OK") >= SLOTS and "RESOURCE_EXHAUSTED" in outcomes
+    assert outcomes.count("OK") >= SLOTS + TINY_QUEUE, outcomes
     assert metric(server, "pathserve_requests_rejected_total") - rejected_before == outcomes.count(
         "RESOURCE_EXHAUSTED"
     )
