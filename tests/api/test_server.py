@@ -139,7 +139,8 @@ def test_jetstream_generate_both_modes(server):
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     deltas, final = lines[:-1], lines[-1]
-    assert all(set(d) == {"text"} for d in deltas) and len(deltas) > 1
+    # how many deltas depends on the pace (tokens queued meanwhile go out as one): not asserted
+    assert deltas and all(set(d) == {"text"} for d in deltas)
     assert "".join(d["text"] for d in deltas) == final["response"] == response["response"]
     assert final["finish_reason"] == "length"
 

@@ -5,7 +5,7 @@ prefix-cache KV."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 
@@ -18,6 +18,7 @@ from serving.orchestrator import Orchestrator
 from serving.request import SamplingParams
 from tests.conftest import DATA
 from tests.lora.adapters import ADAPTERS, make_adapter, make_adapters, peft_model, reference_greedy
+from tests.server_process import wait_for
 
 MAX_TOKENS = 8
 TEXT = (DATA / "english.txt").read_text()
@@ -118,22 +119,35 @@ def test_one_prompt_under_two_adapters_shares_no_prefix_cache_block(served, expe
 
 
 def _settled_hits(orchestrator) -> int:
-    """The prefix cache's hits once the device loop has recorded its last turn (it counts them
-    after a request's end is delivered)."""
-    time.sleep(0.3)
-    return orchestrator.metrics.prefix_cache_hits
+    """The prefix cache's hits once the device loop has recorded the turns of every request that
+    ended so far (it counts them after a request's end is delivered): a 2-token request (no stop
+    id, so it ends in a generate call's update, not at its first token) ends in a later update,
+    after the last one's record; its 1-token prompt has no block to hit or miss."""
+    orchestrator.submit([1], SamplingParams(max_tokens=2, stop_ids=())).result()
+    with orchestrator.metrics.lock:
+        return orchestrator.metrics.prefix_cache_hits
 
 
 def test_unloading_an_adapter_in_use_lets_its_requests_finish(served, expected, adapters):
     model, orchestrator = served
     prompts = _prompts(model.tokenizer)
     registry = orchestrator.adapters
-    handle = orchestrator.submit(prompts[0], SamplingParams(max_tokens=64, adapter="mlp-r16-rs"))
-    deadline = time.monotonic() + 60
-    while not any(a.name == "mlp-r16-rs" and a.running for a in registry.list()):  # admitted
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    registry.unload("mlp-r16-rs")
+    # The device loop's generate calls wait at a gate until the adapter is unloaded, so the request
+    # is still running then however fast the machine (a 64-token request is a few calls).
+    engine, gate = orchestrator.engine, threading.Event()
+
+    def gated_generate(*args, **kwargs):
+        gate.wait(60)
+        return type(engine).generate(engine, *args, **kwargs)
+
+    engine.generate = gated_generate
+    try:
+        handle = orchestrator.submit(prompts[0], SamplingParams(max_tokens=64, adapter="mlp-r16-rs"))
+        assert wait_for(lambda: any(a.name == "mlp-r16-rs" and a.running for a in registry.list()), 60)
+        registry.unload("mlp-r16-rs")
+    finally:
+        gate.set()
+        del engine.generate
     completion = handle.result()
     assert completion.finish_reason == "length" and completion.token_ids[:MAX_TOKENS] == expected["mlp-r16-rs"][0]
     with pytest.raises(UnknownAdapterError):
