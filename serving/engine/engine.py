@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Sequence
 from functools import partial
 
@@ -213,11 +212,6 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
-        # bucket -> (prefill's executable (one choice, no mask or logprobs), insert's of its prefix,
-        # the specs of that insert's prefix arguments): compiled ahead by warmup's jobs
-        # (`precompile_prefill`), run by the calls of those shapes
-        self._prefill_compiled: dict[int, tuple[object, object | None, tuple | None]] = {}
-        self._compile_lock = threading.Lock()
         self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
         self.history_windows = (  # what a chunk may read: one window where chunks read their rows' positions
             [config.max_target_length] if self.cache_in_place and self.ops.chunks_in_place
@@ -307,18 +301,13 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         keys = np.stack([np.asarray(jax.random.PRNGKey(sampling.choice_seed(i))) for i in range(sampling.n)])
         tokens = jnp.asarray(padded_tokens, jnp.int32)[None]
         args = (params, tokens, jnp.int32(true_length), slot_sampling(sampling), jnp.asarray(keys))
-        plain = mask is None and sampling.n == 1 and not sampling.wants_logprobs and sampling.prompt_logprobs is None
-        held = self._prefill_compiled.get(tokens.shape[1]) if plain else None
-        if held is not None:  # compiled ahead (`precompile_prefill`)
-            prefix = held[0](*args, None)
-        else:
-            prefix = self._prefill_fn(
-                *args,
-                None if mask is None else jnp.asarray(mask, jnp.int32)[None],
-                choices=sampling.n,
-                logprobs=sampling.wants_logprobs,
-                prompt_logprobs=sampling.prompt_logprobs is not None,
-            )
+        prefix = self._prefill_fn(
+            *args,
+            None if mask is None else jnp.asarray(mask, jnp.int32)[None],
+            choices=sampling.n,
+            logprobs=sampling.wants_logprobs,
+            prompt_logprobs=sampling.prompt_logprobs is not None,
+        )
         return prefix, int(prefix.first_tokens[0])
 
     def prefill_outputs(self, prefix: Prefix) -> PrefillOutputs:
@@ -345,9 +334,6 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         if first.shape[0] != 1:  # one choice of several: its token and key as a single choice's (one program for any n)
             first, keys, choice = first[choice][None], keys[choice][None], 0
         args = (prefix.kv, prefix.length, first, keys, prefix.sampling, prefix.prompt_seen)
-        _, held, specs = self._prefill_compiled.get(jax.tree.leaves(prefix.kv)[0].shape[2], (None, None, None))
-        if held is not None and _placed_as(args, specs):
-            return held(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
         return self._insert_fn(*args, decode_state, jnp.int32(slot), jnp.int32(choice))
 
     @property
@@ -395,44 +381,6 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         if self.executables is None:
             return lower().compile()
         return self.executables.compile(name, args, lower)
-
-    def precompile_prefill(self, params, bucket: int, state_spec: DecodeState | None = None):
-        """Compile, ahead of time and from any thread, `prefill`'s program of `bucket` tokens (one
-        choice, no mask or logprobs) and, given the decode state's spec (shapes and placements),
-        `insert`'s of its prefix: later calls of those shapes run them. Returns the prefill's
-        executable (the memory plan reads its memory_analysis); compiled once per bucket."""
-        with self._compile_lock:
-            held = self._prefill_compiled.get(bucket)
-        if held is None or (held[1] is None and state_spec is not None):
-            compiled = held[0] if held is not None else self.compile_prefill(params, bucket)
-            insert = specs = None
-            if state_spec is not None:  # the prefix's insert arguments as that executable places them
-                prefix = jax.tree.map(
-                    lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=spec.sharding), compiled.out_info
-                )
-                specs = (prefix.kv, prefix.length, prefix.first_tokens, prefix.keys, prefix.sampling, prefix.prompt_seen)
-                scalar = jax.ShapeDtypeStruct((), jnp.int32)
-                args = (*specs, state_spec, scalar, scalar)
-                insert = self.compile_ahead("insert", args, lambda: self._insert_fn.lower(*args))
-            with self._compile_lock:
-                if self._prefill_compiled.get(bucket, (None, None))[1] is None:
-                    self._prefill_compiled[bucket] = (compiled, insert, specs)
-                held = self._prefill_compiled[bucket]
-        return held[0]
-
-    def compile_prefill(self, params, bucket: int, prompt_logprobs: bool = False):
-        """`prefill`'s program for a prompt of `bucket` padded tokens, one choice, no mask or
-        sampled logprobs, compiled (or loaded: `compile_ahead`) for the arguments `prefill` passes."""
-        from serving.request import SamplingParams
-
-        args = (
-            params, jax.ShapeDtypeStruct((1, bucket), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-            jax.tree.map(jnp.asarray, slot_sampling(SamplingParams(max_tokens=1))),
-            jax.ShapeDtypeStruct((1, 2), jnp.uint32), None,
-        )
-        static = {"choices": 1, "logprobs": False, "prompt_logprobs": prompt_logprobs}
-        name = "prefill " + " ".join(f"{k}={v}" for k, v in static.items())
-        return self.compile_ahead(name, args, lambda: self._prefill_fn.lower(*args, **static))
 
     def call_rows(self, num_slots: int | None, slots: Sequence[int] | None) -> jax.Array:
         """int32 [bucket]: the slots a decode call computes: `slots` (distinct, as many as a bucket
@@ -661,14 +609,3 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             history=state.history,
         )
         return full, ResultTokens(*(widen(x) for x in result))
-
-
-def _placed_as(arrays, specs) -> bool:
-    """Whether every array of `arrays` has its spec's shape, dtype and placement (an executable
-    compiled ahead for `specs` takes them as they are)."""
-    pairs = zip(jax.tree.leaves(arrays), jax.tree.leaves(specs), strict=False)
-    same = len(jax.tree.leaves(arrays)) == len(jax.tree.leaves(specs))
-    return same and all(
-        a.shape == s.shape and a.dtype == s.dtype and a.sharding.is_equivalent_to(s.sharding, a.ndim) for a, s in pairs
-    )
-

@@ -9,12 +9,12 @@ outcome, `record(plan, outcome, slots, projected)` takes it, in the order the pl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from serving.orchestrator.executor import FirstTokenHook, Started
-from serving.orchestrator.plan import StepOutcome, StepPlan, Waiting
+from serving.orchestrator.plan import StepOutcome, StepPlan
 from serving.orchestrator.scheduler import Scheduler
 
 Record = Callable[[StepPlan, StepOutcome, dict[int, Any], dict[int, int] | None], None]
@@ -61,9 +61,10 @@ class RunAhead:
         self.record(flight.plan, self.finish(flight.started), flight.slots, flight.projected)
         return True
 
-    def land_unless_ahead(self, waiting: Sequence[Waiting] = ()) -> None:
-        """Land the plan in flight where the next plan (admitting `waiting`) may need its tokens."""
-        if self._in_flight is not None and not self.scheduler.runs_ahead(waiting):
+    def land_unless_ahead(self) -> None:
+        """Land the plan in flight where the next plan may need its tokens (whichever requests it
+        admits: Scheduler.runs_ahead)."""
+        if self._in_flight is not None and not self.scheduler.runs_ahead():
             self.land()
 
     def started(self, plan: StepPlan, started: Started, slots: dict[int, Any]) -> None:

@@ -80,7 +80,6 @@ def _drive(results: list[OfflineResult], waiting: deque, scheduler: Scheduler, e
         ahead.land_unless_ahead()
         admit = [waiting.popleft() for _ in range(min(scheduler.room(), len(waiting)))]
         batch = [Waiting(i, tuple(results[i].prompt_ids), results[i].sampling) for i in admit]
-        ahead.land_unless_ahead(batch)
         plan = scheduler.schedule(batch)
         for request_id, tokens in scheduler.take_cached().items():
             results[request_id].cached_tokens = tokens

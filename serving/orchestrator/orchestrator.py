@@ -350,7 +350,6 @@ class Orchestrator:
         for group, _load in groups:
             running.update((r.request_id, r) for r in group)
         waiting = [_waiting(group, load) for group, load in groups]
-        ahead.land_unless_ahead(waiting)
         plan = scheduler.schedule(waiting, cancelled)
         for rid, tokens in scheduler.take_cached().items():
             if rid in running:

@@ -570,14 +570,14 @@ class Scheduler:
         self._deferred = self._deferred + 1 if defer else 0
         return defer
 
-    def runs_ahead(self, waiting: Sequence[Waiting] = ()) -> bool:
+    def runs_ahead(self) -> bool:
         """Whether the next plan may be made while this one's generate call is still on the device
         (`project`ed, its tokens not read): no decision of the next turn may need those tokens. So
         no speculator (proposals), no running slot under a grammar (its mask), and a free page for
         every page the running sequences take for their next call (no preemption: a preempted
-        sequence's new prompt is its tokens so far). The `waiting` requests it would admit do not
-        change the answer (each goes in chunks, taking pages as it starts, within the headroom the
-        running ones keep). The device runs the calls in order, so a slot that finished in the call
+        sequence's new prompt is its tokens so far). Requests it would admit do not change the
+        answer (each goes in chunks, taking pages as it starts, within the headroom the running
+        ones keep). The device runs the calls in order, so a slot that finished in the call
         in flight only decodes nothing in the next (its rows invalid, dropped by `update`)."""
         if self.speculator is not None:
             return False

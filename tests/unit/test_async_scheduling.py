@@ -69,7 +69,7 @@ def test_offline_driver_running_ahead_gives_the_same_tokens(pages, page, project
     assert not projections
     waited, preempted = [], []
     runs_ahead, preempt = Scheduler.runs_ahead, Scheduler._preempt
-    monkeypatch.setattr(Scheduler, "runs_ahead", lambda self, w=(): runs_ahead(self, w) or waited.append(1))
+    monkeypatch.setattr(Scheduler, "runs_ahead", lambda self: runs_ahead(self) or waited.append(1))
     monkeypatch.setattr(Scheduler, "_preempt", lambda self, *a: preempt(self, *a) or preempted.append(1))
     engine = _engine(num_pages=pages, prefix_block=page)
     got = run_to_completion(engine, None, requests)
