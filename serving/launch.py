@@ -24,6 +24,7 @@ from serving.engine.memory import (
     check_devices,
     device_limit,
 )
+from serving.engine.speculative import Verifier
 from serving.orchestrator import Orchestrator
 from serving.orchestrator.disaggregated import DisaggregatedExecutor
 from serving.orchestrator.executor import Executor
@@ -258,7 +259,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
     mirror = None
     if groups is not None and groups.on_prefill:  # the generate engine's limits: it lives in other processes
         mirror = engine_limits(loaded, plan.engine, generate_mesh)
-    engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify, mirror=mirror)
+    engine = Engine(loaded, plan.engine, mesh, draft=draft, verifier=Verifier(verify), mirror=mirror)
     phase("load")
     # each engine is charged for what it runs: a disaggregated generate engine no prefill, a
     # multi-controller prefill group no generate
@@ -273,7 +274,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
             raise
         log.warning("memory plan: %s", refit.origins["per_device_batch_size"])
         plan, cfg = refit, refit.config
-        engine = Engine(loaded, plan.engine, mesh, draft=draft, verify_warmup=verify)
+        engine = Engine(loaded, plan.engine, mesh, draft=draft, verifier=Verifier(verify))
         check_memory(engine, plan.model, cfg.dtype, chips, generates, prefills, _warms_ahead(cfg, engine))
     phase("memory plan")
     params = engine.load_params()

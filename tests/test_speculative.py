@@ -14,7 +14,7 @@ from serving.checkpoints.model_source import load_model
 from serving.config import ServingConfig
 from serving.engine.engine import Engine
 from serving.engine.sampling import sample
-from serving.engine.speculative import verify_tokens
+from serving.engine.speculative import Verifier, verify_tokens
 from serving.engine.state import SlotSampling
 from serving.models import prefill
 from serving.request import SamplingParams
@@ -245,7 +245,7 @@ def test_sampled_speculation_draws_the_plain_distribution(tiny, random_draft, to
 
 def test_warmup_compiles_the_verify_calls(tiny):
     model, plain, params = tiny
-    engine = Engine(model, plain.config, verify_warmup=(K, 2))  # the same placement: the same params
+    engine = Engine(model, plain.config, verifier=Verifier((K, 2)))  # the same placement: the same params
     state = engine.warm_verify(params, engine.init_decode_state())
     compiled = engine._verify_fn._cache_size()
     prompt = model.tokenizer.encode(TEXT)[:9]
@@ -258,6 +258,37 @@ def test_warmup_compiles_the_verify_calls(tiny):
                                  max_position=len(prompt), num_slots=num_slots)
     assert engine._verify_fn._cache_size() == compiled  # nothing compiled at the call
     assert plain.warm_verify(params, state) is state  # an engine built without verify shapes warms none
+
+
+def test_the_engine_verifies_with_the_verifier_it_is_given(tiny):
+    """The verifier is a part passed in (serving.engine.speculative.Verifier): one whose rule
+    accepts nothing emits one token a call, plain decoding's, whatever is proposed; a bad warmup
+    shape is refused where the part is made."""
+    import jax.numpy as jnp
+
+    class Rejecting(Verifier):
+        def step(self, forward, sampler, full, proposals, num_proposed, rows, max_target_length):
+            return super().step(forward, sampler, full, proposals, jnp.zeros_like(num_proposed), rows,
+                                max_target_length)
+
+    model, plain, params = tiny
+    engine = Engine(model, plain.config, verifier=Rejecting())
+    prompt = model.tokenizer.encode(TEXT)[:9]
+    greedy = SamplingParams(max_tokens=8)
+    want = _plain(plain, params, [prompt], greedy, 2 + K)[0]  # plain decoding's tokens
+    state, got = _start(engine, params, [prompt], greedy)
+    got = list(got)
+    proposals = np.zeros((engine.max_concurrent_decodes, K), np.int32)
+    for _ in range(2):
+        proposals[0] = want[len(got) : len(got) + K]  # the right ones: a plain verifier keeps them all
+        state, result = engine.verify(params, state, proposals, np.full((engine.max_concurrent_decodes,), K),
+                                      max_position=len(prompt) + len(got), num_slots=1)
+        valid = np.asarray(result.valid)[:, 0]
+        assert valid.sum() == 1  # every proposal rejected: one token a call
+        got.append(int(np.asarray(result.tokens)[valid.argmax(), 0]))
+    assert got == want[:3]
+    with pytest.raises(ValueError, match="at least 1"):
+        Verifier((0, 2))
 
 
 def test_sampled_verify_without_proposals_draws_plain_decodings_tokens(tiny):

@@ -56,7 +56,7 @@ from serving.engine.sharding import (
     replicated,
     unstacked_shardings,
 )
-from serving.engine.speculative import Speculative
+from serving.engine.speculative import Verifier
 from serving.engine.state import (
     DecodeState,
     Logprobs,
@@ -146,10 +146,10 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None
     )
 
 
-class Engine(ChunkedPrefill, Speculative, Handoffs):
+class Engine(ChunkedPrefill, Handoffs):
     """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
-    prefilled in chunks straight into their slots, and prefix blocks; from Speculative, `verify`:
-    speculative decoding's proposals scored and accepted in one call)."""
+    prefilled in chunks straight into their slots, and prefix blocks; `verify`: speculative
+    decoding's proposals scored and accepted in one call, by its `verifier`)."""
 
     def __init__(
         self,
@@ -158,14 +158,14 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         mesh: Mesh | None = None,
         *,
         draft: Proposer | None = None,
-        verify_warmup: tuple[int, int] | None = None,
+        verifier: Verifier | None = None,
         mirror: Limits | None = None,
         sampler: Sampler | None = None,
     ):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
         `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
-        mesh. `verify_warmup`: (k, the most decoding slots that speculate), the verify shapes the
-        warmup compiles (None: the server does not speculate). `mirror`: another engine's limits,
+        mesh. `verifier`: speculative decoding's verify (serving.engine.speculative.Verifier; by
+        default one that warms up no verify shape: the server does not speculate). `mirror`: another engine's limits,
         taken whole (a disaggregated server's prefill engine mirrors its generate engine: the same
         slots and pool pages, so that the scheduler's slot and page ids name the same on both).
         `sampler`: what turns logits into tokens (serving.engine.sampler; by default over the
@@ -190,6 +190,7 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         )
         self._dtype = jnp.dtype(config.dtype)
         self.sampler = sampler or Sampler(min(model.config.vocab_size, model.tokenizer.vocab_size))
+        self.verifier = verifier or Verifier()
         static = dict(cfg=model.config, scan_layers=config.scan_layers, dtype=self._dtype, ops=self.ops)
         self._prefill_fn = jax.jit(
             partial(self._prefill_impl, static=static), static_argnames=("choices", "logprobs", "prompt_logprobs")
@@ -218,7 +219,12 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
             else attention_windows(config.max_target_length, self.ops.min_window, self.ops.shape_growth)
         )
         self._init_chunked(static)
-        self._init_speculative(static, verify_warmup)
+        self._verify_fn = jax.jit(
+            partial(self._verify_impl, static=static),
+            donate_argnums=(1,),
+            out_shardings=(state_shardings, replicated(self.mesh)),
+            static_argnames=("window",),
+        )
         self._init_handoffs()
         # where compiled ahead (the memory plan's and warmup's programs), kept on disk and loaded
         # back without tracing (None: no persistent compilation cache)
@@ -358,6 +364,45 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
         if compiled is not None:
             return compiled(params, decode_state, None, rows)
         return self._generate_fn(params, decode_state, masks, rows, window=window, steps=steps)
+
+    def verify(
+        self, params: dict, decode_state: DecodeState, proposals, num_proposed, max_position: int | None = None,
+        num_slots: int | None = None, slots: Sequence[int] | None = None,
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Score and accept `proposals` (int [slots, k]; `num_proposed` [slots] of each row are
+        real) for every active slot in one call over `slots` (as `generate` takes them; default
+        the first `num_slots`); results of k + 1 steps (serving.engine.speculative)."""
+        proposals = np.asarray(proposals, np.int32)
+        rows = self.call_rows(num_slots, slots)
+        if proposals.ndim != 2 or proposals.shape[0] != self.max_concurrent_decodes or proposals.shape[1] < 1:
+            raise ValueError(f"proposals must be [{self.max_concurrent_decodes}, k >= 1], got {proposals.shape}")
+        window = self.verify_window(max_position)
+        return self._verify_fn(
+            params, decode_state, jnp.asarray(proposals), jnp.asarray(num_proposed, jnp.int32), rows, window=window,
+        )
+
+    def warm_verify(self, params: dict, decode_state: DecodeState) -> DecodeState:
+        """Compile the verify calls of the verifier's `warmup`: every slot bucket up to its slot
+        count, at every history window (no slot active: nothing changes)."""
+        if self.verifier.warmup is None:
+            return decode_state
+        k, most = self.verifier.warmup
+        proposals = jnp.zeros((self.max_concurrent_decodes, k), jnp.int32)
+        counts = jnp.zeros((self.max_concurrent_decodes,), jnp.int32)
+        # a verify call computes the speculating slots padded to a bucket: the one holding `most`
+        widest = self.limits.decode_slots(max(1, min(most, self.max_concurrent_decodes)))
+        for num_slots in (b for b in self.limits.decode_buckets if b <= widest):
+            for window in self.history_windows:
+                decode_state, _ = self._verify_fn(
+                    params, decode_state, proposals, counts, self.call_rows(num_slots, None), window=window
+                )
+        return decode_state
+
+    def verify_window(self, max_position: int | None) -> int:
+        """The cached positions a verify call reads: the smallest window holding [0, max_position)."""
+        if max_position is None:
+            return self.history_windows[-1]
+        return next((w for w in self.history_windows if w >= max(max_position, 1)), self.history_windows[-1])
 
     def precompile_generate(self, params, state_spec: DecodeState, num_slots: int, window: int):
         """Compile, ahead of time and from any thread, generate of `num_slots` rows over `window`
@@ -521,6 +566,23 @@ class Engine(ChunkedPrefill, Speculative, Handoffs):
 
     def _free_impl(self, state: DecodeState, slot) -> DecodeState:
         return state._replace(active=state.active.at[slot].set(False))
+
+    def _verify_impl(
+        self, params, full: DecodeState, proposals, num_proposed, rows, static, window: int
+    ) -> tuple[DecodeState, ResultTokens]:
+        """The verifier's step over this engine's model: each row's token and proposals at its
+        position over its cached positions [0, window), through its block table."""
+
+        def forward(fed, counted, starts, pages, lora_slot):
+            return prefill(
+                params, fed, counted, **static, starts=starts, cache=full.cache, pages=pages, window=window,
+                quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head,
+                lora=lora_stack.lora_batch(params, lora_slot),
+            )
+
+        return self.verifier.step(
+            forward, self.sampler, full, proposals, num_proposed, rows, self.config.max_target_length
+        )
 
     def _generate_impl(
         self, params, full: DecodeState, masks, rows, static, window: int, steps: int

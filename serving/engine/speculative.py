@@ -24,27 +24,27 @@ max_tokens and max_target_length end a slot inside the emitted run as they do in
 logprobs come from the same logits. Results are `ResultTokens` of k + 1 steps (`valid` marks the
 emitted ones), so everything above the engine reads them as a generate call's.
 
-Mixed into `serving.engine.engine.Engine`, whose sampling, shardings and limits it uses.
+`Verifier` is the part the engine is built with (serving.engine.engine.Engine's `verifier`): its
+`step` is the body of the engine's compiled verify call, over the engine's model forward and sampler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from serving.engine import penalties
 from serving.engine.api import ResultTokens
+from serving.engine.sampler import Sampler
 from serving.engine.sampling import argmax, kept, sample, token_logprobs_if
-from serving.engine.sharding import replicated
 from serving.engine.state import RECENT, DecodeState, SlotSampling, TokenHistory, is_stop
-from serving.lora import stack as lora_stack
-from serving.models import prefill
 from serving.models.cache import SCRATCH_PAGE, store_chunks
+
+# the model over [slots, k + 1] tokens with history: (fed, counted, starts, pages, lora_slot) -> (logits, kv)
+Forward = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 
 
 def verify_tokens(
@@ -103,63 +103,30 @@ def verify_tokens(
     return tokens.at[rows, accepted].set(last), accepted
 
 
-class Speculative:
-    """verify (see the module docstring)."""
+class Verifier:
+    """Speculative decoding's verify, a part the engine is built with (module docstring): `step`
+    is the compiled call's body, which the engine runs over its model's forward and its sampler.
 
-    def _init_speculative(self, static: dict, verify_warmup: tuple[int, int] | None) -> None:
-        # (k, the most decoding slots that speculate): the verify shapes the warmup compiles
-        # (None: the server does not speculate); the engine's constructor takes it.
-        self.verify_warmup = verify_warmup
-        self._verify_fn = jax.jit(
-            partial(self._verify_impl, static=static),
-            donate_argnums=(1,),
-            out_shardings=(self._state_shardings(), replicated(self.mesh)),
-            static_argnames=("window",),
-        )
+    `warmup`: (k, the most decoding slots that speculate), the verify shapes the engine's warmup
+    compiles (every slot bucket up to the one holding them, at every history window); None: none
+    (a server that does not speculate; a verify call compiles at first use)."""
 
-    def verify(
-        self, params: dict, decode_state: DecodeState, proposals, num_proposed, max_position: int | None = None,
-        num_slots: int | None = None, slots: Sequence[int] | None = None,
+    def __init__(self, warmup: tuple[int, int] | None = None):
+        if warmup is not None and (warmup[0] < 1 or warmup[1] < 1):
+            raise ValueError(f"verify warmup (k, slots) must both be at least 1, got {warmup}")
+        self.warmup = warmup
+
+    def step(
+        self, forward: Forward, sampler: Sampler, full: DecodeState, proposals, num_proposed, rows,
+        max_target_length: int,
     ) -> tuple[DecodeState, ResultTokens]:
-        """Score and accept `proposals` (int [slots, k]; `num_proposed` [slots] of each row are
-        real) for every active slot in one call over `slots` (as `generate` takes them; default
-        the first `num_slots`); results of k + 1 steps."""
-        proposals = np.asarray(proposals, np.int32)
-        rows = self.call_rows(num_slots, slots)
-        if proposals.ndim != 2 or proposals.shape[0] != self.max_concurrent_decodes or proposals.shape[1] < 1:
-            raise ValueError(f"proposals must be [{self.max_concurrent_decodes}, k >= 1], got {proposals.shape}")
-        window = self.verify_window(max_position)
-        return self._verify_fn(
-            params, decode_state, jnp.asarray(proposals), jnp.asarray(num_proposed, jnp.int32), rows, window=window,
-        )
-
-    def warm_verify(self, params: dict, decode_state: DecodeState) -> DecodeState:
-        """Compile the verify calls of `verify_warmup`: every slot bucket up to its slot count, at
-        every history window (no slot active: nothing changes)."""
-        if self.verify_warmup is None:
-            return decode_state
-        k, most = self.verify_warmup
-        proposals = jnp.zeros((self.max_concurrent_decodes, k), jnp.int32)
-        counts = jnp.zeros((self.max_concurrent_decodes,), jnp.int32)
-        # a verify call computes the speculating slots padded to a bucket: the one holding `most`
-        widest = self.limits.decode_slots(max(1, min(most, self.max_concurrent_decodes)))
-        for num_slots in (b for b in self.limits.decode_buckets if b <= widest):
-            for window in self.history_windows:
-                decode_state, _ = self._verify_fn(
-                    params, decode_state, proposals, counts, self.call_rows(num_slots, None), window=window
-                )
-        return decode_state
-
-    def verify_window(self, max_position: int | None) -> int:
-        """The cached positions a verify call reads: the smallest window holding [0, max_position)."""
-        if max_position is None:
-            return self.history_windows[-1]
-        return next((w for w in self.history_windows if w >= max(max_position, 1)), self.history_windows[-1])
-
-    def _verify_impl(
-        self, params, full: DecodeState, proposals, num_proposed, rows, static, window: int
-    ) -> tuple[DecodeState, ResultTokens]:
-        max_len, total = self.config.max_target_length, self.max_concurrent_decodes
+        """The decode state after slots `rows` [slots] scored their `proposals` [total, k]
+        (`num_proposed` [total] of each row real) and kept what the rule accepts, and the call's
+        results [k + 1 steps, total]. `forward(fed [slots, k + 1], counted [slots], starts [slots],
+        pages [slots, max_pages], lora_slot [slots])`: the model over those tokens at positions
+        starts + 0..k of each row's cache (logits [slots, k + 1, vocab], the KV written by
+        store_chunks); `sampler` turns logits into tokens as every other call does."""
+        max_len, total = max_target_length, full.tokens.shape[0]
         k, num_slots = proposals.shape[1], rows.shape[0]
         state = jax.tree.map(lambda x: x[rows], full._replace(cache=None, history=None))
         proposals, num_proposed = proposals[rows], num_proposed[rows]
@@ -173,13 +140,9 @@ class Speculative:
         # An inactive row counts 1, not 0: a row with no position counted would leave XLA's
         # attention a row of queries with every key masked (NaN).
         counted = jnp.where(state.active, 1 + jnp.clip(num_proposed, 0, k), 1).astype(jnp.int32)
-        # the slots `rows`, positions [0, window), through their block tables
-        logits, kv = prefill(
-            params, fed, counted, **static, starts=starts, cache=full.cache, pages=state.pages, window=window,
-            quantized_kv=full.cache.quantized, kv_scale_per_head=full.cache.scale_per_head, lora=lora_stack.lora_batch(params, state.sampling.lora_slot),
-        )
+        logits, kv = forward(fed, counted, starts, state.pages, state.sampling.lora_slot)
         vocab = logits.shape[-1]
-        logits = self.sampler.decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
+        logits = sampler.decodable(logits.reshape(num_slots * (k + 1), vocab), None).reshape(num_slots, k + 1, -1)
         sampling = state.sampling._replace(temperature=jnp.where(state.active, state.sampling.temperature, 0.0))
         logits = _processed(logits, proposals, state, sampling, full.history, rows)
         column = jnp.arange(k + 1)
