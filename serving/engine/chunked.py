@@ -79,7 +79,6 @@ class ChunkedPrefill:
             out_shardings=(state_shardings.cache, replicated(self.mesh), replicated(self.mesh)),
             static_argnames=("window",),
         )
-        self._pages_sharding = state_shardings.pages
         # (rows bucket, length bucket, history window) -> an executable compiled ahead of time, and
         # the shapes the jit compiled at first use (no need to compile those again)
         self._precompiled: dict[tuple[int, int, int], Any] = {}
@@ -243,15 +242,8 @@ class ChunkedPrefill:
 
     def set_pages(self, decode_state: DecodeState, pages: np.ndarray) -> DecodeState:
         """The decode state with every slot's block table `pages` (int32 [slots, max_pages]; the
-        same host values on every process of a slice)."""
-        pages = np.array(pages, np.int32)  # a copy: the caller's table changes, the device's must not
-        expected = (self.max_concurrent_decodes, self.limits.max_pages)
-        if pages.shape != expected:
-            raise ValueError(f"block tables of shape {pages.shape}, expected {expected}")
-        if pages.min() < 0 or pages.max() >= self.limits.num_pages:
-            raise ValueError(f"a block table names a page outside the pool's {self.limits.num_pages}")
-        table = jax.make_array_from_callback(pages.shape, self._pages_sharding, lambda index: pages[index])
-        return decode_state._replace(pages=table)
+        same host values on every process of a slice), checked and placed by the paged cache."""
+        return decode_state._replace(pages=self.paged_cache.tables(pages))
 
     # -- compiled bodies -----------------------------------------------------------------------
 

@@ -45,11 +45,11 @@ from serving.engine.executables import ExecutableStore
 from serving.engine.handoff import Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
+from serving.engine.paged_cache import PagedCache, PoolFormat
 from serving.engine.partitioning import Numerics
 from serving.engine.sampler import Sampler
 from serving.engine.sampling import token_logprobs
 from serving.engine.sharding import (
-    cache_shardings,
     engine_placement,
     mesh_axes,
     param_shardings,
@@ -72,8 +72,8 @@ from serving.errors import GenerationError
 from serving.kernels import backend
 from serving.lora import stack as lora_stack
 from serving.lora.peft import LoraWeights
-from serving.models import decode_step, init_pool, prefill, store_prefix
-from serving.models.cache import SCRATCH_PAGE, dedicated_pages
+from serving.models import decode_step, prefill, store_prefix
+from serving.models.cache import SCRATCH_PAGE
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
@@ -161,6 +161,7 @@ class Engine(ChunkedPrefill, Handoffs):
         verifier: Verifier | None = None,
         mirror: Limits | None = None,
         sampler: Sampler | None = None,
+        paged_cache: PagedCache | None = None,
     ):
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
         `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
@@ -169,7 +170,10 @@ class Engine(ChunkedPrefill, Handoffs):
         taken whole (a disaggregated server's prefill engine mirrors its generate engine: the same
         slots and pool pages, so that the scheduler's slot and page ids name the same on both).
         `sampler`: what turns logits into tokens (serving.engine.sampler; by default over the
-        tokens both the model and the tokenizer have)."""
+        tokens both the model and the tokenizer have). `paged_cache`: the KV page pool and block
+        tables (serving.engine.paged_cache; by default the one `config` and this engine's limits,
+        backend and placement make; one given must be that one's geometry and format: the memory
+        plan and the backend were chosen for it)."""
         from serving.runtime import make_mesh
 
         self.model = model
@@ -189,6 +193,13 @@ class Engine(ChunkedPrefill, Handoffs):
             self.limits.page_size,
         )
         self._dtype = jnp.dtype(config.dtype)
+        made = PagedCache(model.config, self.limits, self.placement, self.mesh, PoolFormat.of(config, self.ops.pool_layout))
+        if paged_cache is not None and (paged_cache.limits, paged_cache.format) != (made.limits, made.format):
+            raise ValueError(
+                f"a paged cache of {paged_cache.limits.num_pages} pages ({paged_cache.format}) for an engine whose "
+                f"limits and backend make {made.limits.num_pages} ({made.format})"
+            )
+        self.paged_cache = paged_cache or made
         self.sampler = sampler or Sampler(min(model.config.vocab_size, model.tokenizer.vocab_size))
         self.verifier = verifier or Verifier()
         static = dict(cfg=model.config, scan_layers=config.scan_layers, dtype=self._dtype, ops=self.ops)
@@ -198,7 +209,7 @@ class Engine(ChunkedPrefill, Handoffs):
         self._logprobs_fn = jax.jit(partial(self._prompt_logprobs_impl, static=static))
         state_shardings = self._state_shardings()
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(6,), out_shardings=state_shardings)
-        cache_dtype = jnp.int8 if config.quantize_kvcache else self._dtype
+        cache_dtype = jnp.int8 if self.paged_cache.format.quantized else self._dtype
         self.cache_in_place = self.ops.reads_cache_in_place(model.config, cache_dtype, self._dtype)
         if self.cache_in_place:
             self.windows = [config.max_target_length]  # attention reads only each row's positions
@@ -261,23 +272,20 @@ class Engine(ChunkedPrefill, Handoffs):
         """What runs: the weights' quantization, the KV cache's format, the compute backend."""
         return {
             "quantization": self.config.quantization.mode or "none",
-            "kv_cache": "int8" if self.config.quantize_kvcache else self.config.dtype,
+            "kv_cache": self.paged_cache.format.name,
             "backend": self.ops.name,
         }
 
     def init_decode_state(self) -> DecodeState:
-        slots, limits = self.max_concurrent_decodes, self.limits
-        cache = init_pool(
-            self.model.config, limits.num_pages, limits.page_size, self._dtype, quantized=self.config.quantize_kvcache,
-            scale_per_head=self.config.kv_quant_axis != "heads_and_dkv", layout=self.ops.pool_layout,
-        )
+        slots = self.max_concurrent_decodes
+        cache = self.paged_cache.init_pool()
 
         def zeros():  # a buffer of its own for each field: they are donated one by one
             return jnp.zeros((slots,), jnp.int32)
 
         state = DecodeState(
             cache=cache,
-            pages=jnp.asarray(self._default_pages()),
+            pages=jnp.asarray(self.paged_cache.default_tables()),
             tokens=zeros(),
             positions=zeros(),
             generated=zeros(),
@@ -286,17 +294,6 @@ class Engine(ChunkedPrefill, Handoffs):
             history=self.sampler.init_history(slots),
         )
         return jax.device_put(state, self._state_shardings())
-
-    def _default_pages(self) -> np.ndarray:
-        """The block tables before a scheduler sets any: where the pool holds every slot's full
-        length, slot s owns its own run of pages (a contiguous cache's arrangement), so the engine
-        serves JetStream's prefill / insert / generate without a scheduler; otherwise every entry
-        is the scratch page and `set_pages` must come first."""
-        limits = self.limits
-        slots = self.max_concurrent_decodes
-        if limits.num_pages < slots * limits.max_pages + 1:
-            return np.zeros((slots, limits.max_pages), np.int32)
-        return dedicated_pages(slots, limits.max_target_length, limits.page_size)
 
     def prefill(
         self, params: dict, padded_tokens, true_length: int, sampling: SamplingParams, mask=None
@@ -345,7 +342,7 @@ class Engine(ChunkedPrefill, Handoffs):
     @property
     def page_bytes(self) -> int:
         """Device bytes of one page of the KV pool on each chip (every layer's keys, values, scales)."""
-        return self.placement.cache_bytes_per_chip() // self.limits.num_pages
+        return self.paged_cache.page_bytes
 
     @property
     def decode_steps_per_call(self) -> int:
@@ -482,7 +479,7 @@ class Engine(ChunkedPrefill, Handoffs):
         # Slots are not split (MaxText's cache_batch): per-slot scalars are on every device.
         slots = rows = replicated(self.mesh)
         return DecodeState(
-            cache=cache_shardings(self.mesh, self.placement),
+            cache=self.paged_cache.shardings,
             pages=rows,
             tokens=slots,
             positions=slots,
@@ -497,8 +494,8 @@ class Engine(ChunkedPrefill, Handoffs):
         prompt_logprobs,
     ) -> Prefix:
         logits, kv = prefill(
-            params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
-            kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
+            params, tokens, true_length[None], **static, quantized_kv=self.paged_cache.format.quantized,
+            kv_scale_per_head=self.paged_cache.format.scale_per_head,
             lora=lora_stack.lora_batch(params, sampling.lora_slot[None]),
             last=None if prompt_logprobs else true_length[None] - 1,  # the prompt's logprobs read every position
         )
@@ -534,8 +531,8 @@ class Engine(ChunkedPrefill, Handoffs):
 
     def _prompt_logprobs_impl(self, params, tokens, true_length, static) -> jax.Array:
         logits, _ = prefill(
-            params, tokens, true_length[None], **static, quantized_kv=self.config.quantize_kvcache,
-            kv_scale_per_head=self.config.kv_quant_axis != "heads_and_dkv",
+            params, tokens, true_length[None], **static, quantized_kv=self.paged_cache.format.quantized,
+            kv_scale_per_head=self.paged_cache.format.scale_per_head,
         )
         logprobs = jax.nn.log_softmax(logits[0, :-1], axis=-1)  # [bucket - 1, vocab]
         return jnp.take_along_axis(logprobs, tokens[0, 1:, None], axis=-1)[:, 0]

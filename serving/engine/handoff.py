@@ -13,7 +13,7 @@ of its own devices, is spread over this engine's mesh, each process placing its 
 both, so the move needs no second table. Page lists are padded with the scratch page to a power of
 two (one compile per length bucket, scratch copied onto scratch).
 
-Mixed into `serving.engine.engine.Engine`, whose shardings and pool it uses.
+Mixed into `serving.engine.engine.Engine`, whose mesh, state shardings and paged cache it uses.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from serving.engine.sharding import cache_shardings, replicated
+from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, Prefix, SlotSampling, TokenHistory
 from serving.models.cache import SCRATCH_PAGE, KVCache
 
@@ -66,14 +64,14 @@ class Handoffs:
     def accept(self, decode_state: DecodeState, handoff: Handoff, slot: int, pages: Sequence[int]) -> DecodeState:
         """The state with another engine's `handoff` written at `slot` and `pages` (those it was
         read from there, in the same order)."""
-        kv = None if handoff.kv is None else _place(handoff.kv, self._pool_like(handoff.kv))
+        kv = None if handoff.kv is None else _place(handoff.kv, self.paged_cache.like_pool(handoff.kv))
         rest = _place(handoff._replace(kv=None), replicated(self.mesh))
         return self._accept_fn(decode_state, rest._replace(kv=kv), jnp.int32(slot), jnp.asarray(padded_pages(pages)))
 
     def receive(self, prefix: Prefix) -> Prefix:
         """Another engine's whole-prompt prefix on this engine's mesh, for `insert` (the same
         placement as a handoff's KV; asynchronous: the next call on this mesh waits for it)."""
-        kv = _place(prefix.kv, self._pool_like(prefix.kv))
+        kv = _place(prefix.kv, self.paged_cache.like_pool(prefix.kv))
         rest = _place(prefix._replace(kv=None), replicated(self.mesh))
         return rest._replace(kv=kv)
 
@@ -81,19 +79,6 @@ class Handoffs:
         """`tree` (a Handoff or a Prefix on this engine's mesh) whole on every device of it, for
         another process group to pull (dispatched)."""
         return self._gather_fn(tree)
-
-    def _pool_like(self, kv: KVCache) -> KVCache:
-        """Shardings for KV shaped [layers, n, positions, kv_heads, head_dim]: the pool's layer and
-        kv-head placement, the rest unsplit."""
-        pool = cache_shardings(self.mesh, self.placement)
-
-        def like(sharding, leaf):
-            if sharding is None or leaf is None:
-                return None
-            spec = (*sharding.spec, *([None] * (leaf.ndim - len(sharding.spec))))
-            return NamedSharding(self.mesh, P(spec[0], None, None, *spec[3:]))
-
-        return KVCache(*map(like, pool, kv))
 
 
 def _place(tree, shardings):
