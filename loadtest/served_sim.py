@@ -3,7 +3,7 @@ orchestrator and scheduler over the mock engine, whose generate and prefill call
 as the chip's took (`make bench-tpu` measured them), served over a unix socket to `make
 bench-tpu`'s own HTTP client. What separates HTTP from the engine alone that is not the device's
 (how a burst is admitted, how many prefill and generate calls a batch takes, how full they are)
-shows here as it does on the chip: with a v5e's times on XLA's attention (`--ladders tpu
+shows here as it does on the chip: with a v5e's times on XLA's attention (`--ladders xla-tpu
 --generate 16=0.06,64=0.14,128=0.32 --prefill 0.17`) it made the same 8 prefill and 37 generate
 calls as the chip at batch 64, and 0.775x of the engine against the chip's 0.765x; with the
 ragged kernel's (the defaults) 0.62-0.68x against the chip's 0.64x. Its prefill time is the
@@ -11,11 +11,12 @@ padded tokens' share: the chip's own call times differ where the shapes do (a bu
 hits' rests in one call of 8,192 padded tokens was faster here, slower on the chip).
 
     python -m loadtest.served_sim OUT_DIR [--batches 64,256] [--generate 16=0.03,64=0.044,128=0.059]
-        [--prefill 0.12] [--ladders tpu|cpu] [key=value ...]
+        [--prefill 0.12] [--ladders tpu|xla-tpu|cpu] [key=value ...]
 
 `--generate`: seconds of a generate call (the profile's decode steps) by its rows bucket;
 `--prefill`: seconds of a prefill call of prefill_batch_tokens padded tokens (a call takes its
-share, plus 20 ms); key=value: serving config keys (the TPU profile's by default). Writes
+share, plus 20 ms); `--ladders`: the prefill shapes' (lengths and rows) of the TPU profile's
+backend (`tpu`: the ragged kernel's), of XLA's attention on a TPU, or of a CPU; key=value: serving config keys (the TPU profile's by default). Writes
 OUT_DIR/served-sim.json: each batch's tokens/s, its ratio to the engine alone (a full bucket's
 tokens over its call time), its device calls, and every call (when, which, rows) in
 OUT_DIR/calls-b{N}.txt. Not a test, and no figure of a chip: a tool to try scheduling changes on.
@@ -69,8 +70,12 @@ def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladd
         history_batch_tokens=cfg.history_batch_tokens, decode_buckets=tuple(cfg.decode_slot_buckets or ()),
         prefix_block=cfg.prefix_block_size,
     )
-    if ladders == "tpu":  # the TPU backends' ladders: lengths from 128 and rows grown by 4
-        engine.limits = dataclasses.replace(engine.limits, min_bucket=128, bucket_growth=4)
+    if ladders != "cpu":  # a TPU backend's ladders (lengths from its min_prefill_bucket, grown by 4)
+        from serving.kernels.ragged_paged import RaggedPagedOps
+        from serving.models.ops import TpuXlaOps
+
+        ops = RaggedPagedOps if ladders == "tpu" else TpuXlaOps
+        engine.limits = dataclasses.replace(engine.limits, min_bucket=ops.min_prefill_bucket, bucket_growth=ops.shape_growth)
     with open(calls, "w", buffering=1) as log:
         started = time.perf_counter()
         mock_generate, mock_prefill = engine.generate, engine.prefill_slots
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--generate", default="16=0.03,64=0.044,128=0.059", help="rows=seconds of a generate call")
     parser.add_argument("--prefill", type=float, default=0.12, help="seconds of a full prefill call")
-    parser.add_argument("--ladders", choices=("tpu", "cpu"), default="tpu")
+    parser.add_argument("--ladders", choices=("tpu", "xla-tpu", "cpu"), default="tpu")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server process's own socket
     parser.add_argument("overrides", nargs="*", help="serving config keys, over the TPU profile's")
     ns = parser.parse_intermixed_args(argv)
