@@ -7,7 +7,6 @@ does run ahead."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -82,17 +81,27 @@ def test_offline_driver_running_ahead_gives_the_same_tokens(pages, page, project
 
 
 def _served(async_scheduling: bool, requests, cancel: int | None = None):
+    """The requests' completions on the served loop; with `cancel`, that request is cancelled from
+    inside the third generate call on (a call in flight, at any machine's pace)."""
     engine = _engine(step_seconds=0.002)
+    handles: list = []
+    if cancel is not None:
+        generate, calls = engine.generate, [0]
+
+        def cancelling(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] >= 3 and len(handles) > cancel:
+                handles[cancel].cancel()
+            return generate(*args, **kwargs)
+
+        engine.generate = cancelling
     config = OrchestratorConfig(max_queued_requests=64, async_scheduling=async_scheduling)
     orchestrator = Orchestrator(engine, {}, TOKENIZER, config).start()
     try:
-        handles = []
         for i, (prompt, sampling) in enumerate(requests):
             handles.append(orchestrator.submit(prompt, sampling))
             if i % 5 == 4:
                 time.sleep(0.01)  # some arrive while others decode
-        if cancel is not None:
-            threading.Timer(0.02, handles[cancel].cancel).start()
         return [h.result() for h in handles]
     finally:
         orchestrator.stop(timeout=30)

@@ -254,15 +254,28 @@ def test_the_orchestrator_on_the_mock_engine_loads_no_jax_torch_or_transformers(
 
 
 def test_the_first_token_is_streamed_before_the_turns_generate_call():
-    orch = _orchestrator(step_seconds=0.5).start()
+    """The turn's generate call waits at a gate until the first token has been read (no race
+    with the pace of the machine): the token and its time to first token come before the call."""
+    gate = threading.Event()
+
+    class Gated(MockEngine):
+        def generate(self, *args, **kwargs):
+            if not gate.wait(10):  # the first token was not streamed before this call
+                raise RuntimeError("generate ran before the first token was read")
+            return super().generate(*args, **kwargs)
+
+    orch = Orchestrator(Gated(slots=2), {}, TOKENIZER, OrchestratorConfig(max_queued_requests=64)).start()
     try:
-        started = time.perf_counter()
+        submitted = time.perf_counter()
         stream = orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=3)).stream()
-        assert next(stream).text == "c"
-        assert time.perf_counter() - started < 0.4  # the generate call sleeps 0.5 s
+        assert next(stream).text == "c"  # the generate call is still held at the gate
+        released = time.perf_counter()
+        gate.set()
         list(stream)
-        assert orch.metrics.time_to_first_token.total < 0.4
+        ttft = orch.metrics.time_to_first_token
+        assert ttft.count == 1 and ttft.total <= released - submitted  # observed before the call
     finally:
+        gate.set()
         orch.stop(timeout=10)
 
 

@@ -174,10 +174,14 @@ def test_a_pool_too_small_for_its_sequences_preempts_and_every_stream_keeps_its_
     every stream still gets exactly the tokens it would alone, none repeated, none lost."""
     results, orchs = {}, {}
     for cache, pages in (("off", 0), ("on", 17)):
-        orch = _orchestrator(cache, prefill_chunk_size=16, max_target_length=256, num_pages=pages).start()
+        orch = _orchestrator(cache, prefill_chunk_size=16, max_target_length=256, num_pages=pages)
         try:
             requests = _mixed_requests()
-            results[cache] = _serve_together(orch, requests[:8]) + _serve_together(orch, requests[8:])
+            # the first eight queued before the loop starts: they contend for the pages at once,
+            # however fast this machine would have served them one by one
+            first = [orch.submit(p, s) for p, s in requests[:8]]
+            orch.start()
+            results[cache] = [h.result().token_ids for h in first] + _serve_together(orch, requests[8:])
         finally:
             orch.stop(timeout=10)
         orchs[cache] = orch
@@ -212,10 +216,11 @@ def test_a_running_sequence_preempted_mid_stream_neither_repeats_nor_loses_a_tok
     """Two long generations in a pool that holds one: the newer, already streaming, gives up its
     pages and later prefills its prompt and its streamed tokens again; its stream goes on with the
     next token, and its first token's time is observed once."""
-    orch = _orchestrator(slots=2, max_prefill_length=16, max_target_length=64, prefix_block=4, num_pages=17).start()
+    orch = _orchestrator(slots=2, max_prefill_length=16, max_target_length=64, prefix_block=4, num_pages=17)
     try:
         requests = [([5 + i] * 8, SamplingParams(max_tokens=50)) for i in range(2)]
-        handles = [orch.submit(p, s) for p, s in requests]
+        handles = [orch.submit(p, s) for p, s in requests]  # both queued before the loop starts
+        orch.start()
         streams = [[delta.token_ids for delta in h.stream()] for h in handles]
     finally:
         orch.stop(timeout=10)
