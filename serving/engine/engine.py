@@ -42,7 +42,7 @@ from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
 from serving.engine.executables import ExecutableStore
-from serving.engine.handoff import Handoffs
+from serving.engine.handoff import Handoff, Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
 from serving.engine.paged_cache import PagedCache, PoolFormat
@@ -146,7 +146,7 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None
     )
 
 
-class Engine(ChunkedPrefill, Handoffs):
+class Engine(ChunkedPrefill):
     """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
     prefilled in chunks straight into their slots, and prefix blocks; `verify`: speculative
     decoding's proposals scored and accepted in one call, by its `verifier`)."""
@@ -236,7 +236,7 @@ class Engine(ChunkedPrefill, Handoffs):
             out_shardings=(state_shardings, replicated(self.mesh)),
             static_argnames=("window",),
         )
-        self._init_handoffs()
+        self.handoffs = Handoffs(self.mesh, state_shardings, self.paged_cache)
         # where compiled ahead (the memory plan's and warmup's programs), kept on disk and loaded
         # back without tracing (None: no persistent compilation cache)
         self.executables = ExecutableStore.for_engine(self)
@@ -454,6 +454,22 @@ class Engine(ChunkedPrefill, Handoffs):
             return self.windows[-1]
         needed = max_position + (steps or self.config.decode_steps_per_call)
         return next((w for w in self.windows if w >= needed), self.windows[-1])
+
+    def handoff(self, decode_state: DecodeState, slot: int, pages: Sequence[int]) -> Handoff:
+        """Slot `slot`'s state row and the KV of `pages`, for another engine (serving.engine.handoff)."""
+        return self.handoffs.handoff(decode_state, slot, pages)
+
+    def accept(self, decode_state: DecodeState, handoff: Handoff, slot: int, pages: Sequence[int]) -> DecodeState:
+        """The state with another engine's `handoff` written at `slot` and `pages`."""
+        return self.handoffs.accept(decode_state, handoff, slot, pages)
+
+    def receive(self, prefix: Prefix) -> Prefix:
+        """Another engine's whole-prompt prefix on this engine's mesh, for `insert`."""
+        return self.handoffs.receive(prefix)
+
+    def gathered(self, tree):
+        """`tree` (a Handoff or a Prefix) whole on every device of this mesh, for another process group."""
+        return self.handoffs.gathered(tree)
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._free_fn(decode_state, jnp.int32(slot))

@@ -13,7 +13,8 @@ of its own devices, is spread over this engine's mesh, each process placing its 
 both, so the move needs no second table. Page lists are padded with the scratch page to a power of
 two (one compile per length bucket, scratch copied onto scratch).
 
-Mixed into `serving.engine.engine.Engine`, whose mesh, state shardings and paged cache it uses.
+A part the engine is built from (`serving.engine.engine.Engine.handoffs`, over its mesh, state
+shardings and paged cache); the engine's contract methods of these names call it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from serving.engine.paged_cache import PagedCache
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, Prefix, SlotSampling, TokenHistory
 from serving.models.cache import SCRATCH_PAGE, KVCache
@@ -52,10 +55,15 @@ def padded_pages(pages: Sequence[int]) -> np.ndarray:
 
 
 class Handoffs:
-    def _init_handoffs(self) -> None:
+    """One engine's side of the moves (module docstring): its `mesh`, where its decode state lives
+    (`state_shardings`) and its `paged_cache` (the pool's placement, for a handoff's KV)."""
+
+    def __init__(self, mesh: Mesh, state_shardings: DecodeState, paged_cache: PagedCache):
+        self.mesh = mesh
+        self.paged_cache = paged_cache
         self._handoff_fn = jax.jit(_read_handoff)
-        self._gather_fn = jax.jit(lambda tree: tree, out_shardings=replicated(self.mesh))
-        self._accept_fn = jax.jit(_write_handoff, donate_argnums=(0,), out_shardings=self._state_shardings())
+        self._gather_fn = jax.jit(lambda tree: tree, out_shardings=replicated(mesh))
+        self._accept_fn = jax.jit(_write_handoff, donate_argnums=(0,), out_shardings=state_shardings)
 
     def handoff(self, decode_state: DecodeState, slot: int, pages: Sequence[int]) -> Handoff:
         """Slot `slot`'s state row and the KV of `pages` (dispatched: still on this engine's devices)."""
