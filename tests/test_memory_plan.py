@@ -106,20 +106,20 @@ def test_the_plan_compiles_warmups_programs_once_for_warmup_to_run(tiny_model_di
     plan = compiled_plan(engine, warm=True)
     assert "generate of 4 slots over 128 positions" in plan.programs
     probe = SamplingParams(max_tokens=1)
-    chunks = {engine._slot_inputs(warmup._rows(r, n, at, probe))[1] for r, n, at in warmup.chunk_shapes(engine)}
-    assert chunks <= set(engine._precompiled)
+    chunks = {engine.chunks._slot_inputs(warmup._rows(r, n, at, probe))[1] for r, n, at in warmup.chunk_shapes(engine)}
+    assert chunks <= set(engine.chunks._precompiled)
     generates = {(b, w, engine.decode_steps_per_call) for b in engine.limits.decode_buckets for w in engine.windows}
     assert generates == set(engine._generate_compiled)
     kept = dict(engine._generate_compiled)
     params = engine.load_params()
     engine.warmup(params)
-    assert engine._jit_shapes == set() and engine._generate_fn._cache_size() == 0
+    assert engine.chunks._jit_shapes == set() and engine._generate_fn._cache_size() == 0
     assert all(engine._generate_compiled[k] is v for k, v in kept.items())  # not compiled twice
     # the small programs beside them too: each rows bucket's first tokens (serially at warmup's
     # first runs, they and the whole prefills no request takes now were 19 s of a v5e's 25)
-    assert set(engine._start_compiled) == {rows for rows, _, _ in engine._precompiled}
-    assert all(engine._start_compiled.values())
-    functions = (engine._start_rows_fn, engine._prefill_fn, engine._insert_fn)
+    assert set(engine.chunks._start_compiled) == {rows for rows, _, _ in engine.chunks._precompiled}
+    assert all(engine.chunks._start_compiled.values())
+    functions = (engine.chunks._start_rows_fn, engine._prefill_fn, engine._insert_fn)
     assert [f._cache_size() for f in functions] == [0, 0, 0]
     from serving.orchestrator.offline import run_to_completion
 
@@ -128,7 +128,7 @@ def test_the_plan_compiles_warmups_programs_once_for_warmup_to_run(tiny_model_di
     scored.append((list(range(4, 20)), SamplingParams(max_tokens=6, prompt_logprobs=2)))  # and generating
     warmed = [r.token_ids for r in run_to_completion(engine, params, requests + scored)]
     assert [f._cache_size() for f in functions] == [0, 0, 0]  # neither a whole prefill nor an insert
-    assert engine._score_chunk_fn._cache_size() == 1  # the scored chunk's model call at this shape (first use)
+    assert engine.chunks._score_chunk_fn._cache_size() == 1  # the scored chunk's model call at this shape (first use)
     cold = Engine(engine.model, cfg.engine)
     assert [r.token_ids for r in run_to_completion(cold, cold.load_params(), requests + scored)] == warmed
 
@@ -214,7 +214,7 @@ def _second_engine_loads(tiny_model_dir, monkeypatch) -> None:
     expected = [r.token_ids for r in run_to_completion(first, first.load_params(), requests)]
 
     second = Engine(model, cfg.engine)
-    for fn in (second._generate_fn, second._prefill_slots_fn, second._start_rows_fn, second._score_chunk_fn):
+    for fn in (second._generate_fn, second.chunks._prefill_slots_fn, second.chunks._start_rows_fn, second.chunks._score_chunk_fn):
         monkeypatch.setattr(fn, "lower", lambda *a, **k: (_ for _ in ()).throw(AssertionError("traced")))
     plan = compiled_plan(second, warm=True)
     assert second.executables.loaded >= stored and second.executables.saved == 0

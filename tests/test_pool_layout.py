@@ -95,7 +95,7 @@ def test_warmup_compiles_in_parallel_and_runs_what_it_compiled(tiny_model_dir, m
     generate = {(rows, window) for rows in engine.limits.decode_buckets for window in engine.windows}
     assert {(rows, window) for rows, window, _steps in engine._generate_compiled} == generate
     rest = [r for r in warmup.rest_shapes(engine) if warmup.rest_start(engine, r[1], r[2]) is not None]
-    assert rest and len(engine._precompiled) == len(warmup.chunk_shapes(engine)) + len(rest)
+    assert rest and len(engine.chunks._precompiled) == len(warmup.chunk_shapes(engine)) + len(rest)
     assert engine.background_warmup is None or engine.background_warmup.pending == 0
     requests = [(list(range(4, 4 + n)), SamplingParams(max_tokens=8)) for n in (3, 300)]
 

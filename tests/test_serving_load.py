@@ -229,7 +229,7 @@ def test_after_warmup_long_prompts_together_compile_no_prefill_shape(model):
     engine = Engine(model, cfg.engine)
     params = engine.load_params()
     engine.warmup(params)
-    compiled = engine._prefill_slots_fn._cache_size(), engine._start_rows_fn._cache_size()
+    compiled = engine.chunks._prefill_slots_fn._cache_size(), engine.chunks._start_rows_fn._cache_size()
     spy = _Spy(engine)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()
     try:
@@ -239,7 +239,7 @@ def test_after_warmup_long_prompts_together_compile_no_prefill_shape(model):
         orchestrator.stop(timeout=60)
     assert results == want
     assert 2 in spy.rows and max(spy.starts) == 256
-    assert (engine._prefill_slots_fn._cache_size(), engine._start_rows_fn._cache_size()) == compiled
+    assert (engine.chunks._prefill_slots_fn._cache_size(), engine.chunks._start_rows_fn._cache_size()) == compiled
 
 
 def test_after_background_warmup_a_prefix_hits_rest_compiles_nothing(model):
@@ -258,7 +258,7 @@ def test_after_background_warmup_a_prefix_hits_rest_compiles_nothing(model):
     params = engine.load_params()
     engine.warmup(params)
     assert engine.background_warmup.wait(timeout=600) and engine.background_warmup.pending == 0
-    compiled = engine._prefill_slots_fn._cache_size(), engine._start_rows_fn._cache_size()
+    compiled = engine.chunks._prefill_slots_fn._cache_size(), engine.chunks._start_rows_fn._cache_size()
     spy = _Spy(engine)
     orchestrator = Orchestrator(engine, params, model.tokenizer, cfg.orchestrator).start()
     try:
@@ -267,7 +267,7 @@ def test_after_background_warmup_a_prefix_hits_rest_compiles_nothing(model):
         orchestrator.stop(timeout=60)
     assert results == want
     assert 32 in spy.starts and orchestrator.metrics.prefix_cache_hits == 2
-    assert (engine._prefill_slots_fn._cache_size(), engine._start_rows_fn._cache_size()) == compiled
+    assert (engine.chunks._prefill_slots_fn._cache_size(), engine.chunks._start_rows_fn._cache_size()) == compiled
 
 
 def test_a_process_that_exits_while_the_background_warmup_compiles_exits_cleanly(tiny_model_dir):

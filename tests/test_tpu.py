@@ -114,8 +114,8 @@ def test_no_program_copies_the_kv_pool(chip_model_dir, kv, ragged):
         params, state, None, rows, window=engine.windows[0], steps=engine.decode_steps_per_call
     ).compile().as_text()
     chunk = [PrefillRow(i, (1,) * 512, 512, True, SamplingParams(max_tokens=1)) for i in range(4)]
-    inputs, shape = engine._slot_inputs(chunk)
-    prefill = engine._prefill_slots_fn.lower(
+    inputs, shape = engine.chunks._slot_inputs(chunk)
+    prefill = engine.chunks._prefill_slots_fn.lower(
         params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]
     ).compile().as_text()
     pools = {math.prod(leaf.shape) for leaf in state.cache if leaf is not None}

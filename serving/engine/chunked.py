@@ -14,34 +14,37 @@ preemption, the next token, as a generate step would) and makes its slot active.
 most of a small model's program (penalties, min-p, top-k, top-p, the draw): in a call of its own it
 compiles once per rows bucket instead of once per shape.
 
-`set_pages` writes the block tables the scheduler decided (serving.orchestrator.pages): a prefix
-cache hit is a table entry naming a page another sequence filled, so nothing is copied.
+The block tables it reads are the scheduler's (the engine's `set_pages`, serving.orchestrator.pages):
+a prefix cache hit is a table entry naming a page another sequence filled, so nothing is copied.
 
-Mixed into `serving.engine.engine.Engine`, whose sampling, shardings and limits it uses.
+A part the engine is built from (`serving.engine.engine.Engine.chunks`), over what it is given:
+the engine's limits, sampler, mesh and decode state's placement, its history windows, whether its
+backend reads chunks' history in place, the model call's static arguments and the engine's
+`compile_ahead` (its executable store); the engine's contract methods of these names call it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
+from serving.engine.limits import Limits
+from serving.engine.sampler import Sampler
 from serving.engine.sharding import replicated
 from serving.engine.state import DecodeState, Logprobs, TokenHistory, host_logprobs, is_stop, stacked_sampling
 from serving.lora import stack as lora_stack
 from serving.models import prefill
 from serving.models.cache import SCRATCH_PAGE, store_chunks
 from serving.request import TokenLogprob
-
-if TYPE_CHECKING:
-    from serving.engine.warmup import BackgroundWarmup
 
 
 def _model_inputs(inputs: tuple) -> tuple:
@@ -52,31 +55,40 @@ def _model_inputs(inputs: tuple) -> tuple:
 
 
 class ChunkedPrefill:
-    """prefill_slots, set_pages (see the module docstring)."""
+    """prefill_slots (see the module docstring)."""
 
-    def _init_chunked(self, static: dict) -> None:
-        state_shardings = self._state_shardings()
-        self.row_buckets = self.limits.row_buckets
+    def __init__(
+        self, limits: Limits, sampler: Sampler, mesh: Mesh, state_shardings: DecodeState, history_windows: list[int],
+        cache_in_place: bool, static: dict, compile_ahead: Callable,
+    ):
+        """`history_windows`: the cached positions a chunk may read (one, where the backend reads a
+        chunk's history in place); `cache_in_place`: the backend's chunk attention reads the pool in
+        place (fresh chunks too); `static`: the model call's static arguments (config, layers'
+        scan, dtype, ops); `compile_ahead(name, args, lower)`: the engine's compile or load."""
+        self.limits, self.sampler, self.mesh = limits, sampler, mesh
+        self.history_windows, self.cache_in_place = history_windows, cache_in_place
+        self.compile_ahead = compile_ahead
+        self.row_buckets = limits.row_buckets
         self._prefill_slots_fn = jax.jit(
             partial(self._prefill_chunks_impl, static=static),
             donate_argnums=(1,),
             # the pool placed as every other call places it (a compiled call is keyed by its
             # inputs' shardings); the logits [rows, vocab] whole on every device, as sampling reads them
-            out_shardings=(state_shardings.cache, replicated(self.mesh)),
+            out_shardings=(state_shardings.cache, replicated(mesh)),
             static_argnames=("window",),
         )
         # The rows' first tokens: a decode state without its cache (None), which the call above owns.
         self._start_rows_fn = jax.jit(
             self._start_rows_impl,
             donate_argnums=(0,),
-            out_shardings=(state_shardings._replace(cache=None), replicated(self.mesh)),
+            out_shardings=(state_shardings._replace(cache=None), replicated(mesh)),
         )
         # A chunk that scores the prompt (one row): the same model call, every position's logits kept
         # and scored against the prompt's next tokens; compiled at first use (a rows bucket of 1)
         self._score_chunk_fn = jax.jit(
             partial(self._prefill_chunks_impl, static=static),
             donate_argnums=(1,),
-            out_shardings=(state_shardings.cache, replicated(self.mesh), replicated(self.mesh)),
+            out_shardings=(state_shardings.cache, replicated(mesh), replicated(mesh)),
             static_argnames=("window",),
         )
         # (rows bucket, length bucket, history window) -> an executable compiled ahead of time, and
@@ -86,7 +98,6 @@ class ChunkedPrefill:
         self._start_compiled: dict[int, Any] = {}  # rows bucket -> `_start_rows_fn`'s executable (None: compiling)
         self._scored_compiled: dict[tuple[int, int, int], Any] = {}  # shape -> `_score_chunk_fn`'s executable
         self._shapes_lock = threading.Lock()
-        self.background_warmup: BackgroundWarmup | None = None  # started by the warmup
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -240,11 +251,6 @@ class ChunkedPrefill:
             return 0
         return next(w for w in self.history_windows if w >= start)
 
-    def set_pages(self, decode_state: DecodeState, pages: np.ndarray) -> DecodeState:
-        """The decode state with every slot's block table `pages` (int32 [slots, max_pages]; the
-        same host values on every process of a slice), checked and placed by the paged cache."""
-        return decode_state._replace(pages=self.paged_cache.tables(pages))
-
     # -- compiled bodies -----------------------------------------------------------------------
 
     def _prefill_chunks_impl(
@@ -255,7 +261,7 @@ class ChunkedPrefill:
         last token [rows, decodable vocab]; with `following` [rows] (the prompt token after each
         row's chunk, -1: none), also every position's score of the prompt token it predicts
         (Logprobs [rows, bucket]: tokens[1:], then `following`; the prompt's logprobs)."""
-        total = self.max_concurrent_decodes
+        total = self.limits.max_concurrent_decodes
         real = slots < total  # padding rows carry slot `total`: their table is all scratch
         pages = jnp.where(real[:, None], pages_table[jnp.clip(slots, 0, total - 1)], SCRATCH_PAGE)  # [rows, max_pages]
         # Fresh chunks (nothing cached) too go to the backend's chunk attention where it reads the
@@ -296,7 +302,7 @@ class ChunkedPrefill:
         [rows, words] (a grammar's first-token mask; -1: every token); sampling [rows, ...]. Returns the state and, replicated, every row's first token [rows] and,
         when a final row wants logprobs, their logprobs as `prefill` computes them (chosen [rows],
         top ids and logprobs [rows, num_top]; zeros otherwise)."""
-        total = self.max_concurrent_decodes
+        total = self.limits.max_concurrent_decodes
         real = slots < total
         held = jnp.clip(slots, 0, total - 1)
         count, vocab = last.shape
@@ -322,7 +328,7 @@ class ChunkedPrefill:
         last = self.sampler.process(self.sampler.decodable(last, masks), sampling, generated, recent, kept, final)
         first = self.sampler.sample(last, jax.vmap(jax.random.fold_in)(keys, generated), sampling)
         finished = is_stop(first, sampling.stop_ids) | (generated + 1 >= sampling.max_tokens)
-        parked = self.config.max_target_length - 1  # an inactive row's position (it writes to scratch)
+        parked = self.limits.max_target_length - 1  # an inactive row's position (it writes to scratch)
 
         def put(old, new):
             return old.at[slots].set(new.astype(old.dtype), mode="drop")

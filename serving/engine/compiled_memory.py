@@ -143,8 +143,8 @@ def _slots_executable(engine: Engine, params, state, rows):
     if compiled is None:  # the jit compiled that shape itself: compile one to read (not kept)
         from serving.engine.chunked import _model_inputs
 
-        inputs, shape = engine._slot_inputs(rows)
-        compiled = engine._prefill_slots_fn.lower(params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]).compile()
+        inputs, shape = engine.chunks._slot_inputs(rows)
+        compiled = engine.chunks._prefill_slots_fn.lower(params, state.cache, state.pages, *_model_inputs(inputs), window=shape[2]).compile()
     return compiled
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from jax.sharding import Mesh
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import DevicesConfig, EngineConfig
 from serving.engine import penalties
-from serving.engine.api import PrefillOutputs, Proposer, ResultTokens
+from serving.engine.api import PrefillOutputs, PrefillRow, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
 from serving.engine.executables import ExecutableStore
 from serving.engine.handoff import Handoff, Handoffs
@@ -77,7 +78,10 @@ from serving.models.cache import SCRATCH_PAGE
 from serving.models.llama import unstack_layers
 from serving.models.params import LAYER_MATMULS
 from serving.models.quantization import int8_names
-from serving.request import SamplingParams
+from serving.request import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from serving.engine.warmup import BackgroundWarmup
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +150,11 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None
     )
 
 
-class Engine(ChunkedPrefill):
-    """Prefill / insert / generate for one model on one mesh (and, from ChunkedPrefill, prompts
-    prefilled in chunks straight into their slots, and prefix blocks; `verify`: speculative
-    decoding's proposals scored and accepted in one call, by its `verifier`)."""
+class Engine:
+    """Prefill / insert / generate for one model on one mesh (and `prefill_slots`: prompts
+    prefilled in chunks straight into their slots, by its `chunks`; `verify`: speculative
+    decoding's proposals scored and accepted in one call, by its `verifier`), built from parts:
+    its sampler, paged cache, verifier, chunked prefill and handoffs."""
 
     def __init__(
         self,
@@ -229,7 +234,11 @@ class Engine(ChunkedPrefill):
             [config.max_target_length] if self.cache_in_place and self.ops.chunks_in_place
             else attention_windows(config.max_target_length, self.ops.min_window, self.ops.shape_growth)
         )
-        self._init_chunked(static)
+        self.chunks = ChunkedPrefill(
+            self.limits, self.sampler, self.mesh, state_shardings, self.history_windows, self.cache_in_place, static,
+            self.compile_ahead,
+        )
+        self.background_warmup: BackgroundWarmup | None = None  # started by the warmup
         self._verify_fn = jax.jit(
             partial(self._verify_impl, static=static),
             donate_argnums=(1,),
@@ -470,6 +479,46 @@ class Engine(ChunkedPrefill):
     def gathered(self, tree):
         """`tree` (a Handoff or a Prefix) whole on every device of this mesh, for another process group."""
         return self.handoffs.gathered(tree)
+
+    # -- prompts in chunks (serving.engine.chunked) ---------------------------------------------------
+
+    def prefill_slots(
+        self, params: dict, decode_state: DecodeState, rows: Sequence[PrefillRow]
+    ) -> tuple[DecodeState, tuple[int | None, ...], tuple[TokenLogprob | None, ...]]:
+        """Each row's chunk into its slot; a final row's first token (and logprobs) (EngineAPI)."""
+        return self.chunks.prefill_slots(params, decode_state, rows)
+
+    def prefill_slots_scored(
+        self, params: dict, decode_state: DecodeState, row: PrefillRow
+    ) -> tuple[DecodeState, int | None, TokenLogprob | None, tuple[TokenLogprob, ...]]:
+        """One row that scores the prompt: its first token and logprob, and its positions' scores."""
+        return self.chunks.prefill_slots_scored(params, decode_state, row)
+
+    def precompile_prefill_slots(self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]) -> bool:
+        """Compile ahead the prefill_slots call `rows` make; False when that shape was compiled."""
+        return self.chunks.precompile_prefill_slots(params, state_spec, rows)
+
+    def compile_prefill_slots(self, params: dict, state_spec: DecodeState, rows: Sequence[PrefillRow]):
+        """(the executable later calls of `rows`' shape run, whether this call compiled it)."""
+        return self.chunks.compile_prefill_slots(params, state_spec, rows)
+
+    def compile_scored_chunk(self, params: dict, state_spec: DecodeState, row: PrefillRow):
+        """The scored chunk's model call for `row`'s shape, compiled ahead and kept."""
+        return self.chunks.compile_scored_chunk(params, state_spec, row)
+
+    def history_window(self, start: int) -> int:
+        """Cached positions a chunk starting at `start` reads (0: none)."""
+        return self.chunks.history_window(start)
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """The row counts a prefill_slots call is padded to."""
+        return self.chunks.row_buckets
+
+    def set_pages(self, decode_state: DecodeState, pages: np.ndarray) -> DecodeState:
+        """The decode state with every slot's block table `pages` (int32 [slots, max_pages]; the
+        same host values on every process of a slice), checked and placed by the paged cache."""
+        return decode_state._replace(pages=self.paged_cache.tables(pages))
 
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         return self._free_fn(decode_state, jnp.int32(slot))
