@@ -6,7 +6,8 @@ bench-tpu`'s own HTTP client. What separates HTTP from the engine alone that is 
 shows here as it does on the chip: with a v5e's times on XLA's attention (`--ladders xla-tpu
 --generate 16=0.06,64=0.14,128=0.32 --prefill 0.17`) it made the same 8 prefill and 37 generate
 calls as the chip at batch 64, and 0.775x of the engine against the chip's 0.765x; with the
-ragged kernel's (the defaults) 0.62-0.68x against the chip's 0.64x. Its prefill time is the
+ragged kernel's (the defaults) and prompt lengths from 128, 0.62-0.68x against the chip's 0.64x
+(from 32, the ragged backend's now: 0.79x; not yet on the chip). Its prefill time is the
 padded tokens' share: the chip's own call times differ where the shapes do (a burst's 64 prefix
 hits' rests in one call of 8,192 padded tokens was faster here, slower on the chip).
 

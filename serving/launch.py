@@ -253,13 +253,11 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
         from serving.engine.draft import load_draft
 
         draft = load_draft(cfg, plan.engine, mesh, loaded.tokenizer, plan.model.num_params)
-    verify = None
-    if cfg.speculative_method != "none":  # the warmup compiles its verify calls
-        verify = (cfg.num_speculative_tokens, cfg.speculative_max_slots)
+    verifier = Verifier.of(cfg)  # the verify calls its warmup compiles, where it speculates
     mirror = None
     if groups is not None and groups.on_prefill:  # the generate engine's limits: it lives in other processes
         mirror = engine_limits(loaded, plan.engine, generate_mesh)
-    engine = Engine(loaded, plan.engine, mesh, draft=draft, verifier=Verifier(verify), mirror=mirror)
+    engine = Engine(loaded, plan.engine, mesh, draft=draft, verifier=verifier, mirror=mirror)
     phase("load")
     # each engine is charged for what it runs: a disaggregated generate engine no prefill, a
     # multi-controller prefill group no generate
@@ -274,7 +272,7 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
             raise
         log.warning("memory plan: %s", refit.origins["per_device_batch_size"])
         plan, cfg = refit, refit.config
-        engine = Engine(loaded, plan.engine, mesh, draft=draft, verifier=Verifier(verify))
+        engine = Engine(loaded, plan.engine, mesh, draft=draft, verifier=verifier)
         check_memory(engine, plan.model, cfg.dtype, chips, generates, prefills, _warms_ahead(cfg, engine))
     phase("memory plan")
     params = engine.load_params()

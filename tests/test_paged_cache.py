@@ -49,7 +49,10 @@ def test_a_paged_cache_of_another_format_or_size_is_refused(tiny):
     smaller = dataclasses.replace(plain.limits, num_pages=plain.limits.num_pages - 1)
     with pytest.raises(ValueError, match=f"{smaller.num_pages} pages"):
         Engine(model, cfg.engine, paged_cache=PagedCache(model.config, smaller, plain.placement, plain.mesh, cache.format))
-    assert PoolFormat.of(cfg.engine, "tokens") == cache.format
+    assert PoolFormat.of(cfg.engine, "tokens") == cache.format == PoolFormat(jnp.float32)
+    other = model.config.model_copy(update={"num_layers": model.config.num_layers + 1})  # another shape
+    with pytest.raises(ValueError, match="model, limits, placement"):
+        Engine(model, cfg.engine, paged_cache=PagedCache(other, plain.limits, plain.placement, plain.mesh, cache.format))
 
 
 def test_block_tables_are_checked_before_they_are_placed(tiny):

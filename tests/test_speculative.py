@@ -291,6 +291,17 @@ def test_the_engine_verifies_with_the_verifier_it_is_given(tiny):
         Verifier((0, 2))
 
 
+def test_the_verifier_a_servers_settings_ask_for():
+    """speculative_max_slots=0 is speculation off (no verify shape to warm up; it once made the
+    server refuse to start), as is speculative_method=none; otherwise (k, the slots) as set."""
+    from serving.config import ServingConfig
+
+    on = ServingConfig(speculative_method="ngram", num_speculative_tokens=3, speculative_max_slots=2)
+    assert Verifier.of(on).warmup == (3, 2)
+    assert Verifier.of(ServingConfig(speculative_method="ngram", speculative_max_slots=0)).warmup is None
+    assert Verifier.of(ServingConfig()).warmup is None
+
+
 def test_sampled_verify_without_proposals_draws_plain_decodings_tokens(tiny):
     """A slot with nothing proposed gets the token plain decoding draws there: the same key, the
     same sampler (and with proposals, valid tokens from the kept set)."""

@@ -199,10 +199,10 @@ class Engine:
         )
         self._dtype = jnp.dtype(config.dtype)
         made = PagedCache(model.config, self.limits, self.placement, self.mesh, PoolFormat.of(config, self.ops.pool_layout))
-        if paged_cache is not None and (paged_cache.limits, paged_cache.format) != (made.limits, made.format):
+        if paged_cache is not None and not paged_cache.same_as(made):
             raise ValueError(
                 f"a paged cache of {paged_cache.limits.num_pages} pages ({paged_cache.format}) for an engine whose "
-                f"limits and backend make {made.limits.num_pages} ({made.format})"
+                f"model, limits, placement and backend make {made.limits.num_pages} ({made.format})"
             )
         self.paged_cache = paged_cache or made
         self.sampler = sampler or Sampler(min(model.config.vocab_size, model.tokenizer.vocab_size))

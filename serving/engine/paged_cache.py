@@ -44,6 +44,9 @@ class PoolFormat:
     scale_per_head: bool = True
     layout: Layout = "tokens"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))  # jnp.bfloat16 and "bfloat16" alike
+
     @classmethod
     def of(cls, config: EngineConfig, layout: Layout) -> PoolFormat:
         """The format `config` asks for (quantize_kvcache, kv_quant_axis), in the backend's `layout`."""
@@ -66,6 +69,11 @@ class PagedCache:
         self.placement = placement
         self.mesh = mesh
         self.format = pool
+
+    def same_as(self, other: PagedCache) -> bool:
+        """Whether `other` is this pool: the same model shape, geometry, placement, mesh and format."""
+        mine = (self.model, self.limits, self.placement, self.mesh, self.format)
+        return mine == (other.model, other.limits, other.placement, other.mesh, other.format)
 
     @property
     def shardings(self) -> KVCache:

@@ -116,6 +116,16 @@ class Verifier:
             raise ValueError(f"verify warmup (k, slots) must both be at least 1, got {warmup}")
         self.warmup = warmup
 
+    @classmethod
+    def of(cls, config) -> Verifier:
+        """The verifier a server's speculative settings ask for (a ServingConfig or its
+        SpeculativeConfig): the verify shapes of k = num_speculative_tokens up to
+        speculative_max_slots slots where it speculates at all (a method, and slots that may),
+        none otherwise (speculative_max_slots=0 turns speculation off)."""
+        if config.speculative_method == "none" or config.speculative_max_slots < 1:
+            return cls()
+        return cls((config.num_speculative_tokens, config.speculative_max_slots))
+
     def step(
         self, forward: Forward, sampler: Sampler, full: DecodeState, proposals, num_proposed, rows,
         max_target_length: int,

@@ -171,8 +171,7 @@ def run_jobs(jobs: list, workers: int) -> list[tuple[float, object]]:
 
 
 def precompile_parallel(engine: Engine, params: dict, state, generate: bool, workers: int) -> int:
-    """Compile every chunk shape, prefix-hit rest, whole-prefill bucket and (with `generate`)
-    generate shape (`compile_jobs`) on `workers` threads, so that warmup's runs and requests find
+    """Compile every chunk shape, prefix-hit rest and (with `generate`) generate shape (`compile_jobs`) on `workers` threads, so that warmup's runs and requests find
     them compiled (those the memory plan compiled are not compiled again). Returns how many jobs
     ran (0 with no workers)."""
     if workers < 1:

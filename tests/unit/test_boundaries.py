@@ -40,7 +40,6 @@ TYPE_ONLY_IMPORTS = [
     "serving.api.state -> serving.orchestrator",
     "serving.api.state -> serving.text.tokenizer",
     "serving.batch.runner -> serving.orchestrator",
-    "serving.engine.chunked -> serving.engine.warmup",
     "serving.engine.compiled_memory -> serving.engine.engine",
     "serving.engine.warmup -> serving.engine.engine",
     "serving.grpc.adapters -> serving.api.state",
@@ -58,8 +57,7 @@ TYPE_ONLY_IMPORTS = [
     "serving.orchestrator.streams -> serving.orchestrator.orchestrator",
 ]
 CYCLES_WITH_TYPE_ONLY_IMPORTS = [
-    ["serving.engine.chunked", "serving.engine.warmup", "serving.engine.engine", "serving.engine.chunked"],
-    ["serving.engine.warmup", "serving.engine.engine", "serving.engine.warmup"],
+    ["serving.engine.engine", "serving.engine.warmup", "serving.engine.engine"],
     ["serving.orchestrator.orchestrator", "serving.orchestrator.streams", "serving.orchestrator.orchestrator"],
 ]
 PACKAGE_CYCLES_WITH_TYPE_ONLY_IMPORTS = [["serving.api", "serving.grpc", "serving.api"]]
