@@ -1,13 +1,15 @@
 """The served path's scheduling at a chip's call times, without the chip: `pathserve`'s HTTP server,
-orchestrator and scheduler over the mock engine, whose generate and prefill calls sleep as long
-as the chip's took (`make bench-tpu` measured them), served over a unix socket to `make
-bench-tpu`'s own HTTP client. What separates HTTP from the engine alone that is not the device's
+orchestrator and scheduler over the mock engine, whose generate and prefill calls take as long
+as the chip's took (`make bench-tpu` measured them) on an emulated device queue (a generate call
+is dispatched and the host goes on; reading its tokens, or a prefill's first tokens, waits for the
+calls before it and its own), served over a unix socket to `make bench-tpu`'s own HTTP client. What separates HTTP from the engine alone that is not the device's
 (how a burst is admitted, how many prefill and generate calls a batch takes, how full they are)
 shows here as it does on the chip: with a v5e's times on XLA's attention (`--ladders xla-tpu
 --generate 16=0.06,64=0.14,128=0.32 --prefill 0.17`) it made the same 8 prefill and 37 generate
 calls as the chip at batch 64, and 0.775x of the engine against the chip's 0.765x; with the
 ragged kernel's (the defaults) and prompt lengths from 128, 0.62-0.68x against the chip's 0.64x
-(from 32, the ragged backend's now: 0.79x; not yet on the chip). Its prefill time is the
+(calls slept through then; on the device queue 0.68x; from 32, the ragged backend's now: 0.78x,
+not yet on the chip). Its prefill time is the
 padded tokens' share: the chip's own call times differ where the shapes do (a burst's 64 prefix
 hits' rests in one call of 8,192 padded tokens was faster here, slower on the chip).
 
@@ -53,6 +55,36 @@ def _config(overrides: list[str]):
     return ServingConfig(**keys)
 
 
+class _Device:
+    """A device's queue of calls: each runs after the ones before it, for its seconds, while the
+    host goes on (as JAX dispatches to a TPU); reading a call's results waits for its end."""
+
+    def __init__(self):
+        self.free_at = time.perf_counter()
+
+    def queue(self, seconds: float) -> float:
+        """A call of `seconds` dispatched now: when it ends."""
+        self.free_at = max(self.free_at, time.perf_counter()) + seconds
+        return self.free_at
+
+    @staticmethod
+    def wait(until: float) -> None:
+        time.sleep(max(0.0, until - time.perf_counter()))
+
+
+class _OnDevice:
+    """A result still on the device: `np.asarray` of it waits for the call's end."""
+
+    def __init__(self, value, done: float):
+        self.value, self.done = value, done
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        _Device.wait(self.done)
+        return np.asarray(self.value, dtype)
+
+
 def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladders: str, overrides: list[str]) -> None:
     """The server process: the mock engine with those call times, until SIGTERM."""
     import uvicorn
@@ -80,19 +112,23 @@ def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladd
     with open(calls, "w", buffering=1) as log:
         started = time.perf_counter()
         mock_generate, mock_prefill = engine.generate, engine.prefill_slots
+        device = _Device()
 
         def timed_generate(params, state, *args, **kwargs):
             at = time.perf_counter() - started
             rows = kwargs.get("num_slots") or len(kwargs.get("slots") or ()) or slots
-            time.sleep(generate.get(rows, max(generate.values())))
+            done = device.queue(generate.get(rows, max(generate.values())))
             state, result = mock_generate(params, state, *args, **kwargs)
             log.write(f"{at:.3f} generate rows={rows} valid={int(result.valid.sum())}\n")
-            return state, result
+            # dispatched, not waited for: its tokens are read when the device would have them
+            return state, result._replace(**{
+                name: _OnDevice(getattr(result, name), done) for name in ("tokens", "valid", "done")
+            })
 
         def timed_prefill(params, state, rows):
             at, limits = time.perf_counter() - started, engine.limits
             padded = limits.padded_rows(len(rows)) * limits.bucket_for(max(len(r.tokens) for r in rows))
-            time.sleep(0.02 + prefill * padded / limits.prefill_batch_tokens)
+            device.wait(device.queue(0.02 + prefill * padded / limits.prefill_batch_tokens))  # its first tokens read
             out = mock_prefill(params, state, rows)
             log.write(f"{at:.3f} prefill rows={len(rows)} start={max(r.start for r in rows)} padded={padded}\n")
             return out
