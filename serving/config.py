@@ -184,7 +184,8 @@ class ServingConfig(BaseModel):
     # the loop waits while requests keep arriving, each within `admission_gap_ms` of the last, for at
     # most `admission_wait_ms` in all, so that their prompts prefill in one call and they decode in
     # step (admitted one call apart, a burst splits into groups that end one generate call apart,
-    # each group's last call short of rows). 0: the first arrival is scheduled at once.
+    # each group's last call short of rows); no longer once the waiting take every free slot.
+    # 0: the first arrival is scheduled at once.
     admission_wait_ms: float = Field(default=0.0, ge=0, le=1000)
     admission_gap_ms: float = Field(default=2.0, gt=0, le=1000)
     profiler_steps: int = Field(default=0, ge=0)  # trace this many generate calls at start (with profile_dir)

@@ -315,13 +315,18 @@ class Orchestrator:
         `admission_gap_ms` of the last, `admission_wait_ms` at most in all), so that a burst is
         scheduled as one (config.OrchestratorConfig.admission_wait_ms says why)."""
         wait = self.config.admission_wait_ms / 1000
-        if wait <= 0 or self._queue_empty() or self._stopping.is_set():
+        if wait <= 0 or self._queue_empty() or self._stopping.is_set() or self._slots_spoken_for():
             return
         deadline, gap = time.monotonic() + wait, self.config.admission_gap_ms / 1000
         while (left := deadline - time.monotonic()) > 0 and self._wake.wait(timeout=min(gap, left)):
             self._wake.clear()
-            if self._stopping.is_set():  # a stop woke it, not an arrival
+            if self._stopping.is_set() or self._slots_spoken_for():  # a stop, or no room left to gather into
                 return
+
+    def _slots_spoken_for(self) -> bool:
+        """The requests waiting take every free slot: a later arrival could not join their turn."""
+        with self._submit_lock:
+            return self._waiting() >= self.engine.limits.max_concurrent_decodes - self._num_in_slots
 
     def _step(self, scheduler: Scheduler, executor: Executor, ahead: RunAhead, running: dict[int, Request]) -> bool:
         """One turn of the device loop: schedule (the queue's heads and the cancellations into a

@@ -55,3 +55,19 @@ def test_a_lone_request_waits_one_gap_and_a_loop_with_work_running_never_waits()
     finally:
         orch.stop(timeout=10)
     assert _prefill_rows(orch.engine) == [1, 1]
+
+
+def test_a_burst_that_takes_every_free_slot_is_scheduled_without_waiting_for_more():
+    """Gathering stops once the waiting requests take every free slot (no later arrival could join
+    their turn): four arrivals on four slots are scheduled at once, not a 20 s gap after the last."""
+    orch = _orchestrator(wait_ms=20_000, gap_ms=20_000)
+    try:
+        first = orch.submit([5, 6, 7], SamplingParams(max_tokens=4))
+        time.sleep(0.3)  # the loop has taken it up and waits for the burst's next arrival
+        started = time.monotonic()
+        rest = [orch.submit([8 + i, 9], SamplingParams(max_tokens=4)) for i in range(3)]
+        done = [h.result() for h in (first, *rest)]
+        assert time.monotonic() - started < 10  # not the gap's 20 s
+    finally:
+        orch.stop(timeout=10)
+    assert _prefill_rows(orch.engine)[0] == 4 and [len(r.token_ids) for r in done] == [4, 4, 4, 4]
