@@ -171,9 +171,10 @@ class Engine:
         """`mesh`: the device mesh (serving.runtime.make_mesh); by default the first device alone.
         `draft`: speculative decoding's draft model (serving.engine.draft.load_draft), on the same
         mesh. `verifier`: speculative decoding's verify (serving.engine.speculative.Verifier; by
-        default one that warms up no verify shape: the server does not speculate). `mirror`: another engine's limits,
-        taken whole (a disaggregated server's prefill engine mirrors its generate engine: the same
-        slots and pool pages, so that the scheduler's slot and page ids name the same on both).
+        default one that warms up no verify shape: the server does not speculate). `mirror`:
+        another engine's limits, taken whole (a disaggregated server's prefill engine mirrors its
+        generate engine: the same slots and pool pages, so that the scheduler's slot and page ids
+        name the same on both).
         `sampler`: what turns logits into tokens (serving.engine.sampler; by default over the
         tokens both the model and the tokenizer have). `paged_cache`: the KV page pool and block
         tables (serving.engine.paged_cache; by default the one `config` and this engine's limits,

@@ -26,7 +26,8 @@ log = logging.getLogger("serving.engine.engine")
 def warmup(engine: Engine, params: dict, generate: bool = True) -> tuple[float, BackgroundWarmup | None]:
     """Compile what serving runs: every prefill_slots shape of fresh prompts (rows x length within
     the per-call budget) and, for every row count whose full chunks fit the budget, full chunks at
-    every history window (long prompts' middle chunks, several at once); a prefix block's save and load; generate for every slot bucket and attention window.
+    every history window (long prompts' middle chunks, several at once); a prefix block's save
+    and load; generate for every slot bucket and attention window.
     Then, unless `enable_background_warmup` is off, starts a `BackgroundWarmup`, which compiles the
     partial chunks after cached positions (a prefix hit's rest, a long prompt's last chunk: rows x
     length at every history window, minutes of compiling in all) at the lowest CPU priority while
@@ -171,9 +172,10 @@ def run_jobs(jobs: list, workers: int) -> list[tuple[float, object]]:
 
 
 def precompile_parallel(engine: Engine, params: dict, state, generate: bool, workers: int) -> int:
-    """Compile every chunk shape, prefix-hit rest and (with `generate`) generate shape (`compile_jobs`) on `workers` threads, so that warmup's runs and requests find
-    them compiled (those the memory plan compiled are not compiled again). Returns how many jobs
-    ran (0 with no workers)."""
+    """Compile every chunk shape, prefix-hit rest and (with `generate`) generate shape
+    (`compile_jobs`) on `workers` threads, so that warmup's runs and requests find them compiled
+    (those the memory plan compiled are not compiled again). Returns how many jobs ran (0 with no
+    workers)."""
     if workers < 1:
         return 0
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
