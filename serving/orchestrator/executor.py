@@ -156,6 +156,7 @@ class Executor:
         engine, self.timings = self.engine, Timings()
         for slot in (*plan.frees, *plan.preempted):
             self.state = engine.free_resource(self.state, slot)
+            self._scores.pop(slot, None)  # a scoring request's earlier chunks, cancelled before its last
         for load in plan.adapter_loads:
             self._write_adapter(load)
         if plan.page_tables:

@@ -274,3 +274,21 @@ def test_burst_first_does_not_hold_decoding_back_for_a_long_prompts_chunks():
         scheduler.update(plan, executor.run(plan))
         plan = scheduler.schedule([])
     assert steps == [2] * 10
+
+
+def test_a_cancelled_prompt_scoring_request_leaves_no_scores_behind_in_the_executor():
+    """The prompt's logprobs its earlier chunks scored are held per slot until its final chunk;
+    a request cancelled between its chunks takes them along when its slot is freed."""
+    from serving.orchestrator.executor import Executor
+
+    engine = MockEngine(slots=2, max_prefill_length=16, prefill_chunk_size=16)
+    scheduler, executor = Scheduler(engine.limits, 2), Executor(engine, {})
+    scoring = Waiting(0, tuple(range(1, 40)), SamplingParams(max_tokens=2, prompt_logprobs=1))
+    plan = scheduler.schedule([scoring])
+    assert _rows(plan) == [(0, 0, 16, False)] and plan.rows[0].score
+    scheduler.update(plan, executor.run(plan))
+    assert set(executor._scores) == {0}  # the first chunk's scores, waiting for the rest
+    plan = scheduler.schedule([_waiting(1, [4, 5])], cancelled={0})
+    assert plan.frees == (0,)
+    scheduler.update(plan, executor.run(plan))
+    assert executor._scores == {}
