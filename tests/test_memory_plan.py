@@ -237,3 +237,47 @@ def test_the_executable_store_keeps_the_two_newest_code_versions(tmp_path):
         os.utime(tmp_path / (name * 32), (age, age))  # a, b, c: oldest first
     ExecutableStore(tmp_path, "d" * 64, "", [])
     assert sorted(d.name[0] for d in tmp_path.iterdir()) == ["c", "d"]
+
+
+def test_a_program_two_compile_threads_ask_for_compiles_once(tiny_model_dir, monkeypatch):
+    """The memory plan's largest programs are warmup's too, and both lists compile in one pool: a
+    thread asked for a program another is compiling waits for that one (generate and prefill
+    alike) instead of compiling it a second time beside it."""
+    import threading
+    import time
+
+    from serving.checkpoints.model_source import load_model
+    from serving.engine.compiled_memory import abstract_params, abstract_state
+    from serving.engine.warmup import _rows, run_jobs
+
+    cfg = _config()
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    params, state = abstract_params(engine), abstract_state(engine)
+    compiled_names, real = [], engine.compile_ahead
+    both_asked = threading.Barrier(2)
+
+    def slow(name, args, lower):  # the first compile is still running when the second thread asks
+        compiled_names.append(name)
+        time.sleep(0.3)
+        return real(name, args, lower)
+
+    monkeypatch.setattr(engine, "compile_ahead", slow)
+    monkeypatch.setattr(engine.chunks, "compile_ahead", slow)
+
+    def asked(fn, *args):
+        both_asked.wait()
+        return fn(*args)
+
+    rows = _rows(2, 16, 0, SamplingParams(max_tokens=1))
+    for fn, args in [
+        (engine.precompile_generate, (params, state, 4, 128)),
+        (engine.compile_prefill_slots, (params, state, rows)),
+    ]:
+        compiled_names.clear()
+        (_, first), (_, second) = run_jobs([(asked, (fn, *args)), (asked, (fn, *args))], 2)
+        programs = [n for n in compiled_names if n != "start_rows"]
+        assert len(programs) == 1, compiled_names
+        if fn == engine.compile_prefill_slots:  # (executable, compiled by this call)
+            assert first[0] is second[0] and sorted([first[1], second[1]]) == [False, True]
+        else:
+            assert first is second

@@ -243,21 +243,37 @@ def test_use_ragged_attention_is_maxtexts_key_and_says_where_it_does_nothing(cap
 
 def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monkeypatch):
     """Decode and chunks read each row's positions in place: one generate window and one history
-    window, where XLA's gather has the ladder's (512 and 2,048 on a TPU)."""
+    window, where XLA's gather has the ladder's (512 and 2,048 on a TPU). Every chunk call takes
+    that window, a fresh prompt's too, so a prefix hit's rest is a fresh prompt's program: warmup
+    compiles each (rows, length) once, where XLA's attention has a program per history window."""
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
     from serving.engine import engine as engine_module
+    from serving.engine import warmup
     from serving.kernels.ragged_paged import RaggedPagedOps
     from serving.models.ops import TPU_XLA
 
-    cfg = ServingConfig(per_device_batch_size=2, max_prefill_predict_length=64, max_target_length=2048, cpu_kernels="off")
+    cfg = ServingConfig(
+        per_device_batch_size=2, max_prefill_predict_length=256, max_target_length=2048, prefill_chunk_size=256,
+        cpu_kernels="off",
+    )
     model = load_model(str(tiny_model_dir), cfg)
-    windows = {}
+    windows, starts, programs = {}, {}, {}
     for ops in (TPU_XLA, RaggedPagedOps()):
         monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
         engine = engine_module.Engine(model, cfg.engine)
         windows[ops.name] = (engine.windows, engine.history_windows)
+        starts[ops.name] = [engine.history_window(at) for at in (0, 100, 1000)]
+        jobs = warmup.compile_jobs(engine, None, None, generate=False)
+        keys = [engine.chunks._slot_inputs(rows)[1] for _fn, (_params, _state, rows) in jobs]
+        assert len(keys) == len(set(keys))  # no program twice
+        programs[ops.name] = (len(keys), len(warmup.chunk_shapes(engine)), len(warmup.rest_shapes(engine)))
     assert windows == {"xla-tpu": ([512, 2048], [512, 2048]), "ragged-tpu": ([2048], [2048])}
+    assert starts == {"xla-tpu": [0, 512, 2048], "ragged-tpu": [2048, 2048, 2048]}
+    jobs, fresh, rests = programs["ragged-tpu"]
+    assert jobs == fresh and rests == 0  # a rest or a chunk after cached positions: a fresh prompt's program
+    jobs, fresh, rests = programs["xla-tpu"]
+    assert rests > 0 and jobs > fresh
 
 
 def test_a_model_whose_kv_heads_overflow_the_kernels_vmem_stays_on_xlas_attention(caplog, monkeypatch, tiny_model_dir):

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from serving.engine import penalties
 from serving.engine.api import PrefillRow
+from serving.engine.executables import InFlight
 from serving.engine.limits import Limits
 from serving.engine.sampler import Sampler
 from serving.engine.sharding import replicated
@@ -59,14 +60,18 @@ class ChunkedPrefill:
 
     def __init__(
         self, limits: Limits, sampler: Sampler, mesh: Mesh, state_shardings: DecodeState, history_windows: list[int],
-        cache_in_place: bool, static: dict, compile_ahead: Callable,
+        cache_in_place: bool, static: dict, compile_ahead: Callable, one_window: bool = False,
     ):
-        """`history_windows`: the cached positions a chunk may read (one, where the backend reads a
-        chunk's history in place); `cache_in_place`: the backend's chunk attention reads the pool in
-        place (fresh chunks too); `static`: the model call's static arguments (config, layers'
-        scan, dtype, ops); `compile_ahead(name, args, lower)`: the engine's compile or load."""
+        """`history_windows`: the cached positions a chunk may read; `cache_in_place`: the
+        backend's chunk attention reads the pool in place (fresh chunks too); `one_window`: it
+        reads each row's cached positions through the block table whatever their number (the
+        ragged kernel), so that `history_windows` is one and every call takes it (`history_window`);
+        `static`: the model call's static arguments (config, layers' scan, dtype, ops);
+        `compile_ahead(name, args, lower)`: the engine's compile or load."""
+        if one_window and (len(history_windows) != 1 or not cache_in_place):
+            raise ValueError("one_window: one history window, read in place")
         self.limits, self.sampler, self.mesh = limits, sampler, mesh
-        self.history_windows, self.cache_in_place = history_windows, cache_in_place
+        self.history_windows, self.cache_in_place, self.one_window = history_windows, cache_in_place, one_window
         self.compile_ahead = compile_ahead
         self.row_buckets = limits.row_buckets
         self._prefill_slots_fn = jax.jit(
@@ -98,6 +103,7 @@ class ChunkedPrefill:
         self._start_compiled: dict[int, Any] = {}  # rows bucket -> `_start_rows_fn`'s executable (None: compiling)
         self._scored_compiled: dict[tuple[int, int, int], Any] = {}  # shape -> `_score_chunk_fn`'s executable
         self._shapes_lock = threading.Lock()
+        self._compiling = InFlight()  # shapes being compiled ahead
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -222,9 +228,20 @@ class ChunkedPrefill:
         None where the jit compiled that shape itself; whether this call compiled it): the memory
         plan reads its memory_analysis and keeps it for warmup and requests."""
         inputs, shape = self._slot_inputs(rows)
-        with self._shapes_lock:
-            if shape in self._precompiled or shape in self._jit_shapes:
-                return self._precompiled.get(shape), False
+        while True:
+            with self._shapes_lock:
+                if shape in self._precompiled or shape in self._jit_shapes:
+                    return self._precompiled.get(shape), False
+            if (other := self._compiling.claim(shape)) is None:
+                break
+            other.wait()  # another thread compiles it
+        try:
+            return self._compile_slots(params, state_spec, inputs, shape)
+        finally:
+            self._compiling.release(shape)
+
+    def _compile_slots(self, params: dict, state_spec: DecodeState, inputs: tuple, shape: tuple[int, int, int]):
+        """`compile_prefill_slots` of a shape this thread claimed."""
         args = (params, state_spec.cache, state_spec.pages, *_model_inputs(inputs))
         compiled = self.compile_ahead(
             f"prefill_slots window={shape[2]}", args, lambda: self._prefill_slots_fn.lower(*args, window=shape[2])
@@ -246,7 +263,12 @@ class ChunkedPrefill:
 
     def history_window(self, start: int) -> int:
         """Cached positions a chunk starting at `start` reads: 0 (none) or the smallest attention
-        window holding [0, start)."""
+        window holding [0, start). With `one_window`, that window for every start, 0 included: the
+        kernel reads a row's [0, start) whatever the window (it bounds only a mask the kernel does
+        not use), so a fresh prompt's call and a prefix hit's rest of the same rows and length
+        are one program, not two (the 1B shape's TPU profile: 14 programs before ready, not 23)."""
+        if self.one_window:
+            return self.history_windows[0]
         if start == 0:
             return 0
         return next(w for w in self.history_windows if w >= start)

@@ -107,7 +107,7 @@ def compiled_plan(engine: Engine, generate: bool = True, prefill: bool = True, w
         calls = [(most(after), chunk, after)]
         if after and most(0) > most(after):  # fresh prompts may take a larger budget
             calls.append((most(0), chunk, 0))
-        rests = [(r, n, rest_start(engine, n, w)) for r, n, w in rest_shapes(engine)]
+        rests = [(r, n, rest_start(engine, n, w)) for r, n, w in rest_shapes(engine, fresh_too=True)]
         rests = [shape for shape in rests if shape[2] is not None]
         if rests:  # the most rows over the widest history
             calls.append(max(rests, key=lambda shape: (engine.history_window(shape[2]), shape[0] * shape[1])))

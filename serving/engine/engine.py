@@ -42,7 +42,7 @@ from serving.config import DevicesConfig, EngineConfig
 from serving.engine import penalties
 from serving.engine.api import PrefillOutputs, PrefillRow, Proposer, ResultTokens
 from serving.engine.chunked import ChunkedPrefill
-from serving.engine.executables import ExecutableStore
+from serving.engine.executables import ExecutableStore, InFlight
 from serving.engine.handoff import Handoff, Handoffs
 from serving.engine.limits import Limits
 from serving.engine.memory import kv_pool_pages
@@ -230,14 +230,16 @@ class Engine:
         )
         self._free_fn = jax.jit(self._free_impl, donate_argnums=(0,), out_shardings=state_shardings)
         self._generate_compiled: dict[tuple[int, int, int], object] = {}  # (rows, window, steps) -> executable
+        self._compiling = InFlight()  # generate programs being compiled ahead, by that key
         self._rows_on_device: dict[tuple[int, ...], jax.Array] = {}  # call_rows' arrays, by their slots
-        self.history_windows = (  # what a chunk may read: one window where chunks read their rows' positions
-            [config.max_target_length] if self.cache_in_place and self.ops.chunks_in_place
+        one_window = self.cache_in_place and self.ops.chunks_in_place  # chunks read their rows' positions in place
+        self.history_windows = (  # what a chunk may read
+            [config.max_target_length] if one_window
             else attention_windows(config.max_target_length, self.ops.min_window, self.ops.shape_growth)
         )
         self.chunks = ChunkedPrefill(
             self.limits, self.sampler, self.mesh, state_shardings, self.history_windows, self.cache_in_place, static,
-            self.compile_ahead,
+            self.compile_ahead, one_window=one_window,
         )
         self.background_warmup: BackgroundWarmup | None = None  # started by the warmup
         self._verify_fn = jax.jit(
@@ -406,10 +408,10 @@ class Engine:
         return decode_state
 
     def verify_window(self, max_position: int | None) -> int:
-        """The cached positions a verify call reads: the smallest window holding [0, max_position)."""
-        if max_position is None:
-            return self.history_windows[-1]
-        return next((w for w in self.history_windows if w >= max(max_position, 1)), self.history_windows[-1])
+        """The cached positions a verify call reads: a chunk's history window (`history_window`)
+        holding [0, max_position), at least the narrowest; None: the widest."""
+        widest = self.history_windows[-1]
+        return widest if max_position is None else self.history_window(min(max(max_position, 1), widest))
 
     def precompile_generate(self, params, state_spec: DecodeState, num_slots: int, window: int):
         """Compile, ahead of time and from any thread, generate of `num_slots` rows over `window`
@@ -418,14 +420,21 @@ class Engine:
         (the memory plan reads its memory_analysis); a shape compiled already is not compiled again."""
         steps = self.config.decode_steps_per_call
         key = (num_slots, window, steps)
-        if (compiled := self._generate_compiled.get(key)) is not None:
+        while (compiled := self._generate_compiled.get(key)) is None:
+            if (other := self._compiling.claim(key)) is None:
+                break
+            other.wait()  # another thread compiles it
+        if compiled is not None:
             return compiled
-        rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
-        compiled = self.compile_ahead(
-            f"generate window={window} steps={steps}", (params, state_spec, rows),
-            lambda: self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps),
-        )
-        return self._generate_compiled.setdefault(key, compiled)
+        try:
+            rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
+            compiled = self.compile_ahead(
+                f"generate window={window} steps={steps}", (params, state_spec, rows),
+                lambda: self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps),
+            )
+            return self._generate_compiled.setdefault(key, compiled)
+        finally:
+            self._compiling.release(key)
 
     def compile_ahead(self, name: str, args, lower):
         """`lower()`'s program compiled, or loaded from `executables` (serving.engine.executables)

@@ -222,3 +222,30 @@ def _prune(parent: Path, current: Path) -> None:
     for old in dirs[KEEP:]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class InFlight:
+    """The programs being compiled now, by key, from any thread: a compile thread asked for a
+    program another one is compiling waits for it instead of compiling it too. (The memory plan
+    and warmup compile in one pool of the host's cores, and the plan's largest programs are
+    warmup's too: on a v5e host's 13 threads each would start twice at once.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[Any, threading.Event] = {}
+
+    def claim(self, key: Any) -> threading.Event | None:
+        """None: the caller now compiles `key` and must `release` it (in a finally). Otherwise the
+        event of the thread compiling it: wait for it, then look for the program again (it is
+        absent where that compile failed: then claim it again)."""
+        with self._lock:
+            event = self._events.get(key)
+            if event is None:
+                self._events[key] = threading.Event()
+            return event
+
+    def release(self, key: Any) -> None:
+        """`key` compiled (or failed): its waiters go on."""
+        with self._lock:
+            event = self._events.pop(key)
+        event.set()

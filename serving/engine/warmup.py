@@ -87,17 +87,33 @@ def _rows(rows: int, length: int, at: int, probe: SamplingParams) -> list[Prefil
     return [PrefillRow(i, (1,) * length, at, True, probe) for i in range(rows)]
 
 
-def rest_shapes(engine: Engine) -> list[tuple[int, int, int]]:
+def _distinct(engine: Engine, shapes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """`shapes` (rows, length, start) without those whose call is another's program: the same rows
+    and length reading the same history window (every start, 0 included, on a backend that reads
+    chunks' histories in place through one window: ChunkedPrefill.history_window)."""
+    seen: set[tuple[int, int, int]] = set()
+    kept = []
+    for rows, length, at in shapes:
+        key = (rows, length, engine.history_window(at))
+        if key not in seen:
+            seen.add(key)
+            kept.append((rows, length, at))
+    return kept
+
+
+def rest_shapes(engine: Engine, fresh_too: bool = False) -> list[tuple[int, int, int]]:
     """(rows, length, history window) of the partial chunks after cached positions (a prefix hit's
-    rest, a long prompt's last chunk), the shortest first: a prefix hit's is usually a short question."""
+    rest, a long prompt's last chunk), the shortest first: a prefix hit's is usually a short
+    question. Without `fresh_too`, none that is a fresh prompt's program too (`chunk_shapes`)."""
     limits = engine.limits
+    fresh = set() if fresh_too else {(rows, length, engine.history_window(at)) for rows, length, at in chunk_shapes(engine)}
     return [
         (rows, length, window)
         for length in limits.buckets
         if length < limits.prefill_chunk_size
         for window in engine.history_windows
         for rows in engine.row_buckets
-        if _fits(engine, rows, length, window)
+        if _fits(engine, rows, length, window) and (rows, length, window) not in fresh
     ]
 
 
@@ -117,7 +133,7 @@ def parallel_workers(engine: Engine) -> int:
 
 def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
     """(rows, length, start) of every prefill_slots call warmup runs: fresh prompts of each length
-    up to a chunk, and full chunks after each history window."""
+    up to a chunk, and full chunks after each history window (each program once: `_distinct`)."""
     limits, chunk = engine.limits, engine.limits.prefill_chunk_size
     shapes = [
         (rows, length, 0)
@@ -130,7 +146,7 @@ def chunk_shapes(engine: Engine) -> list[tuple[int, int, int]]:
         at = min(window, limits.max_target_length - chunk)
         if at > 0 and engine.history_window(at) == window:
             shapes += [(rows, chunk, at) for rows in engine.row_buckets if _fits(engine, rows, chunk, at)]
-    return shapes
+    return _distinct(engine, shapes)
 
 
 def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, prefill: bool = True) -> list:
@@ -145,8 +161,7 @@ def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, pref
         starts = [(rows, length, rest_start(engine, length, window)) for rows, length, window in rest_shapes(engine)]
         jobs += [
             (engine.precompile_prefill_slots, (params, state_spec, _rows(rows, length, at, probe)))
-            for rows, length, at in [*chunk_shapes(engine), *starts]
-            if at is not None
+            for rows, length, at in _distinct(engine, [*chunk_shapes(engine), *(s for s in starts if s[2] is not None)])
         ]
     if generate:
         jobs += [
