@@ -316,26 +316,32 @@ def test_a_model_whose_kv_heads_overflow_the_kernels_vmem_stays_on_xlas_attentio
     assert engine_module.model_ops(wide, cfg.engine, mesh) is TPU_XLA and asked == [True, True, False]
 
 
-def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprobs(tiny_model_dir, monkeypatch):
+def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprobs(
+    tiny_model_dir, monkeypatch, tmp_path
+):
     """The device loop (orchestrator, its own thread) on RaggedPagedOps (the kernel in interpret
     mode) against TpuXlaOps, the same requests arriving together: greedy, a prompt in chunks, its
     repeat (a prefix hit), a repetition penalty, a seeded sampled one, n = 2 choices, top-2
-    logprobs, the prompt's logprobs (scored chunks), with n-gram speculation verifying proposals:
-    the same tokens, logprobs within 1e-4,
-    the same cached prompt tokens, over the TPU profile's int8 KV cache (float32 on the CPU; float
-    pages: the offline test above)."""
+    logprobs, the prompt's logprobs (scored chunks), a JSON grammar, a LoRA adapter's rows beside
+    the base model's, with n-gram speculation verifying proposals: the same tokens, logprobs
+    within 1e-4, the same cached prompt tokens, over the TPU profile's int8 KV cache (float32 on
+    the CPU; float pages: the offline test above)."""
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
     from serving.engine import engine as engine_module
     from serving.kernels.ragged_paged import RaggedPagedOps
+    from serving.lora.serving import make_registry
     from serving.models.ops import TPU_XLA
     from serving.orchestrator.orchestrator import Orchestrator
-    from serving.request import SamplingParams
+    from serving.request import Grammar, SamplingParams
+    from tests.lora.adapters import make_adapter
 
+    make_adapter(tiny_model_dir, tmp_path / "adapter", 4, 8, ["q_proj", "v_proj", "down_proj"], False, seed=1)
     cfg = ServingConfig(
         per_device_batch_size=4, max_prefill_predict_length=64, max_target_length=128, prefill_chunk_size=32,
         decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False, quantize_kvcache=True,
         speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, speculative_cost_ratio=0.0,
+        lora_input_adapters_path=str(tmp_path), max_loras=1, max_lora_rank=4,
     )
     model = load_model(str(tiny_model_dir), cfg)
     long = [5, 6, 7, 8] * 10  # 40 tokens, repeating: two chunks, and n-grams for the proposals
@@ -345,6 +351,9 @@ def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprob
         ([12, 13, 14, 15], SamplingParams(max_tokens=6, temperature=1.0, seed=7)),
         ([16, 17, 18, 16, 17], SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2)),
         ([19, 20, 21, 22, 19, 20], SamplingParams(max_tokens=5, logprobs=2)),
+        ([30, 31, 32], SamplingParams(max_tokens=6, grammar=Grammar("json"))),
+        ([5, 6, 7, 8] * 3, SamplingParams(max_tokens=6, adapter="adapter")),
+        ([5, 6, 7, 8] * 3, SamplingParams(max_tokens=6)),  # the same prompt on the base model
         ([23, 24, 25, 26, 27, 28, 29] * 6, SamplingParams(max_tokens=4, prompt_logprobs=2)),  # echo: scored chunks
     ]
     got = {}
@@ -352,7 +361,9 @@ def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprob
         monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
         engine = engine_module.Engine(model, cfg.engine)
         assert engine.ops is ops
-        orchestrator = Orchestrator(engine, engine.load_params(), model.tokenizer, cfg.orchestrator).start()
+        orchestrator = Orchestrator(
+            engine, engine.load_params(), model.tokenizer, cfg.orchestrator, adapters=make_registry(cfg.lora, model.config)
+        ).start()
         try:
             handles = [h for prompt, sampling in asks for h in orchestrator.submit_choices(prompt, sampling)]
             done = [h.result() for h in handles]
@@ -365,7 +376,8 @@ def test_a_mixed_batch_served_on_the_ragged_kernel_gives_xlas_tokens_and_logprob
     assert [c.token_ids for c in ragged] == [c.token_ids for c in xla]
     assert [c.cached_tokens for c in ragged] == [c.cached_tokens for c in xla] and ragged[-1].cached_tokens == 32
     assert ragged[-1].token_ids == ragged[0].token_ids
-    for a, b in zip(ragged[-3].logprobs, xla[-3].logprobs, strict=True):  # the logprobs request
+    assert ragged[-4].token_ids != ragged[-3].token_ids  # the adapter's rows applied it
+    for a, b in zip(ragged[-6].logprobs, xla[-6].logprobs, strict=True):  # the logprobs request
         assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
     scored = ragged[-2].prompt_logprobs  # the prompt's logprobs, its two chunks scored
