@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu bench-tpu-8b bench-sim lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
+.PHONY: install serve test test-fast test-tpu wheelhouse bench-tpu bench-tpu-8b bench-tpu-maxtext bench-sim lint clean protos manifests bench bench-engine bench-serve bench-peers bench-paged bench-disagg bench-clients bench-sampling loadtest browser maxtext-fixtures
 
 install: $(STAMP)
 
@@ -89,6 +89,24 @@ bench-tpu-8b:
 	test -d $(TPU_BENCH_8B_MODEL) || $(PYTHON) -m loadtest.random_model $(TPU_BENCH_8B_MODEL) --shape llama3.1-8b \
 	  $(if $(TPU_BENCH_TOKENIZER),--tokenizer $(TPU_BENCH_TOKENIZER))
 	$(PYTHON) -m loadtest.tpu_bench $(TPU_BENCH_8B_MODEL) results/tpu-8b --batches 1,32 quantization=int8w grpc_port=0
+
+# On a TPU host: the peer, MaxText's own engine (MaxEngine; loadtest/maxtext_peer.py) decoding Llama 3.2
+# 1B's shape with random weights, bfloat16 and AQT int8 (MAXTEXT_QUANT), batch 64 and 1 (MAXTEXT_BATCHES),
+# prompts of 1,024 in slots of 2,048 with an int8 KV cache as the TPU profile's (MAXTEXT_ARGS): the
+# generate step's time, init and compile seconds; results/tpu-maxtext/<configuration>.json, each
+# configuration in a process of its own. Needs .tpu-maxtext/ carried (MaxText and JetStream source and
+# wheels; tools/tpu/maxtext_export.sh makes it), installed by tools/tpu/maxtext.sh into /tmp/mtsite;
+# JAX's compilation cache in results/tpu-maxtext/jax-cache makes a second run's compiles loads.
+MAXTEXT_QUANT ?= none int8
+MAXTEXT_BATCHES ?= 64 1
+MAXTEXT_ARGS ?= --quantize-kvcache
+bench-tpu-maxtext:
+	PYTHON=$(PYTHON) bash -c '. tools/tpu/maxtext.sh || exit 1; status=0; \
+	  for q in $(MAXTEXT_QUANT); do for b in $(MAXTEXT_BATCHES); do \
+	    $$PYTHON -m loadtest.maxtext_peer results/tpu-maxtext --shape llama3.2-1b --quantization $$q --batch $$b \
+	      --prompt-length 1024 --max-target-length 2048 --cache-dir results/tpu-maxtext/jax-cache $(MAXTEXT_ARGS) \
+	      || status=1; \
+	  done; done; exit $$status'
 
 # The served path's scheduling at a v5e's call times, on the mock engine (no chip; loadtest/served_sim.py)
 bench-sim: $(STAMP)
