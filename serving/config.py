@@ -143,6 +143,10 @@ class ServingConfig(BaseModel):
     # elsewhere they change nothing (logged).
     use_ragged_attention: bool = False
     ragged_block_size: int = Field(default=256, ge=1)
+    # pathserve's: on TPUs, int8w matmuls of up to 256 rows (a decode step's) through pathserve's
+    # Pallas kernel (serving.kernels.int8_matmul: each int8 block dequantized in VMEM, read once
+    # at HBM's rate) instead of XLA's fused convert; elsewhere, or without int8w, nothing (logged).
+    int8_matmul_kernel: bool = False
     max_queued_requests: int = Field(default=256, ge=1)
     # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to
     # num_speculative_tokens) and keeps the ones the target would have produced, in one forward
@@ -434,6 +438,7 @@ class EngineConfig:
     pagedattn_pages_per_compute_block: int = _default("pagedattn_pages_per_compute_block")
     use_ragged_attention: bool = _default("use_ragged_attention")
     ragged_block_size: int = _default("ragged_block_size")
+    int8_matmul_kernel: bool = _default("int8_matmul_kernel")
     decode_slot_buckets: tuple[int, ...] = _default("decode_slot_buckets")
     # MaxText's placement keys (serving.engine.partitioning): () is base.yml's rules.
     logical_axis_rules: tuple = _default("logical_axis_rules")

@@ -11,6 +11,7 @@
   attention and float64 numpy over shuffled page tables, float and int8 pages;
 - pathserve's ragged paged attention kernel (decodes and chunks in one call) on the chip against
   float64 attention over each sequence's pages;
+- pathserve's int8w matmul kernel on the chip against float64 of the same int8 weights;
 - Llama 3.2 1B's shape: the chip's bfloat16 logits within bfloat16's reach of the CPU's float32;
 - the served loop (the orchestrator's device loop) gives the engine's own tokens.
 """
@@ -222,6 +223,29 @@ def test_ragged_paged_kernel_on_the_chip_matches_attention_over_each_rows_pages(
     out = run(interpret=False)
     assert jax.devices()[0].platform == "tpu"
     check(out, 2e-2)
+
+
+@requires_tpu
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("transposed", [False, True], ids=["weight", "tied-head"])
+def test_int8_matmul_kernel_on_the_chip_matches_xlas_int8w_matmul(rows, transposed):
+    """The int8w matmul kernel (serving.kernels.int8_matmul) compiled for the chip, a layer of a
+    stack of the 1B shape's MLP weight (or its tied embedding as the head), bfloat16 rows, against
+    float64 numpy of the same int8 values and scales: within bfloat16's reach."""
+    from serving.kernels.int8_matmul import int8_matmul
+
+    rng = np.random.default_rng(rows)
+    k, n = (2048, 8192) if not transposed else (2048, 128256)  # the head: 501 blocks of 256
+    layers, layer = (1, 0) if transposed else (3, 1)
+    values = rng.integers(-127, 128, (layers, n, k) if transposed else (layers, k, n), dtype=np.int8)
+    scales = (rng.random((layers, 1, n)) * 0.01 + 0.001).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    got = int8_matmul(x, jnp.asarray(values), jnp.asarray(scales), layer, transposed=transposed)
+    assert jax.devices()[0].platform == "tpu" and got.dtype == jnp.bfloat16
+    w = values[layer].astype(np.float64)
+    want = np.asarray(x, np.float64) @ ((w.T if transposed else w) * scales[layer])
+    error = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+    assert error < 1e-2, error
 
 
 @requires_tpu

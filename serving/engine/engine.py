@@ -113,6 +113,7 @@ def select_ops(config: EngineConfig, mesh: Mesh):
         pages_per_compute_block=config.pagedattn_pages_per_compute_block,
         attention=config.attention,
         ragged_pages=config.ragged_block_size // config.prefix_block_size if config.use_ragged_attention else 0,
+        int8_matmul_kernel=config.int8_matmul_kernel,
     )
 
 

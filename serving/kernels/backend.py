@@ -18,7 +18,7 @@ from serving.kernels import cpu_attention, cpu_matmul, library, packing
 from serving.kernels.support import weights_unsupported
 from serving.models.cache import KVCache
 from serving.models.config import ModelConfig
-from serving.models.ops import TPU_XLA, XLA, XlaOps
+from serving.models.ops import TPU_XLA, XLA, TpuXlaOps, XlaOps
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ def select(
     pages_per_compute_block: int = 4,
     attention: str = "autoselected",
     ragged_pages: int = 0,
+    int8_matmul_kernel: bool = False,
 ) -> XlaOps:
     """The ops the engine runs with (`cpu_kernels`: auto, on or off); logs which and why.
 
@@ -127,8 +128,21 @@ def select(
     `ragged_pages` (MaxText's use_ragged_attention, its ragged_block_size in pages; 0: off): on
     one TPU, attention through pathserve's ragged paged kernel, that many pages a block
     (serving.kernels.ragged_paged), before `attention=paged`; its calls are not sharded yet, so
-    on several TPUs attention stays XLA's (logged)."""
-    if cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices):
+    on several TPUs attention stays XLA's (logged). `int8_matmul_kernel`: on one TPU with int8w
+    weights, their matmuls of a decode step through pathserve's Pallas kernel
+    (serving.kernels.int8_matmul); elsewhere logged as without effect."""
+    on_tpus = cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices)
+    int8_matmul = None
+    if int8_matmul_kernel and not (on_tpus and len(devices) == 1 and quantization == "int8w"):
+        log.warning(  # its calls are not sharded: on several chips XLA would gather each weight whole
+            "int8_matmul_kernel: the int8 matmul kernel runs int8w weights on one TPU; here XLA's matmuls run"
+        )
+    elif int8_matmul_kernel:
+        from serving.kernels.int8_matmul import MAX_ROWS, Int8MatmulKernel
+
+        log.info("int8w matmuls of up to %d rows run through the Pallas int8 matmul kernel", MAX_ROWS)
+        int8_matmul = Int8MatmulKernel()
+    if on_tpus:
         if ragged_pages and len(devices) > 1:
             log.warning(
                 "use_ragged_attention: the ragged paged kernel runs on one TPU (its calls are not sharded yet); "
@@ -138,10 +152,12 @@ def select(
             from serving.kernels.ragged_paged import RaggedPagedOps
 
             log.info("attention reads the pages in place through the ragged paged kernel on %d TPUs", len(devices))
-            return RaggedPagedOps(pages_per_block=ragged_pages)
+            return RaggedPagedOps(pages_per_block=ragged_pages, int8_matmul=int8_matmul)
         if attention != "paged":
             log.info("decode attention gathers each call's window of pages with XLA on %d TPUs", len(devices))
-            return TPU_XLA
+            return TPU_XLA if int8_matmul is None else TpuXlaOps(int8_matmul)
+        if int8_matmul is not None:
+            log.warning("int8_matmul_kernel: not beside attention=paged (JAX's paged kernel); XLA's matmuls run")
         try:
             from serving.kernels.tpu_paged import PallasPagedOps
         except ImportError as error:

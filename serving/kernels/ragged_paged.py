@@ -435,8 +435,10 @@ class RaggedPagedOps(TpuXlaOps):
     # 2,048 rows for the MXU's dots.
     min_prefill_bucket = 32
 
-    def __init__(self, pages_per_block: int = 8, interpret: bool = False):
-        """`interpret`: the kernel in Pallas' interpret mode (a CPU's tests, from any thread)."""
+    def __init__(self, pages_per_block: int = 8, interpret: bool = False, int8_matmul=None):
+        """`interpret`: the kernel in Pallas' interpret mode (a CPU's tests, from any thread);
+        `int8_matmul`: TpuXlaOps'."""
+        super().__init__(int8_matmul)
         if pages_per_block < 1:
             raise ValueError(f"pages_per_block must be at least 1, got {pages_per_block}")
         self.pages_per_block = pages_per_block
@@ -516,4 +518,5 @@ class RaggedPagedOps(TpuXlaOps):
         return merge(out, lse, own, own_lse).astype(q.dtype)
 
     def describe(self) -> str:
-        return "pathserve's ragged paged attention kernel over a lanes-layout page pool (TPU), XLA's dots"
+        dots = "XLA's dots" if self.int8_matmul is None else "int8w matmuls through pathserve's Pallas kernel"
+        return f"pathserve's ragged paged attention kernel over a lanes-layout page pool (TPU), {dots}"

@@ -30,7 +30,7 @@ from serving.models.layers import apply_rope, attention, rms_norm, rope_frequenc
 from serving.models.lora import LoraBatch, LoraLayer
 from serving.models.ops import XLA, XlaOps
 from serving.models.params import LAYER_MATMULS, param_shapes
-from serving.models.quantization import QuantizedWeight, int8_dot
+from serving.models.quantization import QuantizedWeight
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
@@ -157,13 +157,7 @@ def _logits(params: dict, cfg: ModelConfig, x: jax.Array, ops: XlaOps) -> jax.Ar
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     if "lm_head" in params:  # untied, or a backend's layout gave the tied embedding a head of its own
         return ops.matmul(x, params["lm_head"]).astype(jnp.float32)
-    table = params["embed"]
-    if isinstance(table, QuantizedWeight) and table.activations:
-        return int8_dot(x, table.values, table.scales[:, 0], transposed=True)
-    if isinstance(table, QuantizedWeight):  # per-row scales of the table are per-vocab output scales
-        out = jnp.matmul(x, table.values.astype(x.dtype).T, preferred_element_type=jnp.float32)
-        return out * table.scales[:, 0]
-    return jnp.matmul(x, table.astype(x.dtype).T, preferred_element_type=jnp.float32)
+    return ops.tied_head(x, params["embed"])
 
 
 def prefill(

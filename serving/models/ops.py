@@ -9,12 +9,40 @@ layout (its `prepare` packs the params; the ops recognise the packed weights).
 
 from __future__ import annotations
 
+from typing import NamedTuple, Protocol
+
 import jax
 import jax.numpy as jnp
 
 from serving.models.cache import KVCache, read_layer_scaled
 from serving.models.config import ModelConfig
 from serving.models.layers import attention, attention_with_new_token, matmul
+from serving.models.quantization import QuantizedWeight, int8_dot
+
+
+class Int8Matmul(Protocol):
+    """A kernel for weight-only int8 matmuls (serving.kernels.int8_matmul.Int8MatmulKernel)."""
+
+    def serves(self, x: jax.Array, values: jax.Array, transposed: bool = False) -> bool:
+        """Whether it takes x [..., K] against values [(layers,) K, N] int8 ([N, K] `transposed`)."""
+
+    def __call__(
+        self, x: jax.Array, values: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, transposed: bool = False
+    ) -> jax.Array:
+        """x @ (values * scales) in x's dtype (of layer `layer` of a stack; `transposed`: values
+        [N, K], scales [1, N])."""
+
+
+class StackedWeight(NamedTuple):
+    """Layer `index` of a stack of int8 weights (values [layers, K, N]), read in place by a
+    kernel that takes the index (`TpuXlaOps.split_layers`)."""
+
+    stack: QuantizedWeight
+    index: jax.Array | int
+
+    def layer(self) -> QuantizedWeight:
+        """The layer's own weight, sliced out (XLA fuses the slice into its dot)."""
+        return QuantizedWeight(self.stack.values[self.index], self.stack.scales[self.index], self.stack.activations)
 
 
 class XlaOps:
@@ -41,6 +69,16 @@ class XlaOps:
     def matmuls(self, x: jax.Array, layer: dict, names: tuple[str, ...]) -> tuple[jax.Array, ...]:
         """x @ layer[name] for each name: matmuls that share their input (q/k/v, gate/up)."""
         return tuple(self.matmul(x, layer[name]) for name in names)
+
+    def tied_head(self, x: jax.Array, table) -> jax.Array:
+        """The LM head of a tied embedding: x [..., embed] @ table [vocab, embed] transposed (float
+        or a QuantizedWeight, its per-row scales the per-vocab output scales); float32 logits."""
+        if isinstance(table, QuantizedWeight) and table.activations:
+            return int8_dot(x, table.values, table.scales[:, 0], transposed=True)
+        if isinstance(table, QuantizedWeight):
+            out = jnp.matmul(x, table.values.astype(x.dtype).T, preferred_element_type=jnp.float32)
+            return out * table.scales[:, 0]
+        return jnp.matmul(x, table.astype(x.dtype).T, preferred_element_type=jnp.float32)
 
     def decode_attention(
         self,
@@ -142,8 +180,46 @@ class TpuXlaOps(XlaOps):
     min_window = 512
     shape_growth = 4
 
+    def __init__(self, int8_matmul: Int8Matmul | None = None):
+        """`int8_matmul`: a kernel for the weight-only int8 (int8w) matmuls it serves (None: XLA's
+        dot of the converted weight for all); a layer loop's int8w weights then stay whole, each
+        layer's read in place by the kernel (`split_layers`)."""
+        self.int8_matmul = int8_matmul
+
+    def matmul(self, x: jax.Array, w) -> jax.Array:
+        kernel = self.int8_matmul
+        if isinstance(w, StackedWeight):
+            if kernel is not None and kernel.serves(x, w.stack.values):
+                return kernel(x, w.stack.values, w.stack.scales, w.index)
+            w = w.layer()
+        if kernel is not None and _weight_only(w) and kernel.serves(x, w.values):
+            return kernel(x, w.values, w.scales)
+        return super().matmul(x, w)
+
+    def tied_head(self, x: jax.Array, table) -> jax.Array:
+        kernel = self.int8_matmul
+        if kernel is not None and _weight_only(table) and kernel.serves(x, table.values, transposed=True):
+            scales = table.scales.reshape(1, -1)  # [vocab, 1]: one per output, as the kernel takes them
+            return kernel(x, table.values, scales, transposed=True).astype(jnp.float32)
+        return super().tied_head(x, table)
+
+    def split_layers(self, layers: dict) -> tuple[dict, dict]:
+        if self.int8_matmul is None:
+            return layers, {}
+        in_place = {name: w for name, w in layers.items() if _weight_only(w)}
+        return {name: w for name, w in layers.items() if name not in in_place}, in_place
+
+    def at_layer(self, in_place: dict, index: jax.Array | int) -> dict:
+        return {name: StackedWeight(w, index) for name, w in in_place.items()}
+
     def describe(self) -> str:
-        return "XLA's dots and attention over a lanes-layout page pool (TPU)"
+        matmuls = ", int8w matmuls through pathserve's Pallas kernel" if self.int8_matmul is not None else ""
+        return f"XLA's dots and attention over a lanes-layout page pool (TPU){matmuls}"
+
+
+def _weight_only(w) -> bool:
+    """An int8 weight dequantized for its matmul (int8w), not W8A8's (activations quantized too)."""
+    return isinstance(w, QuantizedWeight) and not w.activations
 
 
 XLA = XlaOps()
