@@ -143,9 +143,10 @@ class ServingConfig(BaseModel):
     # elsewhere they change nothing (logged).
     use_ragged_attention: bool = False
     ragged_block_size: int = Field(default=256, ge=1)
-    # pathserve's: on TPUs, int8w matmuls of up to 256 rows (a decode step's) through pathserve's
-    # Pallas kernel (serving.kernels.int8_matmul: each int8 block dequantized in VMEM, read once
-    # at HBM's rate) instead of XLA's fused convert; elsewhere, or without int8w, nothing (logged).
+    # pathserve's: on one TPU, int8w matmuls of calls of up to 256 rows (decode steps, verify
+    # calls, short prefill chunks, a prefill's head) through pathserve's Pallas kernel
+    # (serving.kernels.int8_matmul: each int8 block dequantized in VMEM, read once at HBM's rate)
+    # instead of XLA's fused convert; elsewhere, or without int8w, nothing (logged).
     int8_matmul_kernel: bool = False
     max_queued_requests: int = Field(default=256, ge=1)
     # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to

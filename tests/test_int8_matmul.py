@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.kernels.int8_matmul import BLOCK_BYTES, MAX_ROWS, Int8MatmulKernel, blocks, int8_matmul
+from serving.kernels.int8_matmul import (
+    BLOCK_BYTES,
+    MAX_ROWS,
+    VMEM_BUDGET,
+    Int8MatmulKernel,
+    blocks,
+    int8_matmul,
+    vmem_bytes,
+)
 
 
 def _weights(rng, layers: int, k: int, n: int):
@@ -59,6 +67,36 @@ def test_a_transposed_weight_is_an_embedding_table_as_the_lm_head():
     assert np.max(np.abs(np.asarray(got, np.float64) - want)) <= 1e-5 * np.max(np.abs(want))
 
 
+def test_a_tied_int8_heads_logits_through_the_kernel_are_float32_as_xlas():
+    """The head's logits are float32 whatever x's dtype (XLA's tied head sums and scales in float32
+    and keeps them so): the kernel's output in float32 too, not rounded to bfloat16 first."""
+    from serving.models.ops import TpuXlaOps
+    from serving.models.quantization import QuantizedWeight
+
+    rng = np.random.default_rng(2)
+    table = QuantizedWeight(
+        jnp.asarray(rng.integers(-127, 128, (640, 256)), jnp.int8), jnp.asarray(rng.random((640, 1)) * 0.01 + 0.001, jnp.float32)
+    )
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    got = TpuXlaOps(Int8MatmulKernel(interpret=True)).tied_head(x, table)
+    want = TpuXlaOps().tied_head(x, table)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_the_blocks_chosen_fit_the_vmem_budget_at_every_row_count_and_dtype():
+    """Every block `blocks` picks for the 1B and 8B shapes' weights (and heads) fits VMEM_BUDGET with
+    its rows (up to MAX_ROWS) in x's dtype, float32 outputs (the head's) included."""
+    weights = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (2048, 128256),
+               (4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
+    for k, n in weights:
+        for rows in (1, 16, 64, 128, 256):
+            for x_bytes, out_bytes in ((2, 2), (2, 4), (4, 4)):
+                found = blocks(k, n, rows, x_bytes, out_bytes)
+                assert found is not None, (k, n, rows, x_bytes)
+                assert vmem_bytes(rows, *found, x_bytes, out_bytes) <= VMEM_BUDGET
+
+
 def test_the_kernel_sums_over_several_blocks_of_k():
     rng = np.random.default_rng(0)
     k, n = 4096, 1024  # 2 MiB blocks: 2048 x 1024, two of them along K
@@ -90,10 +128,10 @@ class _Counting(Int8MatmulKernel):
         super().__init__(interpret=True)
         self.ranks: list[int] = []  # of the weights handed over
 
-    def __call__(self, x, values, scales, layer=0, transposed=False):
+    def __call__(self, x, values, scales, layer=0, transposed=False, out_dtype=None):
         self.ranks.append(values.ndim)
         self.transposed = getattr(self, "transposed", False) or transposed
-        return super().__call__(x, values, scales, layer, transposed)
+        return super().__call__(x, values, scales, layer, transposed, out_dtype)
 
 
 @pytest.mark.parametrize("tied", [False, True])

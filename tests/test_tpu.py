@@ -226,7 +226,7 @@ def test_ragged_paged_kernel_on_the_chip_matches_attention_over_each_rows_pages(
 
 
 @requires_tpu
-@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("rows", [1, 64, 256])
 @pytest.mark.parametrize("transposed", [False, True], ids=["weight", "tied-head"])
 def test_int8_matmul_kernel_on_the_chip_matches_xlas_int8w_matmul(rows, transposed):
     """The int8w matmul kernel (serving.kernels.int8_matmul) compiled for the chip, a layer of a
@@ -240,8 +240,9 @@ def test_int8_matmul_kernel_on_the_chip_matches_xlas_int8w_matmul(rows, transpos
     values = rng.integers(-127, 128, (layers, n, k) if transposed else (layers, k, n), dtype=np.int8)
     scales = (rng.random((layers, 1, n)) * 0.01 + 0.001).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    got = int8_matmul(x, jnp.asarray(values), jnp.asarray(scales), layer, transposed=transposed)
-    assert jax.devices()[0].platform == "tpu" and got.dtype == jnp.bfloat16
+    out_dtype = jnp.float32 if transposed else None  # the head's logits: float32, as ops.tied_head asks
+    got = int8_matmul(x, jnp.asarray(values), jnp.asarray(scales), layer, transposed=transposed, out_dtype=out_dtype)
+    assert jax.devices()[0].platform == "tpu" and got.dtype == (jnp.float32 if transposed else jnp.bfloat16)
     w = values[layer].astype(np.float64)
     want = np.asarray(x, np.float64) @ ((w.T if transposed else w) * scales[layer])
     error = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))

@@ -242,6 +242,9 @@ class ChunkedPrefill:
 
     def _compile_slots(self, params: dict, state_spec: DecodeState, inputs: tuple, shape: tuple[int, int, int]):
         """`compile_prefill_slots` of a shape this thread claimed."""
+        with self._shapes_lock:
+            if shape in self._precompiled or shape in self._jit_shapes:  # stored since the look before the claim
+                return self._precompiled.get(shape), False
         args = (params, state_spec.cache, state_spec.pages, *_model_inputs(inputs))
         compiled = self.compile_ahead(
             f"prefill_slots window={shape[2]}", args, lambda: self._prefill_slots_fn.lower(*args, window=shape[2])

@@ -428,6 +428,8 @@ class Engine:
         if compiled is not None:
             return compiled
         try:
+            if (compiled := self._generate_compiled.get(key)) is not None:  # stored since the look above
+                return compiled
             rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
             compiled = self.compile_ahead(
                 f"generate window={window} steps={steps}", (params, state_spec, rows),

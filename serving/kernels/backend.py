@@ -105,6 +105,14 @@ def _running_sums(sizes: list[int]) -> list[int]:
     return out
 
 
+def _said_int8(kernel) -> None:
+    """The int8 matmul kernel, where it is handed to the ops, logged."""
+    if kernel is not None:
+        from serving.kernels.int8_matmul import MAX_ROWS
+
+        log.info("int8w matmuls of up to %d rows run through the Pallas int8 matmul kernel", MAX_ROWS)
+
+
 def select(
     cpu_kernels: str,
     quantization: str,
@@ -138,9 +146,8 @@ def select(
             "int8_matmul_kernel: the int8 matmul kernel runs int8w weights on one TPU; here XLA's matmuls run"
         )
     elif int8_matmul_kernel:
-        from serving.kernels.int8_matmul import MAX_ROWS, Int8MatmulKernel
+        from serving.kernels.int8_matmul import Int8MatmulKernel
 
-        log.info("int8w matmuls of up to %d rows run through the Pallas int8 matmul kernel", MAX_ROWS)
         int8_matmul = Int8MatmulKernel()
     if on_tpus:
         if ragged_pages and len(devices) > 1:
@@ -152,9 +159,11 @@ def select(
             from serving.kernels.ragged_paged import RaggedPagedOps
 
             log.info("attention reads the pages in place through the ragged paged kernel on %d TPUs", len(devices))
+            _said_int8(int8_matmul)
             return RaggedPagedOps(pages_per_block=ragged_pages, int8_matmul=int8_matmul)
         if attention != "paged":
             log.info("decode attention gathers each call's window of pages with XLA on %d TPUs", len(devices))
+            _said_int8(int8_matmul)
             return TPU_XLA if int8_matmul is None else TpuXlaOps(int8_matmul)
         if int8_matmul is not None:
             log.warning("int8_matmul_kernel: not beside attention=paged (JAX's paged kernel); XLA's matmuls run")

@@ -26,26 +26,38 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Block sides tried, largest first: an int8 block of block_k x block_n bytes, copied twice at once
-# (double-buffered) beside its dequantized copy (2 bytes a value in bfloat16) and the float32
-# sum of M x block_n. At most BLOCK_BYTES of int8 a block: a few MiB keeps each copy long enough
-# to stream at HBM's rate, and the whole within a v5e's default scoped VMEM (16 MiB).
+# Block sides tried, largest first: an int8 block of block_k x block_n bytes, at most BLOCK_BYTES
+# (a few MiB keeps each copy long enough to stream at HBM's rate), and everything a step holds in
+# VMEM (`vmem_bytes`) within VMEM_BUDGET, under a v5e's default scoped VMEM (16 MiB).
 BLOCK_SIDES = (2048, 1024, 512, 256, 128)
 BLOCK_BYTES = 2 << 20
+VMEM_BUDGET = 12 << 20
 MAX_ROWS = 256  # larger calls (a prefill's) are the MXU's work, not the weights': XLA's matmul
 
 
-def blocks(k: int, n: int, rows: int = 1) -> tuple[int, int] | None:
-    """(block_k, block_n) for a [k, n] int8 weight and `rows` rows of x, or None where no block
-    side divides k or n (int8 tiles are 32 x 128 on a TPU: every side here is a multiple of 128)
-    or the rows exceed MAX_ROWS."""
+def vmem_bytes(rows: int, block_k: int, block_n: int, x_bytes: int = 2, out_bytes: int = 2) -> int:
+    """What a step holds in VMEM: x's and the weight's blocks (two each: the next one copies in
+    while this one computes), the dequantized weight (x's dtype), the output's blocks (two), the
+    float32 sum and the dot's float32 result, rows padded to whole sublane tiles."""
+    rows = -(-rows // 16) * 16
+    return (
+        2 * rows * block_k * x_bytes + 2 * block_k * block_n + block_k * block_n * x_bytes
+        + 2 * rows * block_n * out_bytes + 2 * rows * block_n * 4
+    )
+
+
+def blocks(k: int, n: int, rows: int = 1, x_bytes: int = 2, out_bytes: int = 2) -> tuple[int, int] | None:
+    """(block_k, block_n) for a [k, n] int8 weight and `rows` rows of x (`x_bytes` a value; the
+    output's `out_bytes`), or None where no block side divides k or n (int8 tiles are 32 x 128 on
+    a TPU: every side here is a multiple of 128), none fits VMEM_BUDGET, or the rows exceed
+    MAX_ROWS."""
     if rows > MAX_ROWS:
         return None
-    block_n = next((b for b in BLOCK_SIDES if n % b == 0), None)
-    if block_n is None:
-        return None
-    block_k = next((b for b in BLOCK_SIDES if k % b == 0 and b * block_n <= BLOCK_BYTES), None)
-    return None if block_k is None else (block_k, block_n)
+    for block_n in (b for b in BLOCK_SIDES if n % b == 0):
+        for block_k in (b for b in BLOCK_SIDES if k % b == 0 and b * block_n <= BLOCK_BYTES):
+            if vmem_bytes(rows, block_k, block_n, x_bytes, out_bytes) <= VMEM_BUDGET:
+                return block_k, block_n
+    return None
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, transposed: bool):
@@ -68,15 +80,16 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, acc_ref, *, transposed: bool)
         o_ref[...] = (acc_ref[...] * s_ref[...]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "interpret"))
+@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret"))
 def int8_matmul(
     x: jax.Array, values: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *, transposed: bool = False,
-    interpret: bool = False,
+    out_dtype=None, interpret: bool = False,
 ) -> jax.Array:
-    """x [..., K] @ (values [K, N] int8 x scales [1, N]) in x's dtype, or of layer `layer` of a
-    stack values [layers, K, N], scales [layers, 1, N]; `transposed`: values [(layers,) N, K]
-    (an embedding table [vocab, embed] as the LM head), scales still [(layers,) 1, N].
-    ValueError where `blocks` serves no such shape (check it first)."""
+    """x [..., K] @ (values [K, N] int8 x scales [1, N]) in `out_dtype` (default x's: the sum and
+    the scaling are float32 either way), or of layer `layer` of a stack values [layers, K, N],
+    scales [layers, 1, N]; `transposed`: values [(layers,) N, K] (an embedding table [vocab,
+    embed] as the LM head, whose logits are float32), scales still [(layers,) 1, N]. ValueError
+    where `blocks` serves no such shape (check it first)."""
     lead, k = x.shape[:-1], x.shape[-1]
     stacked = values.ndim == 3
     if not stacked:
@@ -87,7 +100,8 @@ def int8_matmul(
     rows = 1
     for d in lead:
         rows *= d
-    found = blocks(k, n, rows)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    found = blocks(k, n, rows, x.dtype.itemsize, out_dtype.itemsize)
     if found is None:
         raise ValueError(f"no block of {BLOCK_SIDES} serves a [{k}, {n}] weight for {rows} rows")
     block_k, block_n = found
@@ -109,7 +123,7 @@ def int8_matmul(
     out = pl.pallas_call(
         functools.partial(_kernel, transposed=transposed),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((padded, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((padded, n), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), flat, values, scales.astype(jnp.float32))
@@ -123,14 +137,18 @@ class Int8MatmulKernel:
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
 
-    def serves(self, x: jax.Array, values: jax.Array, transposed: bool = False) -> bool:
+    def serves(self, x: jax.Array, values: jax.Array, transposed: bool = False, out_dtype=None) -> bool:
         rows = 1
         for d in x.shape[:-1]:
             rows *= d
         n, k = values.shape[-2:] if transposed else values.shape[:-3:-1]
-        return k == x.shape[-1] and blocks(k, n, rows) is not None
+        out_bytes = jnp.dtype(out_dtype or x.dtype).itemsize
+        return k == x.shape[-1] and blocks(k, n, rows, x.dtype.itemsize, out_bytes) is not None
 
     def __call__(
-        self, x: jax.Array, values: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, transposed: bool = False
+        self, x: jax.Array, values: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, transposed: bool = False,
+        out_dtype=None,
     ) -> jax.Array:
-        return int8_matmul(x, values, scales, layer, transposed=transposed, interpret=self.interpret)
+        return int8_matmul(
+            x, values, scales, layer, transposed=transposed, out_dtype=out_dtype, interpret=self.interpret
+        )

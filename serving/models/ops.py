@@ -23,14 +23,15 @@ from serving.models.quantization import QuantizedWeight, int8_dot
 class Int8Matmul(Protocol):
     """A kernel for weight-only int8 matmuls (serving.kernels.int8_matmul.Int8MatmulKernel)."""
 
-    def serves(self, x: jax.Array, values: jax.Array, transposed: bool = False) -> bool:
+    def serves(self, x: jax.Array, values: jax.Array, transposed: bool = False, out_dtype=None) -> bool:
         """Whether it takes x [..., K] against values [(layers,) K, N] int8 ([N, K] `transposed`)."""
 
     def __call__(
-        self, x: jax.Array, values: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, transposed: bool = False
+        self, x: jax.Array, values: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, transposed: bool = False,
+        out_dtype=None,
     ) -> jax.Array:
-        """x @ (values * scales) in x's dtype (of layer `layer` of a stack; `transposed`: values
-        [N, K], scales [1, N])."""
+        """x @ (values * scales) in `out_dtype` (default x's; of layer `layer` of a stack;
+        `transposed`: values [N, K], scales [1, N])."""
 
 
 class StackedWeight(NamedTuple):
@@ -198,9 +199,9 @@ class TpuXlaOps(XlaOps):
 
     def tied_head(self, x: jax.Array, table) -> jax.Array:
         kernel = self.int8_matmul
-        if kernel is not None and _weight_only(table) and kernel.serves(x, table.values, transposed=True):
+        if kernel is not None and _weight_only(table) and kernel.serves(x, table.values, True, jnp.float32):
             scales = table.scales.reshape(1, -1)  # [vocab, 1]: one per output, as the kernel takes them
-            return kernel(x, table.values, scales, transposed=True).astype(jnp.float32)
+            return kernel(x, table.values, scales, transposed=True, out_dtype=jnp.float32)  # float32 logits
         return super().tied_head(x, table)
 
     def split_layers(self, layers: dict) -> tuple[dict, dict]:
