@@ -137,7 +137,7 @@ def select(
     one TPU, attention through pathserve's ragged paged kernel, that many pages a block
     (serving.kernels.ragged_paged), before `attention=paged`; its calls are not sharded yet, so
     on several TPUs attention stays XLA's (logged). `int8_matmul_kernel`: on one TPU with int8w
-    weights, their matmuls of a decode step through pathserve's Pallas kernel
+    weights, their matmuls in calls of up to 256 rows through pathserve's Pallas kernel
     (serving.kernels.int8_matmul); elsewhere logged as without effect."""
     on_tpus = cpu_kernels != "on" and devices and all(device.platform == "tpu" for device in devices)
     int8_matmul = None
