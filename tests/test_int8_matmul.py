@@ -134,26 +134,34 @@ class _Counting(Int8MatmulKernel):
         return super().__call__(x, values, scales, layer, transposed, out_dtype)
 
 
+def kernel_sized_model(out, tokenizer_dir, tied: bool):
+    """A tiny random Llama whose matmuls the kernel's blocks divide (embed 128, mlp 256, a
+    vocabulary of 384; k and v's 64 columns stay XLA's), written with numpy (a TPU VM has no torch)."""
+    from loadtest.random_model import write_random_model
+    from serving.config import load_model_config
+
+    shape = load_model_config("llama3.2-1b").model_copy(update={
+        "name": "int8-kernel-test", "num_layers": 2, "embed_dim": 128, "num_heads": 2, "num_kv_heads": 1,
+        "head_dim": 64, "mlp_dim": 256, "vocab_size": 384, "tie_embeddings": tied, "rope_scaling": None,
+    })
+    return write_random_model(out, shape, tokenizer_dir, dtype="float32")
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_an_engine_whose_tpu_ops_take_the_kernel_gives_xlas_int8w_tokens(tmp_path, tiny_model_dir, monkeypatch, tied):
     """int8w weights of dims the kernel's blocks divide (128 and 256; k and v's 64 stay XLA's), on
     TpuXlaOps over the lanes pool, with the kernel and without: the same greedy tokens of a batch
     of prompts (prefill in chunks, decode steps), a prompt's logits within float32's rounding; the
     head an int8 lm_head, or the tied int8 embedding read transposed (Llama 3.2's)."""
-    from loadtest.random_model import write_random_model
     from serving.checkpoints.model_source import load_model
-    from serving.config import ServingConfig, load_model_config
+    from serving.config import ServingConfig
     from serving.engine import engine as engine_module
     from serving.models import prefill
     from serving.models.ops import TpuXlaOps
     from serving.orchestrator.offline import run_to_completion
     from serving.request import SamplingParams
 
-    shape = load_model_config("llama3.2-1b").model_copy(update={
-        "name": "int8-kernel-test", "num_layers": 2, "embed_dim": 128, "num_heads": 2, "num_kv_heads": 1,
-        "head_dim": 64, "mlp_dim": 256, "vocab_size": 384, "tie_embeddings": tied, "rope_scaling": None,
-    })
-    model_dir = write_random_model(tmp_path / "model", shape, tiny_model_dir, dtype="float32")
+    model_dir = kernel_sized_model(tmp_path / "model", tiny_model_dir, tied)
     cfg = ServingConfig(
         per_device_batch_size=4, max_prefill_predict_length=32, max_target_length=64, prefill_chunk_size=16,
         decode_steps_per_call=2, cpu_kernels="off", enable_model_warmup=False, quantization="int8w",

@@ -11,7 +11,8 @@
   attention and float64 numpy over shuffled page tables, float and int8 pages;
 - pathserve's ragged paged attention kernel (decodes and chunks in one call) on the chip against
   float64 attention over each sequence's pages;
-- pathserve's int8w matmul kernel on the chip against float64 of the same int8 weights;
+- pathserve's int8w matmul kernel on the chip against float64 of the same int8 weights, and an
+  engine through it giving XLA's int8w tokens;
 - Llama 3.2 1B's shape: the chip's bfloat16 logits within bfloat16's reach of the CPU's float32;
 - the served loop (the orchestrator's device loop) gives the engine's own tokens.
 """
@@ -247,6 +248,28 @@ def test_int8_matmul_kernel_on_the_chip_matches_xlas_int8w_matmul(rows, transpos
     want = np.asarray(x, np.float64) @ ((w.T if transposed else w) * scales[layer])
     error = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
     assert error < 1e-2, error
+
+
+@requires_tpu
+def test_an_engine_with_the_int8_kernel_on_the_chip_gives_xlas_int8w_tokens(tmp_path):
+    """int8w weights the kernel's blocks divide, a tied head (read transposed), on the chip's TPU
+    backend with `int8_matmul_kernel` and without it (float32 at the highest precision): the
+    same greedy tokens, prompts in chunks and decode steps."""
+    from serving.checkpoints.model_source import load_model
+    from serving.engine.engine import Engine
+    from tests.conftest import make_hf_tokenizer
+    from tests.test_int8_matmul import kernel_sized_model
+
+    (tmp_path / "tokenizer").mkdir()
+    model_dir = kernel_sized_model(tmp_path / "model", make_hf_tokenizer(tmp_path / "tokenizer", vocab=300), tied=True)
+    tokens = {}
+    with jax.default_matmul_precision("highest"):
+        for kernel in (False, True):
+            cfg = _config(quantization="int8w", int8_matmul_kernel=kernel)
+            engine = Engine(load_model(str(model_dir), cfg), cfg.engine)
+            assert (getattr(engine.ops, "int8_matmul", None) is not None) == kernel
+            tokens[kernel] = _tokens(engine, engine.load_params())
+    assert tokens[True] == tokens[False]
 
 
 @requires_tpu
