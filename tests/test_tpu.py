@@ -244,9 +244,10 @@ def test_int8_matmul_kernel_on_the_chip_matches_xlas_int8w_matmul(rows, transpos
     out_dtype = jnp.float32 if transposed else None  # the head's logits: float32, as ops.tied_head asks
     got = int8_matmul(x, jnp.asarray(values), jnp.asarray(scales), layer, transposed=transposed, out_dtype=out_dtype)
     assert jax.devices()[0].platform == "tpu" and got.dtype == (jnp.float32 if transposed else jnp.bfloat16)
-    w = values[layer].astype(np.float64)
-    want = np.asarray(x, np.float64) @ ((w.T if transposed else w) * scales[layer])
-    error = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+    cols = np.sort(rng.choice(n, 2048, replace=False))  # a sample of the outputs: float64 of all 128,256 is slow
+    w = (values[layer][cols].T if transposed else values[layer][:, cols]).astype(np.float64)
+    want = np.asarray(x, np.float64) @ (w * scales[layer][:, cols])
+    error = np.max(np.abs(np.asarray(got, np.float64)[:, cols] - want)) / np.max(np.abs(want))
     assert error < 1e-2, error
 
 
