@@ -228,23 +228,15 @@ class ChunkedPrefill:
         None where the jit compiled that shape itself; whether this call compiled it): the memory
         plan reads its memory_analysis and keeps it for warmup and requests."""
         inputs, shape = self._slot_inputs(rows)
-        while True:
+
+        def found() -> tuple[bool, tuple[Any, bool]]:
             with self._shapes_lock:
-                if shape in self._precompiled or shape in self._jit_shapes:
-                    return self._precompiled.get(shape), False
-            if (other := self._compiling.claim(shape)) is None:
-                break
-            other.wait()  # another thread compiles it
-        try:
-            return self._compile_slots(params, state_spec, inputs, shape)
-        finally:
-            self._compiling.release(shape)
+                return shape in self._precompiled or shape in self._jit_shapes, (self._precompiled.get(shape), False)
+
+        return self._compiling.once(shape, found, lambda: self._compile_slots(params, state_spec, inputs, shape))
 
     def _compile_slots(self, params: dict, state_spec: DecodeState, inputs: tuple, shape: tuple[int, int, int]):
-        """`compile_prefill_slots` of a shape this thread claimed."""
-        with self._shapes_lock:
-            if shape in self._precompiled or shape in self._jit_shapes:  # stored since the look before the claim
-                return self._precompiled.get(shape), False
+        """`compile_prefill_slots` of a shape this thread claimed and found not compiled."""
         args = (params, state_spec.cache, state_spec.pages, *_model_inputs(inputs))
         compiled = self.compile_ahead(
             f"prefill_slots window={shape[2]}", args, lambda: self._prefill_slots_fn.lower(*args, window=shape[2])

@@ -421,23 +421,20 @@ class Engine:
         (the memory plan reads its memory_analysis); a shape compiled already is not compiled again."""
         steps = self.config.decode_steps_per_call
         key = (num_slots, window, steps)
-        while (compiled := self._generate_compiled.get(key)) is None:
-            if (other := self._compiling.claim(key)) is None:
-                break
-            other.wait()  # another thread compiles it
-        if compiled is not None:
-            return compiled
-        try:
-            if (compiled := self._generate_compiled.get(key)) is not None:  # stored since the look above
-                return compiled
-            rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
+        rows = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated(self.mesh))
+
+        def found() -> tuple[bool, object]:
+            compiled = self._generate_compiled.get(key)
+            return compiled is not None, compiled
+
+        def make():
             compiled = self.compile_ahead(
                 f"generate window={window} steps={steps}", (params, state_spec, rows),
                 lambda: self._generate_fn.lower(params, state_spec, None, rows, window=window, steps=steps),
             )
             return self._generate_compiled.setdefault(key, compiled)
-        finally:
-            self._compiling.release(key)
+
+        return self._compiling.once(key, found, make)
 
     def compile_ahead(self, name: str, args, lower):
         """`lower()`'s program compiled, or loaded from `executables` (serving.engine.executables)

@@ -249,3 +249,20 @@ class InFlight:
         with self._lock:
             event = self._events.pop(key)
         event.set()
+
+    def once(self, key: Any, found: Callable[[], tuple[bool, Any]], make: Callable[[], Any]) -> Any:
+        """What `found()` gives as (True, value) once `key`'s program is there; else `make()`'s, run
+        by one thread at a time for `key` (one that came while another compiled it waits, then looks
+        again; the claimer looks once more, in case it was stored between its look and its claim)."""
+        while True:
+            there, value = found()
+            if there:
+                return value
+            if (other := self.claim(key)) is None:
+                break
+            other.wait()
+        try:
+            there, value = found()
+            return value if there else make()
+        finally:
+            self.release(key)

@@ -161,7 +161,8 @@ def compile_jobs(engine: Engine, params, state_spec, generate: bool = True, pref
         starts = [(rows, length, rest_start(engine, length, window)) for rows, length, window in rest_shapes(engine)]
         jobs += [
             (engine.precompile_prefill_slots, (params, state_spec, _rows(rows, length, at, probe)))
-            for rows, length, at in _distinct(engine, [*chunk_shapes(engine), *(s for s in starts if s[2] is not None)])
+            for rows, length, at in [*chunk_shapes(engine), *starts]
+            if at is not None
         ]
     if generate:
         jobs += [

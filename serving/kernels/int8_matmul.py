@@ -20,6 +20,7 @@ size divides are not served (`blocks` says None): the caller keeps XLA's matmul 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -97,9 +98,7 @@ def int8_matmul(
     n, k_w = values.shape[1:] if transposed else values.shape[:0:-1]
     if k_w != k or scales.shape[1:] != (1, n):
         raise ValueError(f"x [..., {k}] against values {values.shape[1:]} and scales {scales.shape[1:]}")
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     found = blocks(k, n, rows, x.dtype.itemsize, out_dtype.itemsize)
     if found is None:
@@ -138,9 +137,7 @@ class Int8MatmulKernel:
         self.interpret = interpret
 
     def serves(self, x: jax.Array, values: jax.Array, transposed: bool = False, out_dtype=None) -> bool:
-        rows = 1
-        for d in x.shape[:-1]:
-            rows *= d
+        rows = math.prod(x.shape[:-1])
         n, k = values.shape[-2:] if transposed else values.shape[:-3:-1]
         out_bytes = jnp.dtype(out_dtype or x.dtype).itemsize
         return k == x.shape[-1] and blocks(k, n, rows, x.dtype.itemsize, out_bytes) is not None

@@ -192,7 +192,7 @@ class TpuXlaOps(XlaOps):
         if isinstance(w, StackedWeight):
             if kernel is not None and kernel.serves(x, w.stack.values):
                 return kernel(x, w.stack.values, w.stack.scales, w.index)
-            w = w.layer()
+            return super().matmul(x, w.layer())
         if kernel is not None and _weight_only(w) and kernel.serves(x, w.values):
             return kernel(x, w.values, w.scales)
         return super().matmul(x, w)
