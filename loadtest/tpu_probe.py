@@ -176,12 +176,18 @@ def compiled_generate(engine, params, batch: int, window: int | None = None):
     return {f: getattr(mem, f, None) for f in fields}, copies
 
 
+# What load_model reads of a config (serving.checkpoints.model_source): configs that differ in one of
+# these load the weights apart (a sweep of quantization=int8w beside bfloat16 compares the two).
+LOAD_KEYS = ("quantization", "checkpoint_is_quantized", "weight_dtype", "tokenizer_path", "model_name")
+
+
 def sweep(
     model: str, configs: list[str], batches: list[int], new_tokens: int, out: Path, trace: int = 0, prompt_tokens: int = 0,
     prefill: bool = False, mixed: int = 0,
 ) -> None:
-    """Each config (key=value overrides, space-separated) on one loaded model: the engine alone at
-    each batch, its generate program's temporaries and pool-sized copies; with `trace`, a device
+    """Each config (key=value overrides, space-separated) on the weights loaded as it says (configs
+    that load alike share one load: `LOAD_KEYS`): the engine alone at each batch, its generate
+    program's temporaries and pool-sized copies; with `trace`, a device
     trace of the engine alone at that batch, by op (OUT/device-ops-{config index}.json). The
     prompt: a sentence four times (~70 tokens), or `prompt_tokens` of it repeated (each sequence
     then decodes from that position: the KV read a step grows with it). `prefill`: each config's
@@ -195,18 +201,27 @@ def sweep(
     from serving.engine.engine import Engine
     from serving.startup.profile import given_config
 
-    base = given_config(None, configs[0].split(), model).config
-    loaded = load_model(model, base)
-    sentence = loaded.tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.")
+    loads: dict[tuple, object] = {}  # one load per distinct way of loading the weights
+
+    def loaded_for(cfg):
+        key = tuple(getattr(cfg, name) for name in LOAD_KEYS)
+        if key not in loads:
+            loads.clear()  # one model's weights on the host at a time
+            gc.collect()
+            loads[key] = load_model(model, cfg)
+        return loads[key]
+
+    tokenizer = loaded_for(given_config(None, configs[0].split(), model).config).tokenizer
+    sentence = tokenizer.encode("The history of the lighthouse is closely tied to the history of seafaring.")
     prompt_ids = (sentence * (prompt_tokens // len(sentence) + 1))[:prompt_tokens] if prompt_tokens else sentence * 4
     results = []
     for overrides in configs:
         cfg = given_config(None, overrides.split(), model).config
         started = time.perf_counter()
-        engine = Engine(loaded, cfg.engine)
+        engine = Engine(loaded_for(cfg), cfg.engine)
         params = engine.load_params()
         row = {
-            "overrides": overrides, "backend": engine.ops.name, "slots": engine.max_concurrent_decodes,
+            "overrides": overrides, **engine.summary(), "slots": engine.max_concurrent_decodes,
             "prompt_tokens": len(prompt_ids), "new_tokens": new_tokens,
         }
         try:

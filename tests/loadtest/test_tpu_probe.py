@@ -29,3 +29,19 @@ def test_prefill_rates_and_the_mixed_step_measure_on_the_tiny_model(tiny_model_d
     mixed = mixed_rate(engine, params, prompt, 8, 6)
     assert mixed["batch"] == 3  # one slot left for the chunks
     assert mixed["calls"] >= 3 and mixed["mixed_tok_s"] > 0 and mixed["alone_tok_s"] > 0
+
+
+def test_a_sweep_loads_each_configs_own_weights(tiny_model_dir, tmp_path):
+    """A sweep of int8w beside bfloat16 runs each on its own weights: the first config's load served
+    every config once (a chip's 'bfloat16' row measured int8w weights)."""
+    import json
+
+    from loadtest.tpu_probe import sweep
+
+    common = "per_device_batch_size=2 max_prefill_predict_length=32 max_target_length=64 enable_model_warmup=false cpu_kernels=off"
+    sweep(str(tiny_model_dir), [f"quantization=int8w {common}", common], [1], 2, tmp_path, prompt_tokens=16)
+    int8w, plain = json.loads((tmp_path / "sweep.json").read_text())
+    assert "error" not in int8w and "error" not in plain
+    assert (int8w["quantization"], plain["quantization"]) == ("int8w", "none")
+    # the generate program's arguments hold the weights: int8 values are a quarter of float32's
+    assert int8w["memory"]["argument_size_in_bytes"] < plain["memory"]["argument_size_in_bytes"]
