@@ -68,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from serving.engine.compiled_memory import compiled_plan
     from serving.engine.engine import Engine
-    from serving.engine.partitioning import Numerics
     from serving.runtime import make_mesh
-    from serving.startup.profile import given_config
-    from serving.startup.slots import kv_share, size_slots
+    from serving.startup.plan import size_profile_slots
+    from serving.startup.profile import FROM_PROFILE, given_config
 
     x, y = (int(v) for v in ns.topology.split(":")[1].split("x"))
     topology = topologies.get_topology_desc(
@@ -79,13 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         chips_per_host_bounds=(min(x, 2), min(y, 2), 1), num_slices=1,
     )
     devices = list(topology.devices)
-    cfg = given_config(None, ns.overrides, ns.shape).config
+    given = given_config(None, ns.overrides, ns.shape)
+    cfg = given.config
     model = abstract_model(ns.shape, ns.tokenizer, cfg.quantization, cfg.weight_dtype)
-    sized = size_slots(
-        model.config, Numerics.of(cfg), cfg.parallelism(len(devices)), int(cfg.per_device_batch_size),
-        cfg.max_target_length, ns.bytes_limit, kv_share(devices),
+    # sized as serve sizes the profile's slots (and its KV cache's format); a count given stays
+    sized, why = (
+        size_profile_slots(cfg, model.config, None, devices, given.origins, memory=ns.bytes_limit)
+        if given.origin("per_device_batch_size") == FROM_PROFILE else ({}, {})
     )
-    cfg = cfg.model_copy(update={"per_device_batch_size": float(sized.per_device)})
+    cfg = cfg.model_copy(update=sized)
     engine = Engine(model, cfg.engine, make_mesh(cfg.devices, devices))
     started = time.perf_counter()
     plan = compiled_plan(engine)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     params, cache = where.params_bytes_per_chip(), where.cache_bytes_per_chip()
     print(json.dumps({
         "shape": ns.shape, "slots": engine.max_concurrent_decodes, "max_target_length": cfg.max_target_length,
-        "sized": sized.describe(int(given_config(None, ns.overrides, ns.shape).config.per_device_batch_size)),
+        "sized": why, "kv_cache": engine.summary()["kv_cache"],
         "params_gb": params / 1e9, "kv_cache_gb": cache / 1e9, "resident_as_laid_out_gb": plan.resident / 1e9,
         "programs_gb": {k: v / 1e9 for k, v in plan.programs.items()},
         "total_gb": plan.total / 1e9, "bytes_limit_gb": ns.bytes_limit / 1e9,

@@ -50,7 +50,7 @@ def test_vfio_devices_or_tpu_variables_count_only_beside_libtpu(clean_env):
 def test_the_tpu_profile_lies_over_the_default_one(clean_env, tmp_path):
     cpu, tpu = serving_profile(False, "cpu"), serving_profile(False, "tpu")
     assert (cpu.get("dtype", "float32"), tpu["dtype"]) == ("float32", "bfloat16")
-    assert tpu["quantize_kvcache"] is True and tpu["max_target_length"] == 2048 and tpu["per_device_batch_size"] == 128
+    assert tpu["quantize_kvcache"] is False and tpu["max_target_length"] == 2048 and tpu["per_device_batch_size"] == 128
     assert tpu["prefix_cache"] == cpu["prefix_cache"]  # what the TPU file leaves alone stays default.yml's
     clean_env.setenv("PATHSERVE_PLATFORM", "tpu")
     given = given_config(None, ["decode_steps_per_call=4"], str(tmp_path))
