@@ -92,14 +92,15 @@ bench-tpu-8b:
 
 # On a TPU host: the peer, MaxText's own engine (MaxEngine; loadtest/maxtext_peer.py) decoding Llama 3.2
 # 1B's shape with random weights, bfloat16 and AQT int8 (MAXTEXT_QUANT), batch 64 and 1 (MAXTEXT_BATCHES),
-# prompts of 1,024 in slots of 2,048 with an int8 KV cache as the TPU profile's (MAXTEXT_ARGS): the
+# prompts of 1,024 in slots of 2,048 with a bfloat16 KV cache as the TPU profile's for this shape
+# (MAXTEXT_ARGS=--quantize-kvcache: int8, as on 2026-12-07, docs/tpu.md): the
 # generate step's time, init and compile seconds; results/tpu-maxtext/<configuration>.json, each
 # configuration in a process of its own. Needs .tpu-maxtext/ carried (MaxText and JetStream source and
 # wheels; tools/tpu/maxtext_export.sh makes it), installed by tools/tpu/maxtext.sh into /tmp/mtsite;
 # JAX's compilation cache in results/tpu-maxtext/jax-cache makes a second run's compiles loads.
 MAXTEXT_QUANT ?= none int8
 MAXTEXT_BATCHES ?= 64 1
-MAXTEXT_ARGS ?= --quantize-kvcache
+MAXTEXT_ARGS ?=
 bench-tpu-maxtext:
 	PYTHON=$(PYTHON) bash -c '. tools/tpu/maxtext.sh || exit 1; status=0; \
 	  for q in $(MAXTEXT_QUANT); do for b in $(MAXTEXT_BATCHES); do \

@@ -146,7 +146,8 @@ class ServingConfig(BaseModel):
     # pathserve's: on one TPU, int8w matmuls of calls of up to 256 rows (decode steps, verify
     # calls, short prefill chunks, a prefill's head) through pathserve's Pallas kernel
     # (serving.kernels.int8_matmul: each int8 block dequantized in VMEM, read once at HBM's rate)
-    # instead of XLA's fused convert; elsewhere, or without int8w, nothing (logged).
+    # instead of XLA's fused convert; elsewhere, or without int8w, nothing (logged). Slower than
+    # XLA on a v5e (1B shape: 385 against 404 tok/s at batch 1; docs/tpu.md), so off.
     int8_matmul_kernel: bool = False
     max_queued_requests: int = Field(default=256, ge=1)
     # Speculative decoding: each decode call of a slot that proposes scores its proposals (up to
