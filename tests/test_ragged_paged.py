@@ -154,9 +154,15 @@ def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype, int8):
     positions = jnp.asarray([0, 17, 8, 63, 0], jnp.int32)
     q = jnp.asarray(rng.standard_normal((5, 1, KV_HEADS, GROUPS, HEAD_DIM)), dtype)
     k_new, v_new = (jnp.asarray(rng.standard_normal((5, KV_HEADS, HEAD_DIM)), dtype) for _ in range(2))
-    with pltpu.force_tpu_interpret_mode(), jax.default_matmul_precision("highest"):
+    # Pallas' generic interpreter (interpret=True): the TPU interpreter's callbacks run JAX ops of
+    # their own, and with this test's eager ops dispatched beside them the two threads hung on a
+    # 2-core host (py-spy: the callback in SharedMemory.update_clocks_for_device_barrier, the main
+    # thread in apply_primitive). The kernel's own tests await one jitted call under the TPU
+    # interpreter; this one is about the ops around the kernel.
+    ragged = RaggedPagedOps(pages_per_block=2, interpret=True)
+    with jax.default_matmul_precision("highest"):
         for layer in range(LAYERS):
-            got = RaggedPagedOps(pages_per_block=2).decode_attention(q, cache, layer, positions, k_new, v_new, window, tables)
+            got = ragged.decode_attention(q, cache, layer, positions, k_new, v_new, window, tables)
             want = TpuXlaOps().decode_attention(q, cache, layer, positions, k_new, v_new, window, tables)
             np.testing.assert_allclose(np.asarray(got[:-1], np.float32), np.asarray(want[:-1], np.float32),
                                        atol=tolerance, rtol=tolerance)
@@ -169,7 +175,7 @@ def test_ragged_ops_attend_as_xlas_over_the_lanes_pool(dtype, int8):
         own = (offsets[:, None] >= offsets[None, :])[None] & (offsets[None, None, :] < lengths[:, None, None])
         earlier = jnp.broadcast_to(jnp.arange(window)[None, None, :] < starts[:, None, None], (5, seq, window))
         mask = jnp.concatenate([earlier, own], axis=-1)
-        got = RaggedPagedOps(pages_per_block=2).chunk_attention(q, cache, 1, starts, k_new, v_new, mask, window, tables, lengths)
+        got = ragged.chunk_attention(q, cache, 1, starts, k_new, v_new, mask, window, tables, lengths)
         want = TpuXlaOps().chunk_attention(q, cache, 1, starts, k_new, v_new, mask, window, tables, lengths)
     for b in range(4):  # each row's real tokens (the rest, and the parked row, are anything)
         n = int(lengths[b])
@@ -201,12 +207,13 @@ def test_an_engine_on_the_ragged_kernel_gives_the_tpu_backends_tokens(tiny_model
     requests = [(prompt, SamplingParams(max_tokens=5)), (list(range(7, 19)), SamplingParams(max_tokens=4)),
                 (prompt, SamplingParams(max_tokens=5))]
     tokens = {}
-    for ops in (TPU_XLA, RaggedPagedOps(pages_per_block=2)):
+    # the generic interpreter: the host dispatches the next call while one runs, which the TPU
+    # interpreter's callbacks do not stand (test_ragged_ops_attend_as_xlas_over_the_lanes_pool)
+    for ops in (TPU_XLA, RaggedPagedOps(pages_per_block=2, interpret=True)):
         monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
         engine = engine_module.Engine(model, cfg.engine)
         assert engine.ops is ops
-        with pltpu.force_tpu_interpret_mode():
-            done = run_to_completion(engine, engine.load_params(), requests, prefix_caching=True)
+        done = run_to_completion(engine, engine.load_params(), requests, prefix_caching=True)
         assert [r.cached_tokens for r in done] == [0, 0, 32]  # the repeat's rest after a cached page
         assert done[2].token_ids == done[0].token_ids
         tokens[ops.name] = [r.token_ids for r in done]
