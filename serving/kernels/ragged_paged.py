@@ -152,25 +152,26 @@ def _kernel(
     ]
     col = iota((unit_rows, span), 1)
     token = jax.lax.div(jax.lax.rem(iota((unit_rows, span), 0), per_unit), groups)
-    # a scale's lanes summed into the rows of its head: [unit_rows, scale_heads x page_size]
-    per_page = (scale_heads or 1) * page_size
-    heads_lanes = (
-        jax.lax.div(iota((unit_rows, per_page), 1), page_size) == jax.lax.div(iota((unit_rows, per_page), 0), per_unit)
-        if scale_heads > 1 else jnp.ones((unit_rows, per_page), bool)
-    ).astype(dot)
-    same_offset = jax.lax.rem(iota((span, per_page), 0), page_size) == jax.lax.rem(iota((span, per_page), 1), page_size)
+    # which scale row each of a unit's rows (h, t, g) takes: head h's, or the one row of per-token scales
+    expand = (jax.lax.div(iota((unit_rows, scale_heads or 1), 0), per_unit) == iota((unit_rows, scale_heads or 1), 1))
 
     def by_row(scales: jax.Array) -> jax.Array:
         """A kv block's scales [pages, scale_heads x page_size] (a page's row head-major) as the
         multiplier of a unit's scores [unit_rows, span]: row (h, t, g), column p * page_size + o
-        gets page p's scale of head h (or its only one) at offset o. One selection dot: each
-        page's row spread over its page_size columns, a head's lanes summed into its rows (in
-        the dots' precision: bfloat16's over bfloat16 queries, as a dequantized value's was)."""
-        spread = jnp.concatenate(
-            [jnp.broadcast_to(scales[p : p + 1], (page_size, per_page)) for p in range(pages_per_block)], axis=0
-        )  # [span, per_page]: row p * page_size + o holds page p's row
-        spread = jnp.where(same_offset, spread, 0.0).astype(dot)
-        return jax.lax.dot_general(heads_lanes, spread, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=exact)
+        gets page p's scale of head h (or its only one) at offset o. Each head's lanes of each
+        page's row go side by side into [scale_heads, span] (lane slices, no transpose), and one
+        small dot spreads head h's row over its rows (a broadcast for per-token scales), in the
+        dots' precision: bfloat16's over bfloat16 queries, as a dequantized value's was. (It was a
+        [span, scale_heads x page_size] spread of the rows and a dot over it: as many MXU weight
+        pushes as the scores' own, and ~28% of an int8 kv block's bundles; loadtest.kernel_bundles.)"""
+        heads = scale_heads or 1
+        rows_of_heads = jnp.concatenate([
+            jnp.concatenate([scales[p : p + 1, h * page_size : (h + 1) * page_size] for p in range(pages_per_block)], axis=1)
+            for h in range(heads)
+        ], axis=0).astype(dot)  # [heads, span]
+        if heads == 1:
+            return jnp.broadcast_to(rows_of_heads.astype(jnp.float32), (unit_rows, span))
+        return jnp.dot(expand.astype(dot), rows_of_heads, preferred_element_type=jnp.float32, precision=exact)
 
     def piece(x: jax.Array, k: int) -> jax.Array:
         """Piece k of a kv block's keys or values [span, lanes] for the dots."""
