@@ -187,8 +187,8 @@ def sweep(
 ) -> None:
     """Each config (key=value overrides, space-separated) on the weights loaded as it says (configs
     that load alike share one load: `LOAD_KEYS`): the engine alone at each batch, its generate
-    program's temporaries and pool-sized copies; with `trace`, a device
-    trace of the engine alone at that batch, by op (OUT/device-ops-{config index}.json). The
+    program's temporaries and pool-sized copies; with `trace`, a device trace of the engine alone
+    at that batch, by op (OUT/device-ops-{config index}.json). The
     prompt: a sentence four times (~70 tokens), or `prompt_tokens` of it repeated (each sequence
     then decodes from that position: the KV read a step grows with it). `prefill`: each config's
     prefill rates (`prefill_rates`); `mixed`: its decode rate at that batch with a chunk beside
