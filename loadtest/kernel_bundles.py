@@ -16,10 +16,10 @@ blocks of 256, 16 layers): int8 pages with scales per token and head 962 bundles
 pages 496 against 960 (0.25 ms, ~535 GB/s: HBM-bound). Since then the scales' multiplier is built
 from lane slices (serving.kernels.ragged_paged): this tool's int8 block 930 -> 784 bundles,
 per-token scales 671 -> 616; not yet timed on a chip. The same dump's `*-critical-path.txt` gives
-the int8 block's longest dependency chain as 620 of its 784 bundles (its ~880 vector ops of
-unpacking fill ~220 at 4 a bundle): latency-bound, so a block's work beside another unit's (units
-walked together, not one after another) is where more would come from. Not a test: libtpu's
-compiler is not in CI.
+the int8 block's longest dependency chain (`largest_block_chain`) as 620 of its 784 bundles (its
+~880 vector ops of unpacking fill ~220 at 4 a bundle): latency-bound, so a block's work beside
+another unit's (units walked together, not one after another) is where more would come from. Not
+a test: libtpu's compiler is not in CI.
 """
 
 from __future__ import annotations
@@ -95,6 +95,23 @@ def opcodes(bundles: list[Bundle], loop: Loop) -> collections.Counter:
             if m:
                 counts[m.group(1)] += 1
     return counts
+
+
+def longest_chain(text: str) -> tuple[int, int]:
+    """From a `*-critical-path.txt` dump: (ops, longest dependency chain in cycles) of its largest
+    basic block (an inner loop's body, in the kernels measured here); (0, 0) if it has none."""
+    best = (0, 0)
+    members, chain = 0, 0
+    for line in text.splitlines():
+        block = re.match(r"New basic block in region: \S+ \{members=(\d+)", line)
+        if block:
+            best = max(best, (members, chain))
+            members, chain = int(block.group(1)), 0
+            continue
+        length = re.match(r"\s*Length to end: (\d+),", line)
+        if length:
+            chain = max(chain, int(length.group(1)))
+    return max(best, (members, chain))
 
 
 def summarize(text: str, block_bytes: int, block_positions: int) -> dict:
@@ -187,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         "groups": ns.groups, "kv_heads": ns.kv_heads, "head_dim": ns.head_dim,
         **summarize(found[0].read_text(), span * position_bytes, span),
     }
+    chains = sorted(dump.glob("*ragged_paged_attention*-critical-path.txt"))
+    if chains:  # the inner loop's longest dependency chain: how latency-bound its bundles are
+        report["largest_block_ops"], report["largest_block_chain"] = longest_chain(chains[0].read_text())
     (ns.out / "kernel-bundles.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0

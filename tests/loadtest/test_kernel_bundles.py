@@ -9,6 +9,7 @@ import pytest
 from loadtest.kernel_bundles import (
     V5E_CLOCK_HZ,
     V5E_HBM_BYTES_PER_S,
+    longest_chain,
     loops,
     opcodes,
     parse_bundles,
@@ -49,3 +50,19 @@ def test_a_kv_blocks_bundles_against_its_dma_cycles():
     dma = block_bytes / V5E_HBM_BYTES_PER_S * V5E_CLOCK_HZ
     assert got["block_dma_cycles"] == round(dma) and got["compute_over_dma"] == pytest.approx(4 / dma)
     assert summarize("no bundles here", 1, 1) == {"error": "no loop body (LB) in the dump"}
+
+
+def test_the_longest_chain_of_the_largest_block():
+    text = """\
+New basic block in region: region23 {members=14 hlo=ragged_paged_attention.1 parent=848}
+  Length to end: 17, %s197 = sld [smem:[#allocation12]]
+  Length to end: 11, %s203 = sadd.s32 255, %s197
+New basic block in region: region804 {members=1677 hlo=ragged_paged_attention.1 parent=797}
+  Length to end: 8, %s15168 = smov %s15167 /* phi copy */
+  Length to end: 620, %v492 = vlaneseq
+  Length to end: 3, %v493 = vshrl.u32 %v492, 7
+New basic block in region: region9 {members=2 hlo=ragged_paged_attention.1 parent=0}
+  Length to end: 1, %s1 = smov 0
+"""
+    assert longest_chain(text) == (1677, 620)
+    assert longest_chain("") == (0, 0)
