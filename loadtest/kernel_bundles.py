@@ -16,10 +16,11 @@ blocks of 256, 16 layers): int8 pages with scales per token and head 962 bundles
 pages 496 against 960 (0.25 ms, ~535 GB/s: HBM-bound). Since then the scales' multiplier is built
 from lane slices (serving.kernels.ragged_paged): this tool's int8 block 930 -> 784 bundles,
 per-token scales 671 -> 616; not yet timed on a chip. The same dump's `*-critical-path.txt` gives
-the int8 block's longest dependency chain (`largest_block_chain`) as 620 of its 784 bundles (its
-~880 vector ops of unpacking fill ~220 at 4 a bundle): latency-bound, so a block's work beside
-another unit's (units walked together, not one after another) is where more would come from. Not
-a test: libtpu's compiler is not in CI.
+the int8 block's longest dependency chain (`largest_block_chain`) as 620 of its 784 bundles; yet
+a decode block's four units walked together in one loop (tried, not kept) took 2,919 bundles for
+four blocks, 730 each: the vector units are nearly full too, most of it the unpacking of four int8
+values an int32 lane (~880 shifts, converts and packs a block). Not a test: libtpu's compiler is
+not in CI.
 """
 
 from __future__ import annotations
