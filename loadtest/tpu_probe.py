@@ -252,10 +252,13 @@ def sweep(
     (out / "sweep.json").write_text(json.dumps(results, indent=2))
 
 
-def device_ops(trace_dir: Path, top: int = 40) -> dict:
+def device_ops(trace_dir: Path, top: int = 40, timeline: int = 400) -> dict:
     """A device trace's time by op: the perfetto JSON `jax.profiler.trace` wrote under `trace_dir`,
     its events on device processes (a TPU's "/device:TPU:0") summed by thread ("XLA Ops", "XLA
-    Modules", ...) and name, the `top` longest of each thread, in milliseconds."""
+    Modules", ...) and name, the `top` longest of each thread, in milliseconds; and the device's
+    timeline of programs ("timeline": each "XLA Modules" event's start from the first one's, its
+    length and name, the first `timeline` of them; "span_ms" from the first start to the last end
+    against "busy_ms" summed: where the device sat idle between calls)."""
     import gzip
     from collections import Counter, defaultdict
 
@@ -272,6 +275,7 @@ def device_ops(trace_dir: Path, top: int = 40) -> dict:
             threads[(e["pid"], e["tid"])] = e["args"]["name"]
     totals: dict[str, Counter] = defaultdict(Counter)
     counts: dict[str, Counter] = defaultdict(Counter)
+    modules: list[tuple[float, float, str]] = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -281,13 +285,22 @@ def device_ops(trace_dir: Path, top: int = 40) -> dict:
         thread = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
         totals[thread][e["name"]] += e["dur"] / 1e3
         counts[thread][e["name"]] += 1
-    return {
+        if thread == "XLA Modules":
+            modules.append((float(e["ts"]) / 1e3, e["dur"] / 1e3, e["name"]))
+    report: dict = {
         thread: {
             "total_ms": sum(by_name.values()),
             "top": [(name, round(ms, 3), counts[thread][name]) for name, ms in by_name.most_common(top)],
         }
         for thread, by_name in totals.items()
     }
+    if modules:
+        modules.sort()
+        first = modules[0][0]
+        report["span_ms"] = max(start + ms for start, ms, _ in modules) - first
+        report["busy_ms"] = sum(ms for _, ms, _ in modules)
+        report["timeline"] = [(round(start - first, 3), round(ms, 3), name) for start, ms, name in modules[:timeline]]
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         (ns.out / f"host-profile-b{batch}.txt").write_text(text.getvalue())
         trace_dir = ns.out / f"trace-b{batch}"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-            offline(engine, params, executor, prompt_ids, batch, 16)
+            offline(engine, params, executor, prompt_ids, batch, ns.new_tokens)
         (ns.out / f"device-ops-b{batch}-offline.json").write_text(json.dumps(device_ops(trace_dir), indent=1))
         shutil.rmtree(trace_dir)
         # the engine alone: generate calls back to back (where a decode step's device time goes)

@@ -1,7 +1,11 @@
 """loadtest.tpu_probe's measurements run on the tiny model (on the CPU: the figures mean nothing
-here; on the chip they are the issue's prefill and mixed-step targets)."""
+here; on the chip they are the issue's prefill and mixed-step targets), and its reading of a
+device trace (a made-up one in the perfetto JSON jax.profiler writes)."""
 
 from __future__ import annotations
+
+import gzip
+import json
 
 import pytest
 
@@ -45,3 +49,34 @@ def test_a_sweep_loads_each_configs_own_weights(tiny_model_dir, tmp_path):
     assert (int8w["quantization"], plain["quantization"]) == ("int8w", "none")
     # the generate program's arguments hold the weights: int8 values are a quarter of float32's
     assert int8w["memory"]["argument_size_in_bytes"] < plain["memory"]["argument_size_in_bytes"]
+
+
+def _trace(tmp_path, events):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "perfetto_trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    return tmp_path
+
+
+def test_device_ops_sums_by_op_and_lays_out_the_device_timeline(tmp_path):
+    from loadtest.tpu_probe import device_ops
+
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:TPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "XLA Modules"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+    ]
+    calls = [  # two generate calls and a prefill between them, 1 ms idle before the prefill (µs)
+        {"ph": "X", "pid": 1, "tid": 7, "name": "jit_generate", "ts": 1000, "dur": 4000},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "jit_prefill", "ts": 6000, "dur": 2000},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "jit_generate", "ts": 8000, "dur": 4000},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "fusion.1", "ts": 1000, "dur": 3000},
+        {"ph": "X", "pid": 2, "tid": 9, "name": "host work", "ts": 0, "dur": 50000},  # not the device's
+    ]
+    report = device_ops(_trace(tmp_path, meta + calls))
+    assert report["XLA Modules"]["total_ms"] == 10.0
+    assert report["XLA Modules"]["top"][0] == ("jit_generate", 8.0, 2)
+    assert report["XLA Ops"]["top"] == [("fusion.1", 3.0, 1)]
+    assert report["span_ms"] == 11.0 and report["busy_ms"] == 10.0
+    assert report["timeline"] == [(0.0, 4.0, "jit_generate"), (5.0, 2.0, "jit_prefill"), (7.0, 4.0, "jit_generate")]
+    assert "host work" not in json.dumps(report)
