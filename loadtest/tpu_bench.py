@@ -231,9 +231,9 @@ def engine_rates(model: str, overrides: list[str], batches: list[int], max_token
         # more requests than slots (256 on the profile's 128): the engine alone decodes every slot,
         # the offline driver queues the rest, as a server would
         decoding = min(batch, engine.max_concurrent_decodes)
-        engine_alone(engine, params, prompt_ids, decoding, 16)  # compiles, if warmup did not
+        engine_alone(engine, params, prompt_ids, decoding, 16, executor)  # compiles, if warmup did not
         offline(engine, params, executor, prompt_ids, batch, 16)
-        alone = engine_alone(engine, params, prompt_ids, decoding, max_tokens)
+        alone = engine_alone(engine, params, prompt_ids, decoding, max_tokens, executor)
         driven = offline(engine, params, executor, prompt_ids, batch, max_tokens)
         bound = roofline(engine, params, chip, decoding, len(prompt_ids) + max_tokens // 2)
         out[f"b{batch}"] = {
@@ -241,6 +241,7 @@ def engine_rates(model: str, overrides: list[str], batches: list[int], max_token
             "offline_over_engine": driven / alone, "roofline_tok_s": bound, "engine_of_roofline": alone / bound,
         }
         print(json.dumps({batch: out[f"b{batch}"]}), file=sys.stderr, flush=True)
+    del executor  # its KV pool: the parts below make their own, one at a time
     # prefill on the MXU (issue 65: a 1,024-token prompt at >= 0.4 of the peak) and a step that
     # prefills beside its decodes (their tok/s >= 0.8x of decoding alone), at the largest batch
     peak = max(chip["bf16_flop_per_s"], (chip.get("published") or {}).get("bf16_flop_per_s", 0.0))

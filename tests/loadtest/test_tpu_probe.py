@@ -35,6 +35,30 @@ def test_prefill_rates_and_the_mixed_step_measure_on_the_tiny_model(tiny_model_d
     assert mixed["calls"] >= 3 and mixed["mixed_tok_s"] > 0 and mixed["alone_tok_s"] > 0
 
 
+
+def test_the_engine_alone_beside_an_executor_holds_one_kv_pool(tiny_model_dir):
+    """engine_alone given the offline driver's executor lets its decode state go meanwhile and
+    makes it anew (the TPU profile's pool fills the chip: two did not fit, RESOURCE_EXHAUSTED), and
+    the executor drives requests after it."""
+    from loadtest.tpu_probe import engine_alone, offline
+    from serving.checkpoints.model_source import load_model
+    from serving.config import ServingConfig
+    from serving.engine.engine import Engine
+    from serving.orchestrator.executor import Executor
+
+    cfg = ServingConfig(
+        per_device_batch_size=2, max_prefill_predict_length=32, max_target_length=64, cpu_kernels="off",
+        enable_model_warmup=False,
+    )
+    engine = Engine(load_model(str(tiny_model_dir), cfg), cfg.engine)
+    params = engine.load_params()
+    executor = Executor(engine, params)
+    before = executor.state
+    assert engine_alone(engine, params, list(range(5, 17)), 2, 4, executor) > 0
+    assert executor.state is not before and executor.state is not None
+    assert offline(engine, params, executor, list(range(5, 17)), 2, 4) > 0
+
+
 def test_a_sweep_loads_each_configs_own_weights(tiny_model_dir, tmp_path):
     """A sweep of int8w beside bfloat16 runs each on its own weights: the first config's load served
     every config once (a chip's 'bfloat16' row measured int8w weights)."""
