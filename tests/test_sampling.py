@@ -279,3 +279,14 @@ def test_the_sampler_never_sorts_and_its_greedy_branch_only_returns_the_argmax()
 def test_bad_sampling_params_are_rejected(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42, 2**31 - 1, 2**31, 2**32 + 3, -1, -5, 2**63 - 1, -(2**63)])
+def test_host_keys_are_jaxs_prng_keys(seed):
+    """A request's key made on the host (no device round trip a request) is jax.random.PRNGKey's:
+    a seed samples the same tokens as it did when the device made its key."""
+    from serving.engine.state import host_key
+
+    key = host_key(seed)
+    assert key.dtype == np.uint32
+    np.testing.assert_array_equal(key, np.asarray(jax.random.PRNGKey(seed)))

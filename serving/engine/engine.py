@@ -64,6 +64,7 @@ from serving.engine.state import (
     Prefix,
     SlotSampling,
     TokenHistory,
+    host_key,
     host_logprobs,
     is_stop,
     slot_sampling,
@@ -314,7 +315,7 @@ class Engine:
         """KV for one padded prompt and the first sampled token of each choice (choice 0's returned)."""
         self.limits.check(true_length, sampling)
         self.limits.bucket_for(true_length)  # the whole prompt in one call: at most max_prefill_predict_length
-        keys = np.stack([np.asarray(jax.random.PRNGKey(sampling.choice_seed(i))) for i in range(sampling.n)])
+        keys = np.stack([host_key(sampling.choice_seed(i)) for i in range(sampling.n)])
         tokens = jnp.asarray(padded_tokens, jnp.int32)[None]
         args = (params, tokens, jnp.int32(true_length), slot_sampling(sampling), jnp.asarray(keys))
         prefix = self._prefill_fn(
