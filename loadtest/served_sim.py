@@ -103,12 +103,15 @@ def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladd
         history_batch_tokens=cfg.history_batch_tokens, decode_buckets=tuple(cfg.decode_slot_buckets or ()),
         prefix_block=cfg.prefix_block_size,
     )
-    if ladders != "cpu":  # a TPU backend's ladders (lengths from its min_prefill_bucket, grown by 4)
+    if ladders != "cpu":  # a TPU backend's ladders (lengths from its min_prefill_bucket; rows grown by 4)
         from serving.kernels.ragged_paged import RaggedPagedOps
         from serving.models.ops import TpuXlaOps
 
         ops = RaggedPagedOps if ladders == "tpu" else TpuXlaOps
-        engine.limits = dataclasses.replace(engine.limits, min_bucket=ops.min_prefill_bucket, bucket_growth=ops.shape_growth)
+        engine.limits = dataclasses.replace(
+            engine.limits, min_bucket=ops.min_prefill_bucket, bucket_growth=ops.shape_growth,
+            length_growth=ops.length_growth or ops.shape_growth,
+        )
     with open(calls, "w", buffering=1) as log:
         started = time.perf_counter()
         mock_generate, mock_prefill = engine.generate, engine.prefill_slots

@@ -252,7 +252,8 @@ def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monk
     """Decode and chunks read each row's positions in place: one generate window and one history
     window, where XLA's gather has the ladder's (512 and 2,048 on a TPU). Every chunk call takes
     that window, a fresh prompt's too, so a prefix hit's rest is a fresh prompt's program: warmup
-    compiles each (rows, length) once, where XLA's attention has a program per history window."""
+    compiles each (rows, length) once, where XLA's attention has a program per history window. Its
+    prompt lengths grow by 2 (padding costs MXU time; a program is cheap), its rows by 4."""
     from serving.checkpoints.model_source import load_model
     from serving.config import ServingConfig
     from serving.engine import engine as engine_module
@@ -265,18 +266,20 @@ def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monk
         cpu_kernels="off",
     )
     model = load_model(str(tiny_model_dir), cfg)
-    windows, starts, programs = {}, {}, {}
+    windows, starts, programs, ladders = {}, {}, {}, {}
     for ops in (TPU_XLA, RaggedPagedOps()):
         monkeypatch.setattr(engine_module, "select_ops", lambda config, mesh, ops=ops: ops)
         engine = engine_module.Engine(model, cfg.engine)
         windows[ops.name] = (engine.windows, engine.history_windows)
         starts[ops.name] = [engine.history_window(at) for at in (0, 100, 1000)]
+        ladders[ops.name] = (engine.limits.buckets, engine.row_buckets)
         jobs = warmup.compile_jobs(engine, None, None, generate=False)
         keys = [engine.chunks._slot_inputs(rows)[1] for _fn, (_params, _state, rows) in jobs]
         assert len(keys) == len(set(keys))  # no program twice
         programs[ops.name] = (len(keys), len(warmup.chunk_shapes(engine)), len(warmup.rest_shapes(engine)))
     assert windows == {"xla-tpu": ([512, 2048], [512, 2048]), "ragged-tpu": ([2048], [2048])}
     assert starts == {"xla-tpu": [0, 512, 2048], "ragged-tpu": [2048, 2048, 2048]}
+    assert ladders == {"xla-tpu": ((128, 256), (1, 4, 8)), "ragged-tpu": ((32, 64, 128, 256), (1, 4, 8))}
     jobs, fresh, rests = programs["ragged-tpu"]
     assert jobs == fresh and rests == 0  # a rest or a chunk after cached positions: a fresh prompt's program
     jobs, fresh, rests = programs["xla-tpu"]

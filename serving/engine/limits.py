@@ -86,9 +86,11 @@ class Limits:
     # Pages in the KV cache's pool, the scratch page 0 included (0: enough for every slot to hold
     # max_target_length positions at once, as a cache of one row per slot would).
     num_pages: int = 0
-    # the prefill length ladder (`prefill_buckets`): the backend's (serving.models.ops.XlaOps)
+    # the prefill length ladder (`prefill_buckets`) and the row counts' growth: the backend's
+    # (serving.models.ops.XlaOps); `length_growth` 0: the lengths grow as the rows do
     min_bucket: int = MIN_BUCKET
     bucket_growth: int = 2
+    length_growth: int = 0
     buckets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,7 +100,8 @@ class Limits:
         object.__setattr__(self, "prefill_chunk_size", chunk)
         object.__setattr__(self, "prefill_batch_tokens", max(self.prefill_batch_tokens or self.max_prefill_length, 1))
         object.__setattr__(self, "history_batch_tokens", self.history_batch_tokens or self.prefill_batch_tokens)
-        ladder = prefill_buckets(self.max_prefill_length, (chunk,), self.min_bucket, self.bucket_growth)
+        growth = self.length_growth or self.bucket_growth
+        ladder = prefill_buckets(self.max_prefill_length, (chunk,), self.min_bucket, growth)
         object.__setattr__(self, "buckets", tuple(ladder))
         object.__setattr__(self, "decode_buckets", slot_buckets(self.max_concurrent_decodes, self.decode_buckets))
         if self.num_pages == 0:

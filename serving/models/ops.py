@@ -59,6 +59,9 @@ class XlaOps:
     min_prefill_bucket = 16
     min_window = 128
     shape_growth = 2
+    # The prefill lengths' own growth (0: shape_growth's), where padding a prompt costs more than
+    # a program (RaggedPagedOps).
+    length_growth = 0
     # Chunk attention reads each row's cached positions in place too (with `reads_cache_in_place`):
     # then chunks after cached positions compile for one history window, not the ladder's.
     chunks_in_place = False
