@@ -97,11 +97,14 @@ async def http_rate(uds: str, concurrency: int, requests: int, max_tokens: int) 
         tokens = 0
         failed: list[str] = []  # transport failures (a dropped connection): counted, not retried
 
+        spans: list[tuple[float, float]] = []  # each request's (sent, answered), seconds from the start
+
         async def worker(own: httpx.AsyncClient) -> None:
             nonlocal tokens
             async with own:
                 while queue:
                     queue.pop()
+                    sent = time.perf_counter() - started
                     try:
                         reply = await own.post("/v1/completions", json=body)
                     except httpx.TransportError as exc:
@@ -109,22 +112,41 @@ async def http_rate(uds: str, concurrency: int, requests: int, max_tokens: int) 
                         continue
                     reply.raise_for_status()
                     tokens += reply.json()["usage"]["completion_tokens"]
+                    spans.append((sent, time.perf_counter() - started))
 
         await control.post("/v1/completions", json={**body, "max_tokens": 2})  # one request's compiles first
         clients = [client() for _ in range(concurrency)]  # made before the clock starts (each reads the CA bundle)
         before = _calls((await control.get("/metrics")).text)
-        started = time.perf_counter()
+        started, started_unix = time.perf_counter(), time.time()
         await asyncio.gather(*(worker(own) for own in clients))
         wall = time.perf_counter() - started
         after = _calls((await control.get("/metrics")).text)
     calls = {k: after[k] - before.get(k, 0.0) for k in after}
     point = {
         "concurrency": concurrency, "requests": requests, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-        "wall_s": wall, "device_calls": calls,
+        "wall_s": wall, "device_calls": calls, "requests_spread": spread(spans, concurrency),
+        "started_unix": started_unix,  # the server log's clock (PATHSERVE_LOG_LEVEL=DEBUG: its turns)
     }
     if failed:  # the rate above is of the requests that completed
         point["failed"] = {"count": len(failed), "first": failed[:3]}
     return point
+
+
+def spread(spans: list[tuple[float, float]], concurrency: int) -> dict:
+    """Where a closed loop's time went between the device's work: requests in waves of
+    `concurrency` (each client sends its next as its last is answered), each wave's first and last
+    send and first and last answer, in seconds from the start (a wave sent over 0.2 s is admitted
+    in pieces; the time from a wave's last answer to the next wave's first send is the client's
+    turn, the next wave's last send to its first answer the server's)."""
+    sent = sorted(s for s, _ in spans)
+    answered = sorted(a for _, a in spans)
+    waves = []
+    for i in range(0, len(sent), concurrency):
+        waves.append({
+            "sent": [round(sent[i], 4), round(sent[min(i + concurrency, len(sent)) - 1], 4)],
+            "answered": [round(answered[i], 4), round(answered[min(i + concurrency, len(answered)) - 1], 4)],
+        })
+    return {"waves": waves}
 
 
 def _calls(metrics: str) -> dict[str, float]:

@@ -57,7 +57,11 @@ class Gate:
                 with state.lock:
                     state.in_flight += 1
                 try:
-                    await self.app(scope, receive, counting_send)
+                    if state.orchestrator is not None:  # its requests are answered once the response is sent
+                        with state.orchestrator.answer_scope():
+                            await self.app(scope, receive, counting_send)
+                    else:
+                        await self.app(scope, receive, counting_send)
                 finally:
                     with state.lock:
                         state.in_flight -= 1

@@ -42,12 +42,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from serving.config import OrchestratorConfig
@@ -60,7 +61,9 @@ from serving.orchestrator.metrics import EngineMetrics
 from serving.orchestrator.proposers import Speculator
 from serving.orchestrator.scheduler import Scheduler, StepOutcome, StepPlan, Waiting
 from serving.orchestrator.streams import (
+    ANSWER,
     END,
+    Answer,
     Completion,
     Delta,
     LoopQueue,
@@ -124,6 +127,11 @@ class Orchestrator:
         self._grammars = None  # serving.structured.GrammarCompiler, made at the first grammar
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # request id -> when the device loop ended it, until its reader has taken its last token
+        # (RequestHandle): while an idle loop gathers a burst, the answers still being written
+        # (a closed loop's clients send their next requests as theirs come) keep it gathering
+        self._answering: dict[int, float] = {}
+        self._answering_lock = threading.Lock()
         self.last_progress = time.monotonic()  # for liveness: the loop made progress at this time
         self._thread = threading.Thread(target=self._run, name="device-loop", daemon=True)
         self._profile_lock = threading.Lock()
@@ -151,6 +159,37 @@ class Orchestrator:
     def wake(self) -> None:
         """Have the device loop look at its queue and cancellations now."""
         self._wake.set()
+
+    def answered(self, request: Request) -> None:
+        """A request is answered: its reader took its last token (RequestHandle), or the answer
+        it went into was written (`answer_scope`)."""
+        with self._answering_lock:
+            self._answering.pop(request.request_id, None)
+
+    @contextlib.contextmanager
+    def answer_scope(self) -> Iterator[None]:
+        """The requests submitted within (this context's) are answered when the scope ends, not
+        when their readers take their last token: an HTTP route's answer is written after that
+        (the gate wraps its generation routes), and a wave of clients sends its next requests as
+        the answers arrive."""
+        answer = Answer()
+        token = ANSWER.set(answer)
+        try:
+            yield
+        finally:
+            ANSWER.reset(token)
+            answer.written = True
+            for request in answer.requests:
+                self.answered(request)
+
+    def _answers_pending(self, within: float) -> bool:
+        """Whether a request the device loop ended in the last `within` seconds still has its last
+        token unread (an older one, whose reader never came, no longer counts)."""
+        since = time.monotonic() - within
+        with self._answering_lock:
+            for rid in [rid for rid, ended in self._answering.items() if ended < since]:
+                del self._answering[rid]
+            return bool(self._answering)
 
     def stop(self, timeout: float | None = None) -> None:
         """End the device loop (queued and running requests finish first); its executor's close
@@ -240,9 +279,13 @@ class Orchestrator:
         requests = [
             Request(list(prompt_ids), sampling, stops, choice=i, grammar=matchers[i]) for i in range(sampling.n)
         ]
+        answer = ANSWER.get()
         for request in requests:
             if loop is not None:
                 request.tokens = LoopQueue(loop)
+            if answer is not None:
+                request.answer = answer
+                answer.requests.append(request)
         with self._submit_lock:
             if not self._admits(len(requests)):
                 with self.metrics.lock:
@@ -313,14 +356,21 @@ class Orchestrator:
         """With requests queued and nothing running but sequences with their first token only:
         wait while more keep arriving (each within
         `admission_gap_ms` of the last, `admission_wait_ms` at most in all), so that a burst is
-        scheduled as one (config.OrchestratorConfig.admission_wait_ms says why)."""
+        scheduled as one (config.OrchestratorConfig.admission_wait_ms says why), and while the
+        answers of requests that just ended are still being written: a wave of clients sends its
+        next requests as each reads its answer, and a host writing 64 answers took 80 ms on a
+        TPU VM, its arrivals between them more than a gap apart (split into prefill calls of 3,
+        1, 9, 35 and 16 rows, decoding out of step)."""
         wait = self.config.admission_wait_ms / 1000
         if wait <= 0 or self._queue_empty() or self._stopping.is_set() or self._slots_spoken_for():
             return
         deadline, gap = time.monotonic() + wait, self.config.admission_gap_ms / 1000
-        while (left := deadline - time.monotonic()) > 0 and self._wake.wait(timeout=min(gap, left)):
-            self._wake.clear()
-            if self._stopping.is_set() or self._slots_spoken_for():  # a stop, or no room left to gather into
+        while (left := deadline - time.monotonic()) > 0:
+            if self._wake.wait(timeout=min(gap, left)):
+                self._wake.clear()
+                if self._stopping.is_set() or self._slots_spoken_for():  # a stop, or no room left to gather into
+                    return
+            elif not self._answers_pending(wait):  # a gap with no arrival, and no answer left to write
                 return
 
     def _slots_spoken_for(self) -> bool:
@@ -570,6 +620,9 @@ class Orchestrator:
         held = self._adapter_of.pop(request.request_id, None)
         if held is not None:
             self.adapters.release(*held)
+        if self.config.admission_wait_ms > 0 and not request.cancelled.is_set():  # its reader takes the end, then answers
+            with self._answering_lock:
+                self._answering[request.request_id] = time.monotonic()
         request.tokens.put((END, reason))
 
 

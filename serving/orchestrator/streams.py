@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import queue
 import threading
@@ -93,6 +94,20 @@ class LoopQueue:
         return items
 
 
+class Answer:
+    """A front-end's answer to one API request, written after its requests' last tokens are read
+    (Orchestrator.answer_scope): until then they count as being answered."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.written = False
+
+
+# The answer being made in this context (an HTTP route's, set by its gate): the requests submitted
+# in it are answered when it is written, not when their readers take their last token.
+ANSWER: contextvars.ContextVar[Answer | None] = contextvars.ContextVar("pathserve_answer", default=None)
+
+
 @dataclass
 class Request:
     """A submitted request as the device loop and its reader share it."""
@@ -110,6 +125,7 @@ class Request:
     grammar: Any = None  # a serving.structured matcher (the scheduler holds and advances it)
     ended: bool = False  # its end is on the stream (the device loop's): no token may follow
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (the device loop's, before any token)
+    answer: Answer | None = None  # the front-end's answer it goes into (None: its reader answers)
 
     def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a token (with its logprobs, if asked) to the reader (device loop only)."""
@@ -295,6 +311,9 @@ class RequestHandle:
     def _finish(self) -> None:
         if self.completion is not None:
             return
+        answer = self._request.answer
+        if answer is None or answer.written:
+            self._orchestrator.answered(self._request)
         if self._assembler.reason in ("stop", "cancelled") and not self._request.cancelled.is_set():
             self.cancel()  # a stop string or a reader that left: free the slot
         self.completion = self._assembler.completion()

@@ -71,3 +71,54 @@ def test_a_burst_that_takes_every_free_slot_is_scheduled_without_waiting_for_mor
     finally:
         orch.stop(timeout=10)
     assert _prefill_rows(orch.engine)[0] == 4 and [len(r.token_ids) for r in done] == [4, 4, 4, 4]
+
+
+def _until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_an_idle_loop_gathers_while_the_last_waves_answers_are_still_being_read():
+    """A closed loop's clients send their next requests as their answers come: while the requests
+    that just ended still have their last token unread (their answers not yet written), an idle
+    loop keeps gathering past a gap with no arrival, so that the next wave prefills in one call
+    (on a TPU VM, 64 answers written over 80 ms split the next wave into five prefill calls)."""
+    orch = _orchestrator(wait_ms=20_000, gap_ms=50)
+    try:
+        wave = [orch.submit([5 + i, 6], SamplingParams(max_tokens=2)) for i in range(2)]
+        _until(lambda: all(h._request.ended for h in wave))  # ended on the device, answers unread
+        first = orch.submit([20, 21], SamplingParams(max_tokens=2))
+        time.sleep(0.25)  # five gaps with no arrival: gathering still, for the unread answers
+        assert _prefill_rows(orch.engine) == [2]
+        wave[0].result()
+        second = orch.submit([22, 23], SamplingParams(max_tokens=2))
+        time.sleep(0.25)
+        assert _prefill_rows(orch.engine) == [2]  # one answer is still unread
+        wave[1].result()  # the last answer read: one gap later the two arrivals go together
+        done = [first.result(), second.result()]
+    finally:
+        orch.stop(timeout=10)
+    assert _prefill_rows(orch.engine) == [2, 2]
+    assert [len(r.token_ids) for r in done] == [2, 2]
+
+
+def test_an_answer_never_read_holds_an_idle_loop_no_longer_than_the_wait():
+    """A reader that never comes for its last token (a stuck client) holds gathering for
+    admission_wait_ms at most, and a cancelled request's not at all."""
+    orch = _orchestrator(wait_ms=600, gap_ms=50, step_seconds=0.01)
+    try:
+        stuck = orch.submit([5, 6], SamplingParams(max_tokens=2))
+        _until(lambda: stuck._request.ended)
+        started = time.monotonic()
+        late = orch.submit([7, 8], SamplingParams(max_tokens=2))
+        assert len(late.result().token_ids) == 2
+        assert time.monotonic() - started < 5  # the wait's 0.6 s bound, not forever
+        gone = orch.submit([9, 10], SamplingParams(max_tokens=200))  # 2 s of decoding
+        _until(lambda: _prefill_rows(orch.engine) == [1, 1, 1])
+        gone.cancel()
+        _until(lambda: gone._request.ended)
+        assert gone._request.request_id not in orch._answering  # its reader left: no answer to wait for
+    finally:
+        orch.stop(timeout=10)

@@ -166,3 +166,35 @@ def test_metrics_use_jetstream_names(server, client):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("jetstream_prefill_backlog_size", "jetstream_slots_used_percentage", "jetstream_time_to_first_token"):
         assert name in text
+
+
+def test_a_generation_routes_requests_are_answered_when_its_response_is_sent():
+    """The gate wraps the generation routes in the orchestrator's answer scope: their requests count
+    as being answered (an idle loop gathering a burst waits for them) until the response is
+    sent, then not at all, streamed or not."""
+    cfg = ServingConfig(max_prefill_predict_length=64, max_target_length=256, admission_wait_ms=200, admission_gap_ms=5)
+    orchestrator = Orchestrator(MockEngine(slots=2), {}, TOKENIZER, cfg.orchestrator)
+    state = ServerState(config=cfg.server)
+    state.set_ready(orchestrator.start(), "mock")
+    submitted = []
+    submit = orchestrator.submit_choices
+
+    def spied(*args, **kwargs):
+        submitted.extend(handles := submit(*args, **kwargs))
+        return handles
+
+    orchestrator.submit_choices = spied
+    running = _Running(state)
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+        assert client.completions.create(model="mock", prompt="ab", max_tokens=3).choices[0].text
+        chunks = client.chat.completions.create(
+            model="mock", messages=[{"role": "user", "content": "ab"}], max_tokens=3, stream=True
+        )
+        assert [c for c in chunks]
+        assert len(submitted) == 2
+        assert all(h._request.answer is not None and h._request.answer.written for h in submitted)
+        assert not orchestrator._answers_pending(60.0)
+    finally:
+        running.stop()
+        orchestrator.stop(timeout=10)
