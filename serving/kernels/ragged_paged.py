@@ -515,13 +515,17 @@ class RaggedPagedOps(TpuXlaOps):
         if not cache.lanes:
             return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths)
         out, lse = self._history(q, cache, layer, pages, starts, lengths)
-        scores = jnp.einsum("bshgd,bthd->bshgt", q.astype(jnp.float32), k_new.astype(jnp.float32))
+        # The chunk's own tokens as XLA's attention takes them (serving.models.layers.attend): the
+        # dots in the activations' dtype, accumulated in float32, the probabilities in v's dtype
+        # (not float32 copies of q, k and v: on a TPU the MXU rounds a float32 dot's inputs to
+        # bfloat16 at the default precision anyway).
+        scores = jnp.einsum("bshgd,bthd->bshgt", q, k_new, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(q.shape[-1])
         own_mask = mask[:, :, None, None, window:]  # [batch, seq, 1, 1, seq]: causal up to the row's length
         scores = jnp.where(own_mask, scores, -jnp.inf)
         own_lse = jax.nn.logsumexp(scores, axis=-1)
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(own_lse), own_lse, 0.0)[..., None])
-        own = jnp.einsum("bshgt,bthd->bshgd", weights, v_new.astype(jnp.float32))
+        own = jnp.einsum("bshgt,bthd->bshgd", weights.astype(v_new.dtype), v_new, preferred_element_type=jnp.float32)
         return merge(out, lse, own, own_lse).astype(q.dtype)
 
     def describe(self) -> str:
