@@ -514,7 +514,14 @@ class RaggedPagedOps(TpuXlaOps):
     def chunk_attention(self, q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths):
         if not cache.lanes:
             return super().chunk_attention(q, cache, layer, starts, k_new, v_new, mask, window, pages, lengths)
-        out, lse = self._history(q, cache, layer, pages, starts, lengths)
+        # A call of fresh prompts only (every start 0: a burst's first chunks) has no history to
+        # read: the kernel's walk over its units is skipped (on a v5e, 6.6 of a 64-prompt call's
+        # 80.6 ms).
+        out, lse = jax.lax.cond(
+            jnp.any(starts > 0),
+            lambda: self._history(q, cache, layer, pages, starts, lengths),
+            lambda: (jnp.zeros_like(q), jnp.full(q.shape[:-1], NEG_INF, jnp.float32)),
+        )
         # The chunk's own tokens as XLA's attention takes them (serving.models.layers.attend): the
         # dots in the activations' dtype, accumulated in float32, the probabilities in v's dtype
         # (not float32 copies of q, k and v: on a TPU the MXU rounds a float32 dot's inputs to
