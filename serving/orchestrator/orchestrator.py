@@ -127,9 +127,10 @@ class Orchestrator:
         self._grammars = None  # serving.structured.GrammarCompiler, made at the first grammar
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        # request id -> when the device loop ended it, until its reader has taken its last token
-        # (RequestHandle): while an idle loop gathers a burst, the answers still being written
-        # (a closed loop's clients send their next requests as theirs come) keep it gathering
+        # request id -> when the device loop ended it, until it is answered (its reader took its
+        # last token, or the HTTP answer it went into was sent: `answer_scope`): while an idle
+        # loop gathers a burst, answers still being written keep it gathering (a closed loop's
+        # clients send their next requests as their answers come)
         self._answering: dict[int, float] = {}
         self._answering_lock = threading.Lock()
         self.last_progress = time.monotonic()  # for liveness: the loop made progress at this time
