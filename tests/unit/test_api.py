@@ -192,8 +192,13 @@ def test_a_generation_routes_requests_are_answered_when_its_response_is_sent():
             model="mock", messages=[{"role": "user", "content": "ab"}], max_tokens=3, stream=True
         )
         assert [c for c in chunks]
-        assert len(submitted) == 2
-        assert all(h._request.answer is not None and h._request.answer.written for h in submitted)
+        assert len(submitted) == 2 and all(h._request.answer is not None for h in submitted)
+        # the route's last bytes reach the client before its handler returns and the gate's scope
+        # ends: the scope's end is waited for, not raced
+        deadline = time.monotonic() + 10
+        while not all(h._request.answer.written for h in submitted) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(h._request.answer.written for h in submitted)
         assert not orchestrator._answers_pending(60.0)
     finally:
         running.stop()
