@@ -125,3 +125,32 @@ def test_finished_and_free_slots_are_not_sampled(tiny):
         assert not any(np.asarray(r.valid)[:, 0].any() for r in results)
         stale.append([np.asarray(r.tokens)[:, 0].tolist() for r in results])
     assert stale[0] == stale[1]
+
+
+def test_a_call_of_middle_chunks_reads_nothing_back_and_the_prompt_ends_as_whole(tiny, monkeypatch):
+    """prefill_slots with no final row returns without reading the device (the host does not wait
+    for the call: the next one is dispatched behind it); the prompt's last chunk then samples the
+    same first token as the whole prompt's prefill."""
+    from serving.engine import chunked
+    from serving.engine.api import PrefillRow
+
+    _model, engine, params = tiny
+    prompt = [5 + i % 200 for i in range(40)]
+    whole, _ = engine.prefill(params, engine.limits.pad(prompt), len(prompt), SamplingParams(max_tokens=4))
+    pages = np.zeros((engine.limits.max_concurrent_decodes, engine.limits.max_pages), np.int32)
+    pages[0, : engine.limits.max_pages] = np.arange(1, engine.limits.max_pages + 1)
+    state = engine.set_pages(engine.init_decode_state(), pages)
+    sampling = SamplingParams(max_tokens=4)
+
+    class NoReads:  # chunked's numpy, whose asarray (the first tokens' read) fails
+        def __getattr__(self, name):
+            if name == "asarray":
+                raise AssertionError("a call of middle chunks read the device")
+            return getattr(np, name)
+
+    monkeypatch.setattr(chunked, "np", NoReads())
+    state, tokens, logprobs = engine.prefill_slots(params, state, [PrefillRow(0, tuple(prompt[:16]), 0, False, sampling)])
+    monkeypatch.undo()
+    assert tokens == (None,) and logprobs == (None,)
+    state, tokens, _ = engine.prefill_slots(params, state, [PrefillRow(0, tuple(prompt[16:]), 16, True, sampling)])
+    assert tokens == (int(np.asarray(whole.first_tokens)[0]),)

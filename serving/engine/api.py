@@ -197,7 +197,8 @@ class EngineAPI(Protocol[ParamsT, PrefixT, StateT]):
         makes the slot active unless that token finished it. Returns the state and, per row, on the
         host: its first token (None for a non-final row) and that token's logprobs with the
         MAX_LOGPROBS best alternatives, as `prefill_outputs` gives them (None unless the row is
-        final and its request wants logprobs)."""
+        final and its request wants logprobs). A call with no final row need not wait for the
+        device (nothing is read back)."""
         ...
 
     def prefill_slots_scored(

@@ -127,6 +127,10 @@ class ChunkedPrefill:
         state = state._replace(cache=cache)
         wants = [row.final and row.sampling.wants_logprobs for row in rows]
         logprobs: tuple[TokenLogprob | None, ...] = (None,) * len(rows)
+        if not any(row.final for row in rows):
+            # middle chunks only: no first token to read, so the host does not wait for the call
+            # (the next generate call is dispatched behind it, not after it)
+            return state, (None,) * len(rows), logprobs
         if any(wants):
             first, *rest = jax.device_get(out)  # one transfer
             every = host_logprobs(Logprobs(first, *rest))

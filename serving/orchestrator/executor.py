@@ -139,7 +139,7 @@ class Executor:
                 self._scores[row.slot] = scored
         else:
             state, tokens, logprobs = engine.prefill_slots(params, state, plan.rows)
-        self.timings.prefills.append(time.perf_counter() - started)
+        self.timings.prefills.append(time.perf_counter() - started)  # a call of middle chunks only: its dispatch
         for row, token, logprob in zip(plan.rows, tokens, logprobs, strict=True):
             if row.final:
                 token = int(token)
