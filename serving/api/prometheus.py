@@ -96,7 +96,7 @@ def _engine_metrics(m: EngineMetrics) -> Iterator[Metric]:
     for name, help_text, histogram in (
         ("jetstream_time_to_first_token", "seconds from submission to the first token", m.time_to_first_token),
         ("jetstream_time_per_output_token", "seconds per output token after the first", m.time_per_output_token),
-        ("pathserve_prefill_step_seconds", "seconds per prefill call (one prompt, or a batch of chunks)",
+        ("pathserve_prefill_step_seconds", "seconds per prefill call (one prompt, or a batch of chunks; a call of middle chunks only: its dispatch)",
          m.prefill_step),
         ("pathserve_generate_step_seconds", "seconds per generate call (k decode steps)", m.generate_step),
     ):
