@@ -110,7 +110,7 @@ def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladd
         ops = RaggedPagedOps if ladders == "tpu" else TpuXlaOps
         engine.limits = dataclasses.replace(
             engine.limits, min_bucket=ops.min_prefill_bucket, bucket_growth=ops.shape_growth,
-            length_growth=ops.length_growth or ops.shape_growth,
+            length_growth=ops.length_growth,
         )
     with open(calls, "w", buffering=1) as log:
         started = time.perf_counter()

@@ -149,7 +149,7 @@ def engine_limits(model: LoadedModel, config: EngineConfig, mesh: Mesh, ops=None
         num_pages=kv_pool_pages(config, model.config, numerics, mesh_axes(mesh), slots),
         min_bucket=ops.min_prefill_bucket,
         bucket_growth=ops.shape_growth,
-        length_growth=ops.length_growth or ops.shape_growth,
+        length_growth=ops.length_growth,
     )
 
 
