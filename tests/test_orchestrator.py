@@ -126,6 +126,7 @@ def test_profile_on_request_writes_a_trace(setup, orchestrator, tmp_path):
     orchestrator.request_profile(2, str(tmp_path / "trace"))
     orchestrator.submit(_prompts(model.tokenizer, 1)[0], SamplingParams(max_tokens=12)).result()
     deadline = time.monotonic() + 20
-    while not list((tmp_path / "trace").rglob("*.xplane.pb")) and time.monotonic() < deadline:
+    while not list((tmp_path / "trace").rglob("perfetto_trace.json.gz")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))  # TensorBoard's
+    assert list((tmp_path / "trace").rglob("perfetto_trace.json.gz"))  # ui.perfetto.dev's (loadtest.tpu_probe.device_ops reads it)

@@ -365,14 +365,22 @@ class Orchestrator:
         wait = self.config.admission_wait_ms / 1000
         if wait <= 0 or self._queue_empty() or self._stopping.is_set() or self._slots_spoken_for():
             return
-        deadline, gap = time.monotonic() + wait, self.config.admission_gap_ms / 1000
+        began, gap = time.monotonic(), self.config.admission_gap_ms / 1000
+        deadline, first, ended = began + wait, self._waiting(), "the wait's end"
         while (left := deadline - time.monotonic()) > 0:
             if self._wake.wait(timeout=min(gap, left)):
                 self._wake.clear()
                 if self._stopping.is_set() or self._slots_spoken_for():  # a stop, or no room left to gather into
-                    return
+                    ended = "a stop" if self._stopping.is_set() else "every free slot taken"
+                    break
             elif not self._answers_pending(wait):  # a gap with no arrival, and no answer left to write
-                return
+                ended = "a gap"
+                break
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "gathered %d arrivals to %d waiting in %.1f ms, ended by %s",
+                self._waiting() - first, self._waiting(), (time.monotonic() - began) * 1e3, ended,
+            )
 
     def _slots_spoken_for(self) -> bool:
         """The requests waiting take every free slot: a later arrival could not join their turn."""
@@ -603,7 +611,12 @@ class Orchestrator:
         import jax
 
         steps, directory = pending
-        jax.profiler.start_trace(directory)
+        # the device's ops and JAX's dispatch, not every Python call: tracing those slowed the
+        # served path's host several times over on a TPU VM (its requests admitted apart), so the
+        # timeline was no longer the one served; also as JSON that ui.perfetto.dev opens
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        jax.profiler.start_trace(directory, create_perfetto_trace=True, profiler_options=options)
         self._profiling_left = steps
         log.info("profiling %d generate calls into %s", steps, directory)
 
