@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from serving import heap
 from serving.checkpoints.model_source import LoadedModel
 from serving.config import ConfigError, ServingConfig
 from serving.engine.engine import Engine, engine_limits
@@ -298,6 +299,8 @@ def bring_up(cfg: ServingConfig, source: str | None, origins: Mapping[str, str] 
         warmup += warm_generate_side(engine, params, prefill.engine, prefill.params)
     if groups is not None:
         meet_after_warmup(groups, engine.limits, timeout_s=_LINK_TIMEOUT_S)
+    heap.log_long_pauses()
+    heap.settle()  # start-up's objects out of the collector's scans (serving.heap says why)
     phase("warmup")
     return BroughtUp(plan, model, engine, params, warmup, prefill, phases)
 

@@ -75,7 +75,10 @@ def test_a_plan_that_cannot_be_compiled_ahead_falls_back_to_the_estimate(tiny_mo
 
 def test_serve_starts_when_the_plan_fits(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(launch, "device_limit", lambda devices: 1 << 40)
+    settled = []
+    monkeypatch.setattr(launch.heap, "settle", lambda: settled.append(True))
     up = launch.bring_up(_config(), str(tiny_model_dir))
+    assert settled == [True]  # start-up's heap frozen out of the collector's scans, once
     assert isinstance(up, launch.BroughtUp) and up.engine.max_concurrent_decodes == 4 and up.params
     assert up.model.params == {} and up.prefill is None  # the placed params are the only copy
     # each phase timed, in order, so that a slow start names its phase in the ready line
