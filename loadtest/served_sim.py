@@ -85,8 +85,13 @@ class _OnDevice:
         return np.asarray(self.value, dtype)
 
 
-def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladders: str, overrides: list[str]) -> None:
-    """The server process: the mock engine with those call times, until SIGTERM."""
+def serve(
+    uds: str, calls: str, generate: dict[int, float], prefill: float, ladders: str, overrides: list[str],
+    tokenizer: str | None = None,
+) -> None:
+    """The server process: the mock engine with those call times, until SIGTERM; `tokenizer`: a
+    model's tokenizer directory (its encoding and decoding cost the host what they cost serving
+    that model; the mock's tokens are ids below 95 either way), else the mock's ASCII one."""
     import uvicorn
 
     from serving.api.app import create_app
@@ -137,7 +142,13 @@ def serve(uds: str, calls: str, generate: dict[int, float], prefill: float, ladd
             return out
 
         engine.generate, engine.prefill_slots = timed_generate, timed_prefill
-        orchestrator = Orchestrator(engine, {}, AsciiTokenizer(), cfg.orchestrator)
+        if tokenizer:
+            from serving.text.tokenizer import load_tokenizer
+
+            text = load_tokenizer(Path(tokenizer))
+        else:
+            text = AsciiTokenizer()
+        orchestrator = Orchestrator(engine, {}, text, cfg.orchestrator)
         state = ServerState(config=cfg.server)
         state.set_ready(orchestrator.start(), "mock")
         uvicorn.Server(uvicorn.Config(create_app(state), uds=uds, log_level="warning")).run()
@@ -152,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", default="16=0.03,64=0.044,128=0.059", help="rows=seconds of a generate call")
     parser.add_argument("--prefill", type=float, default=0.12, help="seconds of a full prefill call")
     parser.add_argument("--ladders", choices=("tpu", "xla-tpu", "cpu"), default="tpu")
+    parser.add_argument("--tokenizer", help="a tokenizer directory (the host's cost of a real one), else ASCII's")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server process's own socket
     parser.add_argument("overrides", nargs="*", help="serving config keys, over the TPU profile's")
     ns = parser.parse_intermixed_args(argv)
     generate = _times(ns.generate)
     if ns.serve:
-        serve(ns.serve, str(ns.out), generate, ns.prefill, ns.ladders, ns.overrides)
+        serve(ns.serve, str(ns.out), generate, ns.prefill, ns.ladders, ns.overrides, ns.tokenizer)
         return 0
     from loadtest.tpu_bench import http_rate, stop_server, wait_ready
 
@@ -167,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         uds = f"/tmp/pathserve-sim-{os.getpid()}.sock"
         calls = ns.out / f"calls-b{batch}.txt"
         command = [sys.executable, "-m", "loadtest.served_sim", str(calls), "--serve", uds, "--generate", ns.generate,
-                   "--prefill", str(ns.prefill), "--ladders", ns.ladders, *ns.overrides]
+                   "--prefill", str(ns.prefill), "--ladders", ns.ladders, *ns.overrides,
+                   *(["--tokenizer", ns.tokenizer] if ns.tokenizer else [])]
         server = subprocess.Popen(command, start_new_session=True)
         try:
             wait_ready(server, uds, 60)
