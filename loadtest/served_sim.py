@@ -14,11 +14,12 @@ padded tokens' share: the chip's own call times differ where the shapes do (a bu
 hits' rests in one call of 8,192 padded tokens was faster here, slower on the chip).
 
     python -m loadtest.served_sim OUT_DIR [--batches 64,256] [--generate 16=0.03,64=0.044,128=0.059]
-        [--prefill 0.12] [--ladders tpu|xla-tpu|cpu] [key=value ...]
+        [--prefill 0.12] [--prefill-fixed 0.02] [--ladders tpu|xla-tpu|cpu] [--tokenizer DIR] [--request-cpu-ms 0]
+        [key=value ...]
 
 `--generate`: seconds of a generate call (the profile's decode steps) by its rows bucket;
 `--prefill`: seconds of a prefill call of prefill_batch_tokens padded tokens (a call takes its
-share, plus 20 ms); `--ladders`: the prefill shapes' (lengths and rows) of the TPU profile's
+share, plus `--prefill-fixed`; a v5e's 1B calls with the ragged kernel: 0.161 and 0.0017); `--ladders`: the prefill shapes' (lengths and rows) of the TPU profile's
 backend (`tpu`: the ragged kernel's), of XLA's attention on a TPU, or of a CPU; key=value: serving config keys (the TPU profile's by default). Writes
 OUT_DIR/served-sim.json: each batch's tokens/s, its ratio to the engine alone (a full bucket's
 tokens over its call time), its device calls, and every call (when, which, rows) in
@@ -85,9 +86,24 @@ class _OnDevice:
         return np.asarray(self.value, dtype)
 
 
+def _slower_host(app, seconds: float):
+    """`app` with `seconds` of Python work (the GIL held, as parsing and validating hold it) before
+    each HTTP request: a host slower than this one (a TPU VM's took ~1 ms a request in, this
+    2-core one ~0.35)."""
+
+    async def slower(scope, receive, send):
+        if scope["type"] == "http":
+            until = time.perf_counter() + seconds
+            while time.perf_counter() < until:
+                pass
+        await app(scope, receive, send)
+
+    return slower
+
+
 def serve(
     uds: str, calls: str, generate: dict[int, float], prefill: float, ladders: str, overrides: list[str],
-    tokenizer: str | None = None,
+    tokenizer: str | None = None, prefill_fixed: float = 0.02, request_cpu_ms: float = 0.0,
 ) -> None:
     """The server process: the mock engine with those call times, until SIGTERM; `tokenizer`: a
     model's tokenizer directory (its encoding and decoding cost the host what they cost serving
@@ -96,9 +112,11 @@ def serve(
 
     from serving.api.app import create_app
     from serving.api.state import ServerState
+    from serving.cli.main import _log_level
     from serving.engine.mock import AsciiTokenizer, MockEngine
     from serving.orchestrator import Orchestrator
 
+    _log_level(os.environ.get("PATHSERVE_LOG_LEVEL", ""))  # DEBUG: the loop's turns and gathers, as serve logs them
     cfg = _config(overrides)
     slots = int(cfg.per_device_batch_size)
     engine = MockEngine(
@@ -136,7 +154,7 @@ def serve(
         def timed_prefill(params, state, rows):
             at, limits = time.perf_counter() - started, engine.limits
             padded = limits.padded_rows(len(rows)) * limits.bucket_for(max(len(r.tokens) for r in rows))
-            device.wait(device.queue(0.02 + prefill * padded / limits.prefill_batch_tokens))  # its first tokens read
+            device.wait(device.queue(prefill_fixed + prefill * padded / limits.prefill_batch_tokens))  # its first tokens read
             out = mock_prefill(params, state, rows)
             log.write(f"{at:.3f} prefill rows={len(rows)} start={max(r.start for r in rows)} padded={padded}\n")
             return out
@@ -151,7 +169,10 @@ def serve(
         orchestrator = Orchestrator(engine, {}, text, cfg.orchestrator)
         state = ServerState(config=cfg.server)
         state.set_ready(orchestrator.start(), "mock")
-        uvicorn.Server(uvicorn.Config(create_app(state), uds=uds, log_level="warning")).run()
+        app = create_app(state)
+        if request_cpu_ms > 0:
+            app = _slower_host(app, request_cpu_ms / 1000)
+        uvicorn.Server(uvicorn.Config(app, uds=uds, log_level="warning")).run()
         orchestrator.stop(timeout=10)
 
 
@@ -161,15 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--generate", default="16=0.03,64=0.044,128=0.059", help="rows=seconds of a generate call")
-    parser.add_argument("--prefill", type=float, default=0.12, help="seconds of a full prefill call")
+    parser.add_argument("--prefill", type=float, default=0.12, help="seconds of a full prefill call's padded tokens")
+    parser.add_argument("--prefill-fixed", type=float, default=0.02, help="seconds every prefill call takes besides")
     parser.add_argument("--ladders", choices=("tpu", "xla-tpu", "cpu"), default="tpu")
     parser.add_argument("--tokenizer", help="a tokenizer directory (the host's cost of a real one), else ASCII's")
+    parser.add_argument("--request-cpu-ms", type=float, default=0.0, help="Python work added to each request (a slower host)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the server process's own socket
     parser.add_argument("overrides", nargs="*", help="serving config keys, over the TPU profile's")
     ns = parser.parse_intermixed_args(argv)
     generate = _times(ns.generate)
     if ns.serve:
-        serve(ns.serve, str(ns.out), generate, ns.prefill, ns.ladders, ns.overrides, ns.tokenizer)
+        serve(
+            ns.serve, str(ns.out), generate, ns.prefill, ns.ladders, ns.overrides, ns.tokenizer, ns.prefill_fixed,
+            ns.request_cpu_ms,
+        )
         return 0
     from loadtest.tpu_bench import http_rate, stop_server, wait_ready
 
@@ -179,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         uds = f"/tmp/pathserve-sim-{os.getpid()}.sock"
         calls = ns.out / f"calls-b{batch}.txt"
         command = [sys.executable, "-m", "loadtest.served_sim", str(calls), "--serve", uds, "--generate", ns.generate,
-                   "--prefill", str(ns.prefill), "--ladders", ns.ladders, *ns.overrides,
+                   "--prefill", str(ns.prefill), "--prefill-fixed", str(ns.prefill_fixed), "--ladders", ns.ladders,
+                   "--request-cpu-ms", str(ns.request_cpu_ms),
+                   *ns.overrides,
                    *(["--tokenizer", ns.tokenizer] if ns.tokenizer else [])]
         server = subprocess.Popen(command, start_new_session=True)
         try:
