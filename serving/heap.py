@@ -1,12 +1,14 @@
 """The host's Python heap once the server is up: start-up's objects frozen out of the collector's way.
 
 Bringing a model up leaves hundreds of thousands of long-lived Python objects behind (JAX's
-traced and lowered programs in its caches, the tokenizer's tables, the config): 494,000 after a
-CPU bring-up of the default model, where one full collection took 300 ms. Serving allocates as
-it goes (requests, token lists, answers), and when the collector's count says so it runs a full
-collection over all of them, holding the GIL: on a TPU VM, a freshly compiled 1B model's server
-gathered a burst of 39 requests over 306 ms where a server whose programs were loaded (a smaller
-heap) took them in 34, and the burst was split in two prefill calls that decoded one call apart.
+traced and lowered programs in its caches, the tokenizer's tables, the config): 572,000 after a
+cold bring-up of the 1B shape on a TPU VM, where one full collection over them took 225 ms (and
+494,000 after a CPU bring-up of the default model: 300 ms). Serving allocates as it goes
+(requests, token lists, answers), and when the collector's count says so it runs a full
+collection over all of them, holding the GIL: that server took a burst of 39 requests in over
+306 ms where the same server started with its programs loaded (a smaller heap) took 64 in 34, and
+the burst was split in two prefill calls that decoded one call apart. Frozen, each wave of 64
+came in within 52-62 ms, and HTTP at 64 went from 0.71x to 0.84x of the engine alone (docs/tpu.md).
 `settle()` collects once and freezes what is left (`gc.freeze`: the permanent generation, which no
 later collection scans), as the end of start-up, and thaws it at exit (the last collection frees
 it, else nanobind's bindings report its objects leaked); `log_long_pauses()` names every collection
