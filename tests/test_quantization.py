@@ -32,6 +32,31 @@ def test_int8_roundtrip_error_is_within_half_a_step():
     assert np.all(np.abs(restored - w) <= np.asarray(q.scales) / 2 + 1e-7)
 
 
+@pytest.mark.parametrize("axis", [-2, -1])
+def test_host_quantization_in_place_gives_the_plain_formulas_numbers_and_leaves_its_input(axis):
+    """quantize_int8_numpy works on one float32 copy in place: its values and scales are exactly
+    clip(rint(w / (max|w| / 127)), -127, 127) (all-zero channels, -0.0, bfloat16 input), and the
+    caller's array is untouched."""
+    import ml_dtypes
+
+    from serving.models.quantization import quantize_int8_numpy
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(2, 64, 48)).astype(np.float32)
+    w[0, :, 5], w[1, 7, :], w[1, 3, 4] = 0.0, -0.0, -3.5
+    for given in (w, w.astype(ml_dtypes.bfloat16)):
+        before = given.copy()
+        values, scales = quantize_int8_numpy(given, axis)
+        f = np.asarray(given, np.float32)
+        absmax = np.max(np.abs(f), axis=axis, keepdims=True)
+        want_scales = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
+        want = np.clip(np.rint(f / want_scales), -127, 127).astype(np.int8)
+        assert values.dtype == np.int8 and scales.dtype == np.float32
+        np.testing.assert_array_equal(scales, want_scales)
+        np.testing.assert_array_equal(values, want)
+        np.testing.assert_array_equal(given, before)  # not written through
+
+
 def test_quantize_params_replaces_matmul_weights_and_the_embedding(tiny_cfg):
     params = quantize_params(init_params(tiny_cfg, jax.random.PRNGKey(0)))
     layers = params["layers"]
