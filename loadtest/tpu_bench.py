@@ -221,8 +221,8 @@ def stop_server(server: subprocess.Popen) -> None:
             server.wait()
 
 
-def chip_rates(size: int) -> dict:
-    """The device's measured limits, best of 5 each: HBM bandwidth (streaming 1 GiB of float32),
+def chip_rates(size: int, stream_bytes: int = 1 << 30) -> dict:
+    """The device's measured limits, best of 5 each: HBM bandwidth (streaming `stream_bytes`),
     bfloat16 and int8 matmul rates (size^3: 8192 on a TPU, where the MXU runs near its peak)."""
     import jax
     import jax.numpy as jnp
@@ -236,12 +236,21 @@ def chip_rates(size: int) -> dict:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    # HBM bandwidth: the better of a float32 sum (reads 1 GiB) and x + 1 (reads and writes it).
-    # Both read 510-540 GB/s on a v5e, below what a decode step's weight reads reach there (665
-    # GB/s at batch 1): `roofline` takes the chip's published figures where its kind is known.
-    x = jnp.ones((1 << 28,), jnp.float32)
-    bandwidth = max(x.nbytes / best(jax.jit(jnp.sum), x), 2 * x.nbytes / best(jax.jit(lambda u: u + 1), x))
+    # HBM bandwidth: the best of a float32 sum (reads it), x + 1 (reads and writes it) and 8 rows
+    # times a bfloat16 matrix of that size (a decode step's read of its weights). The first two
+    # read 510-553 GB/s on a v5e, below what a decode step's weight reads reach there (687 GB/s at
+    # batch 1), hence the third; `roofline` takes the chip's published figures where its kind is known.
+    x = jnp.ones((stream_bytes // 4,), jnp.float32)
+    streams = {
+        "sum": x.nbytes / best(jax.jit(jnp.sum), x), "add": 2 * x.nbytes / best(jax.jit(lambda u: u + 1), x),
+    }
     del x
+    cols = 1 << 13
+    w = jnp.ones((stream_bytes // 2 // cols, cols), jnp.bfloat16)
+    rows = jnp.ones((8, w.shape[0]), jnp.bfloat16)
+    streams["matvec"] = w.nbytes / best(jax.jit(jnp.matmul), rows, w)
+    del w, rows
+    bandwidth = max(streams.values())
     a = jnp.ones((size, size), jnp.bfloat16)
     bf16 = 2 * size**3 / best(jax.jit(jnp.matmul), a, a)
     q = jnp.ones((size, size), jnp.int8)
@@ -249,8 +258,8 @@ def chip_rates(size: int) -> dict:
     int8 = 2 * size**3 / best(dot, q, q)
     kind = jax.devices()[0].device_kind
     return {
-        "device_kind": kind, "hbm_bytes_per_s": bandwidth, "bf16_flop_per_s": bf16, "int8_op_per_s": int8,
-        "matmul_size": size, "published": PUBLISHED.get(kind),
+        "device_kind": kind, "hbm_bytes_per_s": bandwidth, "hbm_by_probe": streams, "bf16_flop_per_s": bf16,
+        "int8_op_per_s": int8, "matmul_size": size, "published": PUBLISHED.get(kind),
     }
 
 
