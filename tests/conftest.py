@@ -351,3 +351,15 @@ def tiny_server(tiny_model_dir):
     process = ServerProcess.pathserve(str(tiny_model_dir), *TINY_SERVER_ARGS, quick_compile=False).wait_ready(grpc=True)
     yield process
     assert process.stop() == 0, process.output()
+
+
+@pytest.fixture(autouse=True)
+def thawed_heap():
+    """Each bring-up freezes the process's objects out of the collector's scans (serving.heap);
+    a test process brings up many engines, so what a test froze is thawed after it (a frozen
+    reference cycle, an earlier test's engine and its buffers, would never be collected)."""
+    import gc
+
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
