@@ -65,7 +65,7 @@ wheelhouse: install
 	$(BIN)/python -m pip download --quiet --dest wheelhouse --only-binary=:all: \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 	  --python-version $(WHEELHOUSE_PYTHON) pydantic pyyaml tokenizers tiktoken gguf jinja2 jsonschema \
-	  orbax-checkpoint fsspec tqdm fastapi uvicorn prometheus-client 'grpcio>=1.85.1' 'protobuf>=7.35.1,<8' \
+	  orbax-checkpoint fsspec tqdm fastapi uvicorn httptools uvloop prometheus-client 'grpcio>=1.85.1' 'protobuf>=7.35.1,<8' \
 	  httpx openai safetensors pytest
 	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir wheelhouse .
 

@@ -12,7 +12,7 @@ WHEELHOUSE=${WHEELHOUSE:-$HERE/wheelhouse}
 # What serving imports to serve and to run the tpu tests (kubernetes and xgrammar are imported
 # only by deploy and grammar requests; torch only by the float32 reference).
 PACKAGES="pydantic pyyaml tokenizers tiktoken gguf jinja2 jsonschema orbax-checkpoint fsspec tqdm
-  fastapi uvicorn prometheus-client grpcio protobuf httpx openai safetensors"
+  fastapi uvicorn httptools uvloop prometheus-client grpcio protobuf httpx openai safetensors"
 pip_install() {
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-compile \
     --disable-pip-version-check --target "$SITE" "$@"
