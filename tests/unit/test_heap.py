@@ -8,14 +8,7 @@ import pytest
 from serving import heap
 
 
-@pytest.fixture
-def unfrozen():
-    """Each test's freeze undone (the rest of the session's objects stay collectable)."""
-    yield
-    gc.unfreeze()
-
-
-def test_settle_freezes_what_start_up_left_and_collects_its_garbage_first(unfrozen):
+def test_settle_freezes_what_start_up_left_and_collects_its_garbage_first():  # thawed after (conftest)
     class Node:
         pass
 
