@@ -19,8 +19,12 @@ hits' rests in one call of 8,192 padded tokens was faster here, slower on the ch
 
 `--generate`: seconds of a generate call (the profile's decode steps) by its rows bucket;
 `--prefill`: seconds of a prefill call of prefill_batch_tokens padded tokens (a call takes its
-share, plus `--prefill-fixed`; a v5e's 1B calls with the ragged kernel: 0.161 and 0.0017); `--ladders`: the prefill shapes' (lengths and rows) of the TPU profile's
-backend (`tpu`: the ragged kernel's), of XLA's attention on a TPU, or of a CPU; key=value: serving config keys (the TPU profile's by default). Writes
+share, plus `--prefill-fixed`; a v5e's 1B calls with the ragged kernel: 0.161 and 0.0017);
+`--ladders`: the prefill shapes' (lengths and rows) of the TPU profile's backend (`tpu`: the
+ragged kernel's), of XLA's attention on a TPU, or of a CPU; `--tokenizer`: a model's tokenizer
+(its host cost), else ASCII's; `--request-cpu-ms`: Python work added to each request (a TPU VM's
+host took ~1 ms a request in, this 2-core one ~0.35); key=value: serving config keys (the TPU
+profile's by default). Writes
 OUT_DIR/served-sim.json: each batch's tokens/s, its ratio to the engine alone (a full bucket's
 tokens over its call time), its device calls, and every call (when, which, rows) in
 OUT_DIR/calls-b{N}.txt. Not a test, and no figure of a chip: a tool to try scheduling changes on.
