@@ -116,11 +116,11 @@ def serve(
 
     from serving.api.app import create_app
     from serving.api.state import ServerState
-    from serving.cli.main import _log_level
+    from serving.cli.main import apply_log_level
     from serving.engine.mock import AsciiTokenizer, MockEngine
     from serving.orchestrator import Orchestrator
 
-    _log_level(os.environ.get("PATHSERVE_LOG_LEVEL", ""))  # DEBUG: the loop's turns and gathers, as serve logs them
+    apply_log_level(os.environ.get("PATHSERVE_LOG_LEVEL", ""))  # DEBUG: the loop's turns and gathers, as serve logs them
     cfg = _config(overrides)
     slots = int(cfg.per_device_batch_size)
     engine = MockEngine(

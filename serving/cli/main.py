@@ -501,7 +501,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _log_level(level: str) -> None:
+def apply_log_level(level: str) -> None:
     """PATHSERVE_LOG_LEVEL (DEBUG, INFO, WARNING, ...): pathserve's own log lines at that level and
     above to stderr (start-up's phases, warmup's compiles, the memory plan); unset, warnings only."""
     if not level:
@@ -526,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         ns.args = [*ns.args, *extra]
     try:
-        _log_level(os.environ.get("PATHSERVE_LOG_LEVEL", ""))
+        apply_log_level(os.environ.get("PATHSERVE_LOG_LEVEL", ""))
         return ns.handler(ns)
     except UserError as exc:
         print(f"pathserve {ns.command}: error: {exc}", file=sys.stderr)

@@ -50,12 +50,16 @@ def _walk(value: Any, path: str, found: list[str]) -> None:
     if isinstance(value, BaseModel):
         found.extend(f"{path}.{name}" if path else name for name in (value.model_extra or {}))
         for name, item in value.__dict__.items():  # the fields' values (extras live apart)
-            if type(item) not in _SCALARS and isinstance(item, _NESTED):
+            if _nested(item):
                 _walk(item, f"{path}.{name}" if path else name, found)
     else:
         for i, item in enumerate(value):
-            if type(item) not in _SCALARS and isinstance(item, _NESTED):
+            if _nested(item):
                 _walk(item, f"{path}[{i}]", found)
+
+
+def _nested(item: Any) -> bool:
+    return type(item) not in _SCALARS and isinstance(item, _NESTED)
 
 
 def message(fields: list[str]) -> str:
