@@ -279,7 +279,7 @@ def test_an_engine_on_the_ragged_kernel_compiles_one_window(tiny_model_dir, monk
         programs[ops.name] = (len(keys), len(warmup.chunk_shapes(engine)), len(warmup.rest_shapes(engine)))
     assert windows == {"xla-tpu": ([512, 2048], [512, 2048]), "ragged-tpu": ([2048], [2048])}
     assert starts == {"xla-tpu": [0, 512, 2048], "ragged-tpu": [2048, 2048, 2048]}
-    assert ladders == {"xla-tpu": ((128, 256), (1, 4, 8)), "ragged-tpu": ((32, 64, 128, 256), (1, 4, 8))}
+    assert ladders == {"xla-tpu": ((128, 256), (1, 4, 8)), "ragged-tpu": ((16, 32, 64, 128, 256), (1, 4, 8))}
     jobs, fresh, rests = programs["ragged-tpu"]
     assert jobs == fresh and rests == 0  # a rest or a chunk after cached positions: a fresh prompt's program
     jobs, fresh, rests = programs["xla-tpu"]
