@@ -14,12 +14,13 @@ ops, the program's name and static arguments, and its arguments' tree, shapes, d
 placements. Anything a program reads that is not in it would load a stale executable: so the store is used only where every input is an argument or one of
 those (Engine's compile sites), and the whole code is in the key rather than a version string.
 
-Only a program XLA compiled in this call is stored, not one JAX's own cache handed back or this
-process compiled before: an executable loaded from there does not serialize whole again on every
-backend (XLA:CPU's misses its functions at the first run, which is why the store is for
-accelerators only, `PLATFORMS`). So the store fills from real compiles, a cold start's, and a
-later start loads what that one compiled; after an upgrade, programs whose HLO did not change are
-JAX cache hits and are traced as before until JAX's cache no longer holds them.
+A program XLA compiled in this call is stored; one JAX's own cache handed back only where such an
+executable serializes whole again (`RESAVES_CACHE_HITS`: a TPU's; XLA:CPU's misses its functions
+at the first run, which is why the store is for accelerators only, `PLATFORMS`), and never one
+this process compiled before. A TPU's hits matter after an upgrade: the code is in the key, so
+every program misses the store, and those whose HLO did not change are JAX cache hits; unstored,
+each later start traced them again (on a v5e the 1B shape's warm start took 52.7 s, not 26, its
+memory plan 26 programs traced one at a time).
 The directory is trusted as JAX's own cache is: loading an executable runs what it holds.
 A failure to load or save (a backend that cannot serialize, Pathways' proxy say, or a file cut
 short) is never the caller's problem: the program compiles as it would have, each failure logged;
@@ -50,6 +51,7 @@ CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's event for a program its
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # ...and for one XLA compiled
 PLATFORMS = ("tpu", "gpu")  # where the store is used (XLA:CPU's reloaded executables are not whole)
+RESAVES_CACHE_HITS = ("tpu",)  # where an executable JAX's cache handed back is stored too (checked on a v5e)
 
 _seen = threading.local()  # this thread's counts of those events
 
@@ -159,8 +161,10 @@ class ExecutableStore:
         hits, compiles = _counts()
         compiled = lower().compile()
         after = _counts()
-        # stored only when XLA compiled it here: not JAX's cache's, nor one this process had already
-        if after[0] == hits and after[1] > compiles:
+        # stored when XLA compiled it here, or JAX's cache handed it back where that reserializes
+        # whole; not one this process had already (neither event)
+        hit, compiled_here = after[0] > hits, after[1] > compiles
+        if (compiled_here and not hit) or (hit and self.devices[0].client.platform in RESAVES_CACHE_HITS):
             self._save(path, name, compiled)
         else:
             with self._lock:
