@@ -431,16 +431,16 @@ class RaggedPagedOps(TpuXlaOps):
     name = "ragged-tpu"
     chunks_in_place = True  # a chunk's history through the kernel: one history window
     # Prefill lengths from 16 (XLA's attention on a TPU: from 128; the kernel packs a chunk's
-    # queries in units of 16 tokens). With one history window a length costs a few programs (one a
-    # rows bucket), not one per window; and a burst's prefix hits leave rests of a dozen tokens or
-    # so (64 rests of ~13 padded to 128 were 0.62 s of a 2.2 s batch on a v5e, 8,192 padded tokens
-    # for ~830). 64 rows x 16 is still 1,024 rows for the MXU's dots. On a v5e (2026-12-07, the
-    # 1B shape, HTTP at 64 with 64 rests of 14 tokens a wave, alternating): 32 -> 16 took each
-    # wave's prefill from 54 to 35 ms of the device and HTTP from 0.846x / 0.849x to 0.864x /
-    # 0.863x of the engine alone; 4 more programs before ready.
+    # queries in units of 16 / gcd(16, groups) tokens, whole in 16). With one history window a
+    # length costs a few programs (one a rows bucket), not one per window; and a burst's prefix hits
+    # leave rests of a dozen tokens or so (64 rests of ~13 padded to 128 were 0.62 s of a 2.2 s
+    # batch on a v5e, 8,192 padded tokens for ~830). 64 rows x 16 is still 1,024 rows for the MXU's
+    # dots. On a v5e (2026-12-07, the 1B shape, HTTP at 64 with 64 rests of 14 tokens a wave,
+    # alternating): 32 -> 16 took each wave's prefill from 54 to 35 ms of the device and HTTP from
+    # 0.846x / 0.849x to 0.864x / 0.863x of the engine alone; 4 more programs before ready.
     min_prefill_bucket = 16
-    # Prompt lengths 32, 64, 128, ... (the rows' counts still grow by 4: 1, 4, 16, 64): a burst of 64
-    # prompts of ~45-60 tokens padded to 128 took one prefill call of 8,192 padded tokens for ~3,600
+    # Prompt lengths 16, 32, 64, 128, ... (the rows' counts still grow by 4: 1, 4, 16, 64): a burst
+    # of 64 prompts of ~45-60 tokens padded to 128 took one prefill call of 8,192 padded tokens for ~3,600
     # (153 ms on a v5e, 0.18 of the batch's time at 128 tokens each; the offline driver then ran at
     # 0.74x the engine alone). Seven more programs than growth by 4, compiled in parallel before ready.
     length_growth = 2
