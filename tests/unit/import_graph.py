@@ -8,6 +8,7 @@ cycles they would close (`graph(..., type_checking=True)`).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 
@@ -19,6 +20,24 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
+
+
+def parse(path: Path) -> ast.Module:
+    """The file's syntax tree, parsed once per content until `forget_parses`: the boundary and
+    docs tests walk the same ~160 files several times (a parse of them all takes about half a
+    second). Read-only to callers."""
+    return _parse(path.read_text())
+
+
+def forget_parses() -> None:
+    """Drop the cached trees (~170k objects: each full collection of the garbage collector would
+    walk them for the rest of the session, and freeing them at exit took most of a second)."""
+    _parse.cache_clear()
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> ast.Module:
+    return ast.parse(text)
 
 
 def imports_of(path: Path, known: set[str], type_checking: bool = False) -> set[str]:
@@ -46,7 +65,7 @@ def imports_of(path: Path, known: set[str], type_checking: bool = False) -> set[
                 sub = f"{node.module}.{alias.name}"
                 found.add(sub if sub in known else node.module)
 
-    Visitor().visit(ast.parse(path.read_text()))
+    Visitor().visit(parse(path))
     return {name for name in found if name in known}
 
 

@@ -183,7 +183,10 @@ def test_the_manifest_is_created_by_exactly_one_of_many(output):
 
 
 @pytest.mark.parametrize("workers", [2, 4])
-def test_workers_started_together_run_every_line_exactly_once(tmp_path, workers):
+def test_workers_started_together_run_every_line_exactly_once(tmp_path, workers, monkeypatch):
+    # A worker that finds the rest claimed by others looks again after runner.POLL_S (1 s): at a
+    # 20th of it the test does not sit out a whole second, and the look-again path still runs.
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
     rows = [{"id": f"r{i}", "prompt": "abc"[: 1 + i % 3], "max_tokens": 2 + i % 5, "temperature": 0} for i in range(60)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))

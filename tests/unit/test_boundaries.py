@@ -11,9 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.import_graph import collapse, cycles, graph, type_only_imports
+import pytest
+
+from tests.unit.import_graph import collapse, cycles, forget_parses, graph, parse, type_only_imports
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parses_shared_by_this_modules_tests():
+    yield
+    forget_parses()
 
 
 def _violations_of_the_model_boundary(edges: dict[str, set[str]]) -> list[str]:
@@ -133,7 +141,7 @@ def test_the_product_imports_nothing_of_loadtest():
 
     found = []
     for path in sorted((REPO / "serving").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]

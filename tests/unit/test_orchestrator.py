@@ -167,14 +167,22 @@ def test_a_full_server_fails_fast_and_is_counted():
 
 def test_a_burst_of_slots_plus_queue_at_an_idle_server_is_admitted_whole_and_one_more_is_not():
     slots, queue = 4, 2
-    orch = _orchestrator(slots=slots, queue=queue, step_seconds=0.01, max_target_length=4096).start()
+    gate = threading.Event()  # no request can finish (and give its room back) before the refused submit
+
+    class Gated(MockEngine):
+        def generate(self, *args, **kwargs):
+            gate.wait(10)
+            return super().generate(*args, **kwargs)
+
+    engine = Gated(slots=slots, max_target_length=4096)
+    orch = Orchestrator(engine, {}, TOKENIZER, OrchestratorConfig(max_queued_requests=queue)).start()
     try:
         go = threading.Barrier(slots + queue)
         handles: list = [None] * (slots + queue)
 
         def client(i: int) -> None:
             go.wait()
-            # ~0.8 s each on the mock's 10 ms steps; the burst's submits and the refused one take a few ms
+            # 150 tokens need generate calls: each request stays until the gate opens
             handles[i] = orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=150))
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(slots + queue)]
@@ -185,11 +193,13 @@ def test_a_burst_of_slots_plus_queue_at_an_idle_server_is_admitted_whole_and_one
         assert all(h is not None for h in handles) and orch.metrics.requests_rejected == 0
         with pytest.raises(QueueFullError):  # four in slots (or about to be) and two waiting
             orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=2))
+        gate.set()
         assert [h.result().completion_tokens for h in handles] == [150] * (slots + queue)
         # Finished requests give their room back: the server takes a whole burst again.
         again = [orch.submit(TOKENIZER.encode("ab"), SamplingParams(max_tokens=2)) for _ in range(slots + queue)]
         assert [h.result().finish_reason for h in again] == ["length"] * (slots + queue)
     finally:
+        gate.set()
         orch.stop(timeout=10)
 
 
