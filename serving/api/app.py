@@ -22,14 +22,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.api import lora, playground, prometheus
+from serving.api import jetstream, lora, playground, prometheus
 from serving.api.errors import api_error_handler, error_response, validation_error_handler
 from serving.api.gate import Gate
 from serving.api.state import ServerState
-from serving.errors import GenerationError, QueueFullError, ShuttingDownError
+from serving.errors import GenerationError, QueueFullError, ShuttingDownError, failure
 from serving.lora.errors import UnknownAdapterError
 from serving.openai import convert, ignored
-from serving.openai.errors import APIError
+from serving.openai.errors import APIError, error_body
 from serving.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from serving.openai.streaming import ChoiceStream
 
@@ -55,10 +55,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/healthcheck", tags=["probes"])
     def healthcheck() -> JSONResponse:
-        """JetStream's health check: 200 once weights are loaded and warmup is compiled."""
-        return JSONResponse(
-            {"response": {"is_live": state.started}}, status_code=200 if state.started else 503
-        )
+        """JetStream's health check (its HTTP sidecar's): 200 while live (weights loaded, warmup
+        compiled, the device loop making progress: gRPC HealthCheck's `is_live`), 503 not."""
+        live = state.live
+        return JSONResponse({"response": {"is_live": live}}, status_code=200 if live else 503)
 
     @app.get("/startupz", tags=["probes"])
     def startupz() -> JSONResponse:
@@ -100,7 +100,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/generate", tags=["jetstream"])
     async def jetstream_generate(body: GenerateRequest, request: Request) -> Response:
-        """JetStream's generate: `{"response": text}`, or JSON lines `{"text": delta}` then a final record."""
+        """JetStream's generate (its HTTP sidecar's): `{"response": text}`, or JSON lines `{"text":
+        delta}` then a final record (with `"text": ""`); a generation the engine could not finish is
+        an error (500, or 404 for an adapter unloaded meanwhile; streamed: a last line `{"error"}`)."""
         state.unknown_fields.check(body)
         tokenizer = state.tokenizer
         prompt_ids = tokenizer.encode_prompt(body.prompt)
@@ -120,15 +122,23 @@ def create_app(state: ServerState) -> FastAPI:
 
         if not body.stream:
             completion = await _complete(handle, request)
-            return JSONResponse(final(completion))
+            _raise_failure([completion])
+            return JSONResponse(final(completion), headers=ignored.headers(body))
 
         async def lines() -> AsyncIterator[str]:
             async with _reading(handle) as deltas:
                 async for delta in deltas:
                     yield json.dumps({"text": delta.text}) + "\n"
-            yield json.dumps(final(handle.completion)) + "\n"
+            if (error := _failure([handle.completion])) is not None:
+                yield json.dumps(_error_record(error)) + "\n"
+            else:  # a client reading every line's "text" reads the last one's too
+                yield json.dumps({"text": "", **final(handle.completion)}) + "\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson", headers=STREAM_HEADERS)
+        return StreamingResponse(
+            lines(), media_type="application/x-ndjson", headers=STREAM_HEADERS | ignored.headers(body)
+        )
+
+    jetstream.mount(app, state, STREAM_HEADERS)  # JetStream's own HTTP server's /v1/generate and /v1/health
 
     # -- OpenAI -----------------------------------------------------------------------------
 
@@ -179,12 +189,14 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
     else:
         handles = _submit_choices(*submit)
     chat = isinstance(body, ChatCompletionRequest)
+    said = ignored.headers(body, convert.unread_fields(body, tokenizer))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), adapter or state.model_name
     if not body.stream:
         completions = await _complete_all(handles, request)
+        _raise_failure(completions)
         return JSONResponse(
-            convert.response_body(body, rid, created, model, completions, ids, tokenizer), headers=ignored.headers(body)
+            convert.response_body(body, rid, created, model, completions, ids, tokenizer), headers=said
         )
     streams = [ChoiceStream(body, (rid, created, model), tokenizer, ids, h) for h in handles]
 
@@ -196,7 +208,7 @@ async def _openai(state: ServerState, body: convert.OpenAIRequest, request: Requ
                 "usage": convert.usage(completions),
             }
 
-    return _sse(streams, usage, ignored.headers(body))
+    return _sse(streams, usage, said)
 
 
 def _probe(ok: bool, status: str) -> JSONResponse:
@@ -288,7 +300,9 @@ def _sse(
     headers: dict[str, str],
 ) -> StreamingResponse:
     """OpenAI's server-sent events: each choice's chunks as its tokens arrive (choices interleaved),
-    the usage chunk if asked, then `[DONE]`. A client that goes away cancels every choice."""
+    the usage chunk if asked, then `[DONE]`. A client that goes away cancels every choice; a choice
+    the engine could not finish ends the stream with an error record (`{"error": ...}`, as vLLM
+    streams one) and `[DONE]`, its other choices cancelled."""
 
     async def events() -> AsyncIterator[str]:
         arrived: asyncio.Queue = asyncio.Queue()
@@ -306,18 +320,20 @@ def _sse(
             for stream in streams:
                 for record in stream.opening():
                     yield _event(record)
-            remaining = len(streams)
-            while remaining:
+            remaining, error = len(streams), None
+            while remaining and error is None:  # a choice the engine could not finish ends the stream
                 i, delta = await arrived.get()
-                if delta is None:
-                    remaining -= 1
-                    records = streams[i].final(streams[i].handle.completion)
-                else:
+                if delta is not None:
                     records = streams[i].delta(delta)
+                else:
+                    remaining -= 1
+                    error = _failure([streams[i].handle.completion])
+                    records = [_error_record(error)] if error else streams[i].final(streams[i].handle.completion)
                 for record in records:
                     yield _event(record)
-            for record in usage([s.handle.completion for s in streams]):
-                yield _event(record)
+            if error is None:
+                for record in usage([s.handle.completion for s in streams]):
+                    yield _event(record)
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:
@@ -325,6 +341,28 @@ def _sse(
             await asyncio.gather(*tasks, return_exceptions=True)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS | headers)
+
+
+def _failure(completions: Iterable[Completion]) -> APIError | None:
+    """The error to answer instead of a request's completions, when the engine did not finish one
+    (serving.errors.failure): 500 when the device loop failed, 404 when the request's adapter was
+    unloaded while it waited; None when every choice finished."""
+    failed = failure(c.finish_reason for c in completions)
+    if failed is None:
+        return None
+    if failed.kind == "adapter":
+        return APIError(404, str(failed), param="model", code="model_not_found")
+    return APIError(500, str(failed), code="engine_error")
+
+
+def _raise_failure(completions: Iterable[Completion]) -> None:
+    if (error := _failure(completions)) is not None:
+        raise error
+
+
+def _error_record(error: APIError) -> dict[str, Any]:
+    """A stream's last record when its request failed after its answer began (the status was sent)."""
+    return error_body(error.status, error.message, error.param, error.code)
 
 
 def _event(record: dict[str, Any]) -> str:

@@ -14,10 +14,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serving.api.state import ServerState
 from serving.openai.errors import error_body
 
-GENERATION_ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+GENERATION_ROUTES = frozenset({"/generate", "/v1/generate", "/v1/completions", "/v1/chat/completions"})
 API_ROUTES = GENERATION_ROUTES | {"/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 OPEN_ROUTES = frozenset(
-    {"/healthcheck", "/startupz", "/readyz", "/livez", "/metrics", "/openapi.json", "/docs"}
+    {"/healthcheck", "/v1/health", "/startupz", "/readyz", "/livez", "/metrics", "/openapi.json", "/docs"}
 )
 
 

@@ -71,6 +71,12 @@ class ServerState:
             return 0.0
         return time.monotonic() - orch.last_progress
 
+    @property
+    def live(self) -> bool:
+        """JetStream's `is_live` (gRPC HealthCheck, HTTP /healthcheck and /v1/health): started, and
+        the device loop not stuck with work waiting for longer than liveness_timeout_s (nor dead)."""
+        return self.started and self.stalled_for() <= self.config.liveness_timeout_s
+
     def count(self, route: str, status: int) -> None:
         with self.lock:
             self.http_requests[(route, status)] += 1

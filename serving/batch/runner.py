@@ -37,7 +37,7 @@ from serving.batch import conditional, files, manifest, rows
 from serving.batch.claims import CLAIMS_DIR, MIN_LEASE_S, Claims, Held
 from serving.batch.errors import BatchError, IncompleteError
 from serving.config import ServingConfig
-from serving.errors import GenerationError, QueueFullError
+from serving.errors import GenerationError, QueueFullError, failure
 from serving.lora.errors import UnknownAdapterError
 from serving.openai import convert, ignored
 from serving.openai.errors import APIError
@@ -361,6 +361,11 @@ class _Job:
             params = replace(params, adapter=adapter)
             handles = await self._submit(ids, params, row.body.stop_strings())
             completions = await asyncio.gather(*(self._drain(h) for h in handles))
+            if (failed := failure(c.finish_reason for c in completions)) is not None:
+                if failed.kind == "engine":  # no record: the run fails here, and a rerun serves this row
+                    raise failed
+                self._advance(0)
+                return rows.error_record(record_id, custom_id, "model_not_found", str(failed))
             body = convert.response_body(
                 row.body, record_id, int(time.time()), adapter or self.model_name, completions, ids, self.tokenizer
             )

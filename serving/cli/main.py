@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from serving.checkpoints import cli as checkpoint_cli
 from serving.config import ConfigError, ServingConfig
 from serving.deploy import cli as deploy_cli
-from serving.errors import GenerationError, UserError
+from serving.errors import GenerationError, UserError, failure
 from serving.maxtext_config import is_config_file
 from serving.startup.profile import FROM_DEFAULT, Given, given_config
 
@@ -246,8 +246,8 @@ def _stream(launched: Launched, prompt_ids: list[int], sampling: SamplingParams)
 
 def _checked(completion):
     """The completion, unless the device loop failed under it (its traceback is in the log)."""
-    if completion.finish_reason == "error":
-        raise RuntimeError("the engine failed while generating (see the log above)")
+    if (failed := failure([completion.finish_reason])) is not None:
+        raise failed
     return completion
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
 
-from serving.errors import GenerationError
+from serving.errors import GenerationError, RequestFailed
 from serving.grpc import jetstream_pb2 as pb
 from serving.request import SamplingParams
 
@@ -46,8 +47,23 @@ class Prompt:
     text_out: bool  # answer with text (server-side tokenization) or token ids only
 
 
+# The fields older JetStream clients may still send (v0.2.x's DecodeRequest; JetStream reserves
+# their numbers now). proto3 leaves a field at its default off the wire, so one that arrives was set.
+RETIRED_FIELDS = {1: "session_cache", 2: "additional_text", 3: "priority"}
+
+
 def check_supported(request: pb.DecodeRequest) -> None:
-    """Refuse what this server does not do, rather than silently doing something else."""
+    """Refuse what this server does not do, rather than silently doing something else: an
+    unknown field that arrived (an older client's session_cache or priority set; protobuf keeps
+    such fields on the message) as much as num_samples above 1."""
+    unknown = sorted({f.field_number for f in UnknownFieldSet(request)})
+    if unknown:
+        names = ", ".join(RETIRED_FIELDS.get(n, f"field {n}") for n in unknown)
+        raise invalid(
+            names.split(", ")[0],
+            f"not supported here: {names} (JetStream's older DecodeRequest fields; "
+            "send the request without them)",
+        )
     if request.num_samples < 0:
         raise invalid("num_samples", f"must be 0 or 1, got {request.num_samples}")
     if request.num_samples > 1:
@@ -106,3 +122,12 @@ def response(text: str, token_ids: Sequence[int]) -> pb.DecodeResponse:
     """One streamed message with one sample."""
     sample = pb.DecodeResponse.StreamContent.Sample(text=text, token_ids=token_ids)
     return pb.DecodeResponse(stream_content=pb.DecodeResponse.StreamContent(samples=[sample]))
+
+
+def failed(error: RequestFailed) -> RequestError:
+    """A request the server could not finish, as the call's status: INTERNAL when the engine failed
+    under it, NOT_FOUND when its adapter was unloaded before it was served (a short stream never
+    ends OK)."""
+    if error.kind == "adapter":
+        return RequestError(grpc.StatusCode.NOT_FOUND, f"lora_adapter_id: {error}")
+    return RequestError(grpc.StatusCode.INTERNAL, str(error))

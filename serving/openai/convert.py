@@ -28,6 +28,18 @@ if TYPE_CHECKING:
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
+def unread_fields(body: OpenAIRequest, tokenizer: Tokenizer) -> dict[str, str]:
+    """Fields below the top level that `body` sent and that have no effect here, with why (the
+    ignored-fields header names them beside serving.openai.ignored's top-level ones)."""
+    out = tool_calls.unread_message_keys(body, tokenizer) if isinstance(body, ChatCompletionRequest) else {}
+    schema = body.response_format.json_schema if body.response_format is not None else None
+    if schema is not None and schema.description:
+        out["response_format.json_schema.description"] = (
+            "guidance for OpenAI's models; here the schema alone constrains the output (the model is not shown it)"
+        )
+    return out
+
+
 def prompt_ids(body: OpenAIRequest, tokenizer: Tokenizer, max_target_length: int) -> list[int]:
     """The prompt's token ids: text, token ids, or chat messages through the chat template (with
     the tools, in the model's format, unless tool_choice is "none"); with truncate_prompt_tokens=k

@@ -22,6 +22,9 @@ IGNORED = {
     "service_tier": "OpenAI's processing tiers; this server has one",
     "prediction": "a latency hint that never changes the output; this server does not use it",
     "prompt_cache_key": "OpenAI's prompt-cache routing key; this server's prefix cache needs none",
+    # JetStream's HTTP sidecar's /generate
+    "server": "the gRPC server JetStream's HTTP sidecar forwards to; this server is that engine",
+    "port": "the gRPC port JetStream's HTTP sidecar forwards to; this server is that engine",
 }
 
 _logged: set[str] = set()
@@ -45,7 +48,8 @@ def note(body: BaseModel) -> list[str]:
     return names
 
 
-def headers(body: BaseModel) -> dict[str, str]:
-    """The response header naming what `body` sent that is ignored, with why (none: no header)."""
-    names = note(body)
-    return {HEADER: "; ".join(f"{name}: {IGNORED[name]}" for name in names)} if names else {}
+def headers(body: BaseModel, unread: dict[str, str] | None = None) -> dict[str, str]:
+    """The response header naming what `body` sent that is ignored, with why (none: no header);
+    `unread`: more such fields, with why (the model's chat template leaves them out)."""
+    reasons = {name: IGNORED[name] for name in note(body)} | (unread or {})
+    return {HEADER: "; ".join(f"{name}: {why}" for name, why in reasons.items())} if reasons else {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.request import LOGIT_BIAS_LIMIT, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -53,11 +53,32 @@ class _Sampling(_Body):
 
 
 class GenerateRequest(_Sampling):
-    """JetStream's POST /generate (plus our sampling fields). Greedy unless a temperature is given."""
+    """JetStream's POST /generate, as its HTTP sidecar takes it (plus our sampling fields). Greedy
+    unless a temperature is given. The sidecar's `session_cache` and `priority` are honoured at
+    their neutral values only; its `server` and `port` name the gRPC server it forwards to, which
+    this server is: accepted and named in the ignored-fields header."""
 
     prompt: str = Field(max_length=1 << 20)
-    max_tokens: int = Field(default=64, ge=1)
+    max_tokens: int = Field(default=100, ge=1)  # the sidecar's default
     stream: bool = False
+    session_cache: str = ""
+    priority: int = 0
+    server: str | None = None
+    port: str | None = None
+
+    @field_validator("session_cache")
+    @classmethod
+    def _no_session_cache(cls, value: str) -> str:
+        if value:
+            raise ValueError("JetStream's session cache is not supported here (the prefix cache needs none); send it empty")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _arrival_order(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError("requests are served in arrival order here; send 0")
+        return value
 
 
 class StreamOptions(_Body):
@@ -170,16 +191,30 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
+    """One turn. `name` and `tool_call_id` go to the chat template (serving.openai.tool_calls); an
+    assistant turn replayed from OpenAI's answers may carry its `refusal` (the turn's text when it
+    has no content), the deprecated `function_call` (one call, as `tool_calls` holds it) and
+    `audio` (null only: this server has no audio)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    refusal: str | None = None
+    function_call: FunctionCall | None = None
+    audio: None = Field(default=None, description="null only: this server has no audio output")
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
+
+    def calls(self) -> list[ToolCall] | None:
+        """The tools this (assistant) turn called: its tool_calls, or its deprecated function_call."""
+        if self.tool_calls:
+            return self.tool_calls
+        return [ToolCall(function=self.function_call)] if self.function_call is not None else None
 
 
 class FunctionDefinition(_Body):

@@ -12,7 +12,15 @@ from serving.errors import GenerationError
 from serving.openai.errors import APIError
 from serving.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from serving.request import Grammar
-from serving.text.tools import ToolCallText, call_schema, parse_calls, render_messages, tool_format
+from serving.text import chat_templates
+from serving.text.tools import (
+    PASSED_KEYS,
+    ToolCallText,
+    call_schema,
+    parse_calls,
+    render_messages,
+    tool_format,
+)
 
 if TYPE_CHECKING:
     from serving.text.tokenizer import Tokenizer
@@ -28,12 +36,15 @@ def _functions(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def render(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[dict[str, str]]:
-    """The messages as plain {"role", "content"} turns for the chat template."""
+    """The messages as plain {"role", "content"} turns for the chat template (with each message's
+    `name` and `tool_call_id`, for a template that reads them)."""
     messages = [
         {
             "role": m.role,
             "content": m.text(),
-            "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls else None,
+            "tool_calls": [c.model_dump() for c in calls] if (calls := m.calls()) else None,
+            "name": m.name,
+            "tool_call_id": m.tool_call_id,
         }
         for m in body.messages
     ]
@@ -60,14 +71,34 @@ def forced_grammar(body: ChatCompletionRequest, tokenizer: Tokenizer) -> Grammar
 
 
 def parse(body: ChatCompletionRequest, tokenizer: Tokenizer | None, text: str) -> list[ToolCallText] | None:
-    """The calls in a reply (None: the reply is content), only for the request's own tools."""
+    """The calls in a reply (None: the reply is content), only for the request's own tools, and
+    for a function with `strict: true` only arguments its `parameters` schema accepts: OpenAI's
+    promise that a strict call follows its schema (a forced tool_choice's grammar makes the model
+    follow it; under "auto" a call that breaks it is returned as content, not as a call)."""
     if not calling(body) or tokenizer is None:
         return None
     calls = parse_calls(tool_format(tokenizer), text)
     names = {t.function.name for t in body.tools or []}
-    if calls is None or any(c.name not in names for c in calls):
+    if calls is None or any(c.name not in names for c in calls) or not _strict_calls_conform(body, calls):
         return None
     return calls[:1] if body.parallel_tool_calls is False else calls
+
+
+def _strict_calls_conform(body: ChatCompletionRequest, calls: list[ToolCallText]) -> bool:
+    import jsonschema
+
+    strict = {t.function.name: t.function.parameters for t in body.tools or [] if t.function.strict}
+    for call in calls:
+        if call.name not in strict:
+            continue
+        try:
+            arguments = json.loads(call.arguments)
+        except ValueError:
+            return False
+        schema = strict[call.name]
+        if not jsonschema.validators.validator_for(schema)(schema).is_valid(arguments):
+            return False
+    return True
 
 
 def wire(calls: list[ToolCallText]) -> list[dict[str, Any]]:
@@ -80,3 +111,13 @@ def wire(calls: list[ToolCallText]) -> list[dict[str, Any]]:
         }
         for c in calls
     ]
+
+
+def unread_message_keys(body: ChatCompletionRequest, tokenizer: Tokenizer) -> dict[str, str]:
+    """The messages' `name` / `tool_call_id` that this model's chat template leaves out of the
+    prompt, with why (for the ignored-fields header: sent, passed on, and without effect here)."""
+    out = {}
+    for key in PASSED_KEYS:
+        if any(getattr(m, key) is not None for m in body.messages) and not chat_templates.reads(tokenizer.chat_template, key):
+            out[f"messages[].{key}"] = "this model's chat template does not read it (it is passed to the template, as vLLM passes it)"
+    return out

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from serving.config import OrchestratorConfig
 from serving.engine.api import EngineAPI
-from serving.errors import QueueFullError, ShuttingDownError
+from serving.errors import ADAPTER_UNLOADED, ENGINE_FAILED, QueueFullError, ShuttingDownError
 from serving.lora.errors import UnknownAdapterError
 from serving.orchestrator.ahead import RunAhead, finish, start
 from serving.orchestrator.executor import AdapterWeights, Executor, Started
@@ -127,6 +127,7 @@ class Orchestrator:
         self._grammars = None  # serving.structured.GrammarCompiler, made at the first grammar
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._failed = False  # the device loop raised (serving.errors.ENGINE_FAILED)
         # request id -> when the device loop ended it, until it is answered (its reader took its
         # last token, or the HTTP answer it went into was sent: `answer_scope`): while an idle
         # loop gathers a burst, answers still being written keep it gathering (a closed loop's
@@ -202,8 +203,9 @@ class Orchestrator:
 
     @property
     def alive(self) -> bool:
-        """The device loop is running (false before start and after a crash or stop)."""
-        return self._thread.is_alive()
+        """The device loop is running (false before start, after a stop, and from the moment it
+        failed: the requests it ends then are told after this says so)."""
+        return self._thread.is_alive() and not self._failed
 
     @property
     def has_work(self) -> bool:
@@ -320,15 +322,16 @@ class Orchestrator:
             self._loop(running)
         except Exception:
             # The device loop died (an XLA or kernel error, out of memory): end every stream with
-            # "error" instead of leaving its reader waiting; liveness reports the dead loop.
+            # ENGINE_FAILED instead of leaving its reader waiting; liveness reports the dead loop.
             log.exception("the device loop failed")
+            self._failed = True  # dead from here on (liveness), before any request hears of it
             self._stopping.set()
             for request in running.values():
-                self._finish(request, "error")
+                self._finish(request, ENGINE_FAILED)
             groups = self._take(self._queue.qsize() + 1 + self.engine.limits.max_concurrent_decodes)
             for group, _load in groups:
                 for request in group:
-                    self._finish(request, "error")
+                    self._finish(request, ENGINE_FAILED)
 
     def _loop(self, running: dict[int, Request]) -> None:
         engine = self.engine
@@ -541,7 +544,7 @@ class Orchestrator:
         for request in cancelled:
             self._finish(request, "cancelled")
         for request in unknown:
-            self._finish(request, "error")
+            self._finish(request, ADAPTER_UNLOADED)
         return taken
 
     def _acquire_adapter(self, head: Request) -> Acquired | tuple[()] | bool | None:

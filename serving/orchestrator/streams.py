@@ -43,7 +43,7 @@ class Completion:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # stop, length or cancelled
+    finish_reason: str  # stop, length or cancelled; or serving.errors' ENGINE_FAILED, ADAPTER_UNLOADED
     prompt_tokens: int
     completion_tokens: int
     time_to_first_token: float

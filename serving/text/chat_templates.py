@@ -74,6 +74,18 @@ def render(
         raise ChatTemplateError(f"chat template failed: {exc}") from None
 
 
+@cache
+def reads(template: str, key: str) -> bool:
+    """Whether `template` puts a message's `key` (a string) into the prompt: a probe message with
+    a marker there, rendered, shows the marker or not."""
+    marker = "\u2063pathserve-probe\u2063"
+    probe = [{"role": "user", "content": "hi", key: marker}, {"role": "assistant", "content": "ok", key: marker}]
+    try:
+        return marker in _compile(template).render(messages=probe, add_generation_prompt=True, bos_token="", eos_token="")
+    except jinja2.TemplateError:
+        return False
+
+
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 

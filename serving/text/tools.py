@@ -94,7 +94,17 @@ def render_messages(
     return [{"role": "system", "content": instruction}, *out]
 
 
+# A message's keys that go to the chat template as they came (OpenAI's participant name, the call a
+# tool result answers): a template that reads them uses them, as vLLM passes them.
+PASSED_KEYS = ("name", "tool_call_id")
+
+
 def _render_turn(fmt: str, m: Mapping[str, Any]) -> dict[str, str]:
+    turn = _render_content(fmt, m)
+    return turn | {key: m[key] for key in PASSED_KEYS if m.get(key) is not None}
+
+
+def _render_content(fmt: str, m: Mapping[str, Any]) -> dict[str, str]:
     role, content = m["role"], m.get("content") or ""
     if role == "assistant" and m.get("tool_calls"):
         calls = [

@@ -1,6 +1,6 @@
 """JetStream's gRPC API on a real `pathserve serve` process (the tiny model, 4 slots, queue of 4),
 through stubs generated in the test from the shipped .proto: the same greedy text as HTTP
-/generate, old clients' fields, errors, backpressure, cancellation, a seed-style HTTP sidecar, the
+/generate, old clients' fields refused, errors, backpressure, cancellation, a seed-style HTTP sidecar, the
 gRPC benchmark, and the SIGTERM drain that ends the server (the session's shared one: that test runs
 last of all, tests/conftest.py)."""
 
@@ -109,19 +109,26 @@ def test_text_content_streams_the_text_of_http_generate(server, stub, stubs, tok
     assert all(t == "" and chunk for t, chunk in by_tokens)
 
 
-def test_a_jetstream_v022_client_with_session_cache_and_priority_is_served(server, stubs):
+def test_a_jetstream_v022_clients_fields_are_refused_when_set_and_absent_otherwise(server, stubs):
+    """v0.2.x's DecodeRequest had `string session_cache = 1; string additional_text = 2; int32
+    priority = 3;` (JetStream reserves the numbers now). Left at their defaults they are not on the
+    wire, so such a client is served; set, they arrive as unknown fields and are refused by name,
+    not dropped."""
     pb = stubs.pb
-    # v0.2.2's DecodeRequest also had `string session_cache = 1; int32 priority = 3;`
-    old_fields = b"\x0a\x05cache" + b"\x18\x07"
-    body = old_fields + text_request(pb, PROMPTS[0], 8).SerializeToString()
     with grpc.insecure_channel(server.address) as channel:
         decode = channel.unary_stream(
             "/jetstream_proto.Orchestrator/Decode",
             request_serializer=lambda raw: raw,
             response_deserializer=pb.DecodeResponse.FromString,
         )
-        text = "".join(t for t, _ in samples(decode(body)))
-    assert text == http_generate(server, PROMPTS[0], 8)["response"]
+        request = text_request(pb, PROMPTS[0], 8).SerializeToString()
+        assert "".join(t for t, _ in samples(decode(request))) == http_generate(server, PROMPTS[0], 8)["response"]
+        for old_fields, named in [(b"\x0a\x05cache", "session_cache"), (b"\x18\x07", "priority"),
+                                  (b"\x0a\x05cache\x18\x07", "session_cache, priority")]:
+            with pytest.raises(grpc.RpcError) as info:
+                list(decode(old_fields + request))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(named.split(",")[0] + ":") and named in info.value.details()
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,42 @@ def main() -> None:
     finally:
         channel.close()
         server.stop()
+    failed_engine(cfg)
     print("ok")
+
+
+def failed_engine(cfg: ServingConfig) -> None:
+    """A Decode the device loop fails under ends INTERNAL after the tokens it had (not OK and short),
+    and HealthCheck then says not live."""
+
+    class FailsAfter(MockEngine):
+        left = 2
+
+        def generate(self, *args, **kwargs):
+            FailsAfter.left -= 1
+            if FailsAfter.left < 0:
+                raise RuntimeError("device lost (a test's failure)")
+            return super().generate(*args, **kwargs)
+
+    state = ServerState(config=cfg.server)
+    server = GrpcServer(state, "127.0.0.1", 0).start()
+    state.set_ready(Orchestrator(FailsAfter(slots=2, step_seconds=0.02), {}, TOKENIZER, cfg.orchestrator).start(), "mock")
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = pb_grpc.OrchestratorStub(channel)
+        call = stub.Decode(pb.DecodeRequest(max_tokens=50, text_content=pb.DecodeRequest.TextContent(text="ab")))
+        received = []
+        try:
+            for response in call:
+                received.append(response)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INTERNAL and "engine failed" in exc.details(), (exc.code(), exc.details())
+        else:
+            raise AssertionError(f"the stream ended {call.code()} after {len(received)} messages")
+        assert not stub.HealthCheck(pb.HealthCheckRequest()).is_live
+    finally:
+        channel.close()
+        server.stop()
 
 
 def _code(stub, request: pb.DecodeRequest, expected: grpc.StatusCode) -> None:

@@ -299,12 +299,13 @@ def test_tools_render_in_each_format_with_the_follow_up_turns():
     assert chatml[0]["role"] == "system" and "<tools>" in chatml[0]["content"] and "get_weather" in chatml[0]["content"]
     assert chatml[2] == {"role": "assistant",
                          "content": '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>'}
-    assert chatml[3] == {"role": "tool", "content": '<tool_response>{"c": 3}</tool_response>'}
+    # the call a result answers goes to the template too (a template may read it, as vLLM passes it)
+    assert chatml[3] == {"role": "tool", "content": '<tool_response>{"c": 3}</tool_response>', "tool_call_id": "call_1"}
     llama = render_messages(LLAMA3, messages, [WEATHER])
     assert llama[0] == {"role": "system", "content": "Environment: ipython"}
     assert llama[1]["content"].endswith("Weather in Oslo?") and '"parameters"' in llama[1]["content"]
     assert llama[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
-    assert llama[3] == {"role": "ipython", "content": '{"c": 3}'}
+    assert llama[3] == {"role": "ipython", "content": '{"c": 3}', "tool_call_id": "call_1"}
     rendered = TOKENIZER.apply_chat_template([m for m in render_messages(CHATML, messages[:1], None)])
     assert rendered == "user: Weather in Oslo? | assistant: "
 
@@ -320,6 +321,80 @@ def test_replies_parse_into_calls_or_stay_content():
     assert schema["properties"]["name"] == {"const": "get_weather"} and schema["required"] == ["name", "parameters"]
     assert set(call_schema(CHATML, [WEATHER, {"name": "t"}])) == {"anyOf"}
     assert json.loads(parse_calls(LLAMA3, '{"name": "f", "parameters": {"x": "é"}}')[0].arguments) == {"x": "é"}
+
+
+def test_a_strict_functions_call_that_breaks_its_schema_stays_content():
+    """OpenAI's `strict: true`: a call follows the schema. A forced tool_choice's grammar makes the
+    model follow it; under "auto" a reply whose call breaks it is content, not a call."""
+    from serving.openai.protocol import ChatCompletionRequest
+    from serving.openai.tool_calls import parse
+
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                  "additionalProperties": False}
+    messages = [{"role": "user", "content": "x"}]
+
+    def calls(strict: bool, arguments: str):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": parameters, "strict": strict}}]
+        reply = f'<tool_call>[{{"name": "f", "arguments": {arguments}}}]</tool_call>'
+        return parse(ChatCompletionRequest(messages=messages, tools=tools), TOKENIZER, reply)
+
+    assert [c.name for c in calls(True, '{"city": "Oslo"}')] == ["f"]
+    assert calls(True, '{"town": "Oslo"}') is None and calls(True, '{"city": 3}') is None
+    assert [c.name for c in calls(False, '{"town": "Oslo"}')] == ["f"]  # not strict: the call as made
+
+
+def test_message_names_go_to_the_template_and_are_said_unread_where_it_reads_none(server, client):
+    from serving.text import chat_templates
+
+    assert not chat_templates.reads(TOKENIZER.chat_template, "name")
+    reads_names = "{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }}\n{% endfor %}"
+    assert chat_templates.reads(reads_names, "name") and not chat_templates.reads(reads_names, "tool_call_id")
+    named = [{"role": "user", "content": "ab", "name": "bob"}]
+    assert chat_templates.render(reads_names, [{"role": "user", "content": "ab", "name": "bob"}], False, "", "") == "bob: ab\n"
+    # the mock's template reads no name: the answer says so, and the prompt is the same
+    body = {"model": "mock", "messages": named, "max_tokens": 2}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert "messages[].name: this model's chat template does not read it" in reply.headers["pathserve-ignored-fields"]
+    plain = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "ab"}], max_tokens=2)
+    assert reply.json()["usage"]["prompt_tokens"] == plain.usage.prompt_tokens
+    described = {"model": "mock", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "s", "description": "a thing",
+                                                                              "schema": {"type": "object"}}}}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=described, timeout=30)
+    assert "response_format.json_schema.description:" in reply.headers.get("pathserve-ignored-fields", ""), reply.text
+
+
+def test_an_assistant_turn_replayed_from_openai_is_taken(server):
+    """OpenAI's answers carry `refusal: null` (and may carry the deprecated `function_call`): a
+    conversation replayed from them continues here. A refusal's text is the turn's text; a
+    function_call is the turn's one call; audio, which this server has none of, is null only."""
+
+    from serving.openai.protocol import ChatCompletionRequest
+    from serving.openai.tool_calls import render
+
+    def prompt_tokens(assistant: dict) -> int:
+        body = {"model": "mock", "max_tokens": 1,
+                "messages": [{"role": "user", "content": "ab"}, {"role": "assistant", **assistant},
+                             {"role": "user", "content": "cd"}]}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens({"content": "x", "refusal": None, "function_call": None, "audio": None}) == prompt_tokens({"content": "x"})
+    assert prompt_tokens({"content": None, "refusal": "I can't."}) == prompt_tokens({"content": "I can't."})
+    call, tools = {"name": "f", "arguments": "{}"}, [{"type": "function", "function": {"name": "f"}}]
+
+    def turns(assistant: dict) -> list[dict]:
+        messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": None, **assistant}]
+        return render(ChatCompletionRequest(messages=messages, tools=tools), TOKENIZER)
+
+    assert turns({"function_call": call}) == turns({"tool_calls": [{"id": "c", "type": "function", "function": call}]})
+    assert "<tool_call>" in turns({"function_call": call})[-1]["content"]
+    refused = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": "mock", "messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "x",
+                                                                          "audio": {"id": "a1"}}]})
+    assert refused.status_code == 400 and "audio" in refused.json()["error"]["message"], refused.text
 
 
 def test_parallel_tool_calls_false_keeps_one_call():
