@@ -541,11 +541,31 @@ class Orchestrator:
                 taken.append((group, load))
                 room -= len(group)
                 self._num_in_slots += len(group)
+            if self._held is not None:  # the rest wait behind it: those whose clients left end now
+                cancelled.extend(self._sweep_cancelled())
         for request in cancelled:
             self._finish(request, "cancelled")
         for request in unknown:
             self._finish(request, ADAPTER_UNLOADED)
         return taken
+
+    def _sweep_cancelled(self) -> list[Request]:
+        """Take the cancelled requests (each with its choices: a request's n entries are
+        consecutive) out of the queue, leaving the others in order, and return them. Without it a
+        queue whose head waits for slots kept requests whose clients had gone: they counted as
+        waiting (the picker's queue size) and against `max_queued_requests` (429s, readiness 503).
+        Under _submit_lock."""
+        with self._queue.mutex:
+            entries = list(self._queue.queue)
+            kept, swept, at = [], [], 0
+            while at < len(entries):
+                group = entries[at : at + entries[at].sampling.n]
+                (swept if group[0].cancelled.is_set() else kept).extend(group)
+                at += len(group)
+            if swept:
+                self._queue.queue.clear()
+                self._queue.queue.extend(kept)
+        return swept
 
     def _acquire_adapter(self, head: Request) -> Acquired | tuple[()] | bool | None:
         """The head's adapter's device slot (serving.lora.registry.acquire); () without one; False

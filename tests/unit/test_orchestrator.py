@@ -302,3 +302,28 @@ def test_an_engine_failure_ends_every_stream_with_error_and_the_loop_reports_dea
     assert not orch.alive
     with pytest.raises(ShuttingDownError):
         orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=2))
+
+
+def test_requests_whose_clients_left_while_queued_behind_a_waiting_head_stop_counting():
+    """One slot, busy; B waits for it at the head of the queue, C and D behind it are cancelled
+    (their clients left). They end at the next turn and leave the queue: the picker's queue size
+    counts B alone, and their room goes to new requests (it was a 429 until the slot freed)."""
+    config = OrchestratorConfig(max_queued_requests=3)
+    orch = Orchestrator(MockEngine(slots=1, step_seconds=0.01), {}, TOKENIZER, config).start()
+    try:
+        busy = orch.submit(TOKENIZER.encode("a"), SamplingParams(max_tokens=240))
+        assert next(busy.stream()).text  # in the slot
+        waiting = orch.submit(TOKENIZER.encode("b"), SamplingParams(max_tokens=2))
+        gone = [orch.submit(TOKENIZER.encode(c), SamplingParams(max_tokens=2)) for c in "cd"]
+        for handle in gone:
+            handle.cancel()
+        assert all(h.result().finish_reason == "cancelled" for h in gone)
+        deadline = time.monotonic() + 10
+        while orch._waiting() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert orch._waiting() == 1 and not orch.full()
+        more = [orch.submit(TOKENIZER.encode(c), SamplingParams(max_tokens=2)) for c in "ef"]  # no QueueFullError
+        busy.cancel()
+        assert waiting.result().finish_reason == "length" and all(h.result().finish_reason == "length" for h in more)
+    finally:
+        orch.stop(timeout=10)
