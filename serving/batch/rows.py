@@ -8,6 +8,7 @@ Lines are OpenAI batch requests (`{"custom_id", "method": "POST", "url": "/v1/co
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,12 @@ ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
 }
+
+
+# JSON's \uXXXX escapes can name half a UTF-16 pair alone: Python keeps it as a lone surrogate,
+# which no UTF-8 writer (the results, a tokenizer) accepts. Raw UTF-8 cannot carry one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class RowError(Exception):
@@ -37,21 +44,71 @@ class Row:
 
 def parse(raw: bytes, record_id: str) -> Row:
     """The request on one line; raises RowError naming what is wrong with it."""
+    obj = _load(raw)
+    custom_id = _custom_id(obj, record_id)
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(obj)) is not None:
+        raise RowError(custom_id, "invalid_request", f"{where}: {_NOT_TEXT}")
+    if _is_batch_request(obj):
+        return _batch_request(obj, custom_id)
+    return _plain(obj, custom_id)
+
+
+_NOT_TEXT = "holds a lone surrogate (a \\ud800-\\udfff escape not part of a pair), which is not text"
+
+
+def _load(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise RowError(None, "invalid_json", f"the line is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise RowError(None, "invalid_request", f"the line is a JSON {type(obj).__name__}, not an object")
-    if "body" in obj or "custom_id" in obj:
-        return _batch_request(obj)
-    return _plain(obj, record_id)
+    return obj
 
 
-def _batch_request(obj: dict[str, Any]) -> Row:
-    custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise RowError(None, "invalid_request", "custom_id: a non-empty string is required")
+def _is_batch_request(obj: dict[str, Any]) -> bool:
+    return "body" in obj or "custom_id" in obj
+
+
+def _custom_id(obj: dict[str, Any], record_id: str) -> str:
+    """The line's custom_id (a plain line's id, else its record id); RowError without one when it
+    cannot be read."""
+    if _is_batch_request(obj):
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise RowError(None, "invalid_request", "custom_id: a non-empty string is required")
+        key = "custom_id"
+    else:
+        custom_id = obj.get("id", record_id)
+        if not isinstance(custom_id, (str, int)) or isinstance(custom_id, bool):
+            raise RowError(None, "invalid_request", "id: a string or an integer is required")
+        custom_id, key = str(custom_id), "id"
+    if _SURROGATE.search(custom_id):
+        raise RowError(None, "invalid_request", f"{key}: {_NOT_TEXT}")
+    return custom_id
+
+
+def _lone_surrogate(obj: dict[str, Any]) -> str | None:
+    """Where in the line (`body.messages[0].content`) the first string holding a lone surrogate
+    is, if any (a key holding one is named escaped). Walked without recursion: json.loads takes
+    nesting as deep as the recursion limit allows."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where
+        elif isinstance(value, list):
+            stack += reversed([(f"{where}[{i}]", item) for i, item in enumerate(value)])
+        elif isinstance(value, dict):
+            for key in value:
+                if _SURROGATE.search(key):
+                    return f"{where}.{key!a}" if where else ascii(key)
+            stack += reversed([(f"{where}.{key}" if where else key, item) for key, item in value.items()])
+    return None
+
+
+def _batch_request(obj: dict[str, Any], custom_id: str) -> Row:
     if obj.get("method", "POST") != "POST":
         raise RowError(
             custom_id, "invalid_request", f"method: only POST is supported, got {obj.get('method')!r}"
@@ -67,11 +124,7 @@ def _batch_request(obj: dict[str, Any]) -> Row:
     return Row(custom_id, _validate(model, {**body, "stream": False}, custom_id))
 
 
-def _plain(obj: dict[str, Any], record_id: str) -> Row:
-    custom_id = obj.get("id", record_id)
-    if not isinstance(custom_id, (str, int)) or isinstance(custom_id, bool):
-        raise RowError(None, "invalid_request", "id: a string or an integer is required")
-    custom_id = str(custom_id)
+def _plain(obj: dict[str, Any], custom_id: str) -> Row:
     if "prompt" not in obj:
         raise RowError(custom_id, "invalid_request", "prompt: required")
     fields = {k: v for k, v in obj.items() if k != "id"}
