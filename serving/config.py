@@ -132,7 +132,11 @@ class ServingConfig(BaseModel):
     # here), positions per page (then the prefix cache's block too), pages per compute block of
     # the TPU kernel, and the most pages of one sequence (-1: max_target_length's). Without
     # attention=paged the cache is paged all the same, sized by kv_cache_bytes_per_chip.
-    attention: str = "autoselected"
+    # MaxText's attention kernels (a name MaxText does not know is refused, as MaxText refuses it);
+    # which one runs here is the backend's choice, except paged (above).
+    attention: Literal[
+        "autoselected", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "vllm_rpa", "vllm_batched_rpa", "paged"
+    ] = "autoselected"
     pagedattn_num_pages: int = Field(default=64, ge=0)
     pagedattn_tokens_per_page: int = Field(default=32, ge=1)
     pagedattn_pages_per_compute_block: int = Field(default=4, ge=1)
@@ -591,9 +595,27 @@ def load_config(
         values.update(parsed)
         if rules_given and not values.get("override_logical_axis_rules"):
             values[RULES] = merge_rules([[n, list(a)] for n, a in base_rules()], parsed[RULES])
+        if values.get("enable_jax_profiler") and "profiler_port" not in values:  # as maxtext_config.load maps it
+            values["profiler_port"] = int(values.get("jax_profiler_port", 9999))
+    _check_rope_type(values, source)
     for key in RETIRED_KEYS.keys() & values.keys():
         raise ConfigError(f"{source}: {key} is no longer a key: {RETIRED_KEYS[key]}")
     return build(ServingConfig, split_keys(values, ServingConfig.model_fields, source), source=source)
+
+
+def _check_rope_type(values: Mapping[str, Any], source: str) -> None:
+    """MaxText's rope_type: "default", or "llama3.1" where model_name's preset scales its rope so
+    (pathserve scales by the preset: a "llama3.1" over a model that does not is refused)."""
+    rope_type = values.get("rope_type", "default")
+    if rope_type == "default":
+        return
+    name = str(values.get("model_name", ServingConfig.model_fields["model_name"].default))
+    scaled = name in model_presets() and load_model_config(name).rope_scaling is not None
+    if rope_type != "llama3.1" or not scaled:
+        raise ConfigError(
+            f"{source}: rope_type={rope_type!r} is not supported with model_name={name!r} (pathserve applies "
+            "the rope scaling of the model's preset: llama3.1's for the Llama 3.1-3.3 presets, none otherwise)"
+        )
 
 
 # Keys pathserve once had, with what replaced them.

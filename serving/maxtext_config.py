@@ -26,6 +26,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -167,15 +168,55 @@ def maxtext_keys() -> frozenset[str]:
     return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
 
 
+# MaxText keys that change what a model computes (or what a server does with it) and that pathserve
+# does not implement: accepted at MaxText's default (base.yml's value: a recipe carries them), and
+# refused naming them at any other value, where MaxText would serve something pathserve would not.
+RESULT_KEYS: dict[str, tuple[Any, str]] = {
+    "decoder_block": ("llama2", "pathserve serves Llama-family decoder blocks only (llama2)"),
+    "mlp_activations": (["silu", "linear"], "pathserve's MLP is SwiGLU (silu, linear)"),
+    "rope_use_scale": (True, "pathserve applies its presets' rope scaling as given"),
+    "kv_quant_dtype": ("int8", "pathserve's quantized KV cache is int8 (quantize_kvcache=true)"),
+    "sliding_window_size": (0, "pathserve attends to every cached position (no sliding window)"),
+    "attn_logits_soft_cap": (0.0, "pathserve has no attention logit soft-capping"),
+    "final_logits_soft_cap": (0.0, "pathserve has no final logit soft-capping"),
+    "use_post_attn_norm": (False, "pathserve's Llama blocks have no post-attention norm"),
+    "use_post_ffw_norm": (False, "pathserve's Llama blocks have no post-MLP norm"),
+    "add_bos": (True, "the tokenizer adds the beginning-of-sequence token by its own rule (gRPC's has_bos says a prompt has one)"),
+    "return_log_prob": (False, "logprobs are asked per request on the HTTP APIs (logprobs, top_logprobs)"),
+    "save_quantized_params_path": ("", "write a quantized checkpoint with `pathserve convert` instead"),
+    "load_full_state_path": ("", "a training state: give its parameters' checkpoint as load_parameters_path"),
+}
+# MaxText's mesh axes pathserve does not build: 1 only (and, for a DCN axis, -1: the slices left,
+# one here), since any other value is a mesh pathserve would plan differently.
+UNBUILT_AXIS = re.compile(r"^(ici|dcn)_\w+_parallelism$")
+
+
+def _refuse_without_effect(key: str, value: Any, source: str) -> None:
+    """A MaxText key pathserve does not implement, at a value that would change what is served."""
+    if key in RESULT_KEYS:
+        neutral, why = RESULT_KEYS[key]
+        same = [str(v) for v in value] == [str(v) for v in neutral] if isinstance(neutral, list) else value == neutral
+        if not same:
+            raise MaxTextConfigError(f"{source}: {key}={value!r} is not supported ({why}); leave it at {neutral!r}")
+    elif UNBUILT_AXIS.match(key) and value not in ((1, -1) if key.startswith("dcn_") else (1,)):
+        raise MaxTextConfigError(
+            f"{source}: {key}={value!r}: pathserve's mesh has only the ici_fsdp_parallelism, "
+            "ici_autoregressive_parallelism and ici_tensor_parallelism axes; leave it at 1"
+        )
+
+
 def split_keys(values: Mapping[str, Any], honored: Iterable[str], source: str) -> dict[str, Any]:
     """`values` less the MaxText keys that have no effect on serving (logged once, by name); a key
-    neither pathserve nor MaxText knows is an error naming it."""
+    neither pathserve nor MaxText knows is an error naming it, and so is a MaxText key pathserve
+    does not implement at a value that would change what is served (RESULT_KEYS, the mesh axes
+    pathserve does not build)."""
     honored = set(honored)
     kept, ignored = {}, []
     for key, value in values.items():
         if key in honored:
             kept[key] = value
         elif key in maxtext_keys():
+            _refuse_without_effect(key, value, source)
             ignored.append(key)
         else:
             close = difflib.get_close_matches(str(key), honored | maxtext_keys(), n=1)
@@ -200,6 +241,14 @@ def load(
     values = {**chain, **overrides}
     model_name = str(values.get("model_name", "default")).replace("-Instruct", "")
     preset = preset_keys(model_name)
+    if preset is None and model_name != "default" and not values.get("override_model_config"):
+        # MaxText reads configs/models/NAME.yml; pathserve has no such model, and base.yml's
+        # description (MaxText's "default" model) would stand in for it unseen
+        raise MaxTextConfigError(
+            f"model_name: {model_name!r} has no pathserve preset (pathserve serves Llama-family models: "
+            "configs/models/ holds the presets); describe a Llama-family model with "
+            "override_model_config=true and the base_* keys"
+        )
     if preset is not None:
         twice = sorted(set(preset) & set(overrides))
         if twice and not values.get("override_model_config"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,46 @@ def test_a_model_without_a_preset_is_described_as_maxtext_describes_one():
         "my-llama", 2, 4, 16, 256,
     )
     assert model.rope_theta == 10000.0 and not model.tie_embeddings and model.max_position == 512
+
+
+def test_a_maxtext_model_pathserve_has_no_preset_for_is_refused_not_served_as_base_ymls():
+    """MaxText reads configs/models/gemma-2b.yml; base.yml's "default" description must not stand
+    in for it (it planned a 16-layer llama of 32,000 tokens)."""
+    with pytest.raises(ConfigError, match=r"model_name: 'gemma-2b' has no pathserve preset"):
+        load_config("MaxText/configs/base.yml", ["model_name=gemma-2b"])
+    assert load_config("MaxText/configs/base.yml", ["model_name=llama3.1-8b"]).model_name == "llama3.1-8b"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["decoder_block=gemma"], "decoder_block='gemma'"),
+        (["mlp_activations=[gelu,linear]"], "mlp_activations="),
+        (["quantize_kvcache=true", "kv_quant_dtype=int4"], "kv_quant_dtype='int4'"),
+        (["ici_data_parallelism=2", "ici_fsdp_parallelism=-1"], "ici_data_parallelism=2"),
+        (["dcn_fsdp_parallelism=2"], "dcn_fsdp_parallelism=2"),
+        (["sliding_window_size=4096"], "sliding_window_size=4096"),
+        (["add_bos=false"], "add_bos=False"),
+        (["save_quantized_params_path=gs://b/q"], "save_quantized_params_path="),
+        (["load_full_state_path=gs://b/s"], "load_full_state_path="),
+        (["model_name=llama3-8b", "rope_type=llama3.1"], "rope_type='llama3.1'"),
+        (["rope_type=yarn"], "rope_type='yarn'"),
+        (["attention=bogus"], "attention"),
+    ],
+)
+def test_maxtext_keys_that_would_change_what_is_served_are_refused_by_name(overrides, named):
+    """A MaxText key pathserve does not implement is accepted at base.yml's value (recipes carry
+    them) and refused, naming it, at any value with which MaxText would serve something else."""
+    for path in (None, "MaxText/configs/base.yml"):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            load_config(path, ["model_name=llama3.1-8b", *overrides] if "model_name=" not in " ".join(overrides) else overrides)
+
+
+def test_maxtext_keys_at_base_ymls_values_still_load_and_the_profiler_flag_maps_without_a_file():
+    neutral = ["decoder_block=llama2", "mlp_activations=[silu,linear]", "kv_quant_dtype=int8", "ici_data_parallelism=1",
+               "dcn_data_parallelism=-1", "add_bos=true", "rope_type=default", "model_name=llama3.1-8b", "rope_type=llama3.1"]
+    assert load_config(None, neutral).model_name == "llama3.1-8b"
+    assert load_config(None, ["enable_jax_profiler=true", "jax_profiler_port=9123"]).profiler_port == 9123
 
 
 def test_the_recipes_placement_of_405b_splits_slots_and_heads_without_copies():
