@@ -2,7 +2,8 @@
 
 Lines are OpenAI batch requests (`{"custom_id", "method": "POST", "url": "/v1/completions" or
 "/v1/chat/completions", "body": {...}}`) or plain `{"id"?, "prompt", "max_tokens"?, ...}` lines
-(a completion, greedy unless a temperature is given). Output records have OpenAI's batch output shape.
+(a completion, greedy unless a temperature is given). Output records have OpenAI's batch output shape;
+a row that failed has `error` set and `response` holding the HTTP status the same request would get.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class RowError(Exception):
-    def __init__(self, custom_id: str | None, code: str, message: str):
+    """A line that is no request; `status` is what `serve` answers the same request."""
+
+    def __init__(self, custom_id: str | None, code: str, message: str, status: int = 400):
         super().__init__(message)
-        self.custom_id, self.code, self.message = custom_id, code, message
+        self.custom_id, self.code, self.message, self.status = custom_id, code, message, status
 
 
 @dataclass(frozen=True)
@@ -111,12 +114,12 @@ def _lone_surrogate(obj: dict[str, Any]) -> str | None:
 def _batch_request(obj: dict[str, Any], custom_id: str) -> Row:
     if obj.get("method", "POST") != "POST":
         raise RowError(
-            custom_id, "invalid_request", f"method: only POST is supported, got {obj.get('method')!r}"
+            custom_id, "invalid_request", f"method: only POST is supported, got {obj.get('method')!r}", 405
         )
     model = ROUTES.get(obj.get("url", ""))
     if model is None:
         raise RowError(
-            custom_id, "invalid_request", f"url: one of {', '.join(ROUTES)}, got {obj.get('url')!r}"
+            custom_id, "invalid_request", f"url: one of {', '.join(ROUTES)}, got {obj.get('url')!r}", 404
         )
     body = obj.get("body")
     if not isinstance(body, dict):
@@ -149,10 +152,12 @@ def ok_record(record_id: str, custom_id: str, body: dict[str, Any]) -> dict[str,
     }
 
 
-def error_record(record_id: str, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+def error_record(record_id: str, custom_id: str | None, status: int, code: str, message: str) -> dict[str, Any]:
+    """A row that failed: `status` is the HTTP status the same request would get from `serve` (400
+    a bad request, 404 a model that is not there); `error` set is what marks the row failed."""
     return {
         "id": record_id,
         "custom_id": custom_id,
-        "response": None,
+        "response": {"status_code": status, "request_id": record_id, "body": None},
         "error": {"code": code, "message": message},
     }

@@ -364,8 +364,8 @@ class _Job:
             if (failed := failure(c.finish_reason for c in completions)) is not None:
                 if failed.kind == "engine":  # no record: the run fails here, and a rerun serves this row
                     raise failed
-                self._advance(0)
-                return rows.error_record(record_id, custom_id, "model_not_found", str(failed))
+                self._advance(0)  # the adapter was unloaded while the row waited: 404, as serve answers
+                return rows.error_record(record_id, custom_id, 404, "model_not_found", str(failed))
             body = convert.response_body(
                 row.body, record_id, int(time.time()), adapter or self.model_name, completions, ids, self.tokenizer
             )
@@ -373,14 +373,16 @@ class _Job:
             return rows.ok_record(record_id, custom_id, body)
         except rows.RowError as exc:
             self._advance(0)
-            return rows.error_record(record_id, exc.custom_id, exc.code, exc.message)
-        except (APIError, GenerationError) as exc:
+            return rows.error_record(record_id, exc.custom_id, exc.status, exc.code, exc.message)
+        except APIError as exc:
             self._advance(0)
-            code = exc.code or "invalid_request"
-            return rows.error_record(record_id, custom_id, code, str(exc))
+            return rows.error_record(record_id, custom_id, exc.status, exc.code or "invalid_request", str(exc))
+        except GenerationError as exc:
+            self._advance(0)
+            return rows.error_record(record_id, custom_id, 400, exc.code or "invalid_request", str(exc))
         except UnknownAdapterError as exc:  # unloaded since the row was checked
             self._advance(0)
-            return rows.error_record(record_id, custom_id, "model_not_found", str(exc))
+            return rows.error_record(record_id, custom_id, 404, "model_not_found", str(exc))
         finally:
             self.room.release()
 
@@ -420,10 +422,10 @@ class _Job:
             "rows_ok": sum(r["error"] is None for r in records),
             "rows_failed": sum(r["error"] is not None for r in records),
             "tokens_in": sum(
-                r["response"]["body"]["usage"]["prompt_tokens"] for r in records if r["response"]
+                r["response"]["body"]["usage"]["prompt_tokens"] for r in records if r["error"] is None
             ),
             "tokens_out": sum(
-                r["response"]["body"]["usage"]["completion_tokens"] for r in records if r["response"]
+                r["response"]["body"]["usage"]["completion_tokens"] for r in records if r["error"] is None
             ),
         }
         if await asyncio.to_thread(self.claims.finish, held, counts):

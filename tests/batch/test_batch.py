@@ -263,7 +263,8 @@ def test_bad_lines_become_error_records_and_the_rest_succeed(tiny_model_dir, tmp
     assert len(records) == len(lines)
     by_id = {r["id"]: r for r in records}
     for record_id, _ in bad.items():
-        assert by_id[record_id]["response"] is None and by_id[record_id]["error"]["message"]
+        assert by_id[record_id]["response"]["body"] is None and by_id[record_id]["error"]["message"]
+        assert by_id[record_id]["response"]["status_code"] == (404 if record_id == "batch_req_0_8" else 400)
     assert "max_target_length=256" in by_id["batch_req_0_6"]["error"]["message"]  # 400 words: past the context
     assert by_id["batch_req_0_6"]["custom_id"] == "too-long"
     assert "max_tokens" in by_id["batch_req_0_7"]["error"]["message"]

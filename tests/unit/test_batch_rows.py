@@ -87,12 +87,48 @@ def test_lines_with_lone_surrogates_get_error_records_and_the_job_goes_on(tmp_pa
             str(source), str(out), "mock", CFG, shard_size=2, progress=False, start=start_mock([])
         )
         assert (summary.rows_ok, summary.rows_failed) == (2, 3)
-    got = {}
-    for path in sorted(out.glob("results-*.jsonl")):
-        for text in path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(text)
-            got[record["id"]] = record
+    got = {r["id"]: r for r in _records(out)}
     assert [got[f"batch_req_0_{n}"]["custom_id"] for n in range(1, 6)] == ["ok-0", None, "m", None, "ok-1"]
     assert got["batch_req_0_2"]["error"]["message"].startswith("custom_id: holds a lone surrogate")
     assert got["batch_req_0_3"]["error"]["message"].startswith("body.model: holds a lone surrogate")
     assert got["batch_req_0_4"]["error"]["message"].startswith("id: holds a lone surrogate")
+
+
+def test_an_error_record_carries_the_status_serve_would_answer_and_counts_as_failed(tmp_path):
+    """vLLM's run_batch shape: `response` holds the status and request id (no body) beside `error`,
+    so a reader of r["response"]["status_code"] works on every record."""
+    lines = [
+        b"{not json",  # batch_req_0_1
+        _line(_request("no-model", model="gpt-4o")),
+        _line({**_request("embed"), "url": "/v1/embeddings"}),
+        _line({**_request("get"), "method": "GET"}),
+        _line(_request("zero", max_tokens=0)),
+        _line(_request("unknown", frobnicate=1)),
+        _line(_request("ok")),  # batch_req_0_7
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"".join(line + b"\n" for line in lines))
+    summary = run_batch(str(source), str(tmp_path / "out"), "mock", CFG, progress=False, start=start_mock([]))
+    assert (summary.rows_ok, summary.rows_failed, summary.tokens_in, summary.tokens_out) == (1, 6, 2, 2)
+    got = {r["id"]: r for r in _records(tmp_path / "out")}
+    expected = {
+        1: (400, "invalid_json"),
+        2: (404, "model_not_found"),
+        3: (404, "invalid_request"),
+        4: (405, "invalid_request"),
+        5: (400, "invalid_request"),
+        6: (400, "unknown_field"),
+    }
+    for n, (status, code) in expected.items():
+        record = got[f"batch_req_0_{n}"]
+        assert record["response"] == {"status_code": status, "request_id": f"batch_req_0_{n}", "body": None}
+        assert record["error"]["code"] == code and record["error"]["message"], record
+    assert got["batch_req_0_7"]["response"]["status_code"] == 200 and got["batch_req_0_7"]["error"] is None
+
+
+def _records(out) -> list[dict]:
+    return [
+        json.loads(text)
+        for path in sorted(out.glob("results-*.jsonl"))
+        for text in path.read_text().splitlines()
+    ]
