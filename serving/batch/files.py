@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from serving.batch.errors import BatchError
 
@@ -40,27 +41,45 @@ def _url(url: str, path: str) -> str:
     return f"gs://{path}" if is_gcs(url) else path
 
 
-def list_inputs(url: str) -> list[tuple[str, int]]:
-    """(url, size) of the input: one file, or every *.jsonl under a directory / prefix, sorted."""
+@dataclass(frozen=True)
+class InputFile:
+    url: str
+    size: int
+    # What changes whenever the content does, at the same size too: the object's generation on
+    # gs://, the modification time in ns locally.
+    version: str
+
+
+def list_inputs(url: str) -> list[InputFile]:
+    """The input: one file, or every *.jsonl under a directory / prefix, sorted."""
     fs, path = _fs(url)
     try:
         fs.invalidate_cache()
         if fs.isfile(path):
-            return [(url, int(fs.size(path)))]
+            return [_input_file(url, path, fs.info(path))]
         if not fs.isdir(path):
             raise BatchError(f"--input {url}: no such file, directory or prefix")
         found = sorted(
-            (p, int(info.get("size") or 0))
+            (p, info)
             for p, info in fs.find(path, detail=True).items()
             if p.endswith(".jsonl") and info.get("type", "file") == "file"
         )
+        inputs = [_input_file(_url(url, p), p, info) for p, info in found]
     except BatchError:
         raise
     except Exception as exc:
         raise BatchError(f"--input {url}: cannot list it: {exc}") from None
-    if not found:
+    if not inputs:
         raise BatchError(f"--input {url}: no *.jsonl files there")
-    return [(_url(url, p), size) for p, size in found]
+    return inputs
+
+
+def _input_file(url: str, path: str, info: dict) -> InputFile:
+    if is_gcs(url):
+        version = f"generation {info.get('generation', '')}"
+    else:
+        version = f"mtime_ns {os.stat(path).st_mtime_ns}"
+    return InputFile(url, int(info.get("size") or 0), version)
 
 
 def iter_lines(url: str, start: int, end: int) -> Iterator[bytes]:

@@ -81,11 +81,11 @@ class Manifest:
 
 
 def fingerprint(
-    input_url: str, inputs: list[tuple[str, int]], source: str | None, cfg: ServingConfig, shard_size: int
+    input_url: str, inputs: list[files.InputFile], source: str | None, cfg: ServingConfig, shard_size: int
 ) -> dict[str, Any]:
     return {
         "input": input_url,
-        "files": [[url, size] for url, size in inputs],
+        "files": [[f.url, f.size, f.version] for f in inputs],
         "source": source or "",
         "config": {key: getattr(cfg, key) for key in OUTPUT_KEYS},
         "shard_size": shard_size,
@@ -93,26 +93,38 @@ def fingerprint(
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human names of what changed between two fingerprints."""
+    """Human names of what changed between the fingerprint in a manifest and this run's; none: the
+    run continues that job.
+
+    A manifest written by an earlier pathserve holds less: files as [url, size] (no version), and
+    fewer config keys. Those are compared on what it holds and accepted when that matches, as that
+    pathserve did, rather than refused: refusing would make every job in progress over an upgrade
+    start over, for a change its own check could not have seen either."""
     out = []
+    old_config = old.get("config", {})
     for key in new:
         if key == "config":
             out += [
-                f"{k}: {old.get('config', {}).get(k)!r} -> {v!r}"
+                f"{k}: {old_config[k]!r} -> {v!r}"
                 for k, v in new["config"].items()
-                if old.get("config", {}).get(k) != v
+                if k in old_config and old_config[k] != v
             ]
+        elif key == "files":
+            if not _same_files(old.get("files", []), new["files"]):
+                out.append("the input files changed: added, removed, or written since the job was planned")
         elif old.get(key) != new[key]:
-            out.append(
-                "the input files changed" if key == "files" else f"{key}: {old.get(key)!r} -> {new[key]!r}"
-            )
+            out.append(f"{key}: {old.get(key)!r} -> {new[key]!r}")
     return out
 
 
-def plan(inputs: list[tuple[str, int]], shard_size: int) -> list[Shard]:
+def _same_files(old: list[list], new: list[list]) -> bool:
+    return len(old) == len(new) and all(list(o) == list(n[: len(o)]) for o, n in zip(old, new, strict=True))
+
+
+def plan(inputs: list[files.InputFile], shard_size: int) -> list[Shard]:
     """Shards of up to `shard_size` lines, file by file."""
     shards = []
-    for index, (url, _) in enumerate(inputs):
+    for index, url in enumerate(f.url for f in inputs):
         offsets = files.line_offsets(url)
         count = len(offsets) - 1
         for first in range(0, count, shard_size):

@@ -151,7 +151,7 @@ _COUNTS = ("rows_ok", "rows_failed", "tokens_in", "tokens_out")
 
 
 def _plan_or_join(
-    output_url: str, inputs: list[tuple[str, int]], fingerprint: dict[str, Any], shard_size: int, restart: bool
+    output_url: str, inputs: list[files.InputFile], fingerprint: dict[str, Any], shard_size: int, restart: bool
 ) -> manifest.Manifest:
     """The job's manifest: the one under the output (checked against these arguments), or a new
     plan, written only if no other worker's got there first (then theirs)."""
@@ -160,8 +160,7 @@ def _plan_or_join(
     for _ in range(3):
         job = manifest.load(output_url)
         if job is not None:
-            if job.fingerprint != fingerprint:
-                changed = "; ".join(manifest.differences(job.fingerprint, fingerprint))
+            if changed := "; ".join(manifest.differences(job.fingerprint, fingerprint)):
                 raise BatchError(
                     f"--output {output_url} holds a job run with other arguments ({changed}); "
                     "rerun with the same arguments to resume, or add --restart to start over"

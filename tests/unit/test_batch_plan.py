@@ -1,0 +1,111 @@
+"""A batch job's plan and fingerprint on the mock engine: what a rerun takes as the same job and what
+it refuses (an input edited in place) (local files and fake-gcs-server; no model, no JAX)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from serving.batch import files
+from serving.batch.errors import BatchError
+from serving.batch.runner import run_batch
+from serving.config import ServingConfig
+from tests.batch_mock import records, start_mock
+from tests.gcs_emulator import apply_env, create_bucket, fake_gcs_server
+
+CFG = ServingConfig(max_target_length=128, max_prefill_predict_length=64)
+BUCKET = "plan-bucket"
+
+
+def _lines(ids: list[str], prompt: str = "ab") -> bytes:
+    return "".join(json.dumps({"id": i, "prompt": prompt, "max_tokens": 2}) + "\n" for i in ids).encode()
+
+
+def _run(source, out, **kwargs):
+    return run_batch(
+        str(source),
+        str(out),
+        "mock",
+        kwargs.pop("cfg", CFG),
+        shard_size=2,
+        progress=False,
+        start=start_mock([]),
+        **kwargs,
+    )
+
+
+def _interrupt(out: Path) -> None:
+    """As if the run was killed before its last shard was written."""
+    (last,) = sorted(out.glob("results-*.jsonl"))[-1:]
+    last.unlink()
+
+
+def test_an_input_rewritten_to_the_same_size_is_refused(tmp_path):
+    """The plan's byte offsets belong to the content it read: a rerun over other content of the
+    same size used to resume silently, reading rows across the old line boundaries."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out"
+    source.write_bytes(_lines(["r0", "r1", "r2", "r3"]))
+    _run(source, out)
+    _interrupt(out)
+    time.sleep(0.05)  # past the file system's clock tick
+    edited = _lines(["r00", "r1", "r2", "r3"], prompt="a")  # one byte longer, then four shorter...
+    edited = edited.replace(b'"r3", "prompt": "a"', b'"r3", "prompt": "abcd"')  # ...and three longer
+    assert len(edited) == source.stat().st_size
+    source.write_bytes(edited)
+    with pytest.raises(BatchError, match=r"the input files changed.*--restart"):
+        _run(source, out)
+    restarted = _run(source, out, restart=True)
+    assert restarted.rows_ok == 4 and set(records(out)) == {"r00", "r1", "r2", "r3"}
+
+
+def test_a_manifest_of_before_file_versions_resumes_when_the_sizes_match(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out"
+    source.write_bytes(_lines(["r0", "r1", "r2", "r3"]))
+    _run(source, out)
+    _interrupt(out)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest["fingerprint"]["files"] = [
+        entry[:2] for entry in manifest["fingerprint"]["files"]
+    ]  # [url, size]
+    (out / "_manifest.json").write_text(json.dumps(manifest))
+    resumed = _run(source, out)
+    assert (resumed.shards_run, resumed.rows_ok) == (1, 4)
+    _interrupt(out)
+    source.write_bytes(_lines(["r0", "r1", "r2", "r3", "r4"]))  # another size: refused as before
+    with pytest.raises(BatchError, match="the input files changed"):
+        _run(source, out)
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    with fake_gcs_server(tmp_path_factory.mktemp("gcs")) as url:
+        create_bucket(url, BUCKET)
+        apply_env(url)
+        yield url
+
+
+def _upload(url: str, name: str, data: bytes) -> None:
+    request = urllib.request.Request(
+        f"{url}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={name}", data=data, method="POST"
+    )
+    urllib.request.urlopen(request, timeout=10).read()
+
+
+def test_a_gcs_object_rewritten_to_the_same_size_is_refused_by_its_generation(gcs, tmp_path):
+    prefix = tmp_path.name
+    _upload(gcs, f"{prefix}/in/part-0.jsonl", _lines(["r0", "r1", "r2"]))
+    (listed,) = files.list_inputs(f"gs://{BUCKET}/{prefix}/in")
+    assert listed.version.startswith("generation ") and listed.version != "generation "
+    inp, out = f"gs://{BUCKET}/{prefix}/in", f"gs://{BUCKET}/{prefix}/out"
+    assert run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([])).rows_ok == 3
+    again = run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([]))
+    assert again.shards_run == 0
+    _upload(gcs, f"{prefix}/in/part-0.jsonl", _lines(["r0", "r1", "r9"]))
+    (rewritten,) = files.list_inputs(inp)
+    assert rewritten.size == listed.size and rewritten.version != listed.version
+    with pytest.raises(BatchError, match="the input files changed"):
+        run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([]))
