@@ -50,9 +50,13 @@ class InputFile:
     version: str
 
 
-def list_inputs(url: str) -> list[InputFile]:
-    """The input: one file, or every *.jsonl under a directory / prefix, sorted."""
+def list_inputs(url: str, output_url: str) -> list[InputFile]:
+    """The input: one file, or every *.jsonl under a directory / prefix, sorted, less those under
+    the output (its results are *.jsonl too, and come and go with each run)."""
     fs, path = _fs(url)
+    output = _fs(output_url)[1].rstrip("/") if is_gcs(url) == is_gcs(output_url) else None
+    if output is not None and output == path.rstrip("/"):
+        raise BatchError(f"--output {output_url}: the input directory itself; name a directory inside it or elsewhere")
     try:
         fs.invalidate_cache()
         if fs.isfile(path):
@@ -62,7 +66,9 @@ def list_inputs(url: str) -> list[InputFile]:
         found = sorted(
             (p, info)
             for p, info in fs.find(path, detail=True).items()
-            if p.endswith(".jsonl") and info.get("type", "file") == "file"
+            if p.endswith(".jsonl")
+            and info.get("type", "file") == "file"
+            and (output is None or not p.startswith(output + "/"))
         )
         inputs = [_input_file(_url(url, p), p, info) for p, info in found]
     except BatchError:

@@ -102,7 +102,7 @@ def run_batch(
         raise BatchError(f"--lease-seconds {lease_s:g}: at least {MIN_LEASE_S:g}")
     started = time.perf_counter()
     files.check_output(output_url)
-    inputs = files.list_inputs(input_url)
+    inputs = files.list_inputs(input_url, output_url)
     fingerprint = manifest.fingerprint(input_url, inputs, source, cfg, shard_size)
     job = _plan_or_join(output_url, inputs, fingerprint, shard_size, restart)
     worker = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

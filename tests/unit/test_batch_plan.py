@@ -1,5 +1,6 @@
 """A batch job's plan and fingerprint on the mock engine: what a rerun takes as the same job and what
-it refuses (an input edited in place) (local files and fake-gcs-server; no model, no JAX)."""
+it refuses (an input edited in place, a changed output-deciding key), and an output placed under the
+input (local files and fake-gcs-server; no model, no JAX)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,24 @@ def test_a_manifest_of_before_file_versions_resumes_when_the_sizes_match(tmp_pat
         _run(source, out)
 
 
+def test_an_output_under_the_input_directory_is_left_out_of_the_input(tmp_path):
+    """`--input data --output data/out`: the output's results are *.jsonl under the input; listed
+    as input, they made every rerun refuse and --restart fail (FileNotFoundError: the listed
+    results were deleted before the plan read them)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part-0.jsonl").write_bytes(_lines(["r0", "r1", "r2"]))
+    first = _run(data, data / "out")
+    assert (first.rows_ok, first.shards) == (3, 2)
+    again = _run(data, data / "out")
+    assert (again.shards_run, again.shards_skipped) == (0, 2)
+    restarted = _run(data, data / "out", restart=True)
+    assert (restarted.shards_run, restarted.rows_ok) == (2, 3)
+    assert set(records(data / "out")) == {"r0", "r1", "r2"}
+    with pytest.raises(BatchError, match="the input directory itself"):
+        _run(data, data)
+
+
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     with fake_gcs_server(tmp_path_factory.mktemp("gcs")) as url:
@@ -98,14 +117,15 @@ def _upload(url: str, name: str, data: bytes) -> None:
 def test_a_gcs_object_rewritten_to_the_same_size_is_refused_by_its_generation(gcs, tmp_path):
     prefix = tmp_path.name
     _upload(gcs, f"{prefix}/in/part-0.jsonl", _lines(["r0", "r1", "r2"]))
-    (listed,) = files.list_inputs(f"gs://{BUCKET}/{prefix}/in")
+    (listed,) = files.list_inputs(f"gs://{BUCKET}/{prefix}/in", f"gs://{BUCKET}/{prefix}/in/out")
     assert listed.version.startswith("generation ") and listed.version != "generation "
-    inp, out = f"gs://{BUCKET}/{prefix}/in", f"gs://{BUCKET}/{prefix}/out"
+    # The output under the input, as test_an_output_under_the_input_directory_is_left_out_of_the_input.
+    inp, out = f"gs://{BUCKET}/{prefix}/in", f"gs://{BUCKET}/{prefix}/in/out"
     assert run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([])).rows_ok == 3
     again = run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([]))
     assert again.shards_run == 0
     _upload(gcs, f"{prefix}/in/part-0.jsonl", _lines(["r0", "r1", "r9"]))
-    (rewritten,) = files.list_inputs(inp)
+    (rewritten,) = files.list_inputs(inp, out)
     assert rewritten.size == listed.size and rewritten.version != listed.version
     with pytest.raises(BatchError, match="the input files changed"):
         run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([]))
