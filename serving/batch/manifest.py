@@ -18,19 +18,38 @@ from serving.config import ServingConfig
 MANIFEST = "_manifest.json"
 SUMMARY = "_summary.json"
 RESULTS_PREFIX = "results-"
-# The config keys that change what a row's output is; others (slots, queue, profiling) may change.
-OUTPUT_KEYS = (
-    "model_name",
-    "load_parameters_path",
-    "weight_dtype",
-    "dtype",
-    "quantization",
-    "quantize_kvcache",
-    "checkpoint_is_quantized",
-    "max_prefill_predict_length",
-    "max_target_length",
-    "unknown_request_fields",  # decides whether a row with an unknown field fails or runs
-)
+# The config keys that change only how fast or where rows are served, not what their records say:
+# a rerun may change them. Every other ServingConfig key decides a row's output and a rerun that
+# changes one is refused naming it: the model, its shape (override_model_config, base_*, head_dim,
+# vocab_size, rope and norm constants), dtypes, quantization and the KV cache's (kv_quant_axis),
+# the tokenizer, the length limits, unknown_request_fields (whether such a row fails), the LoRA
+# adapters (lora_input_adapters_path, and max_lora_rank: which of them load). A key added to
+# ServingConfig counts as output-deciding until it is listed here: a resume refused by mistake says
+# which key, one accepted by mistake mixes outputs silently.
+RUNTIME_KEYS = frozenset({
+    # Placement and sharding.
+    "per_device_batch_size", "ici_fsdp_parallelism", "ici_autoregressive_parallelism",
+    "ici_tensor_parallelism", "logical_axis_rules", "override_logical_axis_rules",
+    "replicate_quant_scale", "scan_layers", "runtime", "inference_server", "prefill_slice",
+    "generate_slice", "stack_prefill_result_cache", "coordinator_address", "num_processes",
+    "process_id", "distributed_timeout_s",
+    # Kernels and the shapes of device calls (float rounding may differ, not the request's meaning).
+    "cpu_kernels", "attention", "use_ragged_attention", "ragged_block_size", "int8_matmul_kernel",
+    "pagedattn_num_pages", "pagedattn_tokens_per_page", "pagedattn_pages_per_compute_block",
+    "pagedattn_max_pages_per_group", "decode_steps_per_call", "decode_slot_buckets",
+    "prefill_chunk_size", "max_prefill_batch", "prefill_batch_tokens", "history_batch_tokens",
+    "prefix_cache", "prefix_block_size", "kv_cache_bytes_per_chip", "max_loras", "max_cpu_loras",
+    # Speculative decoding: the same output distribution (greedy: the same tokens).
+    "speculative_method", "num_speculative_tokens", "speculative_model", "prompt_lookup_min",
+    "prompt_lookup_max", "speculative_max_slots", "speculative_min_acceptance",
+    "speculative_cost_ratio", "speculative_draft_cost_ratio",
+    # Scheduling, compilation, profiling, and the HTTP and gRPC servers (batch runs neither).
+    "max_queued_requests", "async_scheduling", "admission_wait_ms", "admission_gap_ms",
+    "enable_model_warmup", "enable_background_warmup", "jax_compilation_cache_dir",
+    "profiler_steps", "profile_dir", "profiler_port", "api_key", "liveness_timeout_s",
+    "drain_timeout_s", "max_request_body_bytes", "grpc_port",
+})  # fmt: skip
+OUTPUT_KEYS = tuple(key for key in ServingConfig.model_fields if key not in RUNTIME_KEYS)
 
 
 @dataclass(frozen=True)

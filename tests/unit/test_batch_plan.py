@@ -5,13 +5,14 @@ input (local files and fake-gcs-server; no model, no JAX)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from serving.batch import files
+from serving.batch import files, manifest
 from serving.batch.errors import BatchError
 from serving.batch.runner import run_batch
 from serving.config import ServingConfig
@@ -97,6 +98,53 @@ def test_an_output_under_the_input_directory_is_left_out_of_the_input(tmp_path):
     assert set(records(data / "out")) == {"r0", "r1", "r2"}
     with pytest.raises(BatchError, match="the input directory itself"):
         _run(data, data)
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"tokenizer_path": "/other/tokenizer.json"}, "tokenizer_path: '' -> '/other/tokenizer.json'"),
+        ({"override_model_config": True, "base_num_decoder_layers": 2}, "base_num_decoder_layers: None -> 2"),
+        ({"kv_quant_axis": "heads_and_dkv"}, "kv_quant_axis: 'dkv' -> 'heads_and_dkv'"),
+        ({"lora_input_adapters_path": "/some/adapters"}, "lora_input_adapters_path: '' -> '/some/adapters'"),
+        ({"max_lora_rank": 64}, "max_lora_rank: 16 -> 64"),
+    ],
+)
+def test_a_resume_with_an_output_deciding_key_changed_is_refused_naming_it(tmp_path, changed, named):
+    """These keys were missing from the fingerprint: a resume with another tokenizer or model shape
+    mixed two models' outputs in one job."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out"
+    source.write_bytes(_lines(["r0", "r1", "r2", "r3"]))
+    _run(source, out)
+    _interrupt(out)
+    with pytest.raises(BatchError, match=re.escape(named)):
+        _run(source, out, cfg=CFG.model_copy(update=changed))
+
+
+def test_a_resume_with_only_runtime_keys_changed_continues(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out"
+    source.write_bytes(_lines(["r0", "r1", "r2", "r3"]))
+    _run(source, out)
+    _interrupt(out)
+    faster = {
+        "max_queued_requests": 8,
+        "prefix_cache": "off",
+        "decode_steps_per_call": 2,
+        "speculative_method": "ngram",
+    }
+    resumed = _run(source, out, cfg=CFG.model_copy(update=faster))
+    assert (resumed.shards_run, resumed.rows_ok) == (1, 4)
+
+
+def test_the_runtime_keys_are_config_keys_and_the_rest_decide_the_output():
+    assert manifest.RUNTIME_KEYS.issubset(ServingConfig.model_fields)  # no misspelt key
+    assert {
+        "model_name",
+        "tokenizer_path",
+        "base_emb_dim",
+        "kv_quant_axis",
+        "lora_input_adapters_path",
+    } <= set(manifest.OUTPUT_KEYS)
 
 
 @pytest.fixture(scope="module")
