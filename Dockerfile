@@ -15,7 +15,6 @@ RUN pip install "jax[tpu]==${JAX_VERSION}" pathwaysutils
 
 COPY pyproject.toml README.md ./
 COPY serving serving
-COPY checkpoints checkpoints
 COPY loadtest loadtest
 COPY configs configs
 RUN pip install '.[gcs]' && pathserve --help > /dev/null

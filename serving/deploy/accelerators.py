@@ -26,6 +26,11 @@ class Accelerator:
     topology_dims: int  # 2 for v5e/v6e (AxB), 3 for v4/v5p (AxBxC)
     bytes_limit: int  # what the runtime reports per chip (see BYTES_LIMIT)
     chips_per_host: int = 4
+    # The slice shapes GKE offers (cloud.google.com/gke-tpu-topology values); empty: not listed here
+    # (the 3-D generations: checked by dimensions and hosts only).
+    topologies: tuple[str, ...] = ()
+    # More flags of the Pathways resource manager for this generation (the seed's, for v6e).
+    resource_manager_flags: tuple[str, ...] = ()
 
 
 GB, GIB = 1e9, 1 << 30
@@ -44,17 +49,24 @@ BYTES_LIMIT = {
     # tpu-info's v4 fixture; an older runtime (jax issue #1491, 2023) reported 33,014,415,360.
     "tpu-v4-podslice": 34_088_157_184,
 }
+# The v5e and v6e slice shapes GKE offers (its TPU topology pages; the pathways-job controller's
+# table for ct6e-standard-4t): no node pool carries another, so a pod asking for one stays Pending.
+GKE_2D_TOPOLOGIES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 # A live `serve` checks each device's own bytes_limit before it places anything.
 ACCELERATORS = {
     a.gke_name: a
     for a in (
         Accelerator(
             "tpu-v6e-slice", "tpuv6e", "ct6e-standard-4t", 32 * GIB, 1640 * GB, 918e12, 2,
-            BYTES_LIMIT["tpu-v6e-slice"],
+            BYTES_LIMIT["tpu-v6e-slice"], topologies=GKE_2D_TOPOLOGIES,
+            resource_manager_flags=(
+                "--temporary_flags_for_debugging=temporary_flag_for_debugging_worker_expected_tpu_chip_config"
+                "=megachip_tccontrol",
+            ),
         ),
         Accelerator(
             "tpu-v5-lite-podslice", "tpuv5e", "ct5lp-hightpu-4t", 16 * GIB, 819 * GB, 197e12, 2,
-            BYTES_LIMIT["tpu-v5-lite-podslice"],
+            BYTES_LIMIT["tpu-v5-lite-podslice"], topologies=GKE_2D_TOPOLOGIES,
         ),
         Accelerator(
             "tpu-v5p-slice", "tpuv5", "ct5p-hightpu-4t", 95 * GIB, 2765 * GB, 459e12, 3,
@@ -113,6 +125,10 @@ def tpu_slice(accelerator_name: str, topology: str, chips_per_host: int | None =
         raise DeployError(
             f"tpu.topology: {topology!r} does not fit {accelerator_name}, which takes "
             f"{acc.topology_dims} dimensions like {example}"
+        )
+    if acc.topologies and topology not in acc.topologies:
+        raise DeployError(
+            f"tpu.topology: GKE offers no {topology} slice of {accelerator_name} (it offers {', '.join(acc.topologies)})"
         )
     chips = math.prod(int(p) for p in parts)
     if acc.topology_dims == 2 and chips == 8:

@@ -20,6 +20,10 @@ _JAX_TAG = re.compile(r"jax-(\d+\.\d+\.\d+\S*)")
 # The seed's HTTP sidecar: JetStream's /generate and /healthcheck on :8000, as gRPC calls to :9000.
 JETSTREAM_HTTP_IMAGE = "us-docker.pkg.dev/cloud-tpu-images/inference/jetstream-http:v0.2.4"
 JETSTREAM_HTTP_PORT, JETSTREAM_GRPC_PORT = 8000, 9000  # fixed in that image
+# Pathways' own ports (the seed's): the resource manager and the proxy share the leader pod with the
+# engine, the server listens on each TPU host.
+RM_PORT, PROXY_PORT, WORKER_PORT = 38677, 38681, 38679
+PATHWAYS_PORTS = {"Pathways resource manager": RM_PORT, "Pathways proxy": PROXY_PORT, "Pathways server": WORKER_PORT}
 
 
 class _Strict(BaseModel):
@@ -168,6 +172,18 @@ class DeploymentConfig(_Strict):
         ports = self.ports
         if ports.http == ports.grpc:
             raise ValueError(f"ports.http and ports.grpc are both {ports.http}")
+        taken = {PATHWAYS_PORTS[name]: name for name in PATHWAYS_PORTS} if self.runtime == "pathways" else {}
+        for name in ("http", "grpc", "engine_http"):
+            if getattr(ports, name) in taken:
+                raise ValueError(
+                    f"ports.{name}: {getattr(ports, name)} is the {taken[getattr(ports, name)]}'s port, in the "
+                    "same pod as the engine; choose another"
+                )
+        if self.frontend == "jetstream-http" and self.runtime == "multicontroller":
+            raise ValueError(
+                "frontend: jetstream-http runs beside the Pathways leader's engine; runtime: multicontroller "
+                "serves the builtin front-end only (its pods have no sidecar)"
+            )
         if self.frontend == "jetstream-http":
             if (ports.http, ports.grpc) != (JETSTREAM_HTTP_PORT, JETSTREAM_GRPC_PORT):
                 raise ValueError(

@@ -12,7 +12,7 @@ from typing import Any
 
 from serving.deploy import disaggregated, gateway, multicontroller
 from serving.deploy.accelerators import Slice
-from serving.deploy.config import DeploymentConfig
+from serving.deploy.config import PROXY_PORT, RM_PORT, WORKER_PORT, DeploymentConfig
 from serving.deploy.errors import DeployError
 from serving.deploy.pod_parts import (
     LEADER,
@@ -28,9 +28,6 @@ from serving.deploy.pod_parts import (
 from serving.deploy.pod_parts import leader_worker_set as lws_manifest
 
 PATHWAYS_JOB_API = "pathways-job.pathways.domain/v1"
-RM_PORT = 38677  # Pathways resource manager
-PROXY_PORT = 38681  # Pathways proxy (the engine's JAX backend)
-WORKER_PORT = 38679  # Pathways server on each TPU host
 
 
 def render(cfg: DeploymentConfig) -> list[Manifest]:
@@ -117,6 +114,7 @@ def resource_manager_container(cfg: DeploymentConfig, tpu: Slice) -> dict[str, A
         "--node_type=resource_manager",
         f"--instance_count={cfg.tpu.num_slices}",
         f"--instance_type={tpu.instance_type}",
+        *tpu.accelerator.resource_manager_flags,
     ]
     container = _pathways_container(
         cfg, "pathways-rm", cfg.images.pathways_server, RM_PORT, args, _pathways_resources(cfg)
@@ -142,11 +140,23 @@ def worker_container(cfg: DeploymentConfig, tpu: Slice, resource_manager: str = 
     return _pathways_container(cfg, "pathways-worker", cfg.images.pathways_server, WORKER_PORT, args, tpus)
 
 
+def tpu_scheduling(tpu: Slice) -> dict[str, Any]:
+    """The node selector and toleration of a pod in a TPU slice's node pool. The leader takes them
+    too, as in the seed: a LeaderWorkerSet's exclusive topology puts every pod of a group, leader
+    included, in one node pool, and a leader that cannot land on the TPU pool keeps its workers
+    Pending with it."""
+    return {
+        "nodeSelector": tpu_node_selector(tpu),
+        "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+
+
 def leader_pod(cfg: DeploymentConfig, tpu: Slice) -> dict[str, Any]:
     """The leader: the Pathways resource manager (one instance per slice), its proxy and the engine."""
     return {
         "metadata": {"labels": {**gateway.leader_labels(cfg), **gateway.engine_type_labels(cfg)}},
         "spec": {
+            **tpu_scheduling(tpu),
             "containers": [
                 resource_manager_container(cfg, tpu),
                 proxy_container(cfg),
@@ -162,8 +172,7 @@ def worker_pod(cfg: DeploymentConfig, tpu: Slice, container: dict[str, Any] | No
     return {
         "metadata": {"labels": {**labels(cfg), "role": "worker"}},
         "spec": {
-            "nodeSelector": tpu_node_selector(tpu),
-            "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+            **tpu_scheduling(tpu),
             "containers": [container or worker_container(cfg, tpu)],
         },
     }
@@ -238,7 +247,8 @@ def pathways_job(cfg: DeploymentConfig, index: int = 0) -> Manifest:
             f"--worker-id={name}",
             *cfg.serving_args(),
         ],
-        "env": [{"name": "JAX_PLATFORMS", "value": "proxy"}],
+        # as the serving engine's: Orbax restores through Pathways' persistence handler (the seed)
+        "env": [{"name": "JAX_PLATFORMS", "value": "proxy"}, {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"}],
         "resources": {
             "requests": {"cpu": cfg.resources.engine_cpu, "memory": cfg.resources.engine_memory},
             "limits": {"memory": cfg.resources.engine_memory},

@@ -77,9 +77,17 @@ def test_leader_worker_set_for_405b_on_v6e_16():
     assert worker["containers"][0]["resources"]["limits"]["google.com/tpu"] == 4
     assert worker["tolerations"][0]["key"] == "google.com/tpu"
     assert "--resource_manager_address=$(LWS_LEADER_ADDRESS):38677" in worker["containers"][0]["args"]
-    leader = {c["name"]: c for c in template["leaderTemplate"]["spec"]["containers"]}
+    # the leader lands in the TPU node pool too (the seed's): the exclusive topology keeps a group in
+    # one pool, so a leader without these kept its workers Pending
+    leader_spec = template["leaderTemplate"]["spec"]
+    assert (leader_spec["nodeSelector"], leader_spec["tolerations"]) == (worker["nodeSelector"], worker["tolerations"])
+    leader = {c["name"]: c for c in leader_spec["containers"]}
     assert set(leader) == {"pathways-rm", "pathways-proxy", "engine"}
     assert "--instance_type=tpuv6e:4x4" in leader["pathways-rm"]["args"]
+    assert (  # the seed's resource manager flag for v6e
+        "--temporary_flags_for_debugging=temporary_flag_for_debugging_worker_expected_tpu_chip_config=megachip_tccontrol"
+        in leader["pathways-rm"]["args"]
+    )
     assert {"name": "HOST_ADDRESS", "value": "$(LWS_LEADER_ADDRESS)"} in leader["pathways-rm"]["env"]
     assert "--gcs_scratch_location=gs://my-bucket/pathways-scratch" in leader["pathways-proxy"]["args"]
     engine = leader["engine"]
@@ -144,6 +152,7 @@ def test_batch_config_renders_a_colocated_pathways_job():
     ]
     assert job["spec"]["pathwaysVersion"] == "jax-0.10.2"
     main = job["spec"]["controller"]["template"]["spec"]["containers"][0]
+    assert {"name": "ENABLE_PATHWAYS_PERSISTENCE", "value": "1"} in main["env"]  # Orbax restores through Pathways
     assert main["args"][:3] == [
         "batch",
         "--input=gs://my-bucket/batch/in/",
@@ -333,6 +342,10 @@ def _write_variant(tmp_path: Path, base: Path, **changes) -> Path:
         ),
         ({"tpu__accelerator": "tpu-v9-slice"}, ["tpu.accelerator", "tpu-v9-slice"]),
         ({"tpu__topology": "4x4x4"}, ["tpu.topology", "4x4x4"]),
+        ({"tpu__topology": "2x8"}, ["tpu.topology", "GKE offers no 2x8 slice", "4x4"]),
+        ({"ports__http": 38681}, ["ports.http", "Pathways proxy"]),
+        ({"ports__grpc": 38677}, ["ports.grpc", "Pathways resource manager"]),
+        ({"frontend": "jetstream-http", "runtime": "multicontroller", "ports__http": 8000}, ["multicontroller"]),
         ({"tpu__chips_per_host": 8}, ["tpu.chips_per_host", "4x4, which GKE offers with 4 chips per host"]),
         (
             {"images__pathways_proxy": "us-docker.pkg.dev/x/proxy_server:jax-0.9.0"},
@@ -382,6 +395,11 @@ def test_deploy_commands_do_not_import_jax():
 
 def test_dockerfile_jax_version_matches_the_deployment_image_tags():
     dockerfile = (REPO / "Dockerfile").read_text()
+    # every COPY source is in the repository (a moved directory broke the build once)
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY ") and "--from" not in line:
+            *sources, _ = line.split()[1:]
+            assert all((REPO / s).exists() for s in sources), line
     (version,) = [
         line.split("=", 1)[1] for line in dockerfile.splitlines() if line.startswith("ARG JAX_VERSION=")
     ]
