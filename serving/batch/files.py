@@ -105,15 +105,11 @@ def iter_lines(url: str, start: int, end: int) -> Iterator[bytes]:
         raise BatchError(f"{url}: the input file disappeared") from None
 
 
-def line_offsets(url: str) -> list[int]:
-    """Byte offset of the start of every line, then the file size (streamed, not held in memory)."""
+def lines(url: str) -> Iterator[bytes]:
+    """Every line of a file with its newline, streamed (not held in memory)."""
     fs, path = _fs(url)
-    offsets, position = [], 0
     with fs.open(path, "rb") as f:
-        for line in f:
-            offsets.append(position)
-            position += len(line)
-    return [*offsets, position]
+        yield from f
 
 
 def read_bytes(url: str) -> bytes | None:

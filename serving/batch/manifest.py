@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from serving.batch import files
+from serving.batch.custom_ids import CustomIds
 from serving.batch.errors import BatchError
 from serving.config import ServingConfig
 
@@ -141,10 +142,12 @@ def _same_files(old: list[list], new: list[list]) -> bool:
 
 
 def plan(inputs: list[files.InputFile], shard_size: int) -> list[Shard]:
-    """Shards of up to `shard_size` lines, file by file."""
+    """Shards of up to `shard_size` lines, file by file; raises BatchError when a custom_id is on
+    more than one line (serving.batch.custom_ids)."""
     shards = []
+    seen = CustomIds()
     for index, url in enumerate(f.url for f in inputs):
-        offsets = files.line_offsets(url)
+        offsets = _line_offsets(url, seen)
         count = len(offsets) - 1
         for first in range(0, count, shard_size):
             last = min(first + shard_size, count)
@@ -159,7 +162,18 @@ def plan(inputs: list[files.InputFile], shard_size: int) -> list[Shard]:
                     end=offsets[last],
                 )
             )
+    seen.check([f.url for f in inputs])
     return shards
+
+
+def _line_offsets(url: str, seen: CustomIds) -> list[int]:
+    """Byte offset of the start of every line, then the file size; `seen` takes each line's id."""
+    offsets, position = [], 0
+    for line in files.lines(url):
+        offsets.append(position)
+        position += len(line)
+        seen.add(line)
+    return [*offsets, position]
 
 
 def load(output_url: str) -> Manifest | None:

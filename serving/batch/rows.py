@@ -59,6 +59,16 @@ def parse(raw: bytes, record_id: str) -> Row:
 _NOT_TEXT = "holds a lone surrogate (a \\ud800-\\udfff escape not part of a pair), which is not text"
 
 
+def custom_id_of(raw: bytes) -> str | None:
+    """The custom_id the line's record will carry; None when it has none of its own (a plain line
+    without an id: its record id stands in) or cannot be read (its record says why)."""
+    try:
+        obj = _load(raw)
+        return _custom_id(obj, "") if _is_batch_request(obj) or "id" in obj else None
+    except RowError:
+        return None
+
+
 def _load(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw)

@@ -177,3 +177,48 @@ def test_a_gcs_object_rewritten_to_the_same_size_is_refused_by_its_generation(gc
     assert rewritten.size == listed.size and rewritten.version != listed.version
     with pytest.raises(BatchError, match="the input files changed"):
         run_batch(inp, out, "mock", CFG, shard_size=2, progress=False, start=start_mock([]))
+
+
+def test_a_custom_id_on_two_lines_refuses_the_job_up_front_naming_it_and_its_lines(tmp_path):
+    """OpenAI's batch API requires custom_ids unique; two records under one id were written silently."""
+    data = tmp_path / "in"
+    data.mkdir()
+    request = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "ab", "max_tokens": 2}}
+    (data / "a.jsonl").write_bytes(
+        b"".join(
+            json.dumps(line).encode() + b"\n"
+            for line in [{"custom_id": "x", **request}, {"id": 5, "prompt": "ab"}]
+        )
+    )
+    (data / "b.jsonl").write_bytes(
+        b"\n".join(
+            [
+                b"{not json",
+                b"",
+                json.dumps({"id": "5", "prompt": "ab"}).encode(),
+                json.dumps({"custom_id": "x", **request}).encode(),
+            ]
+        )
+        + b"\n"
+    )
+    started: list = []
+    with pytest.raises(BatchError) as refused:
+        run_batch(str(data), str(tmp_path / "out"), "mock", CFG, progress=False, start=start_mock(started))
+    message = str(refused.value)
+    assert f"'x' on {data}/a.jsonl line 1, {data}/b.jsonl line 4" in message
+    assert f"'5' on {data}/a.jsonl line 2, {data}/b.jsonl line 3" in message
+    assert (
+        started == [] and not (tmp_path / "out" / "_manifest.json").exists()
+    )  # nothing planned, nothing run
+
+
+def test_lines_without_ids_of_their_own_and_ids_that_share_a_hash_are_not_duplicates(tmp_path, monkeypatch):
+    from serving.batch import custom_ids
+
+    monkeypatch.setattr(custom_ids, "hash", lambda _: 7, raising=False)  # every id the same hash
+    source = tmp_path / "in.jsonl"
+    unreadable = [b"{not json", b"[1]", json.dumps({"custom_id": 3, "body": {}}).encode()] * 2
+    plain = [json.dumps({"prompt": "ab", "max_tokens": 2}).encode()] * 2  # their record ids stand in
+    source.write_bytes(b"\n".join([*unreadable, *plain, *_lines(["a", "b"]).splitlines()]) + b"\n")
+    summary = _run(source, tmp_path / "out")
+    assert (summary.rows_ok, summary.rows_failed) == (4, 6)
