@@ -150,9 +150,12 @@ def with_free_grpc_port(args) -> list[str]:
 
 
 def metric(server: ServerProcess, name: str, labels: str = "") -> float:
-    """One sample of the server's /metrics (0 when absent); `labels` as written, e.g. '{code="200"}'."""
+    """One sample of the server's /metrics (0 when absent); `labels` as written, e.g. '{code="200"}';
+    without them, the name's first series whatever its labels (a jetstream_* one carries JetStream's
+    id and model_name)."""
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    written = re.escape(labels) if labels else r"(?:\{[^}]*\})?"
+    match = re.search(rf"^{re.escape(name)}{written} (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 
 

@@ -4,12 +4,13 @@
 
 const POLL_MS = 2000;
 
-/** The unlabelled samples of a Prometheus text exposition: name -> number. */
+/** The samples of a Prometheus text exposition: name -> number, the first series of each name
+ * whatever its labels (the jetstream_* gauges carry JetStream's id and model_name). */
 export function parseMetrics(text) {
   const values = new Map();
   for (const line of text.split("\n")) {
-    const match = /^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$/.exec(line);
-    if (match) values.set(match[1], Number(match[2]));
+    const match = /^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$/.exec(line);
+    if (match && !values.has(match[1])) values.set(match[1], Number(match[2]));
   }
   return values;
 }
