@@ -55,6 +55,11 @@ class Launched:
     def model_name(self) -> str:
         return self.model.config.name
 
+    @property
+    def model_load_s(self) -> float:
+        """Seconds reading the weights and placing them on the devices (JetStream's model load time)."""
+        return self.phases.get("load", 0.0) + self.phases.get("placement", 0.0)
+
     def describe(self) -> str:
         from serving.engine.partitioning import describe
 

@@ -63,7 +63,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/startupz", tags=["probes"])
     def startupz() -> JSONResponse:
         """Startup probe: weights loaded and the warmup's shapes compiled (the background ones may still be compiling)."""
-        return _probe(state.started, "starting" if not state.startup_error else state.startup_error)
+        return _probe(state.started, state.startup_error or ("started" if state.started else "starting"))
 
     @app.get("/readyz", tags=["probes"])
     def readyz() -> JSONResponse:
@@ -84,11 +84,14 @@ def create_app(state: ServerState) -> FastAPI:
             return _probe(False, f"the device loop made no progress for {stalled:.0f} s")
         return _probe(True, "alive")
 
-    def snapshot():
+    def snapshot() -> prometheus.Scrape:
         orch = state.orchestrator
         with state.lock:
             http_requests = dict(state.http_requests)
-        return (orch.metrics if orch else None), http_requests, state.unknown_fields.counts()
+        return prometheus.Scrape(
+            orch.metrics if orch else None, http_requests, state.unknown_fields.counts(),
+            state.model_name, state.model_load_s, state.startup_s,
+        )
 
     metrics_registry = prometheus.registry(snapshot)
 

@@ -153,7 +153,7 @@ def _load(
         state.startup_error = f"internal: loading the model failed: {exc!r}"
         server.should_exit = True
         return
-    state.set_ready(launched.orchestrator, launched.model.config.name)
+    state.set_ready(launched.orchestrator, launched.model.config.name, launched.model_load_s, launched.startup_s)
     _say(f"ready: {launched.describe()}")
 
 

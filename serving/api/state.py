@@ -26,6 +26,8 @@ class ServerState:
     api_key: str = ""
     phase: str = "starting"
     model_name: str = ""
+    model_load_s: float | None = None  # start-up's seconds reading the weights and placing them (/metrics)
+    startup_s: float | None = None  # start-up's seconds from loading to the device loop running (/metrics)
     orchestrator: Orchestrator | None = None
     startup_error: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -37,8 +39,13 @@ class ServerState:
     def __post_init__(self) -> None:
         self.unknown_fields = UnknownFieldPolicy(self.config.unknown_request_fields)
 
-    def set_ready(self, orchestrator: Orchestrator, model_name: str) -> None:
-        self.orchestrator, self.model_name = orchestrator, model_name
+    def set_ready(
+        self, orchestrator: Orchestrator, model_name: str, model_load_s: float | None = None,
+        startup_s: float | None = None,
+    ) -> None:
+        """Serve `orchestrator`'s model under `model_name`; its start-up's seconds where measured."""
+        self.model_name, self.model_load_s, self.startup_s = model_name, model_load_s, startup_s
+        self.orchestrator = orchestrator  # last: what reads it (a scrape, a route) finds the rest set
         with self.lock:
             if self.phase == "starting":
                 self.phase = "ready"

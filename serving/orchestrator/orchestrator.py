@@ -64,6 +64,7 @@ from serving.orchestrator.streams import (
     ANSWER,
     END,
     Answer,
+    ChoiceGroup,
     Completion,
     Delta,
     LoopQueue,
@@ -279,8 +280,10 @@ class Orchestrator:
             self.adapters.check(sampling.adapter)
         matchers = self._matchers(sampling)
         stops = tuple(s for s in stop_strings if s)
+        group = ChoiceGroup(sampling.n)
         requests = [
-            Request(list(prompt_ids), sampling, stops, choice=i, grammar=matchers[i]) for i in range(sampling.n)
+            Request(list(prompt_ids), sampling, stops, choice=i, grammar=matchers[i], group=group)
+            for i in range(sampling.n)
         ]
         answer = ANSWER.get()
         for request in requests:
@@ -414,6 +417,7 @@ class Orchestrator:
         ahead.land_unless_ahead()
         cancelled = {rid for rid, r in running.items() if r.cancelled.is_set()}
         groups = self._take(scheduler.room(cancelled))
+        self._dequeued([group for group, _load in groups])
         for group, _load in groups:
             running.update((r.request_id, r) for r in group)
         waiting = [_waiting(group, load) for group, load in groups]
@@ -549,6 +553,15 @@ class Orchestrator:
             self._finish(request, ADAPTER_UNLOADED)
         return taken
 
+    def _dequeued(self, groups: list[list[Request]]) -> None:
+        """The requests just taken into slots (JetStream's dequeue for prefill): when, for their
+        time to first token, and their time in the queue and prompt length, once a request."""
+        now = time.perf_counter()
+        for group in groups:
+            for request in group:
+                request.dequeued = now
+            self.metrics.admitted(now - group[0].submitted, len(group[0].prompt_ids))
+
     def _sweep_cancelled(self) -> list[Request]:
         """Take the cancelled requests (each with its choices: a request's n entries are
         consecutive) out of the queue, leaving the others in order, and return them. Without it a
@@ -600,15 +613,17 @@ class Orchestrator:
         prompt_logprobs: tuple[TokenLogprob | None, ...] | None,
     ) -> None:
         """A prefill's token onto its stream at once (before the turn's generate call); with
-        max_tokens 0 (scoring the prompt) only the prompt's logprobs. A preempted sequence's
-        prefill gives its next token, not its first: the time to first token is observed once."""
-        first = request.last_token is None
+        max_tokens 0 (scoring the prompt) only the prompt's logprobs. The time to first token is
+        JetStream's: from the request's dequeue into its slots, once a request (its choices are
+        prefilled together: choice 0's), and once a sequence (a preempted sequence's prefill gives
+        its next token, not its first)."""
+        first = request.last_token is None and request.choice == 0
         if prompt_logprobs is not None:
             request.tokens.put(PromptLogprobs(prompt_logprobs))
         if request.sampling.max_tokens > 0:
             request.put(token, logprob)
         if first:
-            self.metrics.observe("time_to_first_token", time.perf_counter() - request.submitted)
+            self.metrics.observe("time_to_first_token", time.perf_counter() - request.dequeued)
 
     def _deliver(self, outcome: StepOutcome, slots: dict[int, Request]) -> None:
         """Each step's tokens of the generate call onto their requests' streams: a request's tokens

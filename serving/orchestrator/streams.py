@@ -8,7 +8,8 @@ stop token that ended a request (an end-of-sequence or a stop_token_ids token) a
 `include_stop_str_in_output`; special tokens are left out unless `skip_special_tokens` is false,
 when `spaces_between_special_tokens` puts a space between each and its neighbours. A token
 that comes with its logprobs (a `TokenLogprob`) travels with them into its delta; a request with
-n > 1 choices is n requests (one stream each) admitted together.
+n > 1 choices is n requests (one stream each) admitted together, and one request in the metrics:
+counted when the reader of its last choice takes its end (`ChoiceGroup`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from serving.orchestrator.metrics import SUCCESS_REASONS, EngineMetrics
 from serving.request import SamplingParams, TokenLogprob
 from serving.text.tokenizer import Tokenizer
 
@@ -103,6 +105,23 @@ class Answer:
         self.written = False
 
 
+class ChoiceGroup:
+    """The n choices of one request (each a `Request` with a reader of its own): the request ends,
+    for the metrics, when its last choice does."""
+
+    def __init__(self, n: int = 1):
+        self._left = n
+        self._completions: list[Completion] = []
+        self._lock = threading.Lock()
+
+    def end(self, completion: Completion) -> list[Completion] | None:
+        """Record a choice's end: every choice's record, in choice order, when it was the last; else None."""
+        with self._lock:
+            self._completions.append(completion)
+            self._left -= 1
+            return sorted(self._completions, key=lambda c: c.choice) if self._left == 0 else None
+
+
 # The answer being made in this context (an HTTP route's, set by its gate): the requests submitted
 # in it are answered when it is written, not when their readers take their last token.
 ANSWER: contextvars.ContextVar[Answer | None] = contextvars.ContextVar("pathserve_answer", default=None)
@@ -118,6 +137,7 @@ class Request:
     # ints, then (END, reason); a SimpleQueue for thread readers, a LoopQueue for asyncio readers
     tokens: queue.SimpleQueue | LoopQueue = field(default_factory=queue.SimpleQueue)
     submitted: float = field(default_factory=time.perf_counter)
+    dequeued: float = 0.0  # when the device loop took it from the queue into its slots (perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: int = field(default_factory=itertools.count().__next__)
     last_token: int | None = None  # the newest token put on the stream (the device loop's)
@@ -126,6 +146,7 @@ class Request:
     ended: bool = False  # its end is on the stream (the device loop's): no token may follow
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (the device loop's, before any token)
     answer: Answer | None = None  # the front-end's answer it goes into (None: its reader answers)
+    group: ChoiceGroup = field(default_factory=ChoiceGroup)  # its request's choices, shared by them
 
     def put(self, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a token (with its logprobs, if asked) to the reader (device loop only)."""
@@ -318,11 +339,28 @@ class RequestHandle:
             self.cancel()  # a stop string or a reader that left: free the slot
         self.completion = self._assembler.completion()
         metrics = self._orchestrator.metrics
-        c = self.completion
-        metrics.finished(c.finish_reason, c.prompt_tokens, c.completion_tokens)
-        times = self.completion.token_times
-        if len(times) > 1:
-            metrics.observe("time_per_output_token", (times[-1] - times[0]) / (len(times) - 1))
+        metrics.choice_finished(self.completion.completion_tokens)
+        choices = self._request.group.end(self.completion)
+        if choices is not None:
+            _request_finished(metrics, choices, time.perf_counter() - self._request.submitted)
+
+
+def _request_finished(metrics: EngineMetrics, choices: list[Completion], seconds: float) -> None:
+    """A request into the metrics once, when its last choice ended (`seconds` after its submission).
+    Its finish reason: the first of its choices' that is not stop or length (cancelled, or an error:
+    the request did not succeed), else its first choice's. Its time per output token: its choices'
+    mean, each after its first token."""
+    reasons = [c.finish_reason for c in choices]
+    per_token = [
+        (c.token_times[-1] - c.token_times[0]) / (len(c.token_times) - 1) for c in choices if len(c.token_times) > 1
+    ]
+    metrics.request_finished(
+        next((r for r in reasons if r not in SUCCESS_REASONS), reasons[0]),
+        choices[0].prompt_tokens,
+        sum(c.completion_tokens for c in choices),
+        seconds,
+        sum(per_token) / len(per_token) if per_token else None,
+    )
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, int] | None:

@@ -7,7 +7,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import metric_names
-from serving.api.prometheus import registry, render
+from serving.api.prometheus import Scrape, registry, render
 from serving.config import OrchestratorConfig
 from serving.engine.mock import AsciiTokenizer, MockEngine
 from serving.lora.peft import LoraWeights
@@ -18,7 +18,7 @@ from serving.request import SamplingParams
 
 def _scrape(orchestrator: Orchestrator) -> dict[str, list]:
     """metric name -> its samples, through the exposition format and prometheus_client's parser."""
-    text = render(registry(lambda: (orchestrator.metrics, {}, {})))
+    text = render(registry(lambda: Scrape(orchestrator.metrics)))
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
 
 
@@ -36,7 +36,7 @@ def test_every_protocol_name_is_a_gauge_with_its_labels():
     engine = MockEngine(slots=4, max_target_length=512, prefix_block=16, block_bytes=1000)
     config = OrchestratorConfig()
     orchestrator = Orchestrator(engine, {}, AsciiTokenizer(), config, adapters=_adapters(max_loras=2))
-    text = render(registry(lambda: (orchestrator.metrics, {}, {})))
+    text = render(registry(lambda: Scrape(orchestrator.metrics)))
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in (
         metric_names.QUEUED_REQUESTS,

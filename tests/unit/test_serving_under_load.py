@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from serving.api.prometheus import registry, render
+from serving.api.prometheus import Scrape, registry, render
 from serving.config import OrchestratorConfig
 from serving.engine.mock import AsciiTokenizer, MockEngine
 from serving.orchestrator import Orchestrator
@@ -113,7 +113,7 @@ def test_a_shared_prefix_is_loaded_from_the_cache_and_counted_in_metrics():
         requests = [([*SYSTEM, i, i + 1], SamplingParams(max_tokens=4)) for i in range(5)]
         first = _serve_together(orch, requests[:1])
         rest = _serve_together(orch, requests[1:])
-        text = render(registry(lambda: (orch.metrics, {}, {})))
+        text = render(registry(lambda: Scrape(orch.metrics)))
     finally:
         orch.stop(timeout=10)
     engine = orch.engine
@@ -150,7 +150,7 @@ def test_the_background_warmup_is_a_gauge_compiles_only_while_idle_and_stops_wit
     warmup = _Warmup()
     engine = MockEngine(slots=4, max_prefill_length=64, max_target_length=512, prefix_block=16, background_warmup=warmup)
     orch = Orchestrator(engine, {}, TOKENIZER, OrchestratorConfig(max_queued_requests=8))
-    assert "pathserve_warmup_shapes_pending 3.0" in render(registry(lambda: (orch.metrics, {}, {})))  # before start
+    assert "pathserve_warmup_shapes_pending 3.0" in render(registry(lambda: Scrape(orch.metrics)))  # before start
     orch.start()
     try:
         deadline = time.monotonic() + 10
@@ -161,7 +161,7 @@ def test_the_background_warmup_is_a_gauge_compiles_only_while_idle_and_stops_wit
         deadline = time.monotonic() + 10
         while (orch.metrics.warmup_shapes_pending or warmup.told[-1] != "idle") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert "pathserve_warmup_shapes_pending 0.0" in render(registry(lambda: (orch.metrics, {}, {})))
+        assert "pathserve_warmup_shapes_pending 0.0" in render(registry(lambda: Scrape(orch.metrics)))
     finally:
         orch.stop(timeout=10)
     told = [t for i, t in enumerate(warmup.told) if i == 0 or t != warmup.told[i - 1]]

@@ -48,18 +48,18 @@ def test_a_request_opts_out_of_speculation():
 
 def test_metrics_report_speculation_per_method_and_bench_serve_reads_them():
     from loadtest.bench import parse_speculative, speculative_summary
-    from serving.api.prometheus import registry, render
+    from serving.api.prometheus import Scrape, registry, render
     from serving.orchestrator.metrics import EngineMetrics
 
     metrics = EngineMetrics(total_slots=4, speculative_method="ngram", spec_proposed=40, spec_accepted=30,
                             spec_rounds=10)
-    text = render(registry(lambda: (metrics, {}, {})))
+    text = render(registry(lambda: Scrape(metrics)))
     assert 'pathserve_spec_decode_acceptance_rate{method="ngram"} 0.75' in text
     assert 'pathserve_spec_decode_mean_accepted_length{method="ngram"} 3.0' in text
     before = parse_speculative(text)
     assert before == {"ngram": {"proposed_tokens": 40.0, "accepted_tokens": 30.0, "rounds": 10.0}}
     metrics.spec_proposed, metrics.spec_accepted, metrics.spec_rounds = 60, 40, 15
-    after = parse_speculative(render(registry(lambda: (metrics, {}, {}))))
+    after = parse_speculative(render(registry(lambda: Scrape(metrics))))
     assert speculative_summary(before, after) == {
         "ngram": {"proposed": 20, "accepted": 10, "acceptance_rate": 0.5, "mean_accepted_length": 2.0}
     }
