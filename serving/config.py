@@ -10,6 +10,7 @@ import difflib
 import logging
 import math
 import os
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -211,6 +212,17 @@ class ServingConfig(BaseModel):
     unknown_request_fields: Literal["reject", "warn"] = "reject"
     # JetStream's gRPC API (jetstream_proto.Orchestrator) beside HTTP; 0 turns it off.
     grpc_port: int = Field(default=9000, ge=0, le=65535)
+    # MaxText's decode sampling, what JetStream's Decode (gRPC, and HTTP /v1/generate) samples with:
+    # its DecodeRequest has no sampling fields (serving.grpc.decode.sampling). greedy; weighted (the
+    # temperature); nucleus (top-p, then the temperature); topk (top-k, then the temperature);
+    # composite (top-k, then top-p, then the temperature).
+    decode_sampling_strategy: Literal["greedy", "weighted", "nucleus", "topk", "composite"] = "greedy"
+    decode_sampling_nucleus_p: float = Field(default=-1.0, le=1)  # -1: unset (base.yml's)
+    decode_sampling_top_k: int = Field(default=0, ge=0)
+    decode_sampling_temperature: float = Field(default=1.0, ge=0)
+    # MaxText's prometheus_port (JetStream's metrics server): /metrics also on this port; 0: only
+    # on the HTTP port.
+    prometheus_port: int = Field(default=0, ge=0, le=65535)
     # Multi-LoRA (serving.lora): every sub-directory of lora_input_adapters_path (MaxText's key; local
     # or gs://) is a PEFT adapter named by it, loaded at start-up; more come and go at run time.
     # max_loras adapters sit on the device at once (0: none, or 4 when lora_input_adapters_path is
@@ -280,6 +292,11 @@ class ServingConfig(BaseModel):
         if self.use_ragged_attention:
             self._ragged_attention_keys()
         self._disaggregation_keys()
+        strategy = self.decode_sampling_strategy
+        if strategy in ("nucleus", "composite") and not 0 < self.decode_sampling_nucleus_p <= 1:
+            raise ValueError(f"decode_sampling_strategy={strategy} needs decode_sampling_nucleus_p in (0, 1]")
+        if strategy in ("topk", "composite") and self.decode_sampling_top_k < 1:
+            raise ValueError(f"decode_sampling_strategy={strategy} needs decode_sampling_top_k of 1 or more")
         if self.max_prefill_predict_length > self.max_target_length:
             raise ValueError(
                 f"max_prefill_predict_length ({self.max_prefill_predict_length}) must not exceed "
@@ -536,6 +553,25 @@ class ServerConfig:
     api_key: str = _default("api_key")
     grpc_port: int = _default("grpc_port")
     unknown_request_fields: str = _default("unknown_request_fields")
+    decode_sampling_strategy: str = _default("decode_sampling_strategy")
+    decode_sampling_nucleus_p: float = _default("decode_sampling_nucleus_p")
+    decode_sampling_top_k: int = _default("decode_sampling_top_k")
+    decode_sampling_temperature: float = _default("decode_sampling_temperature")
+    prometheus_port: int = _default("prometheus_port")
+
+    def decode_sampling(self) -> dict[str, Any]:
+        """MaxText's decode_sampling_* keys as SamplingParams' fields (temperature, top_p, top_k and,
+        when it samples, a fresh seed a request, as MaxText's engine splits its key a request):
+        what a JetStream request, which has no sampling fields, is decoded with."""
+        strategy = self.decode_sampling_strategy
+        if strategy == "greedy":
+            return {"temperature": 0.0}
+        out: dict[str, Any] = {"temperature": self.decode_sampling_temperature, "seed": secrets.randbits(31)}
+        if strategy in ("nucleus", "composite"):
+            out["top_p"] = self.decode_sampling_nucleus_p
+        if strategy in ("topk", "composite"):
+            out["top_k"] = self.decode_sampling_top_k
+        return out
     max_loras: int = _default("max_loras")  # LoRA adapters served: the adapter APIs (gRPC service v1) are on
 
 

@@ -94,6 +94,7 @@ def create_app(state: ServerState) -> FastAPI:
         )
 
     metrics_registry = prometheus.registry(snapshot)
+    app.state.metrics_registry = metrics_registry  # also served on prometheus_port (serving.api.server)
 
     @app.get("/metrics", tags=["probes"])
     def metrics() -> Response:
@@ -109,14 +110,18 @@ def create_app(state: ServerState) -> FastAPI:
         state.unknown_fields.check(body)
         tokenizer = state.tokenizer
         prompt_ids = tokenizer.encode_prompt(body.prompt)
+        # Without sampling fields, as JetStream's Decode behind the sidecar: the server's MaxText
+        # decode_sampling_* keys (greedy by default)
+        given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+        defaults = state.config.decode_sampling() if all(v is None for v in given.values()) else {}
         sampling = convert.sampling(
             tokenizer,
             body.ignore_eos,
             max_tokens=body.max_tokens,
-            temperature=body.temperature or 0.0,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed if body.seed is not None else 0,
+            temperature=defaults.get("temperature", body.temperature or 0.0),
+            top_p=defaults.get("top_p", body.top_p),
+            top_k=defaults.get("top_k", body.top_k),
+            seed=body.seed if body.seed is not None else defaults.get("seed", 0),
         )
         handle = _submit(state, prompt_ids, sampling, body.stop_strings(), "prompt")
 

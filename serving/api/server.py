@@ -102,6 +102,7 @@ def serve(
     server = _Server(config, state)
     try:
         grpc_server = _start_grpc(state, host, port, grpc_socket(uds) if uds else None)
+        metrics_server = _start_metrics(state, config.app, host, None if uds else port)
     except UserError as exc:
         print(f"pathserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -112,6 +113,8 @@ def serve(
     server.run()
     if grpc_server is not None:
         grpc_server.stop(0.0 if server.force_exit else GRPC_STOP_GRACE_S)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     orch = state.orchestrator
     if orch is not None:
         orch.stop(timeout=10)
@@ -135,6 +138,25 @@ def _start_grpc(state: ServerState, host: str, http_port: int, address: str | No
     grpc_server = GrpcServer(state, host, port, address).start()
     _say(f"gRPC (jetstream_proto.Orchestrator) on {grpc_server.address}")
     return grpc_server
+
+
+def _start_metrics(state: ServerState, app, host: str, http_port: int | None):
+    """MaxText's prometheus_port: the app's /metrics also on that port, alone (as JetStream's
+    metrics server; prometheus-client's, answering any path); None when 0. Raises UserError if it
+    cannot bind."""
+    port = state.config.prometheus_port
+    if port == 0:
+        return None
+    if port in (http_port, state.config.grpc_port):
+        raise ConfigError(f"prometheus_port={port} is also the HTTP or gRPC port; give it a port of its own")
+    from prometheus_client import start_http_server
+
+    try:
+        metrics_server, _thread = start_http_server(port, addr=host, registry=app.state.metrics_registry)
+    except OSError as exc:
+        raise ConfigError(f"prometheus_port={port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+    _say(f"metrics (prometheus_port) on http://{host}:{port}/metrics")
+    return metrics_server
 
 
 def _load(

@@ -48,7 +48,10 @@ RUNTIME_KEYS = frozenset({
     "max_queued_requests", "async_scheduling", "admission_wait_ms", "admission_gap_ms",
     "enable_model_warmup", "enable_background_warmup", "jax_compilation_cache_dir",
     "profiler_steps", "profile_dir", "profiler_port", "api_key", "liveness_timeout_s",
-    "drain_timeout_s", "max_request_body_bytes", "grpc_port",
+    "drain_timeout_s", "max_request_body_bytes", "grpc_port", "prometheus_port",
+    # what JetStream's Decode (gRPC, HTTP /generate without sampling fields) samples with; a batch
+    # row's sampling is its own body's
+    "decode_sampling_strategy", "decode_sampling_nucleus_p", "decode_sampling_top_k", "decode_sampling_temperature",
 })  # fmt: skip
 OUTPUT_KEYS = tuple(key for key in ServingConfig.model_fields if key not in RUNTIME_KEYS)
 

@@ -5,7 +5,8 @@ JetStream's rules carry over: `text_content` is tokenized here and answered with
 ids; `token_content` comes from a client that tokenized itself and is answered with token ids only
 (the client detokenizes). `has_bos` says the content already begins with the beginning-of-sequence
 token; otherwise it is added where the tokenizer's rule adds one (never twice). There are no
-sampling fields in the proto, so decoding is greedy.
+sampling fields in the proto, so decoding samples as the server's MaxText decode_sampling_* keys say
+(greedy by default, as MaxText's).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from serving.grpc import jetstream_pb2 as pb
 from serving.request import SamplingParams
 
 if TYPE_CHECKING:
+    from serving.config import ServerConfig
     from serving.text.tokenizer import Tokenizer
 
 TEXT_FIELD = "text_content.text"
@@ -103,13 +105,17 @@ def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     return ids
 
 
-def sampling(request: pb.DecodeRequest, tokenizer: Tokenizer) -> SamplingParams:
-    """Greedy decoding of max_tokens tokens, ending early at the model's end-of-sequence tokens,
-    with the LoRA adapter `lora_adapter_id` names (empty: the base model)."""
+def sampling(request: pb.DecodeRequest, tokenizer: Tokenizer, config: ServerConfig | None = None) -> SamplingParams:
+    """Decoding of max_tokens tokens as the server's MaxText decode_sampling_* keys say (greedy
+    without them: the proto has no sampling fields), ending early at the model's end-of-sequence
+    tokens, with the LoRA adapter `lora_adapter_id` names (empty: the base model)."""
     if request.max_tokens <= 0:
         raise invalid("max_tokens", f"must be positive, got {request.max_tokens}")
     adapter = request.lora_adapter_id or None
-    return SamplingParams(max_tokens=request.max_tokens, stop_ids=tokenizer.eos_ids, adapter=adapter)
+    return SamplingParams(
+        max_tokens=request.max_tokens, stop_ids=tokenizer.eos_ids, adapter=adapter,
+        **(config.decode_sampling() if config is not None else {}),
+    )
 
 
 def refusal(exc: GenerationError, prompt: Prompt) -> RequestError:

@@ -92,7 +92,7 @@ def submit(state: ServerState, request: pb.DecodeRequest) -> tuple[RequestHandle
     assert orchestrator is not None
     decode.check_supported(request)
     prompt = decode.prompt(request, orchestrator.tokenizer)
-    sampling = decode.sampling(request, orchestrator.tokenizer)
+    sampling = decode.sampling(request, orchestrator.tokenizer, state.config)
     try:
         handle = orchestrator.submit(prompt.ids, sampling, loop=asyncio.get_running_loop())
     except UnknownAdapterError as exc:

@@ -53,8 +53,9 @@ class _Sampling(_Body):
 
 
 class GenerateRequest(_Sampling):
-    """JetStream's POST /generate, as its HTTP sidecar takes it (plus our sampling fields). Greedy
-    unless a temperature is given. The sidecar's `session_cache` and `priority` are honoured at
+    """JetStream's POST /generate, as its HTTP sidecar takes it (plus our sampling fields). Without
+    temperature, top_p and top_k, sampled as JetStream's Decode behind the sidecar is: by the
+    server's MaxText decode_sampling_* keys (greedy by default). The sidecar's `session_cache` and `priority` are honoured at
     their neutral values only; its `server` and `port` name the gRPC server it forwards to, which
     this server is: accepted and named in the ignored-fields header."""
 

@@ -64,7 +64,31 @@ def main() -> None:
         channel.close()
         server.stop()
     failed_engine(cfg)
+    maxtext_sampling()
     print("ok")
+
+
+def maxtext_sampling() -> None:
+    """The proto has no sampling fields: Decode samples as MaxText's decode_sampling_* keys say."""
+    from serving.config import load_config
+    from serving.grpc.decode import sampling
+
+    request = pb.DecodeRequest(max_tokens=3, text_content=pb.DecodeRequest.TextContent(text="ab"))
+
+    def drawn(*overrides: str):
+        return sampling(request, TOKENIZER, load_config(None, overrides).server)
+
+    greedy = drawn()
+    assert greedy.temperature == 0.0 and greedy.top_k == 0 and greedy.top_p == 1.0, greedy
+    weighted = drawn("decode_sampling_strategy=weighted", "decode_sampling_temperature=0.7")
+    assert weighted.temperature == 0.7 and weighted.top_k == 0 and weighted.top_p == 1.0, weighted
+    nucleus = drawn("decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.9")
+    assert (nucleus.temperature, nucleus.top_p, nucleus.top_k) == (1.0, 0.9, 0), nucleus
+    topk = drawn("decode_sampling_strategy=topk", "decode_sampling_top_k=5", "decode_sampling_temperature=0.5")
+    assert (topk.temperature, topk.top_p, topk.top_k) == (0.5, 1.0, 5), topk
+    composite = drawn("decode_sampling_strategy=composite", "decode_sampling_top_k=5", "decode_sampling_nucleus_p=0.8")
+    assert (composite.top_k, composite.top_p) == (5, 0.8), composite
+    assert len({drawn("decode_sampling_strategy=weighted").seed for _ in range(8)}) > 1  # a fresh seed a request
 
 
 def failed_engine(cfg: ServingConfig) -> None:

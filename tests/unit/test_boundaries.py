@@ -51,6 +51,7 @@ TYPE_ONLY_IMPORTS = [
     "serving.engine.compiled_memory -> serving.engine.engine",
     "serving.engine.warmup -> serving.engine.engine",
     "serving.grpc.adapters -> serving.api.state",
+    "serving.grpc.decode -> serving.config",
     "serving.grpc.decode -> serving.text.tokenizer",
     "serving.grpc.server -> serving.api.state",
     "serving.grpc.service -> serving.api.state",
