@@ -634,6 +634,10 @@ def load_config(
         if values.get("enable_jax_profiler") and "profiler_port" not in values:  # as maxtext_config.load maps it
             values["profiler_port"] = int(values.get("jax_profiler_port", 9999))
     _check_rope_type(values, source)
+    if values.get("use_chunked_prefill") is False and "prefill_chunk_size" not in parsed:
+        # MaxText reads a file's prefill_chunk_size only with use_chunked_prefill (base.yml: 256 over
+        # a max_prefill_predict_length of 64); pathserve always chunks, by its own default then
+        values.pop("prefill_chunk_size", None)
     for key in RETIRED_KEYS.keys() & values.keys():
         raise ConfigError(f"{source}: {key} is no longer a key: {RETIRED_KEYS[key]}")
     return build(ServingConfig, split_keys(values, ServingConfig.model_fields, source), source=source)
@@ -662,7 +666,8 @@ RETIRED_KEYS = {
 
 
 def is_maxtext_file(path: str | os.PathLike) -> bool:
-    """A MaxText config: pathserve's copy of a MaxText path, or a YAML file with a base_config."""
+    """A MaxText config: pathserve's copy of a MaxText path, or a YAML file with a base_config or
+    with keys only MaxText has (MaxText's own base.yml, the root of every chain, has no base_config)."""
     from serving import maxtext_config as maxtext
 
     if not Path(path).is_file():
@@ -671,7 +676,9 @@ def is_maxtext_file(path: str | os.PathLike) -> bool:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError):
         return False
-    return isinstance(data, dict) and maxtext.BASE_CONFIG in data
+    if not isinstance(data, dict):
+        return False
+    return maxtext.BASE_CONFIG in data or bool(set(data) & (maxtext.maxtext_keys() - set(ServingConfig.model_fields)))
 
 
 def _preset_keys_or_none(name: str) -> dict[str, Any] | None:

@@ -158,6 +158,24 @@ def test_maxtext_keys_at_base_ymls_values_still_load_and_the_profiler_flag_maps_
     assert load_config(None, ["enable_jax_profiler=true", "jax_profiler_port=9123"]).profiler_port == 9123
 
 
+def test_maxtexts_own_base_yml_a_root_without_base_config_is_read_as_maxtext_reads_it(tmp_path):
+    """MaxText's base.yml has no base_config (it is every chain's root): keys only MaxText has say
+    what it is. Its prefill_chunk_size (256, over a max_prefill_predict_length of 64) counts only
+    with use_chunked_prefill, and its default model's keys give way to a preset's."""
+    root = tmp_path / "base.yml"
+    root.write_text(
+        "run_name: ''\nsteps: 150001\nmodel_name: default\nbase_emb_dim: 2048\nbase_num_query_heads: 16\n"
+        "base_num_kv_heads: 16\nbase_num_decoder_layers: 16\nbase_mlp_dim: 7168\nhead_dim: 128\n"
+        "vocab_size: 32000\nmax_prefill_predict_length: 64\nmax_target_length: 2048\n"
+        "prefill_chunk_size: 256\nuse_chunked_prefill: false\nkv_quant_axis: heads_and_dkv\n"
+    )
+    cfg = load_config(str(root), ["model_name=llama3.1-8b"])
+    assert (cfg.model_name, cfg.prefill_chunk_size, cfg.kv_quant_axis) == ("llama3.1-8b", 0, "heads_and_dkv")
+    assert model_description(cfg).num_layers == 32  # the preset's, not base.yml's 16
+    with pytest.raises(ConfigError, match="prefill_chunk_size"):  # asked for on the command line: checked
+        load_config(str(root), ["model_name=llama3.1-8b", "prefill_chunk_size=256"])
+
+
 def test_the_recipes_placement_of_405b_splits_slots_and_heads_without_copies():
     """The issue's figures: 160 slots x 2048 positions of int8 KV (84.6 GB) are 5.3 GB per chip."""
     cfg = load_config(TODAY, GUIDE_ARGS[1:])
