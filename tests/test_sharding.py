@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,9 @@ def config_dir(tmp_path_factory) -> Path:
     (root / "models").mkdir()
     for name, kv_heads in (("tiny-kv8", 8), ("tiny-kv2", 2)):
         (root / "models" / f"{name}.yml").write_text(MODEL.format(name=name, kv_heads=kv_heads))
+    # the recipes name llama3.1-405b: its preset must be there (a model_name with none is refused);
+    # the runs place the tiny model under the recipe's mesh and rules
+    shutil.copy(REPO / "configs" / "models" / "llama3.1-405b.yml", root / "models")
     (root / "tokenizer").mkdir()
     make_hf_tokenizer(root / "tokenizer", vocab=300)
     return root
