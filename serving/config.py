@@ -674,7 +674,7 @@ def is_maxtext_file(path: str | os.PathLike) -> bool:
         return maxtext.is_config_file(str(path))  # resolve_config_path names it if it is not ours
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     if not isinstance(data, dict):
         return False
@@ -753,9 +753,11 @@ def _describe(err: Mapping[str, Any]) -> str:
 
 def read_yaml(path: Path) -> Mapping[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}" if not path.exists() else f"{path}: not a file")
     try:
         data = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if data is None:

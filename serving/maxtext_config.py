@@ -103,7 +103,7 @@ def shipped_configs() -> list[str]:
 def _read(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise MaxTextConfigError(f"{path}: cannot read as YAML: {exc}") from None
     if data is None:
         return {}

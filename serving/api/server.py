@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -72,6 +73,31 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def _bind(config: uvicorn.Config) -> socket.socket:
+    """The listening socket, bound before anything says it listens or starts loading (a port in
+    use, a host that does not resolve, a unix socket path that exists or whose folder does not:
+    OSError, which `serve` answers with exit status 2); uvicorn serves on it. As uvicorn binds."""
+    if config.uds is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(config.uds)
+            os.chmod(config.uds, 0o666)  # uvicorn's: any local client may connect
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def grpc_socket(uds: str) -> str:
     """The gRPC address beside an HTTP unix socket `uds`: `unix:` + uds + ".grpc"."""
     return f"unix:{uds}.grpc"
@@ -101,16 +127,23 @@ def serve(
     )
     server = _Server(config, state)
     try:
+        listening = _bind(config)
+    except OSError as exc:
+        where = f"--uds {uds}" if uds else f"--host {host} --port {port}"
+        print(f"pathserve serve: error: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
         grpc_server = _start_grpc(state, host, port, grpc_socket(uds) if uds else None)
         metrics_server = _start_metrics(state, config.app, host, None if uds else port)
     except UserError as exc:
+        listening.close()
         print(f"pathserve serve: error: {exc}", file=sys.stderr)
         return 2
     loader = threading.Thread(target=_load, args=(cfg, state, server, source, origins), name="loader", daemon=True)
     url = f"http+unix://{uds}" if uds else f"http://{host}:{port}"
     _say(f"listening on {url} (loading the model; /readyz says when to send requests)")
     loader.start()
-    server.run()
+    server.run(sockets=[listening])
     if grpc_server is not None:
         grpc_server.stop(0.0 if server.force_exit else GRPC_STOP_GRACE_S)
     if metrics_server is not None:

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from serving.batch.errors import BatchError
 
@@ -150,8 +151,18 @@ def write_atomic(url: str, data: bytes) -> None:
 
 
 def check_output(url: str) -> None:
-    """Fail before any work when the output's bucket cannot be reached."""
+    """Fail before any work when the output cannot be written: a local path that is a file, or
+    whose folder cannot be made there; a bucket that cannot be reached."""
     if not is_gcs(url):
+        path = Path(url)
+        if path.exists() and not path.is_dir():
+            raise BatchError(f"--output {url}: a file, not a folder for the results")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BatchError(f"--output {url}: cannot make the folder ({exc.strerror})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BatchError(f"--output {url}: the folder is not writable")
         return
     bucket = url[len("gs://") :].split("/", 1)[0]
     fs, _ = _fs(url)

@@ -232,7 +232,7 @@ def load_resolved(
     params = build_params(opened.config, opened.iter_params(), cfg.weight_dtype, quantization.quantized_on_load)
     if not opened.tokenizer_files:
         raise CheckpointError(f"{source}: no tokenizer (tokenizer.json or tokenizer.model) beside the weights")
-    tokenizer = tokenizer_from_files(opened.tokenizer_files)
+    tokenizer = tokenizer_from_files(opened.tokenizer_files, source)
     return LoadedModel(opened.config, quantized(params, quantization), tokenizer, str(Path(source)), opened.format)
 
 

@@ -95,18 +95,22 @@ def load_checkpoint_tokenizer(path: str, metadata: CheckpointMetadata):
     files = {name: read_bytes(join(path, TOKENIZER_DIR, name)) for name in metadata.tokenizer_files}
     if not files:
         raise CheckpointError(f"{path}: the checkpoint carries no tokenizer")
-    return tokenizer_from_files(files)
+    return tokenizer_from_files(files, path)
 
 
-def tokenizer_from_files(files: dict[str, bytes]):
+def tokenizer_from_files(files: dict[str, bytes], where: str = "the model's files"):
     """A tokenizer from a source's or checkpoint's tokenizer files (written to a local temporary
-    directory when the tokenizer library needs files)."""
+    directory when the tokenizer library needs files); an error names `where` they came from, not
+    that directory."""
     from serving.checkpoints.gguf_file import GGUFTokenizerData
-    from serving.text.tokenizer import load_tokenizer, tokenizer_from_gguf
+    from serving.text.tokenizer import TokenizerError, load_tokenizer, tokenizer_from_gguf
 
     if "gguf_tokenizer.json" in files:
         return tokenizer_from_gguf(GGUFTokenizerData(**json.loads(files["gguf_tokenizer.json"])))
     with tempfile.TemporaryDirectory(prefix="pathserve-tokenizer-") as local:
         for name, data in files.items():
             (Path(local) / name).write_bytes(data)
-        return load_tokenizer(Path(local))  # reads every file now: the directory can go
+        try:
+            return load_tokenizer(Path(local))  # reads every file now: the directory can go
+        except TokenizerError as exc:
+            raise TokenizerError(str(exc).replace(local, str(where))) from None

@@ -41,6 +41,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _at_least_2(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be 2 or more, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = _int(text)
     if value <= 0:
@@ -117,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = commands.add_parser("perplexity", help="perplexity of the model on a text file")
     _add_model_args(ppl)
     ppl.add_argument("--text-file", required=True, type=Path)
-    ppl.add_argument("--window", type=_positive_int, default=1024, help="tokens per scored window")
+    ppl.add_argument(
+        "--window", type=_at_least_2, default=1024, help="tokens per scored window (2 or more: a window scores its tokens after the first)"
+    )
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(handler=cmd_perplexity)
 
@@ -136,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         "configs/serving/default.yml apply under the key=value overrides.",
     )
     _add_model_args(serve)
-    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 in a container)")
+    serve.add_argument(
+        "--host", help="address to listen on (default 127.0.0.1; the container image's default command passes 0.0.0.0)"
+    )
     serve.add_argument("--port", type=_port, help="default 8000")
     serve.add_argument(
         "--uds",
@@ -175,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="benchmarks: serve (a running server), overhead (HTTP vs offline engine), offline",
+        description="pathserve bench serve|overhead|offline --help says each one's arguments",
         add_help=False,
     )
+    bench.add_argument("-h", "--help", action="help", help="show this help and exit")
     bench.add_argument("what", choices=("serve", "overhead", "offline"))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=cmd_bench)

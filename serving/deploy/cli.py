@@ -86,12 +86,15 @@ def cmd_render(ns: argparse.Namespace) -> int:
     if ns.output_dir is None:
         sys.stdout.write(text)
         return 0
-    ns.output_dir.mkdir(parents=True, exist_ok=True)
     out = ns.output_dir / f"{ns.config.stem}.yaml"
-    out.write_text(
-        f"# Rendered from {ns.config.name} by `pathserve deploy render` (make manifests); do not edit.\n"
-        + text
-    )
+    try:
+        ns.output_dir.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            f"# Rendered from {ns.config.name} by `pathserve deploy render` (make manifests); do not edit.\n"
+            + text
+        )
+    except OSError as exc:
+        raise DeployError(f"-o {ns.output_dir}: cannot write {out.name} there ({exc.strerror})") from None
     print(out)
     return 0
 

@@ -184,7 +184,7 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def from_dir(cls, path: Path) -> HFTokenizer:
         """tokenizer.json plus tokenizer_config.json / generation_config.json when present."""
-        model = HFTokenizerModel.from_file(str(path / "tokenizer.json"))
+        model = _read_tokenizer_json(path / "tokenizer.json")
         settings = _read_json(path / "tokenizer_config.json")
         template = settings.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
@@ -333,10 +333,18 @@ def load_tokenizer(path: Path) -> Tokenizer:
             )
         raise TokenizerError(f"{path}: no tokenizer.json or tokenizer.model")
     if path.name.endswith(".json"):
-        return HFTokenizer(HFTokenizerModel.from_file(str(path)))
+        return HFTokenizer(_read_tokenizer_json(path))
     if path.is_file():
         return TiktokenTokenizer(path)
     raise TokenizerError(f"tokenizer not found: {path}")
+
+
+def _read_tokenizer_json(path: Path) -> HFTokenizerModel:
+    """A tokenizer.json; one the tokenizers library cannot read is a TokenizerError naming it."""
+    try:
+        return HFTokenizerModel.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception for a malformed file
+        raise TokenizerError(f"{path}: not a tokenizer the tokenizers library reads: {exc}") from None
 
 
 def _read_json(path: Path) -> dict:
