@@ -215,8 +215,14 @@ def test_the_pickers_gauges_equal_pathserves_and_the_start_up_times_are_reported
         first.start()
         assert wait_for(lambda: value(scrape(running.url), "pathserve_active_slots") == 1, 10)
         queued.start()
-        assert wait_for(lambda: value(scrape(running.url), "jetstream_prefill_backlog_size") == 1, 10)
-        families = scrape(running.url)
+        seen: dict = {}
+
+        def one_waits_and_pages_are_held() -> bool:  # read from one scrape (a loaded machine's turns lag)
+            seen.update(scrape(running.url))
+            return value(seen, "jetstream_prefill_backlog_size") == 1 and value(seen, "pathserve_kv_cache_usage_ratio") > 0
+
+        assert wait_for(one_waits_and_pages_are_held, 10)
+        families = dict(seen)
         first.join(30)
         queued.join(30)
     finally:
