@@ -426,3 +426,10 @@ def test_lora_adapters_render_into_the_engine_args_and_the_plan_counts_their_slo
     assert plan.headroom_bytes_per_chip == pytest.approx(plain.headroom_bytes_per_chip - expected)
     with pytest.raises(DeployError, match=r"serving\.max_loras"):
         make_plan(load_deployment(base, ("max_loras=4000", "max_lora_rank=64")))
+
+
+def test_deploy_render_into_a_folder_it_cannot_make_is_exit_2(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    result = call_cli("deploy", "render", "configs/deployments/llama3.1-8b-v6e-4.yml", "-o", str(a_file / "out"))
+    assert result.returncode == 2 and f"-o {a_file / 'out'}: cannot write" in result.stderr, result.stderr

@@ -54,9 +54,3 @@ def test_a_batch_output_that_cannot_hold_results_is_named_before_any_work(tmp_pa
     check_output(str(tmp_path / "new" / "out"))
     assert (tmp_path / "new" / "out").is_dir()
 
-
-def test_deploy_render_into_a_folder_it_cannot_make_is_exit_2(tmp_path):
-    a_file = tmp_path / "afile"
-    a_file.write_text("x")
-    result = call_cli("deploy", "render", "configs/deployments/llama3.1-8b-v6e-4.yml", "-o", str(a_file / "out"))
-    assert result.returncode == 2 and f"-o {a_file / 'out'}: cannot write" in result.stderr, result.stderr

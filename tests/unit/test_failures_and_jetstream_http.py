@@ -9,8 +9,6 @@ server's `/v1/generate` and `/v1/health`, answer in their shapes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -163,11 +161,3 @@ def test_the_sidecars_generate_shape(healthy):
     assert "".join(line["text"] for line in lines) == "cde"
     assert lines[-1]["text"] == "" and lines[-1]["response"] == "cde" and lines[-1]["finish_reason"] == "length"
 
-
-def test_jetstreams_own_http_server_routes():
-    """/v1/generate in a process of its own (tests/unit/jetstream_http_on_mock.py): the route loads
-    the server's proto modules, which the stubs tests/grpc generates cannot share a process with."""
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.unit.jetstream_http_on_mock"], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

@@ -210,7 +210,7 @@ def test_a_model_name_jetstream_cannot_use_is_left_out_of_the_labels():
 def test_the_pickers_gauges_equal_pathserves_and_the_start_up_times_are_reported():
     running = _serve(slots=1, step_seconds=0.05, model_load_s=1.5, startup_s=4.25)
     try:
-        first = threading.Thread(target=_post, args=(running,), kwargs={"max_tokens": 40, "ignore_eos": True})
+        first = threading.Thread(target=_post, args=(running,), kwargs={"max_tokens": 24, "ignore_eos": True})
         queued = threading.Thread(target=_post, args=(running,), kwargs={"max_tokens": 2})
         first.start()
         assert wait_for(lambda: value(scrape(running.url), "pathserve_active_slots") == 1, 10)
