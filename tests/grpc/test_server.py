@@ -171,7 +171,7 @@ def test_num_samples_one_is_one_sample(server, stub, stubs):
 def test_64_concurrent_streams_on_4_slots_complete_or_are_told_to_retry(server, stubs):
     """At an idle server the first slots + queue streams are admitted whatever the pace; each later
     one completes or hears RESOURCE_EXHAUSTED (how many of each depends on how fast this machine
-    drains the slots, so not asserted: tests/unit/test_grpc.py fills the queue to see the code
+    drains the slots, so not asserted: tests/grpc/test_grpc_on_mock.py fills the queue to see the code
     for certain), and every rejection is counted."""
     pb, n, max_tokens = stubs.pb, 64, 12
     assert wait_for(lambda: metric(server, "pathserve_active_slots") == 0, 60)

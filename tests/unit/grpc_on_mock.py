@@ -1,4 +1,4 @@
-"""Run by tests/unit/test_grpc.py in a process of its own (the server's stubs and the stubs
+"""Run by tests/grpc/test_grpc_on_mock.py in a process of its own (the server's stubs and the stubs
 tests/grpc generates cannot share one process): JetStream's gRPC API over the mock engine, checked
 with hand-computable answers. Prints "ok" or fails with an AssertionError."""
 

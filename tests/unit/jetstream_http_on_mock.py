@@ -1,4 +1,4 @@
-"""Run by tests/unit/test_failures_and_jetstream_http.py in a process of its own (the route loads
+"""Run by tests/api/test_jetstream_http.py in a process of its own (the route loads
 the server's proto modules; the stubs tests/grpc generates cannot share a process with them):
 JetStream's own HTTP server's /v1/generate and /v1/health over the mock engine, with answers
 computable by hand (AsciiTokenizer: "ab" continues "cdef..."). Prints "ok" or fails."""

@@ -1,4 +1,5 @@
-"""JetStream's gRPC API on the mock engine (tests/unit/grpc_on_mock.py, in a process of its own)."""
+"""JetStream's gRPC API on the mock engine (tests/unit/grpc_on_mock.py, in a process of its own;
+here, not in the unit tier: the process costs a second)."""
 
 from __future__ import annotations
 
