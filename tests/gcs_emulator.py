@@ -101,6 +101,15 @@ def apply_env(url: str) -> None:
     os.environ.update(emulator_env(url))
 
 
+@contextmanager
+def emulated_bucket(workdir: Path, bucket: str):
+    """The emulator with `bucket` made and this process's endpoint variables pointing at it; yields its URL."""
+    with fake_gcs_server(workdir) as url:
+        create_bucket(url, bucket)
+        apply_env(url)
+        yield url
+
+
 def read_claims(url: str, bucket: str, prefix: str) -> list[dict]:
     """The shard claims (serving.batch.claims) under a batch output `prefix` in the emulator."""
     with urllib.request.urlopen(f"{url}/storage/v1/b/{bucket}/o?prefix={prefix}/_claims/", timeout=10) as r:

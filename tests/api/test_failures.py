@@ -23,26 +23,13 @@ from serving.errors import ADAPTER_UNLOADED, ENGINE_FAILED, RequestFailed, failu
 from serving.lora.peft import LoraWeights
 from serving.lora.registry import AdapterRegistry
 from serving.orchestrator import Orchestrator
+from tests.failing_engine import FailsAfter
 from tests.server_process import wait_for
 from tests.unit.test_api import _Running
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = AsciiTokenizer()
 CFG = ServingConfig(max_queued_requests=8, max_prefill_predict_length=64, max_target_length=256)
-
-
-class FailsAfter(MockEngine):
-    """The mock engine whose generate calls fail (a lost device) once `calls` of them ran."""
-
-    def __init__(self, calls: int, **kwargs):
-        super().__init__(**kwargs)
-        self.left = calls
-
-    def generate(self, *args, **kwargs):
-        self.left -= 1
-        if self.left < 0:
-            raise RuntimeError("device lost (a test's failure)")
-        return super().generate(*args, **kwargs)
 
 
 def _serving(engine: MockEngine, adapters: AdapterRegistry | None = None, start: bool = True) -> _Running:

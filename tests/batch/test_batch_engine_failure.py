@@ -11,6 +11,7 @@ from serving.config import ServingConfig
 from serving.engine.mock import MockEngine
 from serving.request import SamplingParams
 from tests.batch_mock import TOKENIZER, records, start_mock
+from tests.failing_engine import FailsAfter
 
 
 def _sampling(max_tokens: int) -> SamplingParams:
@@ -27,17 +28,8 @@ def test_an_engine_failure_writes_no_record_and_a_rerun_serves_the_rows(tmp_path
     from serving.orchestrator import Orchestrator
     from tests.batch_mock import Started
 
-    class FailsAfter(MockEngine):
-        left = 3
-
-        def generate(self, *args, **kwargs):
-            FailsAfter.left -= 1
-            if FailsAfter.left < 0:
-                raise RuntimeError("device lost (a test's failure)")
-            return super().generate(*args, **kwargs)
-
     def failing(cfg: ServingConfig, source: str | None) -> Started:
-        engine = FailsAfter(slots=2, max_target_length=cfg.max_target_length)
+        engine = FailsAfter(3, slots=2, max_target_length=cfg.max_target_length)
         return Started(Orchestrator(engine, {}, TOKENIZER, cfg.orchestrator).start())
 
     rows = [{"id": f"r{i}", "prompt": "ab", "max_tokens": 20, "temperature": 0} for i in range(6)]

@@ -94,19 +94,12 @@ def maxtext_sampling() -> None:
 def failed_engine(cfg: ServingConfig) -> None:
     """A Decode the device loop fails under ends INTERNAL after the tokens it had (not OK and short),
     and HealthCheck then says not live."""
+    from tests.failing_engine import FailsAfter
 
-    class FailsAfter(MockEngine):
-        left = 2
-
-        def generate(self, *args, **kwargs):
-            FailsAfter.left -= 1
-            if FailsAfter.left < 0:
-                raise RuntimeError("device lost (a test's failure)")
-            return super().generate(*args, **kwargs)
 
     state = ServerState(config=cfg.server)
     server = GrpcServer(state, "127.0.0.1", 0).start()
-    state.set_ready(Orchestrator(FailsAfter(slots=2, step_seconds=0.02), {}, TOKENIZER, cfg.orchestrator).start(), "mock")
+    state.set_ready(Orchestrator(FailsAfter(2, slots=2, step_seconds=0.02), {}, TOKENIZER, cfg.orchestrator).start(), "mock")
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
         stub = pb_grpc.OrchestratorStub(channel)

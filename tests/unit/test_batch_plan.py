@@ -17,7 +17,7 @@ from serving.batch.errors import BatchError
 from serving.batch.runner import run_batch
 from serving.config import ServingConfig
 from tests.batch_mock import records, start_mock
-from tests.gcs_emulator import apply_env, create_bucket, fake_gcs_server
+from tests.gcs_emulator import emulated_bucket
 
 CFG = ServingConfig(max_target_length=128, max_prefill_predict_length=64)
 BUCKET = "plan-bucket"
@@ -149,9 +149,7 @@ def test_the_runtime_keys_are_config_keys_and_the_rest_decide_the_output():
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    with fake_gcs_server(tmp_path_factory.mktemp("gcs")) as url:
-        create_bucket(url, BUCKET)
-        apply_env(url)
+    with emulated_bucket(tmp_path_factory.mktemp("gcs"), BUCKET) as url:
         yield url
 
 

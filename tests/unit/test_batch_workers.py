@@ -18,16 +18,14 @@ from serving.batch.runner import run_batch
 from serving.cli.main import build_parser
 from serving.config import ServingConfig
 from tests.batch_mock import records, start_mock
-from tests.gcs_emulator import apply_env, create_bucket, fake_gcs_server
+from tests.gcs_emulator import emulated_bucket
 
 BUCKET = "claims-bucket"
 
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    with fake_gcs_server(tmp_path_factory.mktemp("gcs")) as url:
-        create_bucket(url, BUCKET)
-        apply_env(url)
+    with emulated_bucket(tmp_path_factory.mktemp("gcs"), BUCKET) as url:
         yield url
 
 
